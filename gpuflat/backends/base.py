@@ -1,0 +1,116 @@
+"""What every backend returns, and how a backend is chosen for a call."""
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+BACKEND_NAMES = ("numpy", "cuda", "emulated")
+
+
+@dataclass(frozen=True)
+class NormResult:
+    """The result of one fused norm pass, all arrays on the backend's device.
+
+    ``total`` is a 0-d float64 array; ``per_leaf`` a float64 array with one
+    norm per slot (None where the backend was not asked for it and skipped
+    it); ``first_nonfinite`` a 0-d int64 array: the first slot holding a NaN
+    or inf, or -1.
+    """
+
+    total: object
+    per_leaf: object
+    first_nonfinite: object
+
+
+def check_ord(ord) -> float:
+    """The norm order as a float: 1, 2, inf or any p > 0; else ValueError.
+
+    >>> check_ord(2), check_ord(float("inf"))
+    (2.0, inf)
+    """
+    try:
+        p = float(ord)
+    except (TypeError, ValueError):
+        p = math.nan
+    if isinstance(ord, bool) or not (p > 0):
+        raise ValueError(f"ord: expected 1, 2, inf or a number p > 0, got {ord!r}")
+    return p
+
+
+_backends: dict = {}
+_lock = threading.Lock()
+
+
+def get_backend(name: str):
+    """The backend instance called ``name`` ("numpy", "cuda" or "emulated").
+
+    >>> get_backend("numpy").name
+    'numpy'
+    """
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"backend: expected one of {BACKEND_NAMES}, got {name!r}")
+    with _lock:
+        if name not in _backends:
+            _backends[name] = _make(name)
+        return _backends[name]
+
+
+def _make(name):
+    if name == "numpy":
+        from .numpy_backend import NumpyBackend
+
+        return NumpyBackend()
+    from .cuda import CudaBackend
+    from ..runtime import CupyRuntime, EmulatedRuntime
+
+    return CudaBackend(EmulatedRuntime() if name == "emulated" else CupyRuntime())
+
+
+def _is_cupy(x) -> bool:
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(x, cupy.ndarray)
+
+
+def select(backend, arrays, paths):
+    """The backend for a call on ``arrays`` (whose paths are ``paths``).
+
+    The default follows the arrays: NumPy arrays take "numpy", CuPy arrays
+    "cuda". A mix raises, naming one leaf of each; so does a backend that
+    cannot reach the arrays' memory.
+    """
+    first_numpy = first_cupy = None
+    for i, a in enumerate(arrays):
+        if a is None:
+            continue
+        if _is_cupy(a):
+            first_cupy = i if first_cupy is None else first_cupy
+        elif first_numpy is None:
+            first_numpy = i
+        if first_numpy is not None and first_cupy is not None:
+            raise TypeError(
+                f"tree mixes NumPy and CuPy arrays: leaf {paths[first_numpy]!r} is a NumPy array, "
+                f"leaf {paths[first_cupy]!r} is a CuPy array"
+            )
+    name = backend or ("cuda" if first_cupy is not None else "numpy")
+    wants_cupy = name == "cuda"
+    wrong = first_numpy if wants_cupy else first_cupy
+    if wrong is not None:
+        kind = "CuPy" if wants_cupy else "NumPy"
+        raise TypeError(
+            f"backend {name!r} works on {kind} arrays; leaf {paths[wrong]!r} is a "
+            f"{type(arrays[wrong]).__module__}.{type(arrays[wrong]).__name__}"
+        )
+    return get_backend(name)
+
+
+def host_float(x) -> float:
+    """A 0-d device array as a Python float (one device-to-host copy)."""
+    return float(x.get() if hasattr(x, "get") else x)
+
+
+def is_host(xp) -> bool:
+    return xp is np

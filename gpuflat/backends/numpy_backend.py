@@ -1,0 +1,183 @@
+"""The NumPy backend: the same operations as the CUDA kernels, on the host.
+
+Norms accumulate in float64 whatever the leaf dtype (#2): leaves are converted
+in pieces of at most PIECE elements (small leaves packed together, large ones
+cut), so the float64 copy stays in cache and memory use stays flat. Pieces are
+fixed by the plan, so every repeat adds the same numbers in the same order.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+
+from .base import NormResult
+
+PIECE = 1 << 15  # elements per float64 piece: 256 KiB, a comfortable L2 fit
+
+
+def _layout(plan):
+    """Pieces of the plan: (first slot, end slot, element count, complex?), memoised per plan.
+
+    A piece is either a run of consecutive small slots of one kind (real or
+    complex) packed together, or one large slot on its own.
+    """
+    layout = plan.device_cache.get("numpy")
+    if layout is not None:
+        return layout
+    pieces, start, count, kind = [], 0, 0, None
+    for s, leaf in enumerate(plan.leaves):
+        is_complex = leaf.dtype.kind == "c"
+        if s > start and (count + leaf.size > PIECE or is_complex != kind):
+            pieces.append((start, s, count, kind))
+            start, count = s, 0
+        kind = is_complex
+        count += leaf.size
+    if start < len(plan.leaves):
+        pieces.append((start, len(plan.leaves), count, kind))
+    layout = plan.device_cache.setdefault("numpy", tuple(pieces))
+    return layout
+
+
+def _contributions(values, p):
+    """Per element |x|**p as float64 (|x| for p = inf), computed in place where possible."""
+    if values.dtype.kind == "c":
+        mag2 = np.square(values.real)
+        mag2 += np.square(values.imag)
+        if p == 2:
+            return mag2
+        return np.sqrt(mag2, out=mag2) if p in (1, math.inf) else np.power(mag2, p / 2, out=mag2)
+    if p == 2:
+        return np.square(values, out=values)
+    np.abs(values, out=values)
+    return values if p in (1, math.inf) else np.power(values, p, out=values)
+
+
+class NumpyBackend:
+    """Whole-tree operations on NumPy arrays (the default for NumPy trees)."""
+
+    name = "numpy"
+    xp = np
+
+    def gather(self, plan, sources, out):
+        if all(len(s) == 1 for s in sources):
+            # One C loop over all leaves; axis=None flattens any strides (#2).
+            np.concatenate([s[0] for s in sources], axis=None, out=out, casting="unsafe")
+            return
+        acc_dtype = np.complex128 if plan.dtype.kind == "c" else np.float64
+        for leaf, srcs in zip(plan.leaves, sources):
+            target = out[leaf.offset : leaf.offset + leaf.size]
+            if len(srcs) == 1:
+                _cast_copy(target, srcs[0].reshape(-1))
+                continue
+            acc = np.zeros(leaf.size, acc_dtype)
+            for src in srcs:  # added in occurrence order, as the kernel does
+                acc += src.reshape(-1)
+            _cast_copy(target, acc)
+
+    def scatter(self, plan, flat, leaves):
+        for leaf, target in zip(plan.leaves, leaves):
+            _cast_copy(target, flat[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape))
+
+    def norms(self, plan, leaves, ord, per_leaf, flat=None):
+        """Fused norms; with ``flat`` (a resident model) pieces are read from it directly."""
+        p = float(ord)
+        sums = np.zeros(len(plan.leaves))
+        partials = []
+        for first, end, count, is_complex in _layout(plan):
+            acc_dtype = np.complex128 if is_complex else np.float64
+            for values in _chunks(plan, leaves, flat, first, end, count, acc_dtype):
+                if not per_leaf:
+                    partials.append(_partial(values, p))
+                elif end - first == 1:
+                    sums[first] = _reduce(sums[first], _partial(values, p), p)
+                else:
+                    _per_slot(plan, first, end, _contributions(values, p), p, sums)
+        if per_leaf:
+            partials = sums
+        total = _combine(np.asarray(partials, np.float64), p)
+        per = (sums if p in (1, math.inf) else _root(sums, p)) if per_leaf else None
+        bad = -1 if math.isfinite(total) else _first_nonfinite(leaves)
+        return NormResult(np.asarray(total), per, np.asarray(bad, np.int64))
+
+    def clip_(self, plan, leaves, total, max_norm, eps, flat=None):
+        coef = _clip_coef(total, max_norm, eps)
+        # A resident model is clipped with one multiply over its buffer (#4).
+        for target in [flat] if flat is not None else leaves:
+            np.multiply(target, coef, out=target, casting="unsafe")
+
+    def to_host(self, x):
+        return np.asarray(x)
+
+
+def _clip_coef(total, max_norm, eps):
+    # PyTorch's clip_grad_norm_: the factor is clamped to 1 and always applied;
+    # a NaN norm gives a NaN factor, as there (#2).
+    return np.minimum(np.float64(max_norm) / (np.float64(total) + eps), 1.0)
+
+
+def _chunks(plan, leaves, flat, first, end, count, acc_dtype):
+    """The values of a piece as float64 (or complex128) arrays of at most PIECE elements."""
+    if flat is not None:
+        values = flat[plan.leaves[first].offset :][:count]
+    elif end - first == 1:
+        values = leaves[first].reshape(-1)
+    else:
+        buf = np.empty(count, acc_dtype)
+        np.concatenate(leaves[first:end], axis=None, out=buf, casting="unsafe")
+        yield buf
+        return
+    for lo in range(0, count, PIECE):
+        yield values[lo : lo + PIECE].astype(acc_dtype)
+
+
+def _partial(values, p):
+    """The reduction of one chunk: sum of |x|**p, or max |x| for p = inf."""
+    if p == 2 and values.dtype.kind == "f":
+        return float(np.dot(values, values))
+    contrib = _contributions(values, p)
+    if not contrib.size:
+        return 0.0
+    return float(contrib.max()) if p == math.inf else float(contrib.sum())
+
+
+def _per_slot(plan, first, end, contrib, p, sums):
+    """Add a packed piece's contributions into each of its slots' sums."""
+    sizes = [leaf.size for leaf in plan.leaves[first:end]]
+    starts = np.cumsum([0] + sizes[:-1])
+    nonempty = np.flatnonzero(sizes)
+    if len(nonempty):
+        reduce = np.maximum if p == math.inf else np.add
+        sums[first + nonempty] = reduce.reduceat(contrib, starts[nonempty])
+
+
+def _reduce(acc, value, p):
+    # np.maximum, not max(): a NaN must win (#5).
+    return float(np.maximum(acc, value)) if p == math.inf else acc + value
+
+
+def _combine(sums, p):
+    if p == math.inf:
+        return float(sums.max()) if len(sums) else 0.0
+    # math.fsum: the slot sums are combined exactly, in any order (#2).
+    total = math.fsum(sums) if np.isfinite(sums).all() else float(sums.sum())
+    return math.sqrt(total) if p == 2 else _root(total, p)
+
+
+def _root(x, p):
+    return x if p == 1 else x ** (1.0 / p)
+
+
+def _first_nonfinite(leaves) -> int:
+    for i, a in enumerate(leaves):
+        if a.size and not np.isfinite(a).all():
+            return i
+    return -1
+
+
+def _cast_copy(target, source):
+    # Complex to real keeps the real part, as the kernels do; NumPy warns.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", np.exceptions.ComplexWarning)
+        np.copyto(target, source, casting="unsafe")

@@ -1,0 +1,25 @@
+"""The exceptions gpuflat raises; each message names the leaf path and both values."""
+
+
+class TreeMismatchError(ValueError):
+    """A tree, leaf or flat buffer does not match the plan it is used with.
+
+    >>> raise TreeMismatchError("leaf ['w']: expected shape (3,), got (4,)")
+    Traceback (most recent call last):
+    ...
+    gpuflat.errors.TreeMismatchError: leaf ['w']: expected shape (3,), got (4,)
+    """
+
+
+class NonFiniteError(FloatingPointError):
+    """A norm is NaN or infinite where the caller asked for finite values.
+
+    >>> raise NonFiniteError("leaf ['w'] holds NaN or inf")
+    Traceback (most recent call last):
+    ...
+    gpuflat.errors.NonFiniteError: leaf ['w'] holds NaN or inf
+    """
+
+
+class OverlapError(ValueError):
+    """Two distinct leaves share memory, so an in-place write would race (#5)."""

@@ -1,0 +1,262 @@
+"""The public whole-tree operations: trainables, destructure, total, norms, clipping.
+
+Each function walks the tree once (the plan comes from the cache), checks
+everything, and only then hands flat tables to a backend (#2). In-place
+operations validate before their first write, so a failed call changes
+nothing (#5).
+"""
+from __future__ import annotations
+
+import math
+import weakref
+
+import numpy as np
+
+from . import tree as _tree
+from .backends.base import check_ord, select
+from .errors import NonFiniteError, TreeMismatchError
+from .overlap import check_no_overlap
+from .plan import check_leaf, plan_and_arrays
+
+_NAMED_TOTALS = ("sumsq", "l1", "l2", "count")
+
+
+def _backend_for(plan, arrays, backend):
+    paths = [leaf.path for leaf in plan.leaves]
+    return select(backend, arrays, paths)
+
+
+def trainables(tree, *, path=False):
+    """The unique trainable arrays of ``tree`` in walk order (ties once).
+
+    >>> import numpy as np, gpuflat as gf
+    >>> w = np.ones(2)
+    >>> tree = {"enc": {"w": w, "n": np.arange(3)}, "dec": w, "act": "relu"}
+    >>> [p for p, _ in gf.trainables(tree, path=True)]
+    ["['enc']['w']"]
+    """
+    plan, unique, _ = plan_and_arrays(tree)
+    if not path:
+        return list(unique)
+    return [(leaf.path, a) for leaf, a in zip(plan.leaves, unique)]
+
+
+def destructure(tree, *, backend=None):
+    """``(flat, re)``: the trainables in one 1-D buffer, and a function rebuilding the tree.
+
+    ``re(flat2)`` returns a new tree with every trainable rebuilt from
+    ``flat2``, cast back to its dtype and shape; tied arrays come back as one
+    shared array; everything else is kept.
+
+    >>> import numpy as np, gpuflat as gf
+    >>> a = np.array([1.0, 2.0])
+    >>> flat, re = gf.destructure({"x": a, "y": (np.sin, np.float32([3])), "z": a})
+    >>> flat
+    array([1., 2., 3.])
+    >>> m = re(flat * 10)
+    >>> m["x"], m["x"] is m["z"], m["y"][0] is np.sin
+    (array([10., 20.]), True, True)
+    """
+    plan, unique, _ = plan_and_arrays(tree)
+    be = _backend_for(plan, unique, backend)
+    flat = be.xp.empty(plan.size, plan.dtype)
+    be.gather(plan, [[a] for a in unique], flat)
+
+    def re(flat2):
+        _check_flat(plan, flat2)
+        be2 = select(backend, [flat2], ["<flat>"])
+        leaves = [be2.xp.empty(leaf.shape, leaf.dtype) for leaf in plan.leaves]
+        be2.scatter(plan, flat2, leaves)
+        return _tree.rebuild(plan.treedef, [leaves[s] for s in plan.slot_of])
+
+    return flat, re
+
+
+def total(f, tree, *, backend=None):
+    """The sum over unique trainables of ``f(leaf)``.
+
+    ``f`` is any callable, or one of the fused reductions: "sumsq" (sum of
+    squares), "l1" (sum of absolute values), "l2" (the sum of each leaf's
+    2-norm, as Optimisers.jl's ``total(norm, model)``) and "count" (the
+    number of trainable elements).
+
+    >>> import numpy as np, gpuflat as gf
+    >>> model = {"x": np.array([3.0, 4.0]), "y": (np.sin, np.array([5.0])), "z": (6, 7)}
+    >>> float(gf.total("l2", model)), gf.total("count", model)
+    (10.0, 3)
+    >>> float(gf.total(np.sum, model))
+    12.0
+    """
+    plan, unique, _ = plan_and_arrays(tree)
+    if callable(f):
+        return sum((f(a) for a in unique), 0)
+    if f not in _NAMED_TOTALS:
+        raise ValueError(f"total: expected a callable or one of {_NAMED_TOTALS}, got {f!r}")
+    if f == "count":
+        return plan.size
+    be = _backend_for(plan, unique, backend)
+    if f == "l2":
+        result = _norms(plan, unique, be, 2.0, per_leaf=True)
+        return be.xp.sum(result.per_leaf)
+    result = _norms(plan, unique, be, 1.0 if f == "l1" else 2.0, per_leaf=False)
+    return result.total if f == "l1" else result.total * result.total
+
+
+def global_norm(tree, ord=2, *, per_leaf=False, backend=None):
+    """The norm of all trainables taken as one vector: (sum |x|**p) ** (1/p).
+
+    Accumulated in float64 whatever the leaf dtype, in a fixed order (the
+    same bits on every repeat). Returns a 0-d float64 array on the leaves'
+    device; with ``per_leaf=True``, ``(total, per_leaf_norms)`` from the same
+    pass, the latter in plan order (``trainables`` order).
+
+    >>> import numpy as np, gpuflat as gf
+    >>> g = {"a": np.array([3.0, 0.0]), "b": np.array([[4.0]], np.float32)}
+    >>> float(gf.global_norm(g)), float(gf.global_norm(g, ord=1)), float(gf.global_norm(g, np.inf))
+    (5.0, 7.0, 4.0)
+    >>> total, per = gf.global_norm(g, per_leaf=True)
+    >>> per
+    array([3., 4.])
+    """
+    p = check_ord(ord)
+    plan, unique, _ = plan_and_arrays(tree)
+    be = _backend_for(plan, unique, backend)
+    result = _norms(plan, unique, be, p, per_leaf)
+    return (result.total, result.per_leaf) if per_leaf else result.total
+
+
+def clip_grad_norm_(grads, max_norm, ord=2, *, eps=1e-6, error_if_nonfinite=False, backend=None):
+    """Scale every gradient in place by min(1, max_norm / (norm + eps)); return the norm.
+
+    PyTorch's semantics: the factor is always applied (no branch on a device
+    value, so no host synchronisation on a GPU); a NaN norm makes the
+    gradients NaN. With ``error_if_nonfinite`` a NaN or inf norm raises
+    NonFiniteError naming the first leaf holding one, and nothing is scaled.
+
+    >>> import numpy as np, gpuflat as gf
+    >>> g = {"w": np.array([3.0, 4.0]), "b": np.zeros(1, np.float32)}
+    >>> float(gf.clip_grad_norm_(g, 1.0))
+    5.0
+    >>> g["w"].round(6)
+    array([0.6, 0.8])
+    """
+    max_norm = _check_max_norm(max_norm)
+    p = check_ord(ord)
+    plan, unique, _ = plan_and_arrays(grads)
+    be = _backend_for(plan, unique, backend)
+    flat = _resident_buffer(plan, unique)
+    if flat is None:
+        _check_writable(plan, unique)
+        check_no_overlap(plan, unique)
+    result = _norms(plan, unique, be, p, per_leaf=False, flat=flat)
+    if error_if_nonfinite:
+        bad = int(be.to_host(result.first_nonfinite))  # the one synchronisation (#3)
+        if bad >= 0:
+            raise NonFiniteError(
+                f"leaf {plan.leaves[bad].path!r} holds NaN or inf; the total {p:g}-norm is "
+                f"non-finite, so no gradient was scaled (error_if_nonfinite=True)"
+            )
+    be.clip_(plan, unique, result.total, max_norm, eps, flat=flat)
+    return result.total
+
+
+# ---------------------------------------------------------------- plan methods
+
+def plan_flatten(plan, tree, out, backend):
+    occurrences = _tree.arrays_like(plan.treedef, tree)
+    paths = plan.occurrence_paths
+    sources = [[] for _ in plan.leaves]
+    seen = [set() for _ in plan.leaves]
+    array_types = _tree._array_types()
+    for path, slot, value in zip(paths, plan.slot_of, occurrences):
+        check_leaf(plan.leaves[slot], path, value, allow_none=True, array_types=array_types)
+        # The same gradient object met twice counts once (Optimisers.jl #2).
+        if value is not None and id(value) not in seen[slot]:
+            seen[slot].add(id(value))
+            sources[slot].append(value)
+    present = [s[0] for s in sources if s]
+    be = select(backend, present + ([out] if out is not None else []),
+                [leaf.path for leaf, s in zip(plan.leaves, sources) if s] + ["<out>"])
+    if out is None:
+        out = be.xp.empty(plan.size, plan.dtype)
+    else:
+        _check_flat(plan, out, name="out")
+    be.gather(plan, sources, out)
+    return out
+
+
+def plan_unflatten(plan, flat):
+    _check_flat(plan, flat)
+    views = []
+    for leaf in plan.leaves:
+        piece = flat[leaf.offset : leaf.offset + leaf.size]
+        views.append(piece.reshape(leaf.shape) if leaf.dtype == flat.dtype else
+                     piece.astype(leaf.dtype).reshape(leaf.shape))
+    if all(leaf.dtype == flat.dtype for leaf in plan.leaves):
+        # Remember the views, so later calls on this model use the buffer itself.
+        plan.device_cache["resident"] = (weakref.ref(flat), [weakref.ref(v) for v in views])
+    return _tree.rebuild(plan.treedef, [views[s] for s in plan.slot_of])
+
+
+def plan_scatter(plan, flat, tree, backend):
+    occurrences = _tree.arrays_like(plan.treedef, tree)
+    array_types = _tree._array_types()
+    targets = [None] * len(plan.leaves)
+    for path, slot, value in zip(plan.occurrence_paths, plan.slot_of, occurrences):
+        check_leaf(plan.leaves[slot], path, value, allow_none=False, array_types=array_types)
+        targets[slot] = value if targets[slot] is None else targets[slot]
+    _check_flat(plan, flat)
+    be = select(backend, targets + [flat], [leaf.path for leaf in plan.leaves] + ["<flat>"])
+    _check_writable(plan, targets)
+    check_no_overlap(plan, targets)
+    be.scatter(plan, flat, targets)
+    # A broken tie (two arrays where the plan has one slot) gets the slot's values at both places.
+    for path, slot, value in zip(plan.occurrence_paths, plan.slot_of, occurrences):
+        if value is not targets[slot]:
+            value[...] = targets[slot]
+
+
+# ---------------------------------------------------------------- helpers
+
+def _norms(plan, unique, be, p, per_leaf, flat=None):
+    if flat is None:
+        flat = _resident_buffer(plan, unique)
+    return be.norms(plan, unique, p, per_leaf, flat=flat)
+
+
+def _resident_buffer(plan, unique):
+    """The buffer the leaves are views of, if they are exactly the views unflatten made."""
+    resident = plan.device_cache.get("resident")
+    if resident is None:
+        return None
+    flat_ref, view_refs = resident
+    if all(ref() is a for ref, a in zip(view_refs, unique)):
+        return flat_ref()
+    return None
+
+
+def _check_flat(plan, flat, name="flat"):
+    shape = getattr(flat, "shape", None)
+    if shape is None:
+        raise TreeMismatchError(f"{name}: expected a 1-D array, got {type(flat).__name__}")
+    if shape != (plan.size,):
+        raise TreeMismatchError(f"{name}: expected shape ({plan.size},), got {tuple(shape)}")
+    if flat.dtype != plan.dtype:
+        raise TreeMismatchError(f"{name}: expected dtype {plan.dtype}, got {flat.dtype}")
+
+
+def _check_max_norm(max_norm) -> float:
+    try:
+        value = float(max_norm)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not value >= 0:
+        raise ValueError(f"max_norm: expected a number >= 0, got {max_norm!r}")
+    return value
+
+
+def _check_writable(plan, arrays):
+    for leaf, a in zip(plan.leaves, arrays):
+        flags = getattr(a, "flags", None)
+        if flags is not None and not flags.writeable:
+            raise ValueError(f"leaf {leaf.path!r}: expected a writable array, got a read-only one")
