@@ -12,6 +12,7 @@ import threading
 from collections import OrderedDict, namedtuple
 from dataclasses import dataclass, field
 from functools import cached_property
+from operator import attrgetter
 
 import numpy as np
 
@@ -128,16 +129,18 @@ class FlatPlan:
 
 def _signature(arrays):
     """(slot_of, unique arrays, key part): ties by identity, then shapes and dtypes."""
-    slots: dict[int, int] = {}
-    slot_of = tuple([slots.setdefault(id(a), len(slots)) for a in arrays])
-    if len(slots) == len(arrays):
-        unique = arrays
+    if len(set(map(id, arrays))) == len(arrays):  # no ties: the common case
+        slot_of, unique = tuple(range(len(arrays))), arrays
     else:
+        slots: dict[int, int] = {}
+        slot_of = tuple([slots.setdefault(id(a), len(slots)) for a in arrays])
         unique = [None] * len(slots)
         for a, s in zip(arrays, slot_of):
             unique[s] = a
-    shapes = tuple([(a.shape, a.dtype) for a in unique])
-    return slot_of, unique, shapes
+    return slot_of, unique, tuple(map(_shape_and_dtype, unique))
+
+
+_shape_and_dtype = attrgetter("shape", "dtype")
 
 
 def _build(treedef, slot_of, unique) -> FlatPlan:
@@ -161,13 +164,20 @@ class _PlanCache:
         self._plans: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
+        self._last_key = self._last_plan = None
 
     def get(self, key, build):
         with self._lock:
+            # Comparing with the last key first skips hashing a long key: a
+            # training loop asks for the same plan every step (#2).
+            if key == self._last_key:
+                self.hits += 1
+                return self._last_plan
             plan = self._plans.get(key)
             if plan is not None:
                 self._plans.move_to_end(key)
                 self.hits += 1
+                self._last_key, self._last_plan = key, plan
                 return plan
             self.misses += 1
         plan = build()  # outside the lock: building is the slow part
@@ -176,12 +186,14 @@ class _PlanCache:
             self._plans.move_to_end(key)
             while len(self._plans) > self.maxsize:
                 self._plans.popitem(last=False)
+            self._last_key, self._last_plan = key, plan
         return plan
 
     def clear(self):
         with self._lock:
             self._plans.clear()
             self.hits = self.misses = 0
+            self._last_key = self._last_plan = None
 
 
 _cache = _PlanCache()

@@ -149,20 +149,31 @@ def _walk(x, out, array_types):
             return LEAF
         return Static(x)
     if cls is dict or (isinstance(x, dict) and cls not in _registry):
-        children = tuple([_walk(v, out, array_types) for v in x.values()])
-        return (DICT, cls, tuple(x), children)
+        return (DICT, cls, tuple(x), _walk_children(x.values(), out, array_types))
     if cls is list or cls is tuple:
-        return (SEQ, cls, None, tuple([_walk(v, out, array_types) for v in x]))
+        return (SEQ, cls, None, _walk_children(x, out, array_types))
     if isinstance(x, tuple) and hasattr(cls, "_fields"):
-        children = tuple([_walk(v, out, array_types) for v in x])
-        return (NAMEDTUPLE, cls, cls._fields, children)
+        return (NAMEDTUPLE, cls, cls._fields, _walk_children(x, out, array_types))
     fields = _object_fields(x)
     if fields is None:
         return Static(x)
     trainable, others = fields
-    children = tuple([_walk(getattr(x, n), out, array_types) for n in trainable])
+    children = _walk_children([getattr(x, n) for n in trainable], out, array_types)
     statics = tuple([Static(getattr(x, n)) for n in others])
     return (OBJECT, cls, (trainable, others), children, statics)
+
+
+def _walk_children(values, out, array_types):
+    # Arrays are handled inline: a model with thousands of leaves pays one
+    # loop step per leaf, not one recursive call (#2, #4).
+    nodes = []
+    for v in values:
+        if type(v) is np.ndarray and v.dtype in TAGS:
+            out.append(v)
+            nodes.append(LEAF)
+        else:
+            nodes.append(_walk(v, out, array_types))
+    return tuple(nodes)
 
 
 # ---------------------------------------------------------------- paths

@@ -82,19 +82,14 @@ def select(backend, arrays, paths):
     "cuda". A mix raises, naming one leaf of each; so does a backend that
     cannot reach the arrays' memory.
     """
-    first_numpy = first_cupy = None
-    for i, a in enumerate(arrays):
-        if a is None:
-            continue
-        if _is_cupy(a):
-            first_cupy = i if first_cupy is None else first_cupy
-        elif first_numpy is None:
-            first_numpy = i
-        if first_numpy is not None and first_cupy is not None:
-            raise TypeError(
-                f"tree mixes NumPy and CuPy arrays: leaf {paths[first_numpy]!r} is a NumPy array, "
-                f"leaf {paths[first_cupy]!r} is a CuPy array"
-            )
+    on_gpu = list(map(_is_cupy, arrays)) if "cupy" in sys.modules else [False] * len(arrays)
+    first_cupy = on_gpu.index(True) if True in on_gpu else None
+    first_numpy = on_gpu.index(False) if False in on_gpu else None
+    if first_numpy is not None and first_cupy is not None:
+        raise TypeError(
+            f"tree mixes NumPy and CuPy arrays: leaf {paths[first_numpy]!r} is a NumPy array, "
+            f"leaf {paths[first_cupy]!r} is a CuPy array"
+        )
     name = backend or ("cuda" if first_cupy is not None else "numpy")
     wants_cupy = name == "cuda"
     wrong = first_numpy if wants_cupy else first_cupy
@@ -105,12 +100,3 @@ def select(backend, arrays, paths):
             f"{type(arrays[wrong]).__module__}.{type(arrays[wrong]).__name__}"
         )
     return get_backend(name)
-
-
-def host_float(x) -> float:
-    """A 0-d device array as a Python float (one device-to-host copy)."""
-    return float(x.get() if hasattr(x, "get") else x)
-
-
-def is_host(xp) -> bool:
-    return xp is np

@@ -135,7 +135,9 @@ def _chunks(plan, leaves, flat, first, end, count, acc_dtype):
 def _partial(values, p):
     """The reduction of one chunk: sum of |x|**p, or max |x| for p = inf."""
     if p == 2 and values.dtype.kind == "f":
-        return float(np.dot(values, values))
+        # einsum, not np.dot: BLAS threads stall on a busy machine, and a
+        # single-threaded sum keeps the order fixed (#2).
+        return float(np.einsum("i,i->", values, values))
     contrib = _contributions(values, p)
     if not contrib.size:
         return 0.0
