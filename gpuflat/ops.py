@@ -16,7 +16,7 @@ from . import tree as _tree
 from .backends.base import check_ord, select
 from .errors import NonFiniteError, TreeMismatchError
 from .overlap import check_no_overlap
-from .plan import check_leaf, plan_and_arrays
+from .plan import occurrences, plan_and_arrays
 
 _NAMED_TOTALS = ("sumsq", "l1", "l2", "count")
 
@@ -146,7 +146,7 @@ def clip_grad_norm_(grads, max_norm, ord=2, *, eps=1e-6, error_if_nonfinite=Fals
     be = _backend_for(plan, unique, backend)
     flat = _resident_buffer(plan, unique)
     if flat is None:
-        _check_writable(plan, unique)
+        _check_writable([leaf.path for leaf in plan.leaves], unique)
         check_no_overlap(plan, unique)
     result = _norms(plan, unique, be, p, per_leaf=False, flat=flat)
     if error_if_nonfinite:
@@ -163,24 +163,19 @@ def clip_grad_norm_(grads, max_norm, ord=2, *, eps=1e-6, error_if_nonfinite=Fals
 # ---------------------------------------------------------------- plan methods
 
 def plan_flatten(plan, tree, out, backend):
-    occurrences = _tree.arrays_like(plan.treedef, tree)
-    paths = plan.occurrence_paths
     sources = [[] for _ in plan.leaves]
-    seen = [set() for _ in plan.leaves]
-    array_types = _tree._array_types()
-    for path, slot, value in zip(paths, plan.slot_of, occurrences):
-        check_leaf(plan.leaves[slot], path, value, allow_none=True, array_types=array_types)
-        # The same gradient object met twice counts once (Optimisers.jl #2).
-        if value is not None and id(value) not in seen[slot]:
-            seen[slot].add(id(value))
+    for slot, value in zip(plan.slot_of, occurrences(plan, tree, allow_none=True)):
+        # The same gradient object met twice counts once (Optimisers.jl, #2).
+        if value is not None and all(value is not seen for seen in sources[slot]):
             sources[slot].append(value)
     present = [s[0] for s in sources if s]
-    be = select(backend, present + ([out] if out is not None else []),
-                [leaf.path for leaf, s in zip(plan.leaves, sources) if s] + ["<out>"])
+    paths = [leaf.path for leaf, s in zip(plan.leaves, sources) if s]
+    if out is not None:
+        _check_flat(plan, out, name="out")
+        present, paths = present + [out], paths + ["<out>"]
+    be = select(backend, present, paths)
     if out is None:
         out = be.xp.empty(plan.size, plan.dtype)
-    else:
-        _check_flat(plan, out, name="out")
     be.gather(plan, sources, out)
     return out
 
@@ -199,19 +194,17 @@ def plan_unflatten(plan, flat):
 
 
 def plan_scatter(plan, flat, tree, backend):
-    occurrences = _tree.arrays_like(plan.treedef, tree)
-    array_types = _tree._array_types()
+    values = occurrences(plan, tree, allow_none=False)
     targets = [None] * len(plan.leaves)
-    for path, slot, value in zip(plan.occurrence_paths, plan.slot_of, occurrences):
-        check_leaf(plan.leaves[slot], path, value, allow_none=False, array_types=array_types)
+    for slot, value in zip(plan.slot_of, values):
         targets[slot] = value if targets[slot] is None else targets[slot]
     _check_flat(plan, flat)
     be = select(backend, targets + [flat], [leaf.path for leaf in plan.leaves] + ["<flat>"])
-    _check_writable(plan, targets)
+    _check_writable(plan.occurrence_paths, values)
     check_no_overlap(plan, targets)
     be.scatter(plan, flat, targets)
     # A broken tie (two arrays where the plan has one slot) gets the slot's values at both places.
-    for path, slot, value in zip(plan.occurrence_paths, plan.slot_of, occurrences):
+    for slot, value in zip(plan.slot_of, values):
         if value is not targets[slot]:
             value[...] = targets[slot]
 
@@ -255,8 +248,8 @@ def _check_max_norm(max_norm) -> float:
     return value
 
 
-def _check_writable(plan, arrays):
-    for leaf, a in zip(plan.leaves, arrays):
+def _check_writable(paths, arrays):
+    for path, a in zip(paths, arrays):
         flags = getattr(a, "flags", None)
         if flags is not None and not flags.writeable:
-            raise ValueError(f"leaf {leaf.path!r}: expected a writable array, got a read-only one")
+            raise ValueError(f"leaf {path!r}: expected a writable array, got a read-only one")

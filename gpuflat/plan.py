@@ -33,7 +33,11 @@ class LeafSpec:
     strides: tuple
 
     def describe(self) -> str:
-        """``shape (3, 4) float32``, as error messages print an expected leaf."""
+        """How error messages print the expected leaf.
+
+        >>> LeafSpec("['w']", 0, 12, (3, 4), np.dtype("float32"), (16, 4)).describe()
+        'shape (3, 4) float32'
+        """
         return f"shape {self.shape} {self.dtype}"
 
 
@@ -73,6 +77,11 @@ class FlatPlan:
     def occurrence_paths(self) -> tuple:
         """The path of every trainable occurrence, ties included, in walk order."""
         return tuple(_tree.leaf_paths(self.treedef))
+
+    @cached_property
+    def occurrence_signature(self) -> tuple:
+        """(shape, dtype) of every trainable occurrence: what a matching tree holds."""
+        return tuple((self.leaves[s].shape, self.leaves[s].dtype) for s in self.slot_of)
 
     def flatten(self, tree, out=None, *, backend=None):
         """Gather the tree's trainables (or gradients) into one 1-D buffer.
@@ -198,6 +207,23 @@ class _PlanCache:
 
 _cache = _PlanCache()
 CacheInfo = namedtuple("CacheInfo", "hits misses size maxsize")
+
+
+def occurrences(plan, tree, *, allow_none):
+    """What ``tree`` holds at each trainable place of ``plan``, checked against it.
+
+    A tree shaped exactly like the plan's costs one walk and one tuple
+    comparison; anything else takes the slow path that finds and names the
+    first difference (#2, #5).
+    """
+    treedef, arrays = _tree.walk(tree)
+    if treedef == plan.treedef and tuple(map(_shape_and_dtype, arrays)) == plan.occurrence_signature:
+        return arrays
+    values = _tree.arrays_like(plan.treedef, tree)
+    array_types = _tree._array_types()
+    for path, slot, value in zip(plan.occurrence_paths, plan.slot_of, values):
+        check_leaf(plan.leaves[slot], path, value, allow_none=allow_none, array_types=array_types)
+    return values
 
 
 def plan_and_arrays(tree):
