@@ -50,7 +50,12 @@ class Static:
 
     def __init__(self, value):
         self.value = value
-        self._key = value if type(value) in _BY_VALUE else id(value)
+        if type(value) in (float, complex):
+            # By repr: -0.0 == 0.0 would rebuild a -0.0 static as 0.0 from a
+            # cached plan, and nan != nan would make every such tree a miss (#2).
+            self._key = repr(value)
+        else:
+            self._key = value if type(value) in _BY_VALUE else id(value)
 
     def __eq__(self, other):
         return (
