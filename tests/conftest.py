@@ -1,0 +1,409 @@
+"""Shared fixtures, reference implementations and hypothesis strategies.
+
+The references here are written independently of gpuflat (their own tree
+walk, plain NumPy, exact arithmetic with fractions / math.fsum), so a test
+comparing gpuflat against them can fail.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import namedtuple
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+import gpuflat as gf
+from gpuflat.backends import get_backend
+
+try:
+    import ml_dtypes
+
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a test dependency
+    BF16 = None
+
+DTYPES = [np.dtype(np.float16)] + ([BF16] if BF16 is not None else []) + [
+    np.dtype(np.float32),
+    np.dtype(np.float64),
+    np.dtype(np.complex64),
+    np.dtype(np.complex128),
+]
+DTYPE_IDS = [str(d) for d in DTYPES]
+
+
+# ---------------------------------------------------------------- backends
+
+def _emulated_available():
+    try:
+        get_backend("emulated")
+    except (ImportError, FileNotFoundError) as exc:
+        return False, f"emulated backend not available: {type(exc).__name__}: {exc}"
+    return True, ""
+
+
+EMULATED_OK, EMULATED_WHY = _emulated_available()
+BACKENDS = [
+    "numpy",
+    pytest.param("emulated", marks=pytest.mark.skipif(not EMULATED_OK, reason=EMULATED_WHY or "-")),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """Every backend that can run here: "numpy", and "emulated" once it lands (skipped, not passed, before)."""
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plan_cache():
+    gf.plan_cache_clear()
+    yield
+    gf.plan_cache_clear()
+
+
+# ---------------------------------------------------------------- containers used in tests
+
+Pair = namedtuple("Pair", "first second")
+
+
+@dataclasses.dataclass
+class Linear:
+    weight: object
+    bias: object
+
+
+@dataclasses.dataclass
+class BatchNorm:
+    __trainable__ = ("weight", "bias")
+    weight: object
+    bias: object
+    running_mean: object
+
+
+# ---------------------------------------------------------------- independent reference walk
+
+def is_float_array(x):
+    return isinstance(x, np.ndarray) and x.dtype in DTYPES
+
+
+def ref_walk(tree, path=""):
+    """(path, array) for every trainable occurrence, in walk order (ties repeated)."""
+    out = []
+    if isinstance(tree, np.ndarray):
+        if is_float_array(tree):
+            out.append((path or "<root>", tree))
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            out += ref_walk(v, f"{path}[{k!r}]")
+    elif isinstance(tree, tuple) and hasattr(type(tree), "_fields"):
+        for n, v in zip(type(tree)._fields, tree):
+            out += ref_walk(v, f"{path}.{n}" if path else n)
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            out += ref_walk(v, f"{path}[{i}]")
+    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        names = getattr(type(tree), "__trainable__", None) or [f.name for f in dataclasses.fields(tree)]
+        for n in names:
+            out += ref_walk(getattr(tree, n), f"{path}.{n}" if path else n)
+    return out
+
+
+def ref_unique(tree):
+    """(path, array) per unique trainable (ties once, first path)."""
+    seen, out = set(), []
+    for p, a in ref_walk(tree):
+        if id(a) not in seen:
+            seen.add(id(a))
+            out.append((p, a))
+    return out
+
+
+def ref_flat_dtype(dtypes):
+    dtypes = {np.dtype(d) for d in dtypes}
+    if not dtypes:
+        return np.dtype(np.float32)
+    if len(dtypes) == 1:
+        return dtypes.pop()
+    return np.result_type(*[np.float32 if d == BF16 else d for d in dtypes])
+
+
+def cast(a, dtype):
+    """astype without the complex->real warning (the real part is kept)."""
+    a = np.asarray(a)
+    if a.dtype.kind == "c" and np.dtype(dtype).kind != "c":
+        a = a.real
+    return a.astype(dtype)
+
+
+def ref_flatten(tree):
+    arrays = [a for _, a in ref_unique(tree)]
+    dt = ref_flat_dtype(a.dtype for a in arrays)
+    if not arrays:
+        return np.zeros(0, dt)
+    return np.concatenate([cast(a.reshape(-1), dt) for a in arrays])
+
+
+def ref_flatten_grads(model, grads):
+    """Optimisers.jl's contract: per slot, the sum of the distinct gradients found at its occurrences."""
+    occ_m = ref_walk(model)
+    occ_g = ref_grad_leaves(model, grads)
+    slots, order = {}, []
+    for (_, a), g in zip(occ_m, occ_g):
+        if id(a) not in slots:
+            slots[id(a)] = (a, [], set())
+            order.append(id(a))
+        _, gs, seen = slots[id(a)]
+        if g is not None and id(g) not in seen:
+            seen.add(id(g))
+            gs.append(g)
+    dt = ref_flat_dtype(slots[k][0].dtype for k in order)
+    acc_dt = np.complex128 if dt.kind == "c" else np.float64
+    parts = []
+    for k in order:
+        a, gs, _ = slots[k]
+        acc = np.zeros(a.size, acc_dt)
+        for g in gs:
+            acc += cast(g.reshape(-1), acc_dt)
+        parts.append(cast(acc, dt))
+    return np.concatenate(parts) if parts else np.zeros(0, dt)
+
+
+def ref_grad_leaves(model, grads):
+    """What ``grads`` holds at every trainable occurrence of ``model``."""
+    out = []
+
+    def go(m, g):
+        if isinstance(m, np.ndarray):
+            if is_float_array(m):
+                out.append(g)
+        elif isinstance(m, dict):
+            for k in m:
+                go(m[k], g[k])
+        elif isinstance(m, (list, tuple)):
+            for a, b in zip(m, g):
+                go(a, b)
+        elif dataclasses.is_dataclass(m) and not isinstance(m, type):
+            names = getattr(type(m), "__trainable__", None) or [f.name for f in dataclasses.fields(m)]
+            for n in names:
+                go(getattr(m, n), getattr(g, n))
+
+    go(model, grads)
+    return out
+
+
+def tree_map(f, tree, memo=None):
+    """Apply f to every float array (ties mapped once, so the result keeps them)."""
+    memo = {} if memo is None else memo
+    if isinstance(tree, np.ndarray):
+        if not is_float_array(tree):
+            return tree
+        if id(tree) not in memo:
+            memo[id(tree)] = f(tree)
+        return memo[id(tree)]
+    if isinstance(tree, dict):
+        return type(tree)((k, tree_map(f, v, memo)) for k, v in tree.items())
+    if isinstance(tree, tuple) and hasattr(type(tree), "_fields"):
+        return type(tree)(*[tree_map(f, v, memo) for v in tree])
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(tree_map(f, v, memo) for v in tree)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        names = getattr(type(tree), "__trainable__", None) or [f_.name for f_ in dataclasses.fields(tree)]
+        return dataclasses.replace(tree, **{n: tree_map(f, getattr(tree, n), memo) for n in names})
+    return tree
+
+
+def all_arrays(tree, out=None, seen=None):
+    """Every ndarray anywhere in the tree (trainable or not), once each."""
+    out = [] if out is None else out
+    seen = set() if seen is None else seen
+    if isinstance(tree, np.ndarray):
+        if id(tree) not in seen:
+            seen.add(id(tree))
+            out.append(tree)
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            all_arrays(v, out, seen)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            all_arrays(v, out, seen)
+    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        for f in dataclasses.fields(tree):
+            all_arrays(getattr(tree, f.name), out, seen)
+    return out
+
+
+def snapshot(*trees):
+    """Bytes of every array in the trees (and their bases), for byte-for-byte 'nothing changed' checks."""
+    arrays = []
+    for t in trees:
+        arrays += all_arrays(t)
+    snap = []
+    for a in arrays:
+        base = a
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        snap.append((a.tobytes(), base.tobytes()))
+    return snap
+
+
+def assert_bits_equal(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), (a, b)
+
+
+# ---------------------------------------------------------------- exact references for norms
+
+def _abs_fraction_sq(x):
+    if isinstance(x, complex):
+        return Fraction(x.real) ** 2 + Fraction(x.imag) ** 2
+    return Fraction(x) ** 2
+
+
+def exact_norm(arrays, ord=2):
+    """The p-norm of all elements taken as one vector, as exactly as a double can hold it."""
+    values = []
+    for a in arrays:
+        flat = np.asarray(a).reshape(-1)
+        values += [complex(v) if flat.dtype.kind == "c" else float(v) for v in flat.tolist()]
+    if any(math.isnan(abs(v)) for v in values):
+        return math.nan
+    if ord == math.inf:
+        return max((abs(v) for v in values), default=0.0)
+    if any(math.isinf(abs(v)) for v in values):
+        return math.inf
+    if ord == 2:
+        s = sum((_abs_fraction_sq(v) for v in values), Fraction(0))
+        return _sqrt_fraction(s)
+    if ord == 1:
+        return math.fsum(abs(v) for v in values)  # |complex| is hypot: one rounding each
+    if ord == 3 and all(not isinstance(v, complex) for v in values):
+        s = sum((abs(Fraction(v)) ** 3 for v in values), Fraction(0))
+        return float(s) ** (1 / 3)
+    return math.fsum(abs(v) ** ord for v in values) ** (1 / ord)
+
+
+def _sqrt_fraction(s: Fraction) -> float:
+    if s == 0:
+        return 0.0
+    # Correctly rounded sqrt of a rational: integer sqrt at high precision.
+    shift = 200
+    n = s.numerator << (2 * shift)
+    root = math.isqrt(n // s.denominator)
+    return float(Fraction(root, 1 << shift))
+
+
+def rel_err(x, ref):
+    x = float(x)
+    if ref == 0:
+        return abs(x)
+    return abs(x - ref) / abs(ref)
+
+
+# ---------------------------------------------------------------- array construction
+
+def random_array(rng, shape, dtype, scale=1.0):
+    dtype = np.dtype(dtype)
+    real = rng.standard_normal(shape) * scale
+    if dtype.kind == "c":
+        real = real + 1j * rng.standard_normal(shape) * scale
+    return cast(real, dtype) if dtype.kind != "c" else real.astype(dtype)
+
+
+def strided_variant(rng, shape, dtype, kind):
+    """An array of ``shape`` laid out as ``kind``: c, transposed, sliced, reversed."""
+    if kind == "c" or len(shape) == 0:
+        return random_array(rng, shape, dtype)
+    if kind == "transposed":
+        return random_array(rng, tuple(reversed(shape)), dtype).T
+    if kind == "sliced":
+        big = random_array(rng, tuple(2 * n + 1 for n in shape), dtype)
+        return big[tuple(slice(1, None, 2) for _ in shape)]
+    if kind == "reversed":
+        return random_array(rng, shape, dtype)[tuple(slice(None, None, -1) for _ in shape)]
+    raise ValueError(kind)
+
+
+# ---------------------------------------------------------------- hypothesis strategies
+
+SHAPES = [(), (0,), (1,), (3,), (2, 3), (3, 2), (2, 0), (1, 4, 2)]
+LAYOUTS = ["c", "transposed", "sliced", "reversed"]
+
+
+@st.composite
+def trees(draw, dtypes=DTYPES, max_leaves=6, allow_statics=True):
+    """A random nested tree with ties, mixed dtypes, strided/empty/0-d leaves and statics."""
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    n_pool = draw(st.integers(0, max_leaves))
+    pool = []
+    for _ in range(n_pool):
+        shape = draw(st.sampled_from(SHAPES))
+        dtype = draw(st.sampled_from(dtypes))
+        layout = draw(st.sampled_from(LAYOUTS))
+        pool.append(strided_variant(rng, shape, dtype, layout))
+
+    statics = [None, 3, "relu", np.arange(3), np.array(True), np.sin, 2.5]
+
+    def leaf():
+        if pool and (not allow_statics or draw(st.integers(0, 3)) > 0):
+            return pool[draw(st.integers(0, len(pool) - 1))]  # repeats make ties
+        return statics[draw(st.integers(0, len(statics) - 1))] if allow_statics else None
+
+    def node(depth):
+        kind = draw(st.sampled_from(["leaf", "dict", "list", "tuple", "pair", "linear"]
+                                    if depth < 3 else ["leaf"]))
+        if kind == "leaf":
+            return leaf()
+        if kind == "dict":
+            n = draw(st.integers(0, 3))
+            return {f"k{i}": node(depth + 1) for i in range(n)}
+        if kind == "list":
+            return [node(depth + 1) for _ in range(draw(st.integers(0, 3)))]
+        if kind == "tuple":
+            return tuple(node(depth + 1) for _ in range(draw(st.integers(0, 3))))
+        if kind == "pair":
+            return Pair(node(depth + 1), node(depth + 1))
+        return Linear(node(depth + 1), node(depth + 1))
+
+    tree = {"root": node(0)}
+    # Make sure every pool array appears at least once most of the time.
+    tree["pool"] = pool[: draw(st.integers(0, len(pool)))]
+    return tree
+
+
+@st.composite
+def grads_for(draw, model):
+    """A gradient tree for ``model``: None, a fresh array, or a gradient reused at another occurrence."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    made = []
+
+    def grad(a):
+        choice = draw(st.integers(0, 5))
+        if choice == 0:
+            return None
+        same = [g for g in made if g.shape == a.shape and g.dtype == a.dtype]
+        if choice == 1 and same:
+            return same[draw(st.integers(0, len(same) - 1))]
+        g = random_array(rng, a.shape, a.dtype)
+        made.append(g)
+        return g
+
+    def go(m):
+        if isinstance(m, np.ndarray):
+            return grad(m) if is_float_array(m) else m
+        if isinstance(m, dict):
+            return {k: go(v) for k, v in m.items()}
+        if isinstance(m, tuple) and hasattr(type(m), "_fields"):
+            return type(m)(*[go(v) for v in m])
+        if isinstance(m, (list, tuple)):
+            return type(m)(go(v) for v in m)
+        if dataclasses.is_dataclass(m) and not isinstance(m, type):
+            return dataclasses.replace(m, **{f.name: go(getattr(m, f.name)) for f in dataclasses.fields(m)})
+        return m
+
+    return go(model)
