@@ -1,0 +1,221 @@
+// Shared definitions of the flat-tree kernels (#3): element types, dtype
+// conversions, the device tables written by gpuflat/backends/cuda.py, and the
+// per-warp loop over one work item.
+//
+// The same text compiles with NVRTC for the GPU and with g++ against the host
+// emulator header (kernels/emulator/), so it uses no CUDA or C++ standard
+// headers: the 16-bit floats and complex types are plain structs, converted by
+// integer bit arithmetic.
+#pragma once
+
+#define GF_WARP 32
+#define GF_FULL_MASK 0xffffffffu
+// Dimensions a strided leaf may keep after the host merged what it could.
+#define GF_MAX_DIMS 8
+// Threads of the single block that finishes a norm. A compile-time constant
+// because the reduction tree, and so the bits of the result, depend on it (#3).
+#define GF_FINISH_THREADS 256
+// A slot with more work items than this is summed by the whole finishing block
+// (a fixed tree); smaller slots are summed by one thread, in item order.
+#define GF_SMALL_SLOT_ITEMS 16
+
+struct f16 { unsigned short bits; };
+struct bf16 { unsigned short bits; };
+struct c64 { float re, im; };
+struct c128 { double re, im; };
+
+// Every element widened to a complex double: exact for every input dtype.
+struct gf_wide { double re, im; };
+
+// One row of the leaf (source) table; the layout is mirrored by
+// gpuflat/backends/cuda.py (LEAF_ROW_WORDS int64 words).
+struct LeafRef {
+    long long ptr;    // address of element [0, ..., 0]
+    long long tag;    // dtype tag (gpuflat.dtypes.TAGS)
+    long long ndim;   // dims after merging; 0 means contiguous: ptr + i * itemsize
+    long long size;   // elements
+    long long shape[GF_MAX_DIMS];
+    long long stride[GF_MAX_DIMS];  // in bytes; negative strides are fine
+};
+
+// One work item: elements [start, start + len) of slot `slot`, whose first
+// element sits at `flat` in the flat buffer. Items never span two slots, so a
+// norm partial belongs to exactly one leaf.
+struct Item {
+    long long slot;
+    long long start;
+    long long len;
+    long long flat;
+};
+
+template <class T> struct gf_is_complex { static constexpr bool value = false; };
+template <> struct gf_is_complex<c64> { static constexpr bool value = true; };
+template <> struct gf_is_complex<c128> { static constexpr bool value = true; };
+
+__device__ __forceinline__ double gf_inf() { return __longlong_as_double(0x7ff0000000000000LL); }
+__device__ __forceinline__ double gf_nan() { return __longlong_as_double(0x7ff8000000000000LL); }
+
+// ---------------------------------------------------------------- 16-bit floats
+// A binary float with EBITS exponent bits and MBITS mantissa bits (f16: 5/10,
+// bf16: 8/7) widened to double: exact.
+template <int EBITS, int MBITS>
+__device__ __forceinline__ double gf_small_to_double(unsigned short h) {
+    const int BIAS = (1 << (EBITS - 1)) - 1;
+    const unsigned long long sign = (unsigned long long)(h >> (EBITS + MBITS)) << 63;
+    const int e = (h >> MBITS) & ((1 << EBITS) - 1);
+    const unsigned long long m = h & ((1u << MBITS) - 1);
+    if (e == (1 << EBITS) - 1)  // inf or NaN (payload kept, so NaN stays NaN)
+        return __longlong_as_double((long long)(sign | 0x7ff0000000000000ULL | (m << (52 - MBITS))));
+    if (e == 0) {  // zero or subnormal: m * 2^(1 - BIAS - MBITS), exact in double
+        const double unit = __longlong_as_double((long long)((unsigned long long)(1 - BIAS - MBITS + 1023) << 52));
+        const double v = (double)m * unit;
+        return sign ? -v : v;
+    }
+    return __longlong_as_double(
+        (long long)(sign | ((unsigned long long)(e - BIAS + 1023) << 52) | (m << (52 - MBITS))));
+}
+
+// double -> 16-bit float in ONE correctly rounded step (nearest, ties to
+// even). Going through float first would round twice (#3).
+template <int EBITS, int MBITS>
+__device__ __forceinline__ unsigned short gf_double_to_small(double x) {
+    const int BIAS = (1 << (EBITS - 1)) - 1;
+    const unsigned long long b = (unsigned long long)__double_as_longlong(x);
+    const unsigned short sign = (unsigned short)((b >> 63) << (EBITS + MBITS));
+    const unsigned short expmask = (unsigned short)(((1u << EBITS) - 1) << MBITS);
+    const unsigned long long a = b & 0x7fffffffffffffffULL;
+    if (a > 0x7ff0000000000000ULL) return sign | expmask | (unsigned short)(1u << (MBITS - 1));  // quiet NaN
+    const int e = (int)(a >> 52) - 1023;
+    if (e > BIAS) return sign | expmask;  // too big, or inf: inf
+    unsigned long long m = a & 0xfffffffffffffULL;
+    unsigned long long r;
+    int shift;
+    if (e >= 1 - BIAS) {  // normal: a carry out of the mantissa bumps the exponent (up to inf)
+        shift = 52 - MBITS;
+        r = ((unsigned long long)(e + BIAS) << MBITS) + (m >> shift);
+    } else {  // subnormal or zero, in units of the smallest subnormal
+        shift = 52 - MBITS + (1 - BIAS - e);
+        if (shift > 53) return sign;  // below half the smallest subnormal
+        m |= 1ULL << 52;
+        r = m >> shift;
+    }
+    const unsigned long long rem = m & ((1ULL << shift) - 1);
+    const unsigned long long half = 1ULL << (shift - 1);
+    if (rem > half || (rem == half && (r & 1))) ++r;
+    return sign | (unsigned short)r;
+}
+
+// ---------------------------------------------------------------- conversions
+// All conversions go through gf_wide: complex -> real takes the real part,
+// real -> complex sets im = 0.
+__device__ __forceinline__ gf_wide gf_widen(f16 x) { return {gf_small_to_double<5, 10>(x.bits), 0.0}; }
+__device__ __forceinline__ gf_wide gf_widen(bf16 x) { return {gf_small_to_double<8, 7>(x.bits), 0.0}; }
+__device__ __forceinline__ gf_wide gf_widen(float x) { return {(double)x, 0.0}; }
+__device__ __forceinline__ gf_wide gf_widen(double x) { return {x, 0.0}; }
+__device__ __forceinline__ gf_wide gf_widen(c64 x) { return {(double)x.re, (double)x.im}; }
+__device__ __forceinline__ gf_wide gf_widen(c128 x) { return {x.re, x.im}; }
+
+template <class T> __device__ __forceinline__ T gf_narrow(gf_wide w);
+template <> __device__ __forceinline__ f16 gf_narrow<f16>(gf_wide w) { return {gf_double_to_small<5, 10>(w.re)}; }
+template <> __device__ __forceinline__ bf16 gf_narrow<bf16>(gf_wide w) { return {gf_double_to_small<8, 7>(w.re)}; }
+template <> __device__ __forceinline__ float gf_narrow<float>(gf_wide w) { return (float)w.re; }
+template <> __device__ __forceinline__ double gf_narrow<double>(gf_wide w) { return w.re; }
+template <> __device__ __forceinline__ c64 gf_narrow<c64>(gf_wide w) { return {(float)w.re, (float)w.im}; }
+template <> __device__ __forceinline__ c128 gf_narrow<c128>(gf_wide w) { return {w.re, w.im}; }
+
+// Calls f(S{}) with S the element type named by a dtype tag. The tag is
+// uniform over a work item (one leaf), so the switch never diverges a warp and
+// a mixed-dtype tree is still one launch (#3).
+template <class F>
+__device__ __forceinline__ void gf_dispatch(long long tag, F f) {
+    switch (tag) {
+        case 0: f(f16{}); break;
+        case 1: f(bf16{}); break;
+        case 2: f(0.0f); break;
+        case 3: f(0.0); break;
+        case 4: f(c64{}); break;
+        case 5: f(c128{}); break;
+        default: break;
+    }
+}
+
+// ---------------------------------------------------------------- addressing
+__device__ __forceinline__ long long gf_min(long long a, long long b) { return a < b ? a : b; }
+
+// Address of element i (C order) of a leaf: 64-bit arithmetic throughout, so
+// leaves and trees past 2^31 elements index correctly (#3).
+// Out of line: the strided path is rare and long, and inlining it into every
+// dtype's loop made the kernels twice the size.
+__device__ __noinline__ char* gf_addr(const LeafRef& L, long long i, long long itemsize) {
+    char* p = (char*)L.ptr;
+    const int nd = (int)L.ndim;
+    if (nd == 0) return p + i * itemsize;
+    long long off = 0;
+    for (int d = nd - 1; d >= 0; --d) {
+        const long long n = L.shape[d];
+        const long long q = i / n;
+        off += (i - q * n) * L.stride[d];
+        i = q;
+    }
+    return p + off;
+}
+
+// The per-lane loop over one work item of a leaf of element type S.
+//
+// The item's elements are grouped into vectors of V = 16 / sizeof(S)
+// consecutive elements; vector j belongs to lane j % 32 and each lane visits
+// its vectors in increasing j, elements in order. That mapping depends only
+// on the dtype, never on alignment or strides: a contiguous leaf whose item
+// starts 16-byte aligned is read (and written) with one 16-byte access per
+// vector, any other leaf element by element, and a norm accumulates in the
+// same order either way, so its bits do not depend on where an array happens
+// to live (#3).
+//
+// op(i, x) gets the item-relative index and the element (read from memory if
+// READ; stored back if WRITE).
+template <class S, bool READ, bool WRITE, class Op>
+__device__ __forceinline__ void gf_item_loop(const LeafRef& L, long long start, long long len, int lane, Op op) {
+    constexpr int V = 16 / (int)sizeof(S);
+    const long long nvec = (len + V - 1) / V;
+    char* const base = (char*)L.ptr;
+    const bool vec = L.ndim == 0 && ((unsigned long long)(base + start * (long long)sizeof(S)) & 15ULL) == 0;
+    for (long long j = lane; j < nvec; j += GF_WARP) {
+        const long long i0 = j * V;
+        if (vec && i0 + V <= len) {
+            S* p = (S*)base + start + i0;
+            union { int4 raw; S v[V]; } u;
+            if constexpr (READ) u.raw = *reinterpret_cast<const int4*>(p);
+#pragma unroll
+            for (int k = 0; k < V; ++k) op(i0 + k, u.v[k]);
+            if constexpr (WRITE) *reinterpret_cast<int4*>(p) = u.raw;
+        } else {
+            const int n = (int)gf_min((long long)V, len - i0);
+            for (int k = 0; k < n; ++k) {
+                S* p = (S*)gf_addr(L, start + i0 + k, (long long)sizeof(S));
+                S x;
+                if constexpr (READ) x = *p;
+                op(i0 + k, x);
+                if constexpr (WRITE) *p = x;
+            }
+        }
+    }
+}
+
+// Element i of a leaf of any dtype, widened (the slow, general path).
+__device__ __noinline__ gf_wide gf_load_any(const LeafRef& L, long long i) {
+    gf_wide w = {0.0, 0.0};
+    gf_dispatch(L.tag, [&](auto z) {
+        using S = decltype(z);
+        w = gf_widen(*(const S*)gf_addr(L, i, (long long)sizeof(S)));
+    });
+    return w;
+}
+
+// The warp index of this thread over the whole grid, and the warp count: work
+// items are handed out warp by warp, grid-stride, so any grid covers them.
+__device__ __forceinline__ long long gf_global_warp() {
+    return ((long long)blockIdx.x * (long long)blockDim.x + (long long)threadIdx.x) / GF_WARP;
+}
+__device__ __forceinline__ long long gf_warp_count() {
+    return ((long long)gridDim.x * (long long)blockDim.x) / GF_WARP;
+}

@@ -1,0 +1,194 @@
+// Fused norms (total, per leaf, first non-finite leaf) in two launches, and
+// the clipping scale in one, with no host synchronisation (#3).
+//
+// Determinism (#3, #5): every sum runs in an order fixed by the plan alone.
+// Kernel 1 gives each work item a partial computed in a fixed lane order and
+// a fixed shuffle tree, stored in the item's own slot; kernel 2 is a single
+// block of GF_FINISH_THREADS threads that combines items per leaf and leaves
+// into the total in fixed trees. Neither the grid of kernel 1 nor the run
+// changes a bit. No float atomics anywhere.
+#include "gpuflat_common.cuh"
+
+// Norm kinds, the template argument K of the norm kernels.
+#define GF_NORM_L1 0
+#define GF_NORM_L2 1
+#define GF_NORM_INF 2
+#define GF_NORM_P 3
+
+// max that lets a NaN win, so a NaN anywhere makes an inf-norm NaN.
+__device__ __forceinline__ double gf_nanmax(double a, double b) {
+    if (a != a) return a;
+    if (b != b) return b;
+    return a > b ? a : b;
+}
+
+template <int K>
+__device__ __forceinline__ double gf_combine(double a, double b) {
+    if constexpr (K == GF_NORM_INF) return gf_nanmax(a, b);
+    else return a + b;
+}
+
+// One element's share of the norm, in double: float32 values near 1e30 or
+// float16 values past 256 square without overflow (#3).
+template <int K, bool CPLX>
+__device__ __forceinline__ double gf_term(gf_wide w, double p) {
+    if constexpr (K == GF_NORM_L2) {
+        if constexpr (CPLX) return w.re * w.re + w.im * w.im;
+        else return w.re * w.re;
+    } else {
+        const double a = CPLX ? hypot(w.re, w.im) : fabs(w.re);
+        if constexpr (K == GF_NORM_P) return pow(a, p);
+        else return a;
+    }
+}
+
+// The norm of an accumulated value: sqrt for 2, 1/p-th power for p.
+template <int K>
+__device__ __forceinline__ double gf_root(double v, double p) {
+    if constexpr (K == GF_NORM_L2) return sqrt(v);
+    else if constexpr (K == GF_NORM_P) return pow(v, 1.0 / p);
+    else return v;
+}
+
+// Kernel 1: one warp per work item (grid-stride). partial[it] is the item's
+// sum (or max) of terms, flags[it] is 1 when the item holds a NaN or inf.
+template <int K>
+__global__ void gpuflat_norm_partial(const Item* __restrict__ items, long long n_items,
+                                     const LeafRef* __restrict__ leaves, double p,
+                                     double* __restrict__ partial, int* __restrict__ flags) {
+    const int lane = (int)(threadIdx.x % GF_WARP);
+    const long long nwarps = gf_warp_count();
+    for (long long it = gf_global_warp(); it < n_items; it += nwarps) {
+        const Item item = items[it];
+        const LeafRef& L = leaves[item.slot];
+        double acc = 0.0;
+        int bad = 0;
+        gf_dispatch(L.tag, [&](auto z) {
+            using S = decltype(z);
+            gf_item_loop<S, true, false>(L, item.start, item.len, lane, [&](long long, S& x) {
+                const gf_wide w = gf_widen(x);
+                bad |= !(isfinite(w.re) && isfinite(w.im));
+                acc = gf_combine<K>(acc, gf_term<K, gf_is_complex<S>::value>(w, p));
+            });
+        });
+        // Fixed tree: lane 0 ends with ((l0+l16)+(l8+l24))+... whatever the grid.
+#pragma unroll
+        for (int off = GF_WARP / 2; off > 0; off >>= 1)
+            acc = gf_combine<K>(acc, __shfl_down_sync(GF_FULL_MASK, acc, off));
+        bad = __any_sync(GF_FULL_MASK, bad);
+        if (lane == 0) {
+            partial[it] = acc;
+            flags[it] = bad;
+        }
+    }
+}
+
+// Fixed-tree reduction over the finishing block; every thread gets the result.
+template <int K>
+__device__ __forceinline__ void gf_block_reduce(double* red, long long* redi, double& v, long long& m) {
+    const int t = (int)threadIdx.x;
+    red[t] = v;
+    redi[t] = m;
+    __syncthreads();
+#pragma unroll
+    for (int w = GF_FINISH_THREADS / 2; w > 0; w >>= 1) {
+        if (t < w) {
+            red[t] = gf_combine<K>(red[t], red[t + w]);
+            redi[t] = redi[t] < redi[t + w] ? redi[t] : redi[t + w];
+        }
+        __syncthreads();
+    }
+    v = red[0];
+    m = redi[0];
+    __syncthreads();  // red is reused by the next reduction
+}
+
+// Kernel 2: one block of exactly GF_FINISH_THREADS threads.
+//
+// slot_items[s] .. slot_items[s + 1] are slot s's items (items are sorted by
+// slot); big_slots lists, ascending, the slots with more than
+// GF_SMALL_SLOT_ITEMS items. Writes per_leaf[s] (the leaf's norm), total[0]
+// and first_bad[0] (the slot of the first item holding a NaN or inf, or -1).
+// Slot s is owned by thread s % GF_FINISH_THREADS in every phase, so a thread
+// only reads back what it wrote itself.
+template <int K>
+__global__ void gpuflat_norm_finish(const Item* __restrict__ items, long long n_items,
+                                    const double* __restrict__ partial, const int* __restrict__ flags,
+                                    const long long* __restrict__ slot_items, long long n_slots,
+                                    const long long* __restrict__ big_slots, long long n_big, double p,
+                                    double* __restrict__ per_leaf, double* __restrict__ total,
+                                    long long* __restrict__ first_bad) {
+    __shared__ double red[GF_FINISH_THREADS];
+    __shared__ long long redi[GF_FINISH_THREADS];
+    const int t = (int)threadIdx.x;
+    const long long T = GF_FINISH_THREADS;
+    long long unused = 0;
+
+    // Small slots: one thread each, items in order (no synchronisation, so
+    // 10,000 tiny leaves cost one pass).
+    for (long long s = t; s < n_slots; s += T) {
+        const long long a = slot_items[s], b = slot_items[s + 1];
+        if (b - a > GF_SMALL_SLOT_ITEMS) continue;
+        double v = 0.0;
+        for (long long k = a; k < b; ++k) v = gf_combine<K>(v, partial[k]);
+        per_leaf[s] = v;
+    }
+    // Big slots: the whole block, strided over the items, then a fixed tree.
+    for (long long q = 0; q < n_big; ++q) {
+        const long long s = big_slots[q];
+        const long long a = slot_items[s], b = slot_items[s + 1];
+        double v = 0.0;
+        for (long long k = a + t; k < b; k += T) v = gf_combine<K>(v, partial[k]);
+        gf_block_reduce<K>(red, redi, v, unused);
+        if (s % T == t) per_leaf[s] = v;
+    }
+    // The total from the unrounded per-leaf sums (not from the rooted norms),
+    // then each leaf's root; and the first item flagged non-finite.
+    double v = 0.0;
+    for (long long s = t; s < n_slots; s += T) {
+        const double raw = per_leaf[s];
+        v = gf_combine<K>(v, raw);
+        per_leaf[s] = gf_root<K>(raw, p);
+    }
+    long long m = n_items;
+    for (long long k = t; k < n_items; k += T) {
+        if (flags[k]) {
+            m = k;
+            break;
+        }
+    }
+    gf_block_reduce<K>(red, redi, v, m);
+    if (t == 0) {
+        total[0] = gf_root<K>(v, p);
+        first_bad[0] = m < n_items ? items[m].slot : -1;
+    }
+}
+
+// Clipping: every leaf *= min(1, max_norm / (total + eps)), with total read
+// from device memory, so clipping never waits on the host (#3). A NaN total
+// gives a NaN coefficient (PyTorch's semantics: the gradients become NaN); the
+// clamp is written so that NaN survives it (#5).
+__global__ void gpuflat_scale(const Item* __restrict__ items, long long n_items,
+                              const LeafRef* __restrict__ leaves, const double* __restrict__ total,
+                              double max_norm, double eps) {
+    const double c = max_norm / (total[0] + eps);
+    const double coef = c > 1.0 ? 1.0 : c;
+    // x * 1 is x exactly for every dtype (NaN stays NaN), so when nothing is
+    // clipped the kernel leaves memory untouched instead of rewriting it.
+    if (coef == 1.0) return;
+    const int lane = (int)(threadIdx.x % GF_WARP);
+    const long long nwarps = gf_warp_count();
+    for (long long it = gf_global_warp(); it < n_items; it += nwarps) {
+        const Item item = items[it];
+        const LeafRef& L = leaves[item.slot];
+        gf_dispatch(L.tag, [&](auto z) {
+            using S = decltype(z);
+            gf_item_loop<S, true, true>(L, item.start, item.len, lane, [&](long long, S& x) {
+                gf_wide w = gf_widen(x);
+                w.re *= coef;
+                w.im *= coef;
+                x = gf_narrow<S>(w);
+            });
+        });
+    }
+}
