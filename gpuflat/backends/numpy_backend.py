@@ -61,6 +61,8 @@ class NumpyBackend:
     xp = np
 
     def gather(self, plan, sources, out):
+        if not sources:  # an empty tree: np.concatenate refuses an empty list (#2)
+            return
         if all(len(s) == 1 for s in sources):
             # One C loop over all leaves; axis=None flattens any strides (#2).
             np.concatenate([s[0] for s in sources], axis=None, out=out, casting="unsafe")
