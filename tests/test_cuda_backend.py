@@ -1,0 +1,526 @@
+"""The CUDA backend on the emulated device (#3): the kernels, tables and
+launch path that run on a GPU, compared with NumPy and exact references.
+
+Every dtype, sizes on and around the work-item size, empty and 0-d leaves,
+10,000 tiny leaves, ties, strided leaves, mixed dtypes, NaN and inf, launch /
+sync / upload counts, and the same bits for any grid.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+import gpuflat as gf
+from gpuflat.backends import cuda
+from gpuflat.backends.cuda import ITEM, CudaBackend
+from gpuflat.runtime import EmulatedRuntime
+
+try:
+    import ml_dtypes
+
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a test dependency
+    BF16 = None
+
+try:
+    from gpuflat import emulator  # noqa: F401
+
+    _RUNTIME = EmulatedRuntime()
+    _RUNTIME.library  # build (or load the cached build) once
+    _WHY = ""
+except Exception as exc:  # pragma: no cover - g++ missing
+    _RUNTIME, _WHY = None, f"emulator unavailable: {type(exc).__name__}: {exc}"
+
+pytestmark = pytest.mark.skipif(_RUNTIME is None, reason=_WHY or "-")
+
+DTYPES = [np.dtype(np.float16)] + ([BF16] if BF16 is not None else []) + [
+    np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.complex64), np.dtype(np.complex128)]
+IDS = [str(d) for d in DTYPES]
+
+
+@pytest.fixture
+def be():
+    _RUNTIME.stats.reset()
+    return CudaBackend(_RUNTIME)
+
+
+# ---------------------------------------------------------------- references
+
+def _to_bf16(x: np.ndarray) -> np.ndarray:
+    """float64 -> bfloat16 rounded once (nearest even): round to odd into
+    float32 first, which a second rounding cannot spoil."""
+    x = np.asarray(x, np.float64)
+    f = x.astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        inexact = np.isfinite(x) & (f.astype(np.float64) != x) & np.isfinite(f)
+        toward_zero = inexact & (np.abs(f.astype(np.float64)) > np.abs(x))
+    f = np.where(toward_zero, np.nextafter(f, np.float32(0)), f)
+    bits = f.view(np.uint32) | inexact.astype(np.uint32)
+    return bits.view(np.float32).astype(BF16)
+
+
+def cast(x, dtype):
+    """The kernels' conversion: through complex128 / float64, rounded once."""
+    dtype = np.dtype(dtype)
+    x = np.asarray(x)
+    if dtype.kind != "c" and x.dtype.kind == "c":
+        x = x.real
+    if dtype == BF16:
+        return _to_bf16(x)
+    with np.errstate(over="ignore"):
+        return x.astype(np.complex128 if x.dtype.kind == "c" else np.float64).astype(dtype)
+
+
+def same(a, b):
+    """Bitwise-equal values, any NaN equal to any NaN (and -0.0 != 0.0)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if a.dtype.kind == "c":
+        return same(a.real, b.real) and same(a.imag, b.imag)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    both_nan = np.isnan(a64) & np.isnan(b64)
+    return bool(np.all(both_nan | ((a64 == b64) & (np.signbit(a64) == np.signbit(b64)))))
+
+
+def ref_norm(arrays, p):
+    """(per-leaf norms, total) from exactly rounded sums (math.fsum) of float64 terms."""
+    per, sums = [], []
+    for a in arrays:
+        a = np.asarray(a)
+        mag = np.abs(a.astype(np.complex128)) if a.dtype.kind == "c" else np.abs(a.astype(np.float64))
+        if p == math.inf:
+            s = float(np.max(mag)) if mag.size else 0.0
+            if np.isnan(mag).any():
+                s = math.nan
+            per.append(s)
+        else:
+            if p == 2 and a.dtype.kind == "c":
+                terms = np.concatenate([a.real.astype(np.float64).ravel() ** 2,
+                                        a.imag.astype(np.float64).ravel() ** 2])
+            else:
+                terms = mag.ravel() ** p
+            s = math.fsum(terms) if np.isfinite(terms).all() else float(np.sum(terms))
+            sums.append(s)
+            per.append(s ** (1.0 / p))
+    if p == math.inf:
+        total = max(per, default=0.0) if not any(map(math.isnan, per)) else math.nan
+    else:
+        s = math.fsum(sums) if all(map(math.isfinite, sums)) else float(np.sum(sums))
+        total = s ** (1.0 / p)
+    return np.array(per, np.float64), total
+
+
+def check_norm(result, arrays, p, rtol=1e-12):
+    per, total = ref_norm(arrays, p)
+    np.testing.assert_allclose(result.per_leaf, per, rtol=rtol, atol=0, equal_nan=True)
+    np.testing.assert_allclose(result.total, total, rtol=rtol, atol=0, equal_nan=True)
+
+
+def planned(arrays):
+    """(plan, leaves) of a tree holding ``arrays`` in this order."""
+    tree = {f"l{i:05d}": a for i, a in enumerate(arrays)}
+    plan = gf.plan(tree)
+    return plan, gf.trainables(tree)
+
+
+def rand(shape, dtype, rng, scale=1.0):
+    dtype = np.dtype(dtype)
+    x = rng.standard_normal(shape) * scale
+    if dtype.kind == "c":
+        x = x + 1j * rng.standard_normal(shape) * scale
+    return np.asarray(cast(x, dtype))
+
+
+def gather(be, plan, sources):
+    out = np.full(plan.size, np.nan, plan.dtype)
+    be.gather(plan, sources, out)
+    return out
+
+
+def ref_gather(plan, sources):
+    pieces = []
+    for leaf, srcs in zip(plan.leaves, sources):
+        wide = np.complex128 if any(s.dtype.kind == "c" for s in srcs) else np.float64
+        acc = np.zeros(leaf.size, wide)
+        if srcs:
+            acc = srcs[0].reshape(-1).astype(wide)
+            for s in srcs[1:]:
+                acc = acc + s.reshape(-1).astype(wide)
+        pieces.append(cast(acc, plan.dtype))
+    return np.concatenate(pieces) if pieces else np.zeros(0, plan.dtype)
+
+
+# ---------------------------------------------------------------- conversions
+
+def test_reference_bf16_rounding_is_one_step():
+    x = np.array([1 + 2.0**-8 + 2.0**-40, 1 + 2.0**-8, 1 + 3 * 2.0**-8, -3.0e38, 1e-45, np.inf, np.nan])
+    got = _to_bf16(x).astype(np.float64)
+    assert got[0] == 1 + 2.0**-7  # above the midpoint: a float32 detour rounds to 1
+    assert got[1] == 1.0 and got[2] == 1 + 4 * 2.0**-8  # exact midpoints: to even
+    assert got[3] == -np.inf or abs(got[3]) > 3e38
+
+
+@pytest.mark.parametrize("small", [np.float16, "bf16"])
+def test_double_to_16_bit_rounds_once(be, small):
+    small = BF16 if small == "bf16" else np.dtype(small)
+    if small is None:
+        pytest.skip("ml_dtypes missing")
+    m = 11 if small == np.float16 else 8  # significant bits
+    tricky = [1 + 2.0**-m + 2.0**-40, 1 + 2.0**-m, 1 + 3 * 2.0**-m, -(1 + 2.0**-m + 2.0**-45),
+              65504.0, 65519.0, 65520.0, 1e6, 2.0**-24, 2.0**-25, 2.0**-25 * 1.0000001, 5.9e-8,
+              2.0**-133, 2.0**-134, 2.0**-134 * 1.5, 1e-300, -0.0, 0.0, np.inf, -np.inf, np.nan, 3.0e38,
+              3.3961776e38, 3.40e38]
+    rng = np.random.default_rng(0)
+    x = np.concatenate([np.array(tricky), rng.standard_normal(3000) * 10.0 ** rng.integers(-12, 12, 3000)])
+    # A float64 leaf scattered into a 16-bit leaf: flat float64 -> small.
+    leaves = [np.zeros(x.size, small), np.zeros(1)]
+    plan, leaves = planned(leaves)
+    assert plan.dtype == np.float64
+    be.scatter(plan, np.concatenate([x, [0.0]]), leaves)
+    assert same(leaves[0], cast(x, small))
+
+
+# ---------------------------------------------------------------- gather / scatter
+
+SIZES = [ITEM - 1, ITEM, ITEM + 1, 2 * ITEM + 3, 0, 1, 3, 33]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_gather_scatter_every_dtype_and_size(be, dtype):
+    rng = np.random.default_rng(1)
+    arrays = [rand(n, dtype, rng) for n in SIZES] + [rand((), dtype, rng), rand((0, 3), dtype, rng)]
+    plan, leaves = planned(arrays)
+    out = gather(be, plan, [[a] for a in leaves])
+    assert same(out, ref_gather(plan, [[a] for a in leaves]))
+    back = [np.full_like(a, 7) for a in leaves]
+    be.scatter(plan, out, back)
+    for a, b in zip(leaves, back):
+        assert same(a, b)
+
+
+def test_mixed_dtypes_are_one_launch(be):
+    rng = np.random.default_rng(2)
+    real = [d for d in DTYPES if d.kind != "c"]
+    arrays = [rand(n, d, rng, scale=100) for d in real for n in (5, ITEM + 7)]
+    plan, leaves = planned(arrays)
+    assert plan.dtype == np.float64
+    out = gather(be, plan, [[a] for a in leaves])
+    assert be.stats.launches == 1
+    assert same(out, ref_gather(plan, [[a] for a in leaves]))
+    # Scatter rounds every slice once into its leaf's dtype.
+    flat = rng.standard_normal(plan.size) * 1e3
+    back = [np.zeros_like(a) for a in leaves]
+    be.scatter(plan, flat, back)
+    for leaf, b in zip(plan.leaves, back):
+        assert same(b, cast(flat[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape), leaf.dtype))
+
+    # With complex leaves the flat buffer is complex; real leaves take the real part back.
+    arrays = [rand(9, np.complex64, rng), rand(4, np.float32, rng), rand(ITEM + 1, np.float16, rng)]
+    plan, leaves = planned(arrays)
+    assert plan.dtype == np.complex64
+    out = gather(be, plan, [[a] for a in leaves])
+    assert same(out, ref_gather(plan, [[a] for a in leaves]))
+    flat = (rng.standard_normal(plan.size) + 1j * rng.standard_normal(plan.size)).astype(plan.dtype)
+    back = [np.zeros_like(a) for a in leaves]
+    be.scatter(plan, flat, back)
+    for leaf, b in zip(plan.leaves, back):
+        assert same(b, cast(flat[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape), leaf.dtype))
+
+
+def _strided_views(rng, dtype):
+    """Strided views, each of its own base (so scatter targets never overlap)."""
+    b2 = lambda: rand((70, 90), dtype, rng)  # noqa: E731
+    b3 = lambda: rand((6, 7, 8), dtype, rng)  # noqa: E731
+    return [
+        b2().T,                                 # transposed
+        b2()[3:60:2, 1:],                       # sliced
+        b2()[::-1],                             # negative stride, rows
+        b2()[:, ::-3],                          # negative stride, columns
+        b3().transpose(2, 0, 1)[1:, ::2],       # 3-D, nothing merges
+        b3()[:, :, 0],                          # dropped axis
+        rand(ITEM * 3, dtype, rng)[1::3],       # 1-D strided across items
+        rand(ITEM + 9, dtype, rng)[1:],         # contiguous but misaligned
+        np.broadcast_to(rand(5, dtype, rng), (4, 5)),  # zero stride (read only)
+    ]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.complex128], ids=str)
+def test_strided_leaves_in_place(be, dtype):
+    rng = np.random.default_rng(3)
+    views = _strided_views(rng, dtype)
+    plan, leaves = planned(views)
+    out = gather(be, plan, [[a] for a in leaves])
+    assert same(out, ref_gather(plan, [[a] for a in leaves]))
+    # Scatter writes through the views themselves, no staging copy.
+    writable = [v for v in views if v.flags.writeable]
+    plan, leaves = planned(writable)
+    flat = rand(plan.size, plan.dtype, rng)
+    be.scatter(plan, flat, leaves)
+    for leaf, v in zip(plan.leaves, writable):
+        assert same(v, cast(flat[leaf.offset : leaf.offset + leaf.size].reshape(v.shape), v.dtype))
+
+
+def test_scatter_leaves_the_rest_of_the_base_alone(be):
+    base = np.arange(200, dtype=np.float32).reshape(10, 20)
+    view = base[2:8:2, ::-3]
+    plan, leaves = planned([view])
+    be.scatter(plan, np.full(plan.size, -1.0, np.float32), leaves)
+    expected = np.arange(200, dtype=np.float32).reshape(10, 20)
+    expected[2:8:2, ::-3] = -1
+    assert same(base, expected)
+
+
+def test_too_many_dimensions_names_the_leaf(be):
+    base = np.zeros((3,) * 9, np.float32)
+    bad = base[(slice(None, None, 2),) * 9]
+    plan, leaves = planned([np.ones(2, np.float32), bad])
+    with pytest.raises(ValueError, match=r"leaf \"\['l00001'\]\".*at most 8"):
+        gather(be, plan, [[a] for a in leaves])
+    # Eight dims after merging is fine.
+    ok = np.zeros((3,) * 8, np.float32)[(slice(None, None, 2),) * 8]
+    plan, leaves = planned([ok])
+    assert same(gather(be, plan, [[ok]]), ok.ravel())
+
+
+def test_ties_sum_sources_in_order_and_empty_slots_are_zero(be):
+    rng = np.random.default_rng(4)
+    for dtype in (np.float32, np.float16, np.complex64):
+        arrays = [rand((3, ITEM // 2 + 1), dtype, rng), rand(10, dtype, rng), rand((2, 2), dtype, rng)]
+        plan, leaves = planned(arrays)
+        sources = [
+            [rand((3, ITEM // 2 + 1), dtype, rng).T.copy().T, rand((3, ITEM // 2 + 1), dtype, rng)],
+            [],
+            [rand((2, 2), dtype, rng), rand((2, 2), dtype, rng).T, rand((2, 2), dtype, rng)],
+        ]
+        out = gather(be, plan, sources)
+        assert same(out, ref_gather(plan, sources))
+        assert not out[plan.leaves[1].offset : plan.leaves[1].offset + 10].any()
+    assert be.stats.launches == 3
+    # Tied gradients through the public API: Optimisers.jl's contract.
+    a, b = np.zeros(2, np.float32), np.zeros(2, np.float32)
+    plan = gf.plan({"x": a, "y": b, "z": a})
+    g = {"x": np.full(2, 3, np.float32), "y": None, "z": np.full(2, 13, np.float32)}
+    assert plan.flatten(g, backend="emulated").tolist() == [16, 16, 0, 0]
+
+
+def test_negative_zero_survives_a_lone_source(be):
+    plan, leaves = planned([np.array([-0.0, 0.0]), np.array([-0.0])])
+    out = gather(be, plan, [[leaves[0]], [leaves[1], leaves[1]]])
+    assert same(out, np.array([-0.0, 0.0, -0.0]))
+
+
+def test_ten_thousand_tiny_leaves(be):
+    rng = np.random.default_rng(5)
+    arrays = [rand(int(n), np.float32, rng) for n in rng.integers(0, 12, 10_000)]
+    plan, leaves = planned(arrays)
+    t0 = time.perf_counter()
+    out = gather(be, plan, [[a] for a in leaves])
+    result = be.norms(plan, leaves, 2, True)
+    elapsed = time.perf_counter() - t0
+    assert same(out, ref_gather(plan, [[a] for a in leaves]))
+    check_norm(result, leaves, 2)
+    assert be.stats.launches == 3
+    assert elapsed < 60
+
+
+# ---------------------------------------------------------------- norms
+
+ORDS = [1, 2, math.inf, 3.5, 0.5]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_norms_every_dtype_and_ord(be, dtype):
+    rng = np.random.default_rng(6)
+    arrays = [rand(n, dtype, rng) for n in (ITEM * 17 + 5, ITEM - 1, 0, 1)] + [rand((), dtype, rng)]
+    plan, leaves = planned(arrays)
+    for p in ORDS:
+        r = be.norms(plan, leaves, p, True)
+        assert r.total.shape == () and r.total.dtype == np.float64
+        assert r.per_leaf.shape == (len(leaves),) and r.per_leaf.dtype == np.float64
+        assert r.first_nonfinite.dtype == np.int64 and int(r.first_nonfinite) == -1
+        check_norm(r, leaves, p)
+        assert r.per_leaf[2] == 0.0  # the empty leaf
+    assert be.stats.launches == 2 * len(ORDS)
+
+
+def test_norms_of_strided_and_mixed_leaves(be):
+    rng = np.random.default_rng(7)
+    arrays = _strided_views(rng, np.float32) + [rand(50, d, rng) for d in DTYPES]
+    plan, leaves = planned(arrays)
+    for p in (1, 2, math.inf, 3.0):
+        check_norm(be.norms(plan, leaves, p, True), leaves, p)
+
+
+def test_squares_that_overflow_the_input_dtype(be):
+    big32 = np.full(ITEM + 3, 1e30, np.float32)
+    big16 = np.full(100, 300.0, np.float16)  # 300**2 > float16 max
+    plan, leaves = planned([big32, big16])
+    r = be.norms(plan, leaves, 2, True)
+    assert np.isfinite(r.total) and int(r.first_nonfinite) == -1
+    check_norm(r, leaves, 2)
+
+
+def test_nan_and_inf(be):
+    ok = np.ones(ITEM + 5, np.float32)
+    with_inf = np.ones(ITEM * 2, np.float32)
+    with_inf[ITEM + 3] = np.inf
+    with_nan = np.ones(7, np.float64)
+    with_nan[2] = np.nan
+    cplx = np.ones(3, np.complex64)
+    cplx[1] = complex(0, np.inf)
+    for arrays, first in [([ok, with_inf, with_nan], 1), ([ok, with_nan, with_inf], 1),
+                          ([ok, ok.copy(), cplx], 2), ([ok, ok.copy()], -1)]:
+        plan, leaves = planned(arrays)
+        for p in ORDS:
+            r = be.norms(plan, leaves, p, True)
+            assert int(r.first_nonfinite) == first
+            check_norm(r, leaves, p)
+    # inf-norm: NaN anywhere in a slot makes that slot, and the total, NaN.
+    plan, leaves = planned([with_inf, with_nan])
+    r = be.norms(plan, leaves, math.inf, True)
+    assert r.per_leaf[0] == np.inf and np.isnan(r.per_leaf[1]) and np.isnan(r.total)
+
+
+def test_empty_plan(be):
+    plan, leaves = planned([np.zeros(0, np.float32), np.zeros((2, 0))])
+    r = be.norms(plan, leaves, 2, True)
+    assert float(r.total) == 0.0 and r.per_leaf.tolist() == [0.0, 0.0] and int(r.first_nonfinite) == -1
+    out = gather(be, plan, [[a] for a in leaves])
+    assert out.size == 0
+
+
+@pytest.mark.parametrize("p", [1, 2, math.inf, 2.5])
+def test_same_bits_for_any_grid_and_alignment(p):
+    rng = np.random.default_rng(8)
+    arrays = [rand(ITEM * 20 + 11, np.float32, rng), rand(ITEM * 3, np.float16, rng), rand(999, np.complex64, rng)]
+    arrays += [rand(int(n), np.float64, rng) for n in rng.integers(1, 50, 40)]
+    plan, leaves = planned(arrays)
+    results = []
+    for grid in (1, 3, 7):
+        r = CudaBackend(_RUNTIME, grid=grid).norms(plan, leaves, p, True)
+        results.append((r.total.tobytes(), r.per_leaf.tobytes()))
+    assert results[0] == results[1] == results[2]
+    # The same values at a misaligned address take the element-wise path: same bits.
+    moved = []
+    for a in leaves:
+        buf = np.empty(a.size + 1, a.dtype)[1:]
+        buf[...] = a.ravel()
+        moved.append(buf.reshape(a.shape))
+    r = CudaBackend(_RUNTIME, grid=2).norms(plan, moved, p, True)
+    assert (r.total.tobytes(), r.per_leaf.tobytes()) == results[0]
+
+
+def test_resident_flat_gives_the_same_bits(be):
+    rng = np.random.default_rng(9)
+    arrays = [rand(n, np.float32, rng) for n in (ITEM + 1, 17, 0, 3 * ITEM)]
+    plan, leaves = planned(arrays)
+    flat = gather(be, plan, [[a] for a in leaves])
+    views = [flat[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape) for leaf in plan.leaves]
+    a = be.norms(plan, views, 2, True)
+    b = be.norms(plan, views, 2, True, flat=flat)
+    assert a.total.tobytes() == b.total.tobytes() and a.per_leaf.tobytes() == b.per_leaf.tobytes()
+
+
+# ---------------------------------------------------------------- clipping
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_clip_scales_on_device(be, dtype):
+    rng = np.random.default_rng(10)
+    arrays = [rand(n, dtype, rng, scale=10) for n in (ITEM + 1, 5, 0)] + [rand((), dtype, rng)]
+    plan, leaves = planned(arrays)
+    before = [a.copy() for a in leaves]
+    r = be.norms(plan, leaves, 2, False)
+    be.stats.reset()
+    be.clip_(plan, leaves, r.total, 1.0, 1e-6)
+    assert be.stats.snapshot() == (1, 0, 0)  # one launch, no sync, table reused from norms
+    coef = min(1.0, 1.0 / (float(r.total) + 1e-6))
+    for a, b in zip(leaves, before):
+        wide = b.astype(np.complex128 if b.dtype.kind == "c" else np.float64) * coef
+        assert same(a, cast(wide, dtype))
+
+
+def test_clip_below_the_threshold_and_with_nan_total(be):
+    g = [np.array([3.0, 4.0], np.float32), np.array([np.nan, 1.0])]
+    plan, leaves = planned(g)
+    r = be.norms(plan, leaves, 2, False)
+    be.clip_(plan, leaves, r.total, 1.0, 1e-6)
+    assert np.isnan(leaves[0]).all() and np.isnan(leaves[1]).all()  # PyTorch: NaN norm -> NaN grads
+    g = [np.array([0.3, 0.4], np.float32)]
+    plan, leaves = planned(g)
+    r = be.norms(plan, leaves, 2, False)
+    be.clip_(plan, leaves, r.total, 1.0, 1e-6)
+    assert leaves[0].tolist() == [np.float32(0.3), np.float32(0.4)]
+
+
+def test_clip_through_the_public_api():
+    g = {"w": np.array([3.0, 4.0]), "b": np.zeros(1, np.float32), "h": np.full(ITEM + 1, 0.0, np.float16)}
+    total = gf.clip_grad_norm_(g, 1.0, backend="emulated")
+    assert float(total) == 5.0
+    np.testing.assert_allclose(g["w"], [0.6, 0.8], rtol=1e-6)
+
+
+# ---------------------------------------------------------------- counts
+
+def test_launch_sync_and_upload_counts(be):
+    rng = np.random.default_rng(11)
+    arrays = [rand(n, np.float32, rng) for n in (ITEM * 3 + 1, 10, 0, 1)]
+    plan, leaves = planned(arrays)
+    stats = be.stats
+
+    def count(fn):
+        stats.reset()
+        fn()
+        return stats.snapshot()
+
+    out = np.empty(plan.size, plan.dtype)
+    assert count(lambda: be.gather(plan, [[a] for a in leaves], out)) == (1, 0, 2)  # plan + sources
+    assert count(lambda: be.gather(plan, [[a] for a in leaves], out)) == (1, 0, 0)
+    assert count(lambda: be.scatter(plan, out, leaves)) == (1, 0, 0)  # same pointer table
+    holder = {}
+    assert count(lambda: holder.update(r=be.norms(plan, leaves, 2, True))) == (2, 0, 0)
+    assert count(lambda: be.clip_(plan, leaves, holder["r"].total, 1.0, 1e-6)) == (1, 0, 0)
+    # A new array at one slot: the pointer table goes up again, once.
+    leaves2 = list(leaves)
+    leaves2[1] = leaves[1].copy()
+    assert count(lambda: be.norms(plan, leaves2, 2, True)) == (2, 0, 1)
+    assert count(lambda: be.norms(plan, leaves2, 2, True)) == (2, 0, 0)
+    # A different stride for the same shape is a new table too.
+    leaves3 = list(leaves)
+    leaves3[0] = np.empty(leaves[0].size * 2, np.float32)[::2]
+    assert count(lambda: be.norms(plan, leaves3, 2, True)) == (2, 0, 1)
+    # Ties: the CSR rides in the same upload.
+    assert count(lambda: be.gather(plan, [[leaves[0], leaves[0]], [], [leaves[2]], [leaves[3]]], out)) == (1, 0, 1)
+    # error_if_nonfinite is the one synchronisation.
+    assert count(lambda: int(be.to_host(holder["r"].first_nonfinite))) == (0, 1, 0)
+
+
+def test_public_api_on_the_emulated_backend_matches_numpy():
+    rng = np.random.default_rng(12)
+    tree = {"a": rand((30, 40), np.float32, rng), "b": [rand(ITEM + 2, np.float64, rng), rand(3, np.float16, rng)]}
+    for p in (1, 2, math.inf):
+        e_total, e_per = gf.global_norm(tree, p, per_leaf=True, backend="emulated")
+        n_total, n_per = gf.global_norm(tree, p, per_leaf=True, backend="numpy")
+        np.testing.assert_allclose(e_total, n_total, rtol=1e-13)
+        np.testing.assert_allclose(e_per, n_per, rtol=1e-13)
+    flat_e, re_e = gf.destructure(tree, backend="emulated")
+    flat_n, _ = gf.destructure(tree, backend="numpy")
+    assert same(flat_e, flat_n)
+    rebuilt = re_e(flat_e * 2)
+    assert same(rebuilt["b"][1], (tree["b"][1].astype(np.float64) * 2).astype(np.float16))
+
+
+def test_bad_ord_is_rejected(be):
+    plan, leaves = planned([np.ones(3)])
+    for bad in (0, -1, math.nan):
+        with pytest.raises(ValueError, match="ord"):
+            be.norms(plan, leaves, bad, True)
+
+
+def test_plan_items_split_big_leaves_and_keep_tiny_ones_whole():
+    plan, _ = planned([np.zeros(2 * ITEM + 1), np.zeros(0), np.zeros(()), np.zeros(5)])
+    items = cuda.plan_items(plan)
+    assert items.tolist() == [[0, 0, ITEM, 0], [0, ITEM, ITEM, ITEM], [0, 2 * ITEM, 1, 2 * ITEM],
+                              [2, 0, 1, 2 * ITEM + 1], [3, 0, 5, 2 * ITEM + 2]]
