@@ -89,15 +89,16 @@ class NumpyBackend:
         partials = []
         for first, end, count, is_complex in _layout(plan):
             acc_dtype = np.complex128 if is_complex else np.float64
+            packed = per_leaf and end - first > 1
             for values in _chunks(plan, leaves, flat, first, end, count, acc_dtype):
-                if not per_leaf:
-                    partials.append(_partial(values, p))
-                elif end - first == 1:
-                    sums[first] = _reduce(sums[first], _partial(values, p), p)
-                else:
-                    _per_slot(plan, first, end, _contributions(values, p), p, sums)
-        if per_leaf:
-            partials = sums
+                # The total always comes from the chunk partials, so per_leaf=True
+                # and False (global_norm and clip_grad_norm_) give the same bits (#2).
+                part, contrib = _partial(values, p, keep=packed)
+                partials.append(part)
+                if packed:
+                    _per_slot(plan, first, end, contrib, p, sums)
+                elif per_leaf:
+                    sums[first] = _reduce(sums[first], part, p)
         total = _combine(np.asarray(partials, np.float64), p)
         per = (sums if p in (1, math.inf) else _root(sums, p)) if per_leaf else None
         bad = -1 if math.isfinite(total) else _first_nonfinite(leaves)
@@ -134,16 +135,18 @@ def _chunks(plan, leaves, flat, first, end, count, acc_dtype):
         yield values[lo : lo + PIECE].astype(acc_dtype)
 
 
-def _partial(values, p):
-    """The reduction of one chunk: sum of |x|**p, or max |x| for p = inf."""
+def _partial(values, p, keep=False):
+    """(reduction of one chunk: sum of |x|**p, or max |x| for p = inf; its
+    per-element contributions if ``keep``, else possibly None). May overwrite ``values``."""
     if p == 2 and values.dtype.kind == "f":
         # einsum, not np.dot: BLAS threads stall on a busy machine, and a
         # single-threaded sum keeps the order fixed (#2).
-        return float(np.einsum("i,i->", values, values))
+        part = float(np.einsum("i,i->", values, values))
+        return part, (np.square(values, out=values) if keep else None)
     contrib = _contributions(values, p)
     if not contrib.size:
-        return 0.0
-    return float(contrib.max()) if p == math.inf else float(contrib.sum())
+        return 0.0, contrib
+    return (float(contrib.max()) if p == math.inf else float(contrib.sum())), contrib
 
 
 def _per_slot(plan, first, end, contrib, p, sums):
