@@ -19,10 +19,15 @@ The same code drives the GPU (``CupyRuntime``) and the host emulator
 (``EmulatedRuntime``); only the runtime differs.
 
 >>> import numpy as np, gpuflat as gf
->>> be = gf.backends.get_backend("emulated")
+>>> from gpuflat.runtime import EmulatedRuntime
+>>> be = CudaBackend(EmulatedRuntime())
 >>> tree = {"w": np.ones((2, 3), np.float32), "b": np.full(2, 2.0)}
->>> float(gf.global_norm(tree, backend="emulated"))
-3.4641016151377544
+>>> plan, leaves = gf.plan(tree), gf.trainables(tree)
+>>> r = be.norms(plan, leaves, 2, per_leaf=True)
+>>> float(r.total) ** 2, r.per_leaf ** 2, int(r.first_nonfinite)
+(14.0, array([6., 8.]), -1)
+>>> be.stats.launches, be.stats.syncs
+(2, 0)
 """
 from __future__ import annotations
 
