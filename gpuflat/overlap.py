@@ -12,9 +12,15 @@ from .errors import OverlapError
 
 
 def _root(a):
-    while isinstance(getattr(a, "base", None), type(a)):
-        a = a.base
-    return a
+    # Follow every owner, not only array bases: an as_strided view hangs off a
+    # DummyArray, an np.frombuffer view off a memoryview of the buffer (#5).
+    while True:
+        owner = getattr(a, "base", None)
+        if owner is None and isinstance(a, memoryview):
+            owner = a.obj
+        if owner is None:
+            return a
+        a = owner
 
 
 def _pointer(a) -> int:
