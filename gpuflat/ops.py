@@ -203,7 +203,18 @@ def plan_scatter(plan, flat, tree, backend):
     _check_flat(plan, flat)
     be = select(backend, targets + [flat], [leaf.path for leaf in plan.leaves] + ["<flat>"])
     _check_writable(plan.occurrence_paths, values)
-    check_no_overlap(plan, targets)
+    # A broken tie adds arrays the plan has no slot for; they are written too,
+    # so they are checked for overlap with the rest before any write (#5).
+    extra, seen = [], {id(t) for t in targets}
+    for path, value in zip(plan.occurrence_paths, values):
+        if id(value) not in seen:
+            seen.add(id(value))
+            extra.append((path, value))
+    if extra:
+        check_no_overlap(plan, targets + [v for _, v in extra],
+                         [leaf.path for leaf in plan.leaves] + [p for p, _ in extra])
+    else:
+        check_no_overlap(plan, targets)
     be.scatter(plan, flat, targets)
     # A broken tie (two arrays where the plan has one slot) gets the slot's values at both places.
     for slot, value in zip(plan.slot_of, values):

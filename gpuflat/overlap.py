@@ -67,11 +67,14 @@ def find_overlap(arrays):
     return None
 
 
-def check_no_overlap(plan, arrays) -> None:
-    """Raise OverlapError naming both paths if two leaves share memory."""
+def check_no_overlap(plan, arrays, paths=None) -> None:
+    """Raise OverlapError naming both paths if two leaves share memory.
+
+    ``paths`` names ``arrays``; by default they are the plan's slots.
+    """
     pair = find_overlap(arrays)
     if pair is not None:
-        first, second = (plan.leaves[k].path for k in pair)
+        first, second = (plan.leaves[k].path if paths is None else paths[k] for k in pair)
         raise OverlapError(
             f"leaves {first!r} and {second!r} share memory; an in-place operation would "
             f"write one through the other (expected distinct memory, found overlapping views)"
