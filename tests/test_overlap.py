@@ -1,0 +1,119 @@
+"""Distinct leaves that share memory (#5): read-only operations accept them, in-place ones refuse."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numpy.lib.stride_tricks import as_strided
+
+import gpuflat as gf
+from gpuflat.overlap import find_overlap
+
+from conftest import exact_norm, rel_err, snapshot
+
+
+def _pairs():
+    base = np.arange(20.0)
+    m = np.arange(12.0).reshape(3, 4)
+    sq = np.arange(9.0).reshape(3, 3)
+    buf = bytearray(80)
+    return {
+        "a and a.T": (sq, sq.T),
+        "overlapping slices": (base[:8], base[5:12]),
+        "view of a view": (base[2:10][::2], base[4:6]),
+        "row and column": (m[1], m[:, 2]),
+        "reversed": (base[::-1][:5], base[15:16]),
+        "a and a[:]": (sq, sq[:]),
+        "as_strided views": (as_strided(base, (5,), (8,)), as_strided(base[3:], (5,), (8,))),
+        "frombuffer views": (np.frombuffer(buf), np.frombuffer(buf, offset=8)[:2]),
+        "reshape of a view": (base[:6].reshape(2, 3), base[4:10]),
+    }
+
+
+def _disjoint():
+    base = np.arange(20.0)
+    m = np.arange(12.0).reshape(3, 4)
+    return {
+        "adjacent slices": (base[:6], base[6:]),
+        "interleaved": (base[::2], base[1::2]),
+        "different columns": (m[:, 0], m[:, 1]),
+        "separate arrays": (np.ones(3), np.ones(3)),
+        "empty slice inside": (base[:10], base[5:5]),
+    }
+
+
+PAIRS = list(_pairs())
+DISJOINT = list(_disjoint())
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_find_overlap_detects(name):
+    x, y = _pairs()[name]
+    assert find_overlap([np.ones(2), x, np.zeros(1), y]) == (1, 3)
+
+
+@pytest.mark.parametrize("name", DISJOINT)
+def test_find_overlap_accepts_disjoint(name):
+    x, y = _disjoint()[name]
+    assert find_overlap([x, y]) is None
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_read_only_ops_accept_overlap(name, backend):
+    x, y = _pairs()[name]
+    tree = {"first": x, "mid": np.ones(2), "second": y}
+    assert rel_err(gf.global_norm(tree, backend=backend), exact_norm([x, np.ones(2), y])) < 1e-12
+    flat, re = gf.destructure(tree, backend=backend)
+    assert flat.tolist() == list(x.reshape(-1)) + [1.0, 1.0] + list(y.reshape(-1))
+    assert gf.total("count", tree) == x.size + y.size + 2
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_clip_refuses_overlap_naming_both_paths(name, backend):
+    x, y = _pairs()[name]
+    tree = {"first": x, "mid": np.ones(2), "deep": [{"second": y}]}
+    before = snapshot(tree)
+    with pytest.raises(gf.OverlapError) as info:
+        gf.clip_grad_norm_(tree, 1e-3, backend=backend)
+    assert "['first']" in str(info.value) and "['deep'][0]['second']" in str(info.value)
+    assert snapshot(tree) == before
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_scatter_refuses_overlap_naming_both_paths(name, backend):
+    x, y = _pairs()[name]
+    tree = {"first": x, "mid": np.ones(2), "deep": [{"second": y}]}
+    p = gf.plan(tree)
+    before = snapshot(tree)
+    with pytest.raises(gf.OverlapError) as info:
+        p.scatter(np.full(p.size, 7.0), tree, backend=backend)
+    assert "['first']" in str(info.value) and "['deep'][0]['second']" in str(info.value)
+    assert snapshot(tree) == before
+
+
+@pytest.mark.parametrize("name", DISJOINT)
+def test_in_place_ops_accept_disjoint_views(name, backend):
+    x, y = _disjoint()[name]
+    tree = {"x": x, "y": y}
+    p = gf.plan(tree)
+    p.scatter(np.arange(p.size, dtype=np.float64), tree, backend=backend)
+    assert list(x.reshape(-1)) + list(y.reshape(-1)) == list(range(p.size))
+    gf.clip_grad_norm_(tree, 1.0, backend=backend)
+
+
+def test_a_tie_is_not_an_overlap(backend):
+    a = np.arange(4.0)
+    tree = {"x": a, "z": a}
+    gf.clip_grad_norm_(tree, 1.0, backend=backend)
+    np.testing.assert_allclose(a, np.arange(4.0) / (np.sqrt(14.0) + 1e-6))
+
+
+def test_scatter_broken_tie_overlapping_another_leaf_is_refused(backend):
+    # The plan has one slot for x and z; the tree given has z as a view overlapping y.
+    a = np.zeros(3)
+    p = gf.plan({"x": a, "y": np.zeros(3), "z": a})
+    base = np.zeros(6)
+    tree = {"x": np.zeros(3), "y": base[:3], "z": base[1:4]}
+    before = snapshot(tree)
+    with pytest.raises(gf.OverlapError, match=r"\['y'\].*\['z'\]"):
+        p.scatter(np.arange(6.0), tree, backend=backend)
+    assert snapshot(tree) == before
