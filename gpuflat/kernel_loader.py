@@ -28,9 +28,13 @@ import numpy as np
 from gpuflat.dtypes import CUDA_NAMES
 
 # Compile options shared by every route. No fast-math: NaN and inf must
-# survive the norm and clip kernels (#5). -default-device makes the lambdas
-# that the kernels pass to their helpers device code under NVRTC.
-OPTIONS = ("-std=c++17", "-default-device")
+# survive the norm and clip kernels (#5). --fmad=false keeps a*b+c two
+# roundings, as the host emulator computes it, so the emulated device gives
+# the GPU's bits for gather, scatter, clip and the 1-, 2- and inf-norms (the
+# order is fixed either way; only pow and hypot may differ by an ulp).
+# -default-device makes the lambdas the kernels pass to their helpers device
+# code under NVRTC.
+OPTIONS = ("-std=c++17", "-default-device", "--fmad=false")
 
 # Norm kinds, the template argument of the norm kernels (kernels/norms.cu).
 NORM_KINDS = {"l1": 0, "l2": 1, "inf": 2, "p": 3}

@@ -524,3 +524,72 @@ def test_plan_items_split_big_leaves_and_keep_tiny_ones_whole():
     items = cuda.plan_items(plan)
     assert items.tolist() == [[0, 0, ITEM, 0], [0, ITEM, ITEM, ITEM], [0, 2 * ITEM, 1, 2 * ITEM],
                               [2, 0, 1, 2 * ITEM + 1], [3, 0, 5, 2 * ITEM + 2]]
+
+
+# ---------------------------------------------------------------- on a real GPU
+
+def _cupy():
+    try:
+        import cupy
+
+        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
+    except Exception:  # no CuPy, no driver, or no device
+        return None
+
+
+_cp = _cupy()
+gpu = pytest.mark.skipif(_cp is None, reason="needs CuPy and a CUDA device")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_gives_the_emulated_bits():
+    """The same tables and launches on a GPU: the same bits as the emulator
+    (both compile a*b+c as two roundings), except ulps in pow and hypot."""
+    from gpuflat.runtime import CupyRuntime
+
+    cp = _cp
+    gbe, ebe = CudaBackend(CupyRuntime()), CudaBackend(_RUNTIME)
+    rng = np.random.default_rng(13)
+    host = [rand(n, d, rng) for d in DTYPES for n in (ITEM - 1, ITEM * 3 + 1, 3, 0)] + [rand((), np.float32, rng)]
+    bases = [rand((70, 90), np.float32, rng), rand((6, 7, 8), np.complex64, rng), rand((50, 9), np.float16, rng)]
+    dbases = [cp.asarray(b) for b in bases]
+    host += [bases[0].T, bases[1].transpose(2, 0, 1)[1:, ::2], bases[2][::-1, 1::2]]
+    dev = [cp.asarray(a) for a in host[: -3]] + [dbases[0].T, dbases[1].transpose(2, 0, 1)[1:, ::2],
+                                                  dbases[2][::-1, 1::2]]
+    plan, leaves = planned(host)
+    real = [i for i, a in enumerate(host) if a.dtype.kind != "c"]
+
+    out_e = gather(ebe, plan, [[a] for a in leaves])
+    out_g = cp.empty(plan.size, plan.dtype)
+    gbe.stats.reset()
+    gbe.gather(plan, [[a] for a in dev], out_g)
+    assert gbe.stats.launches == 1 and gbe.stats.syncs == 0
+    assert same(cp.asnumpy(out_g), out_e)
+
+    for p in (1, 2, math.inf, 3.5):
+        re_, rg = ebe.norms(plan, leaves, p, True), gbe.norms(plan, dev, p, True)
+        rg2 = CudaBackend(gbe.runtime, grid=3).norms(plan, dev, p, True)
+        per_g = cp.asnumpy(rg.per_leaf)
+        assert per_g.tobytes() == cp.asnumpy(rg2.per_leaf).tobytes()  # any grid, same bits
+        if p != 3.5:
+            assert same(per_g[real], re_.per_leaf[real])
+        np.testing.assert_allclose(per_g, re_.per_leaf, rtol=1e-14)
+        np.testing.assert_allclose(cp.asnumpy(rg.total), re_.total, rtol=1e-14)
+        assert int(cp.asnumpy(rg.first_nonfinite)) == -1
+
+    flat = rand(plan.size, plan.dtype, rng)
+    back_e = [np.zeros_like(a) for a in host[:-3]] + [v.copy() for v in host[-3:]]
+    back_g = [cp.asarray(a) for a in back_e[:-3]] + dev[-3:]
+    ebe.scatter(plan, flat, back_e)
+    gbe.scatter(plan, cp.asarray(flat), back_g)
+    for a, b in zip(back_e, back_g):
+        assert same(cp.asnumpy(b), a)
+
+    r = gbe.norms(plan, back_g, 2, False)
+    gbe.stats.reset()
+    gbe.clip_(plan, back_g, r.total, 1.0, 1e-6)
+    assert gbe.stats.snapshot() == (1, 0, 0)
+    ebe.clip_(plan, back_e, ebe.norms(plan, back_e, 2, False).total, 1.0, 1e-6)
+    for a, b in zip(back_e, back_g):
+        np.testing.assert_allclose(cp.asnumpy(b).astype(np.complex128), a.astype(np.complex128), rtol=1e-6)
