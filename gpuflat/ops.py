@@ -149,13 +149,17 @@ def clip_grad_norm_(grads, max_norm, ord=2, *, eps=1e-6, error_if_nonfinite=Fals
         _check_writable([leaf.path for leaf in plan.leaves], unique)
         check_no_overlap(plan, unique)
     result = _norms(plan, unique, be, p, per_leaf=False, flat=flat)
-    if error_if_nonfinite:
-        bad = int(be.to_host(result.first_nonfinite))  # the one synchronisation (#3)
-        if bad >= 0:
-            raise NonFiniteError(
-                f"leaf {plan.leaves[bad].path!r} holds NaN or inf; the total {p:g}-norm is "
-                f"non-finite, so no gradient was scaled (error_if_nonfinite=True)"
-            )
+    # The one synchronisation (#3) reads the norm itself: finite leaves whose sum
+    # overflows float64 give an inf norm too, and PyTorch raises on that (#5).
+    # Only a non-finite norm costs a second read, to name the leaf.
+    if error_if_nonfinite and not math.isfinite(float(be.to_host(result.total))):
+        bad = int(be.to_host(result.first_nonfinite))
+        where = (f"leaf {plan.leaves[bad].path!r} holds NaN or inf" if bad >= 0 else
+                 "no leaf holds NaN or inf, but the sum overflowed float64")
+        raise NonFiniteError(
+            f"{where}; the total {p:g}-norm is non-finite, so no gradient was scaled "
+            f"(error_if_nonfinite=True)"
+        )
     be.clip_(plan, unique, result.total, max_norm, eps, flat=flat)
     return result.total
 
