@@ -275,7 +275,7 @@ struct Runtime {
     char message[768] = {};
     unsigned nthreads = 0;
     unsigned ncpu = 1;
-    unsigned oversubscribed_yields = 4;
+    unsigned oversubscribed_yields = 16;
 };
 
 // Constant-initialised and never destroyed, so pool threads still blocked in
