@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import namedtuple
-from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -258,43 +257,53 @@ def assert_bits_equal(a, b):
 
 # ---------------------------------------------------------------- exact references for norms
 
-def _abs_fraction_sq(x):
-    if isinstance(x, complex):
-        return Fraction(x.real) ** 2 + Fraction(x.imag) ** 2
-    return Fraction(x) ** 2
+def _parts(arrays):
+    """Every element as float64 real numbers (a complex element gives its two parts)."""
+    out = []
+    for a in arrays:
+        flat = np.asarray(a).reshape(-1)
+        if flat.dtype.kind == "c":
+            flat = flat.astype(np.complex128)
+            out += [flat.real, flat.imag]
+        else:
+            out.append(flat.astype(np.float64))
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def _magnitudes(arrays):
+    out = [np.abs(np.asarray(a).reshape(-1).astype(
+        np.complex128 if np.asarray(a).dtype.kind == "c" else np.float64)) for a in arrays]
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def exact_sumsq(arrays) -> float:
+    """The sum of |x|**2 over all elements, correctly rounded to a double.
+
+    Each square is split exactly into three doubles (Dekker's split), and
+    math.fsum adds all of them exactly before its one rounding.
+    """
+    x = np.abs(_parts(arrays))
+    c = x * 134217729.0  # 2**27 + 1
+    hi = c - (c - x)
+    lo = x - hi
+    return math.fsum(np.concatenate([hi * hi, 2 * hi * lo, lo * lo]).tolist())
 
 
 def exact_norm(arrays, ord=2):
     """The p-norm of all elements taken as one vector, as exactly as a double can hold it."""
-    values = []
-    for a in arrays:
-        flat = np.asarray(a).reshape(-1)
-        values += [complex(v) if flat.dtype.kind == "c" else float(v) for v in flat.tolist()]
-    if any(math.isnan(abs(v)) for v in values):
+    parts = _parts(arrays)
+    if np.isnan(parts).any():
         return math.nan
+    mags = _magnitudes(arrays)
     if ord == math.inf:
-        return max((abs(v) for v in values), default=0.0)
-    if any(math.isinf(abs(v)) for v in values):
+        return float(mags.max()) if mags.size else 0.0
+    if np.isinf(mags).any():
         return math.inf
     if ord == 2:
-        s = sum((_abs_fraction_sq(v) for v in values), Fraction(0))
-        return _sqrt_fraction(s)
+        return math.sqrt(exact_sumsq(arrays))  # two roundings: within 2.3e-16
     if ord == 1:
-        return math.fsum(abs(v) for v in values)  # |complex| is hypot: one rounding each
-    if ord == 3 and all(not isinstance(v, complex) for v in values):
-        s = sum((abs(Fraction(v)) ** 3 for v in values), Fraction(0))
-        return float(s) ** (1 / 3)
-    return math.fsum(abs(v) ** ord for v in values) ** (1 / ord)
-
-
-def _sqrt_fraction(s: Fraction) -> float:
-    if s == 0:
-        return 0.0
-    # Correctly rounded sqrt of a rational: integer sqrt at high precision.
-    shift = 200
-    n = s.numerator << (2 * shift)
-    root = math.isqrt(n // s.denominator)
-    return float(Fraction(root, 1 << shift))
+        return math.fsum(mags.tolist())  # |complex| is hypot: one rounding each
+    return math.fsum((mags ** ord).tolist()) ** (1 / ord)
 
 
 def rel_err(x, ref):

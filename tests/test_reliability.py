@@ -106,7 +106,8 @@ def test_nonfinite_without_the_check_makes_grads_nan_like_pytorch(backend):
     assert math.isnan(float(norm))
     assert np.isnan(g["a"]).all() and np.isnan(g["b"]).all()
     g = {"a": np.array([1.0, np.inf]), "b": np.ones(3, np.float32)}
-    norm = gf.clip_grad_norm_(g, 1.0, backend=backend)
+    with np.errstate(invalid="ignore"):  # inf * 0
+        norm = gf.clip_grad_norm_(g, 1.0, backend=backend)
     assert float(norm) == math.inf  # coef = max_norm / inf = 0
     assert g["b"].tolist() == [0, 0, 0]
 
