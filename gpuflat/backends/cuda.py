@@ -32,6 +32,7 @@ The same code drives the GPU (``CupyRuntime``) and the host emulator
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from functools import lru_cache
 from operator import attrgetter
@@ -119,10 +120,14 @@ class CudaBackend:
         per = rt.empty(n_slots, np.float64)
         total = rt.empty((), np.float64)
         first = rt.empty((), np.int64)
+        # Scratch per call, not per plan: two threads norming same-shaped
+        # trees share the plan, and their launches may interleave (#5).
+        partial = rt.empty(st.n_items, np.float64)
+        flags = rt.empty(st.n_items, np.int32)
         self._launch(kl.norm_partial_name(kind), st,
-                     [st.items, np.int64(st.n_items), table, np.float64(p), st.partial, st.flags])
+                     [st.items, np.int64(st.n_items), table, np.float64(p), partial, flags])
         rt.launch(kl.norm_finish_name(kind), 1, FINISH_THREADS,
-                  [st.items, np.int64(st.n_items), st.partial, st.flags, st.slot_items,
+                  [st.items, np.int64(st.n_items), partial, flags, st.slot_items,
                    np.int64(n_slots), st.big_slots, np.int64(st.n_big), np.float64(p),
                    per, total, first])
         return NormResult(total, per, first)
@@ -201,9 +206,8 @@ class _StaticTables:
         self.items, self.slot_items, self.big_slots, self.identity_csr = views
         self.n_items = len(items)
         self.n_big = len(big)
-        # Norm scratch: one partial and one non-finite flag per item.
-        self.partial = runtime.empty(self.n_items, np.float64)
-        self.flags = runtime.empty(self.n_items, np.int32)
+        # The caches below are shared by every thread using this plan (#5).
+        self.lock = threading.Lock()
         self.tables: OrderedDict = OrderedDict()  # per-call tables by content
         self.rows: OrderedDict = OrderedDict()  # host rows by array signature
 
@@ -251,7 +255,10 @@ def _leaf_rows(plan, arrays, slots, runtime) -> np.ndarray:
     """Host table (n, LEAF_ROW_WORDS) of ``arrays`` (``slots[i]`` is array i's slot)."""
     sig = tuple(map(_sig, arrays))
     st = _static_tables(plan, runtime)
-    template = st.rows.get(sig)
+    with st.lock:
+        template = st.rows.get(sig)
+        if template is not None:
+            st.rows.move_to_end(sig)
     if template is None:
         rows = []
         for (shape, strides, dtype), slot in zip(sig, slots):
@@ -266,11 +273,10 @@ def _leaf_rows(plan, arrays, slots, runtime) -> np.ndarray:
         template = np.zeros((len(rows), LEAF_ROW_WORDS), np.int64)
         if rows:
             template[:, 1:] = rows
-        st.rows[sig] = template
-        while len(st.rows) > TABLES_KEPT:
-            st.rows.popitem(last=False)
-    else:
-        st.rows.move_to_end(sig)
+        with st.lock:
+            st.rows[sig] = template
+            while len(st.rows) > TABLES_KEPT:
+                st.rows.popitem(last=False)
     table = template.copy()
     table[:, 0] = np.fromiter(map(runtime.pointer, arrays), np.int64, count=len(arrays))
     return table
@@ -296,12 +302,13 @@ def _device_table(plan, runtime, rows, extra=None):
     host = rows.ravel() if extra is None else np.concatenate([rows.ravel(), extra])
     key = host.tobytes()
     st = _static_tables(plan, runtime)
-    dev = st.tables.get(key)
-    if dev is None:
-        dev = runtime.upload(host)
-        st.tables[key] = dev
-        while len(st.tables) > TABLES_KEPT:
-            st.tables.popitem(last=False)
-    else:
-        st.tables.move_to_end(key)
-    return dev
+    with st.lock:
+        dev = st.tables.get(key)
+        if dev is None:
+            dev = runtime.upload(host)
+            st.tables[key] = dev
+            while len(st.tables) > TABLES_KEPT:
+                st.tables.popitem(last=False)
+        else:
+            st.tables.move_to_end(key)
+        return dev
