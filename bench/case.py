@@ -1,0 +1,30 @@
+"""One timed thing: an implementation of one operation on one workload (#4)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+
+@dataclass
+class Case:
+    """``fn()`` runs the operation once; ``value(result)`` turns its result into
+    a float64 array that the run compares with the expected figures, so a fast
+    wrong answer is reported as wrong (#4).
+
+    ``skip`` holds why the case could not be built (a peer that lacks the
+    dtype, a compile that failed); such cases are reported, never timed.
+    """
+
+    impl: str
+    library: str
+    fn: Optional[Callable[[], Any]] = None
+    value: Optional[Callable[[Any], Any]] = None
+    kind: str = "peer"  # "gpuflat" or "peer"
+    compile_s: Optional[float] = None
+    skip: Optional[str] = None
+    note: str = ""
+
+
+def skipped(impl: str, library: str, reason: str, kind: str = "peer") -> Case:
+    """A case that is listed in the results with the reason it did not run."""
+    return Case(impl=impl, library=library, kind=kind, skip=reason)

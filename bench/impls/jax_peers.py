@@ -1,0 +1,90 @@
+"""JAX with optax: ravel_pytree, global_norm, clip_by_global_norm, all jitted (#4).
+
+Each function is lowered and compiled before timing and the compile time is
+reported apart, so the medians are steady-state calls. JAX arrays are
+immutable: there is no in-place scatter and no resident model to clip in
+place, so those operations are listed as not applicable.
+"""
+from __future__ import annotations
+
+import time
+
+from .. import arrays
+from ..case import Case, skipped
+
+# XLA's compile time grows faster than linearly with the number of leaves
+# (seconds at a few hundred, far longer at 10,000 on a small CPU), so larger
+# trees are reported as not attempted rather than stalling the run (#4).
+MAX_LEAVES = 1000
+
+
+def library_name(device) -> str:
+    return "jax"
+
+
+def absent(device):
+    try:
+        import jax
+        import optax  # noqa: F401
+    except ImportError:
+        return "not installed (jax, jaxlib, optax)"
+    want = "cpu" if device.name == "cpu" else "gpu"
+    if jax.default_backend() != want:
+        return f"default backend is {jax.default_backend()}, not {want}"
+    return None
+
+
+def _compiled(impl, f, *args):
+    """A Case timing the compiled ``f(*args)``, with its lower+compile time."""
+    import jax
+
+    t0 = time.perf_counter()
+    try:
+        run = jax.jit(f).lower(*args).compile()
+    except Exception as exc:  # a dtype XLA lacks on this device, say
+        return skipped(impl, "jax", f"compile failed: {type(exc).__name__}: {exc}"[:200])
+    spent = time.perf_counter() - t0
+    return Case(impl, "jax", lambda: jax.block_until_ready(run(*args)), compile_s=spent)
+
+
+def _leaves(ctx):
+    import jax.numpy as jnp
+
+    if "jax" not in ctx.cache:
+        ctx.cache["jax"] = [jnp.asarray(a) for a in ctx.leaves]
+    return ctx.cache["jax"]
+
+
+def _build(op, ctx):
+    import jax.numpy as jnp
+    import optax
+    from jax.flatten_util import ravel_pytree
+
+    leaves = _leaves(ctx)
+    if op == "flatten":
+        case = _compiled("jax ravel_pytree", lambda ls: ravel_pytree(ls)[0], leaves)
+        case.value = arrays.norm_of_flat
+    elif op == "unflatten":
+        flat, unravel = ravel_pytree(leaves)
+        case = _compiled("jax ravel_pytree unravel", unravel, flat)
+        case.value = arrays.norm_of
+    elif op == "global_norm":
+        case = _compiled("optax global_norm", optax.global_norm, leaves)
+        case.value = arrays.values
+    elif op == "per_leaf_norm":
+        case = _compiled("jax tree_map(linalg.norm)", lambda ls: [jnp.linalg.norm(x) for x in ls], leaves)
+        case.value = arrays.values
+    else:
+        clip = optax.clip_by_global_norm(ctx.max_norm)
+        case = _compiled("optax clip_by_global_norm", lambda ls: clip.update(ls, clip.init(ls))[0], leaves)
+        case.value = arrays.norm_of
+    return case
+
+
+def cases(op, ctx) -> list:
+    if op in ("scatter", "resident_norm", "resident_clip"):
+        return []  # immutable arrays: not applicable (module docstring)
+    if len(ctx.leaves) > MAX_LEAVES:
+        return [skipped("jax", "jax", f"not attempted: {len(ctx.leaves)} leaves > {MAX_LEAVES}, "
+                        "XLA compile time grows superlinearly with leaf count")]
+    return [_build(op, ctx)]

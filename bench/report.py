@@ -1,0 +1,76 @@
+"""The terminal table and the JSON file (#4)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from . import summary, targets
+
+
+def _num(x, fmt="{:.3g}", none="-"):
+    return none if x is None else fmt.format(x)
+
+
+def _table(rows) -> list:
+    head = ("workload", "dtype", "op", "gpuflat ms", "GB/s", "best peer", "peer ms",
+            "peer/gpuflat", "floor ms", "gpuflat/floor")
+    body = [(s["workload"], s["dtype"], s["op"], _num(s["gpuflat_ms"]), _num(s["gpuflat_gb_s"], "{:.1f}"),
+             s["best_peer"] or "-", _num(s["best_peer_ms"]), _num(s["speedup_vs_best_peer"], "{:.2f}x"),
+             _num(s["floor_ms"]), _num(s["time_over_floor"], "{:.2f}x")) for s in rows]
+    widths = [max(len(str(r[i])) for r in [head, *body]) for i in range(len(head))]
+    line = lambda r: "  ".join(str(c).ljust(w) if i < 3 or i == 5 else str(c).rjust(w)  # noqa: E731
+                               for i, (c, w) in enumerate(zip(r, widths)))
+    return [line(head), "  ".join("-" * w for w in widths), *map(line, body)]
+
+
+def _header(results) -> list:
+    m, s = results["machine"], results["settings"]
+    where = m.get("gpu") or f"{m['cpu']}, {m['cores']} cores"
+    out = [f"gpuflat benchmark on {where}: backend {results['backend']}, {results['clock']}, "
+           f"median of {s['min_reps']}-{s['max_reps']} runs after {s['warmup']} warm-up"]
+    out += [f"absent: {lib} ({why})" for lib, why in results["absent"].items()]
+    return out
+
+
+def _problems(results) -> list:
+    out = []
+    for r in results["rows"]:
+        if r["status"] in ("error", "wrong", "skipped"):
+            out.append(f"  {r['workload']} {r['dtype']} {r['op']} {r['impl']}: {r['status']}: "
+                       f"{r.get('reason') or r.get('check')}")
+    return out
+
+
+def _compiles(results) -> list:
+    rows = [r for r in results["rows"] if r.get("compile_ms") is not None]
+    return [f"  {r['workload']} {r['dtype']} {r['op']} {r['impl']}: {r['compile_ms']:.0f} ms"
+            for r in rows]
+
+
+def _targets(results) -> list:
+    word = {True: "met", False: "MISSED", None: "not measured"}
+    return [f"  {word[t['met']]:<12} {t['target']} [{t['unit']}]: {t['measured'] or '-'}"
+            for t in results["targets"]]
+
+
+def text(results) -> str:
+    """The side-by-side table, then the targets, compile times and problems."""
+    out = _header(results) + [""] + _table(results["summary"])
+    out += ["", "peer/gpuflat > 1: gpuflat is faster; gpuflat/floor = 1: at the machine's limit"]
+    out += ["", "issue #4 targets:"] + _targets(results)
+    if _compiles(results):
+        out += ["", "JAX lower+compile time (not in the medians):"] + _compiles(results)
+    if _problems(results):
+        out += ["", "not timed or wrong:"] + _problems(results)
+    out += results["notes"] + [f"\ntotal {results['wall_s']:.0f} s"]
+    return "\n".join(out)
+
+
+def write(results, out_dir, stem) -> list:
+    """Adds the summary and targets to ``results`` and writes ``<stem>.json``."""
+    results["summary"] = summary.summarize(results)
+    results["targets"] = targets.judge(results)
+    path = Path(out_dir) / f"{stem}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    return [path]

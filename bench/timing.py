@@ -1,0 +1,79 @@
+"""Medians of repeated runs after warm-up, on the host clock or CUDA events (#4).
+
+The machines are shared and noisy, so each case runs until it has both a
+minimum number of repeats and a minimum total time, and the median is kept.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Settings:
+    warmup: int
+    min_reps: int
+    max_reps: int
+    min_time_s: float
+
+
+QUICK = Settings(warmup=1, min_reps=3, max_reps=15, min_time_s=0.03)
+FULL = Settings(warmup=2, min_reps=5, max_reps=60, min_time_s=0.25)
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_s: float
+    min_s: float
+    reps: int
+
+
+class HostTimer:
+    """Wall time of one call: every CPU peer returns only when its work is done."""
+
+    clock = "time.perf_counter"
+
+    def once(self, fn):
+        t0 = time.perf_counter()
+        result = fn()
+        return time.perf_counter() - t0, result
+
+
+class CudaEventTimer:
+    """GPU time of one call between two CUDA events on the null stream.
+
+    Before each call a scratch buffer twice the L2 size is rewritten, so every
+    repeat reads its operands from memory rather than from the 60 MB L2 (the
+    DESIGN's protocol: rotate buffers larger than L2) (#4). The events also
+    catch host launch overhead: the end event waits for the last launch.
+    """
+
+    clock = "cuda events"
+
+    def __init__(self, cupy):
+        self.cp = cupy
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        self.scratch = cupy.empty(2 * int(props.get("l2CacheSize", 64 << 20)), cupy.uint8)
+        self.start, self.end = cupy.cuda.Event(), cupy.cuda.Event()
+
+    def once(self, fn):
+        self.scratch.fill(1)
+        self.start.record()
+        result = fn()
+        self.end.record()
+        self.end.synchronize()
+        return self.cp.cuda.get_elapsed_time(self.start, self.end) / 1e3, result
+
+
+def measure(fn, timer, settings: Settings):
+    """(Timing, last result) of ``fn`` after ``settings.warmup`` untimed calls."""
+    for _ in range(settings.warmup):
+        timer.once(fn)
+    times, result, began = [], None, time.perf_counter()
+    while len(times) < settings.max_reps and (
+        len(times) < settings.min_reps or time.perf_counter() - began < settings.min_time_s
+    ):
+        dt, result = timer.once(fn)
+        times.append(dt)
+    return Timing(statistics.median(times), min(times), len(times)), result
