@@ -1,0 +1,29 @@
+# gpuflat's GPU benchmark (#4): gpuflat beside CuPy and PyTorch on CUDA.
+#   docker build -t gpuflat-bench .
+#   docker run --rm --gpus all -v "$PWD/bench/results:/results" gpuflat-bench
+# The results (<gpu-name>.json, .png) land in the mounted /results folder;
+# arguments after the image name replace the defaults, e.g. `--quick`.
+FROM nvidia/cuda:12.6.3-runtime-ubuntu24.04
+
+# The runtime image carries NVRTC, which CuPy needs to build the kernels.
+# Python comes from the base image's release (noble); its point releases are
+# security updates, so the version is left to the distribution.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && rm -rf /var/lib/apt/lists/*
+
+# Ubuntu 24.04 marks its Python as externally managed: install into a venv.
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1
+RUN python3 -m venv "$VIRTUAL_ENV"
+
+WORKDIR /src
+COPY . .
+# "." is this repository; its extras' versions are bounded in pyproject.toml.
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir ".[cuda12,bench]"
+
+VOLUME ["/results"]
+ENTRYPOINT ["python", "-m", "bench", "--device", "cuda", "--out", "/results"]
