@@ -17,8 +17,12 @@ import gpuflat
 from . import arrays
 from .workloads import HostWorkload
 
-# relative tolerance of the result checks, by the dtype the peers compute in
-TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2, "mixed": 5e-3}
+# Relative error above which a result counts as wrong, by the dtype the peers
+# compute in. Loose on purpose: it catches a broken implementation, not the
+# float32 accumulation error of a peer (PyTorch's CPU norms of GPT-2's 38M-element
+# embedding are off by about 1e-3, pytorch #186881), which is reported as a
+# figure of its own (#4).
+WRONG_ABOVE = {"float32": 1e-2, "float16": 2e-2, "bfloat16": 5e-2, "mixed": 2e-2}
 
 
 @dataclass
@@ -58,7 +62,7 @@ class Context:
 
     @property
     def rtol(self) -> float:
-        return TOLERANCE[self.dtype]
+        return WRONG_ABOVE[self.dtype]
 
     @property
     def offsets(self) -> list:

@@ -36,8 +36,8 @@ def _problems(results) -> list:
     out = []
     for r in results["rows"]:
         if r["status"] in ("error", "wrong", "skipped"):
-            out.append(f"  {r['workload']} {r['dtype']} {r['op']} {r['impl']}: {r['status']}: "
-                       f"{r.get('reason') or r.get('check')}")
+            why = r.get("reason") or f"relative error {r['rel_err']:.2g} against float64"
+            out.append(f"  {r['workload']} {r['dtype']} {r['op']} {r['impl']}: {r['status']}: {why}")
     return out
 
 
@@ -45,6 +45,18 @@ def _compiles(results) -> list:
     rows = [r for r in results["rows"] if r.get("compile_ms") is not None]
     return [f"  {r['workload']} {r['dtype']} {r['op']} {r['impl']}: {r['compile_ms']:.0f} ms"
             for r in rows]
+
+
+def _precision(results, above=1e-5) -> list:
+    """Norms off the float64 reference by more than ``above``.
+
+    Clipping is left out: its reference (the model's norm is max_norm after the
+    warm-up) drifts by eps/max_norm per repeat, a property of the formula.
+    """
+    rows = [r for r in results["rows"] if r["status"] == "ok" and (r.get("rel_err") or 0) > above
+            and "clip" not in r["op"]]
+    rows.sort(key=lambda r: -r["rel_err"])
+    return [f"  {r['rel_err']:.1e}  {r['workload']} {r['dtype']} {r['op']} {r['impl']}" for r in rows]
 
 
 def _targets(results) -> list:
@@ -60,6 +72,8 @@ def text(results) -> str:
     out += ["", "issue #4 targets:"] + _targets(results)
     if _compiles(results):
         out += ["", "JAX lower+compile time (not in the medians):"] + _compiles(results)
+    if _precision(results):
+        out += ["", "relative error against a float64 reference, where above 1e-5:"] + _precision(results)
     if _problems(results):
         out += ["", "not timed or wrong:"] + _problems(results)
     out += results["notes"] + [f"\ntotal {results['wall_s']:.0f} s"]
