@@ -11,16 +11,33 @@ def _num(x, fmt="{:.3g}", none="-"):
     return none if x is None else fmt.format(x)
 
 
+def _columns(head, body, left) -> list:
+    """Aligned text rows; columns in ``left`` are left-aligned, the rest right."""
+    widths = [max(len(str(r[i])) for r in [head, *body]) for i in range(len(head))]
+    line = lambda r: "  ".join(str(c).ljust(w) if i in left else str(c).rjust(w)  # noqa: E731
+                               for i, (c, w) in enumerate(zip(r, widths)))
+    return [line(head), "  ".join("-" * w for w in widths), *map(line, body)]
+
+
 def _table(rows) -> list:
     head = ("workload", "dtype", "op", "gpuflat ms", "GB/s", "best peer", "peer ms",
             "peer/gpuflat", "floor ms", "gpuflat/floor")
     body = [(s["workload"], s["dtype"], s["op"], _num(s["gpuflat_ms"]), _num(s["gpuflat_gb_s"], "{:.1f}"),
              s["best_peer"] or "-", _num(s["best_peer_ms"]), _num(s["speedup_vs_best_peer"], "{:.2f}x"),
              _num(s["floor_ms"]), _num(s["time_over_floor"], "{:.2f}x")) for s in rows]
-    widths = [max(len(str(r[i])) for r in [head, *body]) for i in range(len(head))]
-    line = lambda r: "  ".join(str(c).ljust(w) if i < 3 or i == 5 else str(c).rjust(w)  # noqa: E731
-                               for i, (c, w) in enumerate(zip(r, widths)))
-    return [line(head), "  ".join("-" * w for w in widths), *map(line, body)]
+    return _columns(head, body, left={0, 1, 2, 5})
+
+
+def _every_row(results) -> list:
+    head = ("workload", "dtype", "op", "implementation", "median ms", "reps", "GB/s", "x floor", "status")
+    body = []
+    for r in results["rows"]:
+        floor = summary.floor_ms(results, r["workload"], r["dtype"], r["op"])
+        ms = r.get("median_ms")
+        body.append((r["workload"], r["dtype"], r["op"], r["impl"], _num(ms), _num(r.get("reps"), "{}"),
+                     _num(r.get("gb_s"), "{:.1f}"), _num(ms / floor if ms and floor else None, "{:.2f}x"),
+                     r["status"]))
+    return _columns(head, body, left={0, 1, 2, 3, 8})
 
 
 def _header(results) -> list:
@@ -28,7 +45,7 @@ def _header(results) -> list:
     where = m.get("gpu") or f"{m['cpu']}, {m['cores']} cores"
     out = [f"gpuflat benchmark on {where}: backend {results['backend']}, {results['clock']}, "
            f"median of {s['min_reps']}-{s['max_reps']} runs after {s['warmup']} warm-up"]
-    out += [f"absent: {lib} ({why})" for lib, why in results["absent"].items()]
+    out += [f"absent: {lib}: {why}" for lib, why in results["absent"].items()]
     return out
 
 
@@ -65,9 +82,12 @@ def _targets(results) -> list:
             for t in results["targets"]]
 
 
-def text(results) -> str:
-    """The side-by-side table, then the targets, compile times and problems."""
-    out = _header(results) + [""] + _table(results["summary"])
+def text(results, every=False) -> str:
+    """The side-by-side table, then the targets, compile times and problems;
+    with ``every``, first one line per implementation timed."""
+    out = _header(results) + [""]
+    out += (_every_row(results) + [""]) if every else []
+    out += _table(results["summary"])
     out += ["", "peer/gpuflat > 1: gpuflat is faster; gpuflat/floor = 1: at the machine's limit"]
     out += ["", "issue #4 targets:"] + _targets(results)
     if _compiles(results):

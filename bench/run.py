@@ -30,6 +30,7 @@ def parse(argv):
     p.add_argument("--workloads-file", default=str(workloads.DEFAULT_FILE))
     p.add_argument("--jax-max-leaves", type=int, default=jax_peers.MAX_LEAVES)
     p.add_argument("--name", help="file name stem instead of the machine's name")
+    p.add_argument("--all", action="store_true", help="also print one line per implementation")
     return p.parse_args(argv)
 
 
@@ -146,6 +147,6 @@ def main(argv=None) -> int:
     stem = (args.name or machine.name(device.name, device.xp)) + ("-quick" if args.quick else "")
     paths = report.write(results, args.out, stem)
     paths.append(chart.write(results, args.out, stem))
-    print(report.text(results))
+    print(report.text(results, every=args.all))
     print("\nwrote " + ", ".join(str(p) for p in paths if p))
     return 0
