@@ -149,7 +149,7 @@ class EmulatedRuntime(Runtime):
         return self._library
 
     def _pointer(self, array) -> int:
-        return array.__array_interface__["data"][0]
+        return array.ctypes.data
 
     def _upload(self, host):
         return np.array(host, copy=True)
