@@ -593,3 +593,20 @@ def test_gpu_gives_the_emulated_bits():
     ebe.clip_(plan, back_e, ebe.norms(plan, back_e, 2, False).total, 1.0, 1e-6)
     for a, b in zip(back_e, back_g):
         np.testing.assert_allclose(cp.asnumpy(b).astype(np.complex128), a.astype(np.complex128), rtol=1e-6)
+
+
+def test_work_items_past_two_to_the_31_are_exact_int64():
+    # The kernels index with the table's int64 fields; prove the table is
+    # right past 2**31 elements without allocating them (0-strided views, #5).
+    huge = 2**31 + 5
+    tree = [np.broadcast_to(np.zeros(1, np.float32), (huge,)), np.zeros(3, np.float32),
+            np.broadcast_to(np.zeros(1, np.float32), (2, 2**31))]
+    items = cuda.plan_items(gf.plan(tree))
+    assert items.dtype == np.int64
+    first_small = -(-huge // ITEM)
+    assert items[first_small - 1].tolist() == [0, (first_small - 1) * ITEM, huge - (first_small - 1) * ITEM,
+                                               (first_small - 1) * ITEM]
+    assert items[first_small].tolist() == [1, 0, 3, huge]
+    last = items[-1].tolist()
+    assert last[0] == 2 and last[1] + last[2] == 2**32 and last[3] + last[2] == huge + 3 + 2**32
+    assert int(items[:, 2].sum()) == huge + 3 + 2**32
