@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import weakref
 
-import numpy as np
 
 from . import tree as _tree
 from .backends.base import check_ord, select

@@ -58,7 +58,7 @@ def find_overlap(arrays):
         if len(members) < 2:
             continue
         spans = sorted((e, i) for i in members if (e := _extent(arrays[i])) is not None)
-        for k, ((lo, hi), i) in enumerate(spans):
+        for k, ((_, hi), i) in enumerate(spans):
             for (lo2, _), j in spans[k + 1 :]:
                 if lo2 >= hi:
                     break

@@ -25,20 +25,12 @@ try:
 except ImportError:  # pragma: no cover - ml_dtypes is a test dependency
     BF16 = None
 
-try:
-    from gpuflat import emulator  # noqa: F401
-
-    _RUNTIME = EmulatedRuntime()
-    _RUNTIME.library  # build (or load the cached build) once
-    _WHY = ""
-except Exception as exc:  # pragma: no cover - g++ missing
-    _RUNTIME, _WHY = None, f"emulator unavailable: {type(exc).__name__}: {exc}"
-
-pytestmark = pytest.mark.skipif(_RUNTIME is None, reason=_WHY or "-")
-
 DTYPES = [np.dtype(np.float16)] + ([BF16] if BF16 is not None else []) + [
     np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.complex64), np.dtype(np.complex128)]
 IDS = [str(d) for d in DTYPES]
+
+# One emulated device for the module: its library is built (or loaded) once.
+_RUNTIME = EmulatedRuntime()
 
 
 @pytest.fixture

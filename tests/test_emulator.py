@@ -6,7 +6,6 @@ them are built into one library (one g++ run for the module).
 """
 from __future__ import annotations
 
-import ctypes
 import threading
 from concurrent.futures import ThreadPoolExecutor
 

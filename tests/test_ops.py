@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import gpuflat as gf
 
 from conftest import (
-    BF16, DTYPES, DTYPE_IDS, Linear, Pair, assert_bits_equal, cast, exact_norm, grads_for,
+    BF16, DTYPES, DTYPE_IDS, Linear, assert_bits_equal, cast, exact_norm, grads_for,
     ref_flat_dtype, ref_flatten, ref_flatten_grads, ref_unique, rel_err, random_array,
     snapshot, strided_variant, trees,
 )
@@ -393,8 +393,14 @@ def test_unknown_backend():
         gf.global_norm({"w": np.ones(1)}, backend="tpu")
 
 
-def test_mixed_numpy_cupy_needs_cupy():
-    pytest.importorskip("cupy")  # not testable without CuPy: reported as a skip, never as a pass
+@pytest.mark.gpu
+def test_mixed_numpy_and_cupy_leaves_name_one_of_each():
+    cp = pytest.importorskip("cupy")
+    if cp.cuda.runtime.getDeviceCount() == 0:  # pragma: no cover - CuPy without a device
+        pytest.skip("needs a CUDA device")
+    tree = {"host": np.ones(2), "device": cp.ones(2)}
+    with pytest.raises(TypeError, match=r"leaf \"\['host'\]\" is a NumPy array.*\['device'\]"):
+        gf.global_norm(tree)
 
 
 # ---------------------------------------------------------------- hypothesis properties

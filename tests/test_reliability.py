@@ -258,7 +258,6 @@ def test_returned_norms_are_not_overwritten_by_later_calls(backend):
 
 def test_eight_threads_different_and_same_shaped_trees(backend):
     n_threads, n_iter = 8, 30
-    rng = np.random.default_rng(2)
     shapes = [[(3, 4), (5,)], [(2, 2), (7,), ()], [(6,)], [(3, 4), (5,)]]  # 0 and 3 share a shape
     errors, lookups = [], [0] * n_threads
     start = threading.Barrier(n_threads)
@@ -267,7 +266,7 @@ def test_eight_threads_different_and_same_shaped_trees(backend):
         try:
             local = np.random.default_rng(k)
             start.wait()
-            for i in range(n_iter):
+            for _ in range(n_iter):
                 tree = {f"l{j}": local.standard_normal(s) for j, s in enumerate(shapes[k % len(shapes)])}
                 ref = exact_norm(list(tree.values()))
                 assert rel_err(gf.global_norm(tree, backend=backend), ref) < 1e-12

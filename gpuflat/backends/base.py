@@ -6,7 +6,6 @@ import sys
 import threading
 from dataclasses import dataclass
 
-import numpy as np
 
 BACKEND_NAMES = ("numpy", "cuda", "emulated")
 
