@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import subprocess
 import sys
 from importlib import metadata
 
@@ -44,6 +45,18 @@ def _version(dist: str):
         return None
 
 
+def source_revision():
+    """The checkout's commit (``+dirty`` with local changes), or None outside git:
+    results are only comparable with the code they measured (#4)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        rev = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty=+dirty"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev.stdout.strip() or None
+
+
 def describe(device: str, cupy=None) -> dict:
     """What the JSON records about the machine and the library versions."""
     info = {
@@ -51,6 +64,7 @@ def describe(device: str, cupy=None) -> dict:
         "cores": os.cpu_count(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "revision": source_revision(),
         "versions": {d: _version(d) for d in ("gpuflat", "numpy", "ml_dtypes", "torch", "jax",
                                               "jaxlib", "optax", "cupy-cuda12x", "matplotlib")},
     }
