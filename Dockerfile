@@ -23,7 +23,7 @@ WORKDIR /src
 COPY . .
 # "." is this repository; its extras' versions are bounded in pyproject.toml.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[cuda12,bench]"
+RUN pip install --no-cache-dir ".[cuda12,bench,peers]"
 
 VOLUME ["/results"]
 ENTRYPOINT ["python", "-m", "bench", "--device", "cuda", "--out", "/results"]

@@ -14,5 +14,17 @@ $(TEST_VENV)/.ready: pyproject.toml
 test: $(TEST_VENV)/.ready
 	$(TEST_VENV)/bin/python -m pytest -q
 
+# torch is pinned first to the CPU build this kind of machine carries; an
+# unpinned torch would pull a CUDA build of several GB.
+$(BENCH_VENV)/.ready: pyproject.toml
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
+	$(BENCH_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(BENCH_VENV)/bin/python -m pip install -q -e '.[bench,peers]'
+	touch $@
+
+bench: $(BENCH_VENV)/.ready
+	$(BENCH_VENV)/bin/python -m bench
+
 clean:
 	rm -rf $(TEST_VENV) $(BENCH_VENV) build dist
