@@ -192,9 +192,8 @@ def plan_unflatten(plan, flat):
             piece = piece.real  # complex to real keeps the real part, without NumPy's warning
         views.append(piece.reshape(leaf.shape) if leaf.dtype == flat.dtype else
                      piece.astype(leaf.dtype).reshape(leaf.shape))
-    if all(leaf.dtype == flat.dtype for leaf in plan.leaves):
-        # Remember the views, so later calls on this model use the buffer itself.
-        plan.device_cache["resident"] = (weakref.ref(flat), [weakref.ref(v) for v in views])
+    if views and all(leaf.dtype == flat.dtype for leaf in plan.leaves):
+        _remember_resident(plan, flat, views)
     return _tree.rebuild(plan.treedef, [views[s] for s in plan.slot_of])
 
 
@@ -233,12 +232,31 @@ def _norms(plan, unique, be, p, per_leaf, flat=None):
     return be.norms(plan, unique, p, per_leaf, flat=flat)
 
 
+_RESIDENT_KEPT = 4  # models resident in a buffer remembered per plan
+
+
+def _remember_resident(plan, flat, views):
+    """Remember unflatten's views, so later calls on that model use the buffer itself (#4).
+
+    Keyed by the first view's id and checked by identity of every view, so a
+    tree that merely looks alike is never mistaken for the buffer. Only weak
+    references are kept: a dropped model frees its buffer.
+    """
+    registry = plan.device_cache.setdefault("resident", {})
+    registry[id(views[0])] = (weakref.ref(flat), [weakref.ref(v) for v in views])
+    while len(registry) > _RESIDENT_KEPT:
+        registry.pop(next(iter(registry)), None)
+
+
 def _resident_buffer(plan, unique):
     """The buffer the leaves are views of, if they are exactly the views unflatten made."""
-    resident = plan.device_cache.get("resident")
-    if resident is None:
+    registry = plan.device_cache.get("resident")
+    if not registry or not unique:
         return None
-    flat_ref, view_refs = resident
+    entry = registry.get(id(unique[0]))
+    if entry is None:
+        return None
+    flat_ref, view_refs = entry
     if all(ref() is a for ref, a in zip(view_refs, unique)):
         return flat_ref()
     return None

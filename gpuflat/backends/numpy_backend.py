@@ -8,7 +8,6 @@ fixed by the plan, so every repeat adds the same numbers in the same order.
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 
@@ -121,7 +120,11 @@ def _clip_coef(total, max_norm, eps):
 
 
 def _chunks(plan, leaves, flat, first, end, count, acc_dtype):
-    """The values of a piece as float64 (or complex128) arrays of at most PIECE elements."""
+    """The values of a piece as float64 (or complex128) arrays of at most PIECE elements.
+
+    A large leaf is converted chunk by chunk into one reused scratch buffer,
+    so it costs PIECE elements of memory and stays in cache.
+    """
     if flat is not None:
         values = flat[plan.leaves[first].offset :][:count]
     elif end - first == 1:
@@ -131,17 +134,19 @@ def _chunks(plan, leaves, flat, first, end, count, acc_dtype):
         np.concatenate(leaves[first:end], axis=None, out=buf, casting="unsafe")
         yield buf
         return
+    scratch = np.empty(min(count, PIECE), acc_dtype)
     for lo in range(0, count, PIECE):
-        yield values[lo : lo + PIECE].astype(acc_dtype)
+        chunk = values[lo : lo + PIECE]
+        out = scratch[: chunk.size]
+        np.copyto(out, chunk, casting="unsafe")
+        yield out
 
 
 def _partial(values, p, keep=False):
     """(reduction of one chunk: sum of |x|**p, or max |x| for p = inf; its
     per-element contributions if ``keep``, else possibly None). May overwrite ``values``."""
     if p == 2 and values.dtype.kind == "f":
-        # einsum, not np.dot: BLAS threads stall on a busy machine, and a
-        # single-threaded sum keeps the order fixed (#2).
-        part = float(np.einsum("i,i->", values, values))
+        part = float(np.dot(values, values))
         return part, (np.square(values, out=values) if keep else None)
     contrib = _contributions(values, p)
     if not contrib.size:
@@ -184,7 +189,7 @@ def _first_nonfinite(leaves) -> int:
 
 
 def _cast_copy(target, source):
-    # Complex to real keeps the real part, as the kernels do; NumPy warns.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", np.exceptions.ComplexWarning)
-        np.copyto(target, source, casting="unsafe")
+    # Complex to real keeps the real part, as the kernels do (and without NumPy's warning).
+    if source.dtype.kind == "c" and target.dtype.kind != "c":
+        source = source.real
+    np.copyto(target, source, casting="unsafe")
