@@ -21,8 +21,7 @@ _NAMED_TOTALS = ("sumsq", "l1", "l2", "count")
 
 
 def _backend_for(plan, arrays, backend):
-    paths = [leaf.path for leaf in plan.leaves]
-    return select(backend, arrays, paths)
+    return select(backend, arrays, lambda i: plan.leaves[i].path)
 
 
 def trainables(tree, *, path=False):
@@ -63,7 +62,7 @@ def destructure(tree, *, backend=None):
 
     def re(flat2):
         _check_flat(plan, flat2)
-        be2 = select(backend, [flat2], ["<flat>"])
+        be2 = select(backend, [flat2], lambda i: "<flat>")
         leaves = [be2.xp.empty(leaf.shape, leaf.dtype) for leaf in plan.leaves]
         be2.scatter(plan, flat2, leaves)
         return _tree.rebuild(plan.treedef, [leaves[s] for s in plan.slot_of])
@@ -166,17 +165,20 @@ def clip_grad_norm_(grads, max_norm, ord=2, *, eps=1e-6, error_if_nonfinite=Fals
 # ---------------------------------------------------------------- plan methods
 
 def plan_flatten(plan, tree, out, backend):
-    sources = [[] for _ in plan.leaves]
-    for slot, value in zip(plan.slot_of, occurrences(plan, tree, allow_none=True)):
-        # The same gradient object met twice counts once (Optimisers.jl, #2).
-        if value is not None and all(value is not seen for seen in sources[slot]):
-            sources[slot].append(value)
-    present = [s[0] for s in sources if s]
-    paths = [leaf.path for leaf, s in zip(plan.leaves, sources) if s]
+    values, exact = occurrences(plan, tree, allow_none=True)
+    if exact and len(plan.slot_of) == len(plan.leaves):
+        sources = [[v] for v in values]  # no ties, no None: the common case
+    else:
+        sources = [[] for _ in plan.leaves]
+        for slot, value in zip(plan.slot_of, values):
+            # The same gradient object met twice counts once (Optimisers.jl, #2).
+            if value is not None and all(value is not seen for seen in sources[slot]):
+                sources[slot].append(value)
+    present = [(leaf.path, s[0]) for leaf, s in zip(plan.leaves, sources) if s]
     if out is not None:
         _check_flat(plan, out, name="out")
-        present, paths = present + [out], paths + ["<out>"]
-    be = select(backend, present, paths)
+        present.append(("<out>", out))
+    be = select(backend, [a for _, a in present], lambda i: present[i][0])
     if out is None:
         out = be.xp.empty(plan.size, plan.dtype)
     be.gather(plan, sources, out)
@@ -198,12 +200,13 @@ def plan_unflatten(plan, flat):
 
 
 def plan_scatter(plan, flat, tree, backend):
-    values = occurrences(plan, tree, allow_none=False)
+    values, _ = occurrences(plan, tree, allow_none=False)
     targets = [None] * len(plan.leaves)
     for slot, value in zip(plan.slot_of, values):
         targets[slot] = value if targets[slot] is None else targets[slot]
     _check_flat(plan, flat)
-    be = select(backend, targets + [flat], [leaf.path for leaf in plan.leaves] + ["<flat>"])
+    be = select(backend, targets + [flat],
+                lambda i: plan.leaves[i].path if i < len(plan.leaves) else "<flat>")
     _check_writable(plan.occurrence_paths, values)
     # A broken tie adds arrays the plan has no slot for; they are written too,
     # so they are checked for overlap with the rest before any write (#5).

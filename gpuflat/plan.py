@@ -210,7 +210,10 @@ CacheInfo = namedtuple("CacheInfo", "hits misses size maxsize")
 
 
 def occurrences(plan, tree, *, allow_none):
-    """What ``tree`` holds at each trainable place of ``plan``, checked against it.
+    """(values, exact): what ``tree`` holds at each trainable place of ``plan``, checked.
+
+    ``exact`` is True when the tree is shaped exactly like the plan's, so
+    every value is an array of the expected shape and dtype (no None).
 
     A tree shaped exactly like the plan's costs one walk and one tuple
     comparison; anything else takes the slow path that finds and names the
@@ -218,12 +221,12 @@ def occurrences(plan, tree, *, allow_none):
     """
     treedef, arrays = _tree.walk(tree)
     if treedef == plan.treedef and tuple(map(_shape_and_dtype, arrays)) == plan.occurrence_signature:
-        return arrays
+        return arrays, True
     values = _tree.arrays_like(plan.treedef, tree)
     array_types = _tree._array_types()
     for path, slot, value in zip(plan.occurrence_paths, plan.slot_of, values):
         check_leaf(plan.leaves[slot], path, value, allow_none=allow_none, array_types=array_types)
-    return values
+    return values, False
 
 
 def plan_and_arrays(tree):

@@ -74,8 +74,8 @@ def _is_cupy(x) -> bool:
     return cupy is not None and isinstance(x, cupy.ndarray)
 
 
-def select(backend, arrays, paths):
-    """The backend for a call on ``arrays`` (whose paths are ``paths``).
+def select(backend, arrays, path_of):
+    """The backend for a call on ``arrays``; ``path_of(i)`` names the i-th (only on error).
 
     The default follows the arrays: NumPy arrays take "numpy", CuPy arrays
     "cuda". A mix raises, naming one leaf of each; so does a backend that
@@ -86,8 +86,8 @@ def select(backend, arrays, paths):
     first_numpy = on_gpu.index(False) if False in on_gpu else None
     if first_numpy is not None and first_cupy is not None:
         raise TypeError(
-            f"tree mixes NumPy and CuPy arrays: leaf {paths[first_numpy]!r} is a NumPy array, "
-            f"leaf {paths[first_cupy]!r} is a CuPy array"
+            f"tree mixes NumPy and CuPy arrays: leaf {path_of(first_numpy)!r} is a NumPy array, "
+            f"leaf {path_of(first_cupy)!r} is a CuPy array"
         )
     name = backend or ("cuda" if first_cupy is not None else "numpy")
     wants_cupy = name == "cuda"
@@ -95,7 +95,7 @@ def select(backend, arrays, paths):
     if wrong is not None:
         kind = "CuPy" if wants_cupy else "NumPy"
         raise TypeError(
-            f"backend {name!r} works on {kind} arrays; leaf {paths[wrong]!r} is a "
+            f"backend {name!r} works on {kind} arrays; leaf {path_of(wrong)!r} is a "
             f"{type(arrays[wrong]).__module__}.{type(arrays[wrong]).__name__}"
         )
     return get_backend(name)
