@@ -24,8 +24,10 @@ def _backend_for(plan, arrays, backend):
     return select(backend, arrays, lambda i: plan.leaves[i].path)
 
 
-def trainables(tree, *, path=False):
+def trainables(tree, *, path=False, backend=None):
     """The unique trainable arrays of ``tree`` in walk order (ties once).
+
+    ``backend`` is only checked against the leaves (no computation happens).
 
     >>> import numpy as np, gpuflat as gf
     >>> w = np.ones(2)
@@ -34,6 +36,7 @@ def trainables(tree, *, path=False):
     ["['enc']['w']"]
     """
     plan, unique, _ = plan_and_arrays(tree)
+    _backend_for(plan, unique, backend)
     if not path:
         return list(unique)
     return [(leaf.path, a) for leaf, a in zip(plan.leaves, unique)]
@@ -185,8 +188,9 @@ def plan_flatten(plan, tree, out, backend):
     return out
 
 
-def plan_unflatten(plan, flat):
+def plan_unflatten(plan, flat, backend):
     _check_flat(plan, flat)
+    select(backend, [flat], lambda i: "<flat>")
     views = []
     for leaf in plan.leaves:
         piece = flat[leaf.offset : leaf.offset + leaf.size]

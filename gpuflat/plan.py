@@ -17,6 +17,7 @@ from operator import attrgetter
 import numpy as np
 
 from . import tree as _tree
+from .backends.base import select
 from .dtypes import flat_dtype
 from .errors import TreeMismatchError
 
@@ -101,7 +102,7 @@ class FlatPlan:
 
         return plan_flatten(self, tree, out, backend)
 
-    def unflatten(self, flat):
+    def unflatten(self, flat, *, backend=None):
         """A tree whose trainables are views into ``flat`` (zero copy where dtypes match).
 
         This is the *resident* pattern: the model lives inside one buffer, and
@@ -116,7 +117,7 @@ class FlatPlan:
         """
         from .ops import plan_unflatten
 
-        return plan_unflatten(self, flat)
+        return plan_unflatten(self, flat, backend)
 
     def scatter(self, flat, tree, *, backend=None):
         """Write ``flat`` into the tree's own arrays, in place; returns None.
@@ -237,8 +238,11 @@ def plan_and_arrays(tree):
     return _cache.get(key, lambda: _build(treedef, slot_of, unique)), unique, arrays
 
 
-def plan(tree) -> FlatPlan:
+def plan(tree, *, backend=None) -> FlatPlan:
     """The cached FlatPlan of ``tree``'s structure.
+
+    ``backend`` is checked against the leaves: a tree mixing NumPy and CuPy
+    arrays, or leaves the backend cannot reach, raise here already.
 
     >>> import numpy as np, gpuflat as gf
     >>> gf.plan_cache_clear()
@@ -249,7 +253,9 @@ def plan(tree) -> FlatPlan:
     >>> gf.plan_cache_info()
     CacheInfo(hits=1, misses=1, size=1, maxsize=256)
     """
-    return plan_and_arrays(tree)[0]
+    built, unique, _ = plan_and_arrays(tree)
+    select(backend, unique, lambda i: built.leaves[i].path)
+    return built
 
 
 def plan_cache_info() -> CacheInfo:

@@ -164,6 +164,25 @@ __global__ void gpuflat_norm_finish(const Item* __restrict__ items, long long n_
     }
 }
 
+// The clip product in PyTorch's precision: the factor is cast to the leaf's
+// compute type (float for 16- and 32-bit leaves, double for 64-bit ones) and
+// multiplied there, so the result is rounded once, as torch's mul_ does (#3).
+__device__ __forceinline__ void gf_scale(float& x, double c) { x = x * (float)c; }
+__device__ __forceinline__ void gf_scale(double& x, double c) { x = x * c; }
+__device__ __forceinline__ void gf_scale(c64& x, double c) {
+    const float f = (float)c;
+    x.re = x.re * f;
+    x.im = x.im * f;
+}
+__device__ __forceinline__ void gf_scale(c128& x, double c) {
+    x.re = x.re * c;
+    x.im = x.im * c;
+}
+template <class S>  // f16 and bf16: float arithmetic, one rounding back to 16 bits
+__device__ __forceinline__ void gf_scale(S& x, double c) {
+    x = gf_narrow<S>(gf_wide{(double)((float)gf_widen(x).re * (float)c), 0.0});
+}
+
 // Clipping: every leaf *= min(1, max_norm / (total + eps)), with total read
 // from device memory, so clipping never waits on the host (#3). A NaN total
 // gives a NaN coefficient (PyTorch's semantics: the gradients become NaN); the
@@ -183,12 +202,8 @@ __global__ void gpuflat_scale(const Item* __restrict__ items, long long n_items,
         const LeafRef& L = leaves[item.slot];
         gf_dispatch(L.tag, [&](auto z) {
             using S = decltype(z);
-            gf_item_loop<S, true, true>(L, item.start, item.len, lane, [&](long long, S& x) {
-                gf_wide w = gf_widen(x);
-                w.re *= coef;
-                w.im *= coef;
-                x = gf_narrow<S>(w);
-            });
+            gf_item_loop<S, true, true>(L, item.start, item.len, lane,
+                                        [&](long long, S& x) { gf_scale(x, coef); });
         });
     }
 }

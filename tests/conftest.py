@@ -127,6 +127,21 @@ def cast(a, dtype):
     return a.astype(dtype)
 
 
+def torch_scaled(a, coef):
+    """``a * coef`` as torch's ``mul_`` computes it: the factor in the leaf's
+    compute type (float32 for 16- and 32-bit leaves, float64 for 64-bit
+    ones), real and imaginary parts scaled apart, one rounding."""
+    wide = a.dtype in (np.dtype(np.float64), np.dtype(np.complex128))
+    factor = np.float64(coef) if wide else np.float32(coef)
+    real = np.float64 if wide else np.float32
+    if a.dtype.kind == "c":
+        scaled = np.empty(a.shape, a.dtype)
+        scaled.real = a.real.astype(real) * factor
+        scaled.imag = a.imag.astype(real) * factor
+        return scaled
+    return cast(a.astype(real) * factor, a.dtype)
+
+
 def ref_flatten(tree):
     arrays = [a for _, a in ref_unique(tree)]
     dt = ref_flat_dtype(a.dtype for a in arrays)

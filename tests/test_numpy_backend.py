@@ -10,7 +10,8 @@ import gpuflat as gf
 from gpuflat.backends import NormResult, get_backend
 from gpuflat.backends.numpy_backend import PIECE
 
-from conftest import BF16, DTYPES, DTYPE_IDS, assert_bits_equal, cast, exact_norm, random_array, rel_err
+from conftest import (BF16, DTYPES, DTYPE_IDS, assert_bits_equal, cast, exact_norm, random_array, rel_err,
+                      torch_scaled)
 
 ORDS = [1.0, 2.0, math.inf, 0.5, 3.0]
 
@@ -103,7 +104,7 @@ def test_clip_on_device_coefficient(backend):
     leaves = [np.array([3.0, 4.0]), np.array([0.5], np.float16), np.array([1 + 1j], np.complex64)]
     p = gf.plan(leaves)
     coef = 1.0 / 10.0
-    expect = [cast(l.astype(np.complex128 if l.dtype.kind == "c" else np.float64) * coef, l.dtype) for l in leaves]
+    expect = [torch_scaled(l, coef) for l in leaves]
     be.clip_(p, leaves, np.asarray(10.0), 1.0, 0.0)
     for l, e in zip(leaves, expect):
         assert np.array_equal(l, e), (l, e)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import gpuflat as gf
 
 from conftest import (
+    torch_scaled,
     BF16, DTYPES, DTYPE_IDS, Linear, assert_bits_equal, cast, exact_norm, grads_for,
     ref_flat_dtype, ref_flatten, ref_flatten_grads, ref_unique, rel_err, random_array,
     snapshot, strided_variant, trees,
@@ -236,10 +237,7 @@ def torch_clip_reference(leaves, max_norm, ord=2, eps=1e-6, norm=None):
     """PyTorch's clip_grad_norm_: coef = max_norm / (norm + eps), clamped to 1, always applied."""
     norm = exact_norm(leaves, ord) if norm is None else norm
     coef = min(np.float64(max_norm) / (np.float64(norm) + eps), 1.0)
-    out = []
-    for a in leaves:
-        acc = np.complex128 if a.dtype.kind == "c" else np.float64
-        out.append(cast(a.astype(acc) * coef, a.dtype))
+    out = [torch_scaled(a, coef) for a in leaves]
     return norm, out
 
 

@@ -107,10 +107,22 @@ class NumpyBackend:
         coef = _clip_coef(total, max_norm, eps)
         # A resident model is clipped with one multiply over its buffer (#4).
         for target in [flat] if flat is not None else leaves:
-            np.multiply(target, coef, out=target, casting="unsafe")
+            _scale(target, coef)
 
     def to_host(self, x):
         return np.asarray(x)
+
+
+def _scale(target, coef):
+    """target *= coef in PyTorch's precision, as the CUDA kernel does.
+
+    The factor is cast to float32 for 16- and 32-bit leaves and to float64
+    for 64-bit ones; complex leaves scale their real and imaginary parts.
+    """
+    wide = target.dtype.itemsize == 8 and target.dtype.kind == "f" or target.dtype.itemsize == 16
+    factor = np.float64(coef) if wide else np.float32(coef)
+    for part in (target.real, target.imag) if target.dtype.kind == "c" else (target,):
+        np.multiply(part, factor, out=part, casting="unsafe")
 
 
 def _clip_coef(total, max_norm, eps):
