@@ -24,7 +24,6 @@ _TABLE = [
     (np.dtype(np.complex64), 4, "c64"),
     (np.dtype(np.complex128), 5, "c128"),
 ]
-TRAINABLE_DTYPES = tuple(dt for dt, _, _ in _TABLE if dt is not None)
 TAGS = {dt: tag for dt, tag, _ in _TABLE if dt is not None}
 CUDA_NAMES = {dt: name for dt, _, name in _TABLE if dt is not None}
 

@@ -107,15 +107,6 @@ def _array_types():
     return (np.ndarray, cupy.ndarray) if cupy is not None else (np.ndarray,)
 
 
-def is_trainable(x) -> bool:
-    """True for the arrays a walk treats as trainable leaves.
-
-    >>> is_trainable(np.zeros(3)), is_trainable(np.arange(3)), is_trainable(1.0)
-    (True, False, False)
-    """
-    return isinstance(x, _array_types()) and x.dtype in TAGS
-
-
 def _object_fields(x):
     """(trainable names, other names) of an object the walk opens, or None."""
     cls = type(x)

@@ -21,7 +21,7 @@ import gpuflat as gf
 
 from conftest import (
     torch_scaled,
-    BF16, DTYPES, DTYPE_IDS, Linear, assert_bits_equal, cast, exact_norm, grads_for, random_array,
+    BF16, DTYPES, DTYPE_IDS, Linear, assert_bits_equal, exact_norm, grads_for, random_array,
     ref_flatten, ref_flatten_grads, ref_unique, ref_walk, rel_err, snapshot, trees,
 )
 
