@@ -291,6 +291,6 @@ def _check_max_norm(max_norm) -> float:
 
 def _check_writable(paths, arrays):
     for path, a in zip(paths, arrays):
-        flags = getattr(a, "flags", None)
-        if flags is not None and not flags.writeable:
+        # CuPy arrays have no writeable flag: device memory is always writable.
+        if not getattr(getattr(a, "flags", None), "writeable", True):
             raise ValueError(f"leaf {path!r}: expected a writable array, got a read-only one")

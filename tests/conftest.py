@@ -325,7 +325,8 @@ def random_array(rng, shape, dtype, scale=1.0):
     real = rng.standard_normal(shape) * scale
     if dtype.kind == "c":
         real = real + 1j * rng.standard_normal(shape) * scale
-    return cast(real, dtype) if dtype.kind != "c" else real.astype(dtype)
+    # np.asarray: a 0-d complex product is a NumPy scalar, which is no leaf at all.
+    return cast(real, dtype) if dtype.kind != "c" else np.asarray(real).astype(dtype)
 
 
 def strided_variant(rng, shape, dtype, kind):
