@@ -35,6 +35,16 @@ DTYPE_IDS = [str(d) for d in DTYPES]
 
 # ---------------------------------------------------------------- backends
 
+def cupy_with_device():
+    """CuPy if it is installed and sees a CUDA device, else None (the gpu tests skip)."""
+    try:
+        import cupy
+
+        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
+    except Exception:  # no CuPy, no driver, or no device
+        return None
+
+
 # The emulated backend is the CUDA kernels run on the host: it must run
 # wherever the tests do (g++ is a test requirement), so it is never skipped.
 BACKENDS = ["numpy", "emulated"]

@@ -18,7 +18,7 @@ from gpuflat.backends import cuda
 from gpuflat.backends.cuda import ITEM, CudaBackend
 from gpuflat.runtime import EmulatedRuntime
 
-from conftest import torch_scaled
+from conftest import cupy_with_device, torch_scaled
 
 try:
     import ml_dtypes
@@ -521,16 +521,7 @@ def test_plan_items_split_big_leaves_and_keep_tiny_ones_whole():
 
 # ---------------------------------------------------------------- on a real GPU
 
-def _cupy():
-    try:
-        import cupy
-
-        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
-    except Exception:  # no CuPy, no driver, or no device
-        return None
-
-
-_cp = _cupy()
+_cp = cupy_with_device()
 gpu = pytest.mark.skipif(_cp is None, reason="needs CuPy and a CUDA device")
 
 

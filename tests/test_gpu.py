@@ -28,19 +28,10 @@ import gpuflat as gf
 from gpuflat.backends import get_backend
 from gpuflat.backends.cuda import ITEM, CudaBackend
 
-from conftest import BF16, DTYPES, exact_norm, random_array, rel_err
+from conftest import BF16, DTYPES, cupy_with_device, exact_norm, random_array, rel_err
 
 
-def _cupy_with_device():
-    try:
-        import cupy
-
-        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
-    except Exception:  # no CuPy, no driver, or no device
-        return None
-
-
-cp = _cupy_with_device()
+cp = cupy_with_device()
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason="needs CuPy and a CUDA device")]
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import gpuflat as gf
 
 from conftest import (
+    cupy_with_device,
     torch_scaled,
     BF16, DTYPES, DTYPE_IDS, Linear, assert_bits_equal, cast, exact_norm, grads_for,
     ref_flat_dtype, ref_flatten, ref_flatten_grads, ref_unique, rel_err, random_array,
@@ -393,9 +394,9 @@ def test_unknown_backend():
 
 @pytest.mark.gpu
 def test_mixed_numpy_and_cupy_leaves_name_one_of_each():
-    cp = pytest.importorskip("cupy")
-    if cp.cuda.runtime.getDeviceCount() == 0:  # pragma: no cover - CuPy without a device
-        pytest.skip("needs a CUDA device")
+    cp = cupy_with_device()
+    if cp is None:
+        pytest.skip("needs CuPy and a CUDA device")
     tree = {"host": np.ones(2), "device": cp.ones(2)}
     with pytest.raises(TypeError, match=r"leaf \"\['host'\]\" is a NumPy array.*\['device'\]"):
         gf.global_norm(tree)
