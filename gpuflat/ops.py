@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import weakref
 
-
 from . import tree as _tree
 from .backends.base import check_ord, select
 from .errors import NonFiniteError, TreeMismatchError
@@ -219,11 +218,8 @@ def plan_scatter(plan, flat, tree, backend):
         if id(value) not in seen:
             seen.add(id(value))
             extra.append((path, value))
-    if extra:
-        check_no_overlap(plan, targets + [v for _, v in extra],
-                         [leaf.path for leaf in plan.leaves] + [p for p, _ in extra])
-    else:
-        check_no_overlap(plan, targets)
+    check_no_overlap(plan, targets + [v for _, v in extra],
+                     [leaf.path for leaf in plan.leaves] + [p for p, _ in extra])
     be.scatter(plan, flat, targets)
     # A broken tie (two arrays where the plan has one slot) gets the slot's values at both places.
     for slot, value in zip(plan.slot_of, values):
