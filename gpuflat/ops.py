@@ -34,7 +34,7 @@ def trainables(tree, *, path=False, backend=None):
     >>> [p for p, _ in gf.trainables(tree, path=True)]
     ["['enc']['w']"]
     """
-    plan, unique, _ = plan_and_arrays(tree)
+    plan, unique = plan_and_arrays(tree)
     _backend_for(plan, unique, backend)
     if not path:
         return list(unique)
@@ -57,7 +57,7 @@ def destructure(tree, *, backend=None):
     >>> m["x"], m["x"] is m["z"], m["y"][0] is np.sin
     (array([10., 20.]), True, True)
     """
-    plan, unique, _ = plan_and_arrays(tree)
+    plan, unique = plan_and_arrays(tree)
     be = _backend_for(plan, unique, backend)
     flat = be.xp.empty(plan.size, plan.dtype)
     be.gather(plan, [[a] for a in unique], flat)
@@ -87,7 +87,7 @@ def total(f, tree, *, backend=None):
     >>> float(gf.total(np.sum, model))
     12.0
     """
-    plan, unique, _ = plan_and_arrays(tree)
+    plan, unique = plan_and_arrays(tree)
     if callable(f):
         return sum((f(a) for a in unique), 0)
     if f not in _NAMED_TOTALS:
@@ -119,7 +119,7 @@ def global_norm(tree, ord=2, *, per_leaf=False, backend=None):
     array([3., 4.])
     """
     p = check_ord(ord)
-    plan, unique, _ = plan_and_arrays(tree)
+    plan, unique = plan_and_arrays(tree)
     be = _backend_for(plan, unique, backend)
     result = _norms(plan, unique, be, p, per_leaf)
     return (result.total, result.per_leaf) if per_leaf else result.total
@@ -142,7 +142,7 @@ def clip_grad_norm_(grads, max_norm, ord=2, *, eps=1e-6, error_if_nonfinite=Fals
     """
     max_norm = _check_max_norm(max_norm)
     p = check_ord(ord)
-    plan, unique, _ = plan_and_arrays(grads)
+    plan, unique = plan_and_arrays(grads)
     be = _backend_for(plan, unique, backend)
     flat = _resident_buffer(plan, unique)
     if flat is None:

@@ -231,11 +231,11 @@ def occurrences(plan, tree, *, allow_none):
 
 
 def plan_and_arrays(tree):
-    """(plan, unique trainable arrays in slot order, all occurrences): one walk."""
+    """(plan, unique trainable arrays in slot order): one walk."""
     treedef, arrays = _tree.walk(tree)
     slot_of, unique, shapes = _signature(arrays)
     key = (treedef, shapes, slot_of)
-    return _cache.get(key, lambda: _build(treedef, slot_of, unique)), unique, arrays
+    return _cache.get(key, lambda: _build(treedef, slot_of, unique)), unique
 
 
 def plan(tree, *, backend=None) -> FlatPlan:
@@ -253,7 +253,7 @@ def plan(tree, *, backend=None) -> FlatPlan:
     >>> gf.plan_cache_info()
     CacheInfo(hits=1, misses=1, size=1, maxsize=256)
     """
-    built, unique, _ = plan_and_arrays(tree)
+    built, unique = plan_and_arrays(tree)
     select(backend, unique, lambda i: built.leaves[i].path)
     return built
 

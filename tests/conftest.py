@@ -35,6 +35,19 @@ DTYPE_IDS = [str(d) for d in DTYPES]
 
 # ---------------------------------------------------------------- backends
 
+def nonfinite_cases(item):
+    """(arrays, index of the first leaf holding NaN or inf): item-boundary and complex cases."""
+    ok = np.ones(item + 5, np.float32)
+    with_inf = np.ones(item * 2, np.float32)
+    with_inf[item + 3] = np.inf
+    with_nan = np.ones(7, np.float64)
+    with_nan[2] = np.nan
+    cplx = np.ones(3, np.complex64)
+    cplx[1] = complex(0, np.inf)
+    return [([ok, with_inf, with_nan], 1), ([ok, with_nan, with_inf], 1),
+            ([ok, ok.copy(), cplx], 2), ([ok, ok.copy()], -1)]
+
+
 def cupy_with_device():
     """CuPy if it is installed and sees a CUDA device, else None (the gpu tests skip)."""
     try:

@@ -18,7 +18,7 @@ from gpuflat.backends import cuda
 from gpuflat.backends.cuda import ITEM, CudaBackend
 from gpuflat.runtime import EmulatedRuntime
 
-from conftest import cupy_with_device, torch_scaled
+from conftest import cupy_with_device, nonfinite_cases, torch_scaled
 
 try:
     import ml_dtypes
@@ -358,21 +358,15 @@ def test_squares_that_overflow_the_input_dtype(be):
 
 
 def test_nan_and_inf(be):
-    ok = np.ones(ITEM + 5, np.float32)
-    with_inf = np.ones(ITEM * 2, np.float32)
-    with_inf[ITEM + 3] = np.inf
-    with_nan = np.ones(7, np.float64)
-    with_nan[2] = np.nan
-    cplx = np.ones(3, np.complex64)
-    cplx[1] = complex(0, np.inf)
-    for arrays, first in [([ok, with_inf, with_nan], 1), ([ok, with_nan, with_inf], 1),
-                          ([ok, ok.copy(), cplx], 2), ([ok, ok.copy()], -1)]:
+    cases = nonfinite_cases(ITEM)
+    for arrays, first in cases:
         plan, leaves = planned(arrays)
         for p in ORDS:
             r = be.norms(plan, leaves, p, True)
             assert int(r.first_nonfinite) == first
             check_norm(r, leaves, p)
     # inf-norm: NaN anywhere in a slot makes that slot, and the total, NaN.
+    _, with_inf, with_nan = cases[0][0]
     plan, leaves = planned([with_inf, with_nan])
     r = be.norms(plan, leaves, math.inf, True)
     assert r.per_leaf[0] == np.inf and np.isnan(r.per_leaf[1]) and np.isnan(r.total)

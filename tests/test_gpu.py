@@ -28,7 +28,7 @@ import gpuflat as gf
 from gpuflat.backends import get_backend
 from gpuflat.backends.cuda import ITEM, CudaBackend
 
-from conftest import BF16, DTYPES, cupy_with_device, exact_norm, random_array, rel_err
+from conftest import BF16, DTYPES, cupy_with_device, exact_norm, nonfinite_cases, random_array, rel_err
 
 
 cp = cupy_with_device()
@@ -306,16 +306,8 @@ def test_squares_that_overflow_the_input_dtype():
 
 
 def test_nan_and_inf_name_the_first_leaf():
-    ok = np.ones(ITEM + 5, np.float32)
-    with_inf = np.ones(ITEM * 2, np.float32)
-    with_inf[ITEM + 3] = np.inf
-    with_nan = np.ones(7, np.float64)
-    with_nan[2] = np.nan
-    cplx = np.ones(3, np.complex64)
-    cplx[1] = complex(0, np.inf)
     be_d, be_e = get_backend("cuda"), get_backend("emulated")
-    for arrays, first in [([ok, with_inf, with_nan], 1), ([ok, with_nan, with_inf], 1),
-                          ([ok, ok.copy(), cplx], 2), ([ok, ok.copy()], -1)]:
+    for arrays, first in nonfinite_cases(ITEM):
         emu = tree_of([a.copy() for a in arrays], tie=False)
         dev = tree_of([cp.asarray(a) for a in arrays], tie=False)
         plan = gf.plan(dev)

@@ -356,7 +356,7 @@ def _copy_tree_keep_ties(tree):
                 # Keep the layout (strides) of the original: copy into a same-strided view.
                 base = np.empty_like(x, order="K")
                 base[...] = x
-                memo[id(x)] = base if x.ndim < 2 or not x.flags.f_contiguous or x.flags.c_contiguous else base
+                memo[id(x)] = base
             return memo[id(x)]
         if isinstance(x, dict):
             return {k: cp(v) for k, v in x.items()}
