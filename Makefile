@@ -1,4 +1,6 @@
 # Two entry points, each creating its own environment: `make test` and `make bench`.
+# torch is pinned first in both, to the CPU build; an unpinned torch would pull
+# a CUDA build of several GB.
 PYTHON ?= python3
 TEST_VENV := .venv-test
 BENCH_VENV := .venv-bench
@@ -8,14 +10,13 @@ BENCH_VENV := .venv-bench
 $(TEST_VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(TEST_VENV)
 	$(TEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TEST_VENV)/bin/python -m pip install -q torch==2.13.0
 	$(TEST_VENV)/bin/python -m pip install -q -e '.[test]'
 	touch $@
 
 test: $(TEST_VENV)/.ready
 	$(TEST_VENV)/bin/python -m pytest -q
 
-# torch is pinned first to the CPU build this kind of machine carries; an
-# unpinned torch would pull a CUDA build of several GB.
 $(BENCH_VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
