@@ -4,25 +4,9 @@ from __future__ import annotations
 import math
 import sys
 import threading
-from dataclasses import dataclass
 
 
 BACKEND_NAMES = ("numpy", "cuda", "emulated")
-
-
-@dataclass(frozen=True)
-class NormResult:
-    """The result of one fused norm pass, all arrays on the backend's device.
-
-    ``total`` is a 0-d float64 array; ``per_leaf`` a float64 array with one
-    norm per slot (None where the backend was not asked for it and skipped
-    it); ``first_nonfinite`` a 0-d int64 array: the first slot holding a NaN
-    or inf, or -1.
-    """
-
-    total: object
-    per_leaf: object
-    first_nonfinite: object
 
 
 def check_ord(ord) -> float:

@@ -42,7 +42,7 @@ import numpy as np
 from gpuflat import kernel_loader as kl
 from gpuflat.dtypes import TAGS
 
-from .base import NormResult
+from .protocol import NormResult
 
 # Elements per work item. A multiple of 32 lanes * 8 elements per 16-byte
 # vector, so every item of a leaf starts as aligned as the leaf itself. The

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from .base import NormResult
+from .protocol import NormResult
 
 PIECE = 1 << 15  # elements per float64 piece: 256 KiB, a comfortable L2 fit
 # OpenBLAS computes a dot product of at most 10,000 elements on the calling

@@ -1,0 +1,67 @@
+"""What a backend is: the whole-tree operations every backend implements, and
+the result of a fused norm pass.
+
+The public operations (``gpuflat.ops``) check everything, then hand a backend
+a frozen plan and arrays already known to fit it; a backend never walks a
+tree and never validates. Backends keep their own per-plan caches, keyed
+weakly by the plan, so a dropped plan frees them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+
+@dataclass(frozen=True)
+class NormResult:
+    """The result of one fused norm pass, all arrays on the backend's device.
+
+    ``total`` is a 0-d float64 array; ``per_leaf`` a float64 array with one
+    norm per slot (None where the backend was not asked for it and skipped
+    it); ``first_nonfinite`` a 0-d int64 array: the first slot holding a NaN
+    or inf, or -1.
+
+    >>> import numpy as np
+    >>> r = NormResult(np.asarray(5.0), None, np.asarray(-1))
+    >>> float(r.total), int(r.first_nonfinite)
+    (5.0, -1)
+    """
+
+    total: Any
+    per_leaf: Any
+    first_nonfinite: Any
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The operations a backend implements over a plan's slots.
+
+    ``leaves`` holds one array per slot of ``plan`` (its unique trainables in
+    plan order); ``sources`` one list of arrays per slot (tied gradients are
+    added); ``flat`` is a C-contiguous 1-D array of ``plan.size`` elements of
+    ``plan.dtype``. ``flat=`` on ``norms`` and ``clip_`` is the buffer the
+    leaves are contiguous views of, when the caller knows one: the same
+    results, found faster.
+
+    >>> from gpuflat.backends import get_backend
+    >>> isinstance(get_backend("numpy"), Backend)
+    True
+    """
+
+    name: str
+    xp: Any
+
+    def gather(self, plan, sources: Sequence[Sequence[Any]], out) -> None:
+        """out[slot] = sum of the slot's sources, cast to ``plan.dtype``."""
+
+    def scatter(self, plan, flat, leaves: Sequence[Any]) -> None:
+        """leaves[slot][...] = flat[slot's range], cast to the leaf's dtype, in place."""
+
+    def norms(self, plan, leaves: Sequence[Any], ord: float, per_leaf: bool, flat=None) -> NormResult:
+        """Total and per-leaf norms, accumulated in float64 in a fixed order."""
+
+    def clip_(self, plan, leaves: Sequence[Any], total, max_norm: float, eps: float, flat=None) -> None:
+        """Every leaf *= min(1, max_norm / (total + eps)), computed where ``total`` lives."""
+
+    def to_host(self, x):
+        """``x`` as a NumPy array (one synchronisation on a device)."""
