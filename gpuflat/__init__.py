@@ -10,9 +10,22 @@ NumPy on the host.
 5.0
 """
 from .errors import NonFiniteError, OverlapError, TreeMismatchError
-from .ops import clip_grad_norm_, destructure, global_norm, total, trainables
-from .plan import FlatPlan, LeafSpec, plan, plan_cache_clear, plan_cache_info
-from .tree import register
+from .flatplan import FlatPlan, LeafSpec
+from .ops import (
+    clip_by_global_norm,
+    clip_grad_norm_,
+    destructure,
+    flatten,
+    global_norm,
+    plan,
+    plan_cache_clear,
+    plan_cache_info,
+    scatter,
+    total,
+    trainables,
+    unflatten,
+)
+from .tree import UnwalkableError, register
 
 __all__ = [
     "FlatPlan",
@@ -20,14 +33,19 @@ __all__ = [
     "NonFiniteError",
     "OverlapError",
     "TreeMismatchError",
+    "UnwalkableError",
+    "clip_by_global_norm",
     "clip_grad_norm_",
     "destructure",
+    "flatten",
     "global_norm",
     "plan",
     "plan_cache_clear",
     "plan_cache_info",
     "register",
+    "scatter",
     "total",
     "trainables",
+    "unflatten",
 ]
 __version__ = "0.1.0"

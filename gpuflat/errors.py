@@ -22,4 +22,10 @@ class NonFiniteError(FloatingPointError):
 
 
 class OverlapError(ValueError):
-    """Two distinct leaves share memory, so an in-place write would race (#5)."""
+    """Two distinct leaves share memory, so an in-place write would race.
+
+    >>> raise OverlapError("leaves ['a'] and ['b'] share memory")
+    Traceback (most recent call last):
+    ...
+    gpuflat.errors.OverlapError: leaves ['a'] and ['b'] share memory
+    """

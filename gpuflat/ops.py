@@ -1,30 +1,92 @@
-"""The public whole-tree operations: trainables, destructure, total, norms, clipping.
+"""The public whole-tree operations.
 
-Each function walks the tree once (the plan comes from the cache), checks
-everything, and only then hands flat tables to a backend (#2). In-place
-operations validate before their first write, so a failed call changes
-nothing (#5).
+Each function walks its tree once (the plan comes from the cache), checks
+everything (``gpuflat.checks``), and only then hands a backend the plan and
+arrays; in-place operations therefore change nothing when they raise.
+Leaves may be NumPy, CuPy, PyTorch or JAX arrays: PyTorch and JAX leaves are
+read through zero-copy views, and results come back in the caller's kind.
 """
 from __future__ import annotations
 
 import math
-import weakref
+from typing import Any, Callable
 
+from . import arrays as _arrays
+from . import checks
+from . import flatplan
 from . import tree as _tree
-from .backends.base import check_ord, select
+from .backends.base import select
 from .errors import NonFiniteError, TreeMismatchError
-from .overlap import check_no_overlap
-from .plan import occurrences, plan_and_arrays
+from .flatplan import FlatPlan
 
 _NAMED_TOTALS = ("sumsq", "l1", "l2", "count")
 
 
-def _backend_for(plan, arrays, backend):
-    return select(backend, arrays, lambda i: plan.leaves[i].path)
+class _Call:
+    """One call's walk of a tree: its plan, unique arrays and the caller's kind."""
+
+    __slots__ = ("plan", "unique", "statics", "like", "foreign")
+
+    def __init__(self, tree):
+        walked = _tree.walk(tree)
+        self.plan, self.unique = flatplan.cached(walked.treedef, walked.arrays, walked.statics)
+        self.statics = walked.statics
+        self.foreign = walked.foreign
+        self.like = next(iter(walked.foreign.values()), None)
+
+    def backend(self, backend):
+        return select(backend, self.unique, lambda i: self.plan.leaves[i].path)
+
+    def result(self, x):
+        return x if self.like is None else _arrays.to_caller(x, self.like)
+
+    def paths(self):
+        return [leaf.path for leaf in self.plan.leaves]
 
 
-def trainables(tree, *, path=False, backend=None):
-    """The unique trainable arrays of ``tree`` in walk order (ties once).
+def plan(tree, *, backend: str | None = None) -> FlatPlan:
+    """The cached FlatPlan of ``tree``'s structure.
+
+    ``backend`` is checked against the leaves: a tree mixing NumPy and CuPy
+    arrays, or leaves the backend cannot reach, raise here already.
+
+    >>> import numpy as np, gpuflat as gf
+    >>> gf.plan_cache_clear()
+    >>> m = {"w": np.ones((2, 3), np.float32), "b": np.zeros(3, np.float32)}
+    >>> p = gf.plan(m)
+    >>> gf.plan({"w": np.ones((2, 3), np.float32), "b": np.ones(3, np.float32)}) is p
+    True
+    >>> gf.plan_cache_info()
+    CacheInfo(hits=1, misses=1, size=1, maxsize=256)
+    """
+    call = _Call(tree)
+    call.backend(backend)
+    return call.plan
+
+
+def plan_cache_info():
+    """Hits, misses and size of the plan cache.
+
+    >>> import gpuflat as gf
+    >>> gf.plan_cache_info().maxsize
+    256
+    """
+    return flatplan.cache.info()
+
+
+def plan_cache_clear() -> None:
+    """Empty the plan cache and reset its counters.
+
+    >>> import gpuflat as gf
+    >>> gf.plan_cache_clear(); gf.plan_cache_info().size
+    0
+    """
+    flatplan.cache.clear()
+
+
+def trainables(tree, *, path: bool = False, backend: str | None = None) -> list:
+    """The unique trainable arrays of ``tree`` in walk order (ties once), as
+    the caller's own objects (a PyTorch tensor stays that tensor).
 
     ``backend`` is only checked against the leaves (no computation happens).
 
@@ -34,19 +96,19 @@ def trainables(tree, *, path=False, backend=None):
     >>> [p for p, _ in gf.trainables(tree, path=True)]
     ["['enc']['w']"]
     """
-    plan, unique = plan_and_arrays(tree)
-    _backend_for(plan, unique, backend)
-    if not path:
-        return list(unique)
-    return [(leaf.path, a) for leaf, a in zip(plan.leaves, unique)]
+    call = _Call(tree)
+    call.backend(backend)
+    own = [call.foreign.get(id(a), a) for a in call.unique]
+    return list(zip(call.paths(), own)) if path else own
 
 
-def destructure(tree, *, backend=None):
+def destructure(tree, *, backend: str | None = None):
     """``(flat, re)``: the trainables in one 1-D buffer, and a function rebuilding the tree.
 
     ``re(flat2)`` returns a new tree with every trainable rebuilt from
-    ``flat2``, cast back to its dtype and shape; tied arrays come back as one
-    shared array; everything else is kept.
+    ``flat2`` (any real or complex floating dtype), cast back to its dtype
+    and shape; tied arrays come back as one shared array; everything else is
+    kept as it was in ``tree``.
 
     >>> import numpy as np, gpuflat as gf
     >>> a = np.array([1.0, 2.0])
@@ -57,22 +119,113 @@ def destructure(tree, *, backend=None):
     >>> m["x"], m["x"] is m["z"], m["y"][0] is np.sin
     (array([10., 20.]), True, True)
     """
-    plan, unique = plan_and_arrays(tree)
-    be = _backend_for(plan, unique, backend)
-    flat = be.xp.empty(plan.size, plan.dtype)
-    be.gather(plan, [[a] for a in unique], flat)
+    call = _Call(tree)
+    be = call.backend(backend)
+    flat = be.xp.empty(call.plan.size, call.plan.dtype)
+    be.gather(call.plan, [[a] for a in call.unique], flat)
 
     def re(flat2):
-        _check_flat(plan, flat2)
-        be2 = select(backend, [flat2], lambda i: "<flat>")
-        leaves = [be2.xp.empty(leaf.shape, leaf.dtype) for leaf in plan.leaves]
-        be2.scatter(plan, flat2, leaves)
-        return _tree.rebuild(plan.treedef, [leaves[s] for s in plan.slot_of])
+        return _rebuild(call.plan, flat2, call.statics, call.like, backend)
 
-    return flat, re
+    return call.result(flat), re
 
 
-def total(f, tree, *, backend=None):
+def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None):
+    """Gather ``tree``'s arrays at ``plan``'s trainable places into one 1-D buffer.
+
+    ``tree`` is the model itself or a gradient tree shaped like it: gradients
+    of a tied array, found at several places, are added into its one slot;
+    the same gradient object found twice counts once; None counts as zero
+    (Optimisers.jl's destructure contract). ``out``, if given, must be a
+    C-contiguous buffer of exactly ``plan.size`` elements of ``plan.dtype``.
+
+    >>> import numpy as np, gpuflat as gf
+    >>> a, b = np.zeros(2, np.float32), np.zeros(2, np.float32)
+    >>> p = gf.plan({"x": a, "y": b, "z": a})
+    >>> g = {"x": np.full(2, 3, np.float32), "y": None, "z": np.full(2, 13, np.float32)}
+    >>> gf.flatten(p, g)
+    array([16., 16.,  0.,  0.], dtype=float32)
+    """
+    sources = _slot_sources(plan, tree)
+    present = [(leaf.path, s[0]) for leaf, s in zip(plan.leaves, sources) if s]
+    # Every gradient chooses the backend, not only the first of each slot: a
+    # tied weight's NumPy and CuPy gradients must meet the mixed-kinds error.
+    present += [(plan.leaves[slot].path, a) for slot, s in enumerate(sources) for a in s[1:]]
+    if out is not None:
+        out = _view(out, "out")
+        checks.check_flat(plan, out, "out")
+        present.append(("<out>", out))
+    be = select(backend, [a for _, a in present], lambda i: present[i][0])
+    if out is None:
+        out = be.xp.empty(plan.size, plan.dtype)
+    be.gather(plan, sources, out)
+    return out
+
+
+def unflatten(plan: FlatPlan, flat, *, backend: str | None = None):
+    """A tree shaped like ``plan``'s whose trainables are rebuilt from ``flat``.
+
+    Where ``flat`` has a leaf's dtype, the leaf is a zero-copy view into it;
+    elsewhere a cast copy. Non-trainable values are those of the tree the
+    plan was first built from.
+
+    >>> import numpy as np, gpuflat as gf
+    >>> p = gf.plan({"w": np.ones(3), "n": "relu"})
+    >>> flat = np.arange(3.0)
+    >>> m = gf.unflatten(p, flat)
+    >>> m["w"].base is flat, m["n"]
+    (True, 'relu')
+    """
+    flat = _view(flat, "flat")
+    checks.check_flat(plan, flat, exact_dtype=False)
+    select(backend, [flat], lambda i: "<flat>")
+    views = []
+    for leaf in plan.leaves:
+        piece = flat[leaf.offset : leaf.offset + leaf.size]
+        if leaf.dtype != flat.dtype and leaf.dtype.kind != "c" and flat.dtype.kind == "c":
+            piece = piece.real  # complex to real keeps the real part, without NumPy's warning
+        views.append(piece.reshape(leaf.shape) if leaf.dtype == flat.dtype else
+                     piece.astype(leaf.dtype).reshape(leaf.shape))
+    return _tree.rebuild(plan.treedef, [views[s] for s in plan.slot_of], plan.statics)
+
+
+def scatter(plan: FlatPlan, flat, tree, *, backend: str | None = None) -> None:
+    """Write ``flat`` into ``tree``'s own arrays, in place; returns None.
+
+    ``flat`` may have any real or complex floating dtype: each slice is cast
+    to its leaf's dtype. Every check happens before the first write, so a
+    bad call changes nothing.
+
+    >>> import numpy as np, gpuflat as gf
+    >>> m = {"w": np.zeros(2, np.float32), "b": np.zeros(1)}
+    >>> gf.scatter(gf.plan(m), np.array([1.0, 2.0, 3.0]), m)
+    >>> m["w"], m["b"]
+    (array([1., 2.], dtype=float32), array([3.]))
+    """
+    values, _ = checks.occurrences(plan, tree, allow_none=False)
+    targets = [None] * len(plan.leaves)
+    for slot, value in zip(plan.slot_of, values):
+        targets[slot] = value if targets[slot] is None else targets[slot]
+    flat = _view(flat, "flat")
+    checks.check_flat(plan, flat, exact_dtype=False)
+    be = select(backend, targets + [flat],
+                lambda i: plan.leaves[i].path if i < len(plan.leaves) else "<flat>")
+    # A broken tie (two arrays where the plan has one slot) is written at
+    # both places, so every distinct array is checked before any write.
+    written, paths, seen = [], [], set()
+    for path, value in zip(plan.occurrence_paths, values):
+        if id(value) not in seen:
+            seen.add(id(value))
+            written.append(value)
+            paths.append(path)
+    checks.check_in_place(paths, written)
+    be.scatter(plan, _as_plan_dtype(plan, flat), targets)
+    for slot, value in zip(plan.slot_of, values):
+        if value is not targets[slot]:
+            value[...] = targets[slot]
+
+
+def total(f, tree, *, backend: str | None = None):
     """The sum over unique trainables of ``f(leaf)``.
 
     ``f`` is any callable, or one of the fused reductions: "sumsq" (sum of
@@ -87,28 +240,30 @@ def total(f, tree, *, backend=None):
     >>> float(gf.total(np.sum, model))
     12.0
     """
-    plan, unique = plan_and_arrays(tree)
+    call = _Call(tree)
     if callable(f):
-        return sum((f(a) for a in unique), 0)
+        return sum((f(call.foreign.get(id(a), a)) for a in call.unique), 0)
     if f not in _NAMED_TOTALS:
         raise ValueError(f"total: expected a callable or one of {_NAMED_TOTALS}, got {f!r}")
     if f == "count":
-        return plan.size
-    be = _backend_for(plan, unique, backend)
+        return call.plan.size
+    be = call.backend(backend)
     if f == "l2":
-        result = _norms(plan, unique, be, 2.0, per_leaf=True)
-        return be.xp.sum(result.per_leaf)
-    result = _norms(plan, unique, be, 1.0 if f == "l1" else 2.0, per_leaf=False)
-    return result.total if f == "l1" else result.total * result.total
+        result = be.norms(call.plan, call.unique, 2.0, per_leaf=True)
+        return call.result(be.xp.sum(result.per_leaf))
+    result = be.norms(call.plan, call.unique, 1.0 if f == "l1" else 2.0, per_leaf=False)
+    return call.result(result.total if f == "l1" else result.total * result.total)
 
 
-def global_norm(tree, ord=2, *, per_leaf=False, backend=None):
+def global_norm(tree, ord=2, *, per_leaf: bool = False, model=None, backend: str | None = None):
     """The norm of all trainables taken as one vector: (sum |x|**p) ** (1/p).
 
     Accumulated in float64 whatever the leaf dtype, in a fixed order (the
     same bits on every repeat). Returns a 0-d float64 array on the leaves'
-    device; with ``per_leaf=True``, ``(total, per_leaf_norms)`` from the same
-    pass, the latter in plan order (``trainables`` order).
+    device (a tensor for PyTorch leaves); with ``per_leaf=True``,
+    ``(total, per_leaf_norms)`` from the same pass, the latter in plan order.
+    With ``model=``, ``tree`` is a gradient tree read through the model's
+    plan: the gradients of a tied weight are added before the norm.
 
     >>> import numpy as np, gpuflat as gf
     >>> g = {"a": np.array([3.0, 0.0]), "b": np.array([[4.0]], np.float32)}
@@ -118,20 +273,26 @@ def global_norm(tree, ord=2, *, per_leaf=False, backend=None):
     >>> per
     array([3., 4.])
     """
-    p = check_ord(ord)
-    plan, unique = plan_and_arrays(tree)
-    be = _backend_for(plan, unique, backend)
-    result = _norms(plan, unique, be, p, per_leaf)
-    return (result.total, result.per_leaf) if per_leaf else result.total
+    p = checks.check_ord(ord)
+    call = _Call(tree)
+    plan, leaves = _norm_inputs(call, tree, model, backend)
+    be = select(backend, leaves, lambda i: plan.leaves[i].path)
+    result = be.norms(plan, leaves, p, per_leaf)
+    if per_leaf:
+        return call.result(result.total), call.result(result.per_leaf)
+    return call.result(result.total)
 
 
-def clip_grad_norm_(grads, max_norm, ord=2, *, eps=1e-6, error_if_nonfinite=False, backend=None):
+def clip_grad_norm_(grads, max_norm, ord=2, *, eps=1e-6, error_if_nonfinite: bool = False,
+                    model=None, backend: str | None = None):
     """Scale every gradient in place by min(1, max_norm / (norm + eps)); return the norm.
 
     PyTorch's semantics: the factor is always applied (no branch on a device
     value, so no host synchronisation on a GPU); a NaN norm makes the
     gradients NaN. With ``error_if_nonfinite`` a NaN or inf norm raises
     NonFiniteError naming the first leaf holding one, and nothing is scaled.
+    With ``model=``, the gradients of a tied weight are added for the norm
+    (as ``flatten`` adds them) and every occurrence is scaled by the factor.
 
     >>> import numpy as np, gpuflat as gf
     >>> g = {"w": np.array([3.0, 4.0]), "b": np.zeros(1, np.float32)}
@@ -140,153 +301,134 @@ def clip_grad_norm_(grads, max_norm, ord=2, *, eps=1e-6, error_if_nonfinite=Fals
     >>> g["w"].round(6)
     array([0.6, 0.8])
     """
-    max_norm = _check_max_norm(max_norm)
-    p = check_ord(ord)
-    plan, unique = plan_and_arrays(grads)
-    be = _backend_for(plan, unique, backend)
-    flat = _resident_buffer(plan, unique)
-    if flat is None:
-        _check_writable([leaf.path for leaf in plan.leaves], unique)
-        check_no_overlap(plan, unique)
-    result = _norms(plan, unique, be, p, per_leaf=False, flat=flat)
-    # The one synchronisation (#3) reads the norm itself: finite leaves whose sum
-    # overflows float64 give an inf norm too, and PyTorch raises on that (#5).
-    # Only a non-finite norm costs a second read, to name the leaf.
-    if error_if_nonfinite and not math.isfinite(float(be.to_host(result.total))):
-        bad = int(be.to_host(result.first_nonfinite))
-        where = (f"leaf {plan.leaves[bad].path!r} holds NaN or inf" if bad >= 0 else
-                 "no leaf holds NaN or inf, but the sum overflowed float64")
-        raise NonFiniteError(
-            f"{where}; the total {p:g}-norm is non-finite, so no gradient was scaled "
-            f"(error_if_nonfinite=True)"
-        )
-    be.clip_(plan, unique, result.total, max_norm, eps, flat=flat)
-    return result.total
+    max_norm = checks.check_max_norm(max_norm)
+    eps = checks.check_eps(eps)
+    p = checks.check_ord(ord)
+    call = _Call(grads)
+    norm_plan, norm_leaves = _norm_inputs(call, grads, model, backend)
+    # The grads' own walk holds each distinct gradient array once.
+    scale_plan, scale_leaves, scale_paths = call.plan, list(call.unique), call.paths()
+    be = select(backend, norm_leaves + scale_leaves,
+                lambda i: (norm_plan.leaves[i].path if i < len(norm_leaves)
+                           else scale_paths[i - len(norm_leaves)]))
+    checks.check_in_place(scale_paths, scale_leaves)
+    result = be.norms(norm_plan, norm_leaves, p, per_leaf=False)
+    if error_if_nonfinite:
+        raise_if_nonfinite(be, norm_plan, result, p)
+    be.clip_(scale_plan, scale_leaves, result.total, max_norm, eps)
+    return call.result(result.total)
 
 
-# ---------------------------------------------------------------- plan methods
+def clip_by_global_norm(tree, max_norm, ord=2, *, eps=1e-6, backend: str | None = None):
+    """``(clipped, norm)``: a new tree whose trainables are scaled by
+    min(1, max_norm / (norm + eps)); the input is left untouched.
 
-def plan_flatten(plan, tree, out, backend):
-    values, exact = occurrences(plan, tree, allow_none=True)
-    if exact and len(plan.slot_of) == len(plan.leaves):
-        sources = [[v] for v in values]  # no ties, no None: the common case
-    else:
-        sources = [[] for _ in plan.leaves]
-        for slot, value in zip(plan.slot_of, values):
-            # The same gradient object met twice counts once (Optimisers.jl, #2).
-            if value is not None and all(value is not seen for seen in sources[slot]):
-                sources[slot].append(value)
-    present = [(leaf.path, s[0]) for leaf, s in zip(plan.leaves, sources) if s]
-    if out is not None:
-        _check_flat(plan, out, name="out")
-        present.append(("<out>", out))
-    be = select(backend, [a for _, a in present], lambda i: present[i][0])
-    if out is None:
-        out = be.xp.empty(plan.size, plan.dtype)
-    be.gather(plan, sources, out)
-    return out
+    The functional form of :func:`clip_grad_norm_`, for arrays that cannot
+    be written in place (JAX's) or when the original must be kept. Ties stay
+    ties; non-trainable values are kept as they are.
 
-
-def plan_unflatten(plan, flat, backend):
-    _check_flat(plan, flat)
-    select(backend, [flat], lambda i: "<flat>")
-    views = []
-    for leaf in plan.leaves:
-        piece = flat[leaf.offset : leaf.offset + leaf.size]
-        if leaf.dtype != flat.dtype and leaf.dtype.kind != "c" and flat.dtype.kind == "c":
-            piece = piece.real  # complex to real keeps the real part, without NumPy's warning
-        views.append(piece.reshape(leaf.shape) if leaf.dtype == flat.dtype else
-                     piece.astype(leaf.dtype).reshape(leaf.shape))
-    if views and all(leaf.dtype == flat.dtype for leaf in plan.leaves):
-        _remember_resident(plan, flat, views)
-    return _tree.rebuild(plan.treedef, [views[s] for s in plan.slot_of])
+    >>> import numpy as np, gpuflat as gf
+    >>> g = {"w": np.array([3.0, 4.0]), "step": 7}
+    >>> clipped, norm = gf.clip_by_global_norm(g, 1.0)
+    >>> clipped["w"].round(6), float(norm), g["w"]
+    (array([0.6, 0.8]), 5.0, array([3., 4.]))
+    """
+    max_norm = checks.check_max_norm(max_norm)
+    eps = checks.check_eps(eps)
+    p = checks.check_ord(ord)
+    call = _Call(tree)
+    be = call.backend(backend)
+    result = be.norms(call.plan, call.unique, p, per_leaf=False)
+    copies = [be.xp.array(a, copy=True, order="C") for a in call.unique]
+    be.clip_(call.plan, copies, result.total, max_norm, eps)
+    leaves = [call.result(c) for c in copies]
+    clipped = _tree.rebuild(call.plan.treedef, [leaves[s] for s in call.plan.slot_of], call.statics)
+    return clipped, call.result(result.total)
 
 
-def plan_scatter(plan, flat, tree, backend):
-    values, _ = occurrences(plan, tree, allow_none=False)
-    targets = [None] * len(plan.leaves)
-    for slot, value in zip(plan.slot_of, values):
-        targets[slot] = value if targets[slot] is None else targets[slot]
-    _check_flat(plan, flat)
-    be = select(backend, targets + [flat],
-                lambda i: plan.leaves[i].path if i < len(plan.leaves) else "<flat>")
-    _check_writable(plan.occurrence_paths, values)
-    # A broken tie adds arrays the plan has no slot for; they are written too,
-    # so they are checked for overlap with the rest before any write (#5).
-    extra, seen = [], {id(t) for t in targets}
-    for path, value in zip(plan.occurrence_paths, values):
-        if id(value) not in seen:
-            seen.add(id(value))
-            extra.append((path, value))
-    check_no_overlap(plan, targets + [v for _, v in extra],
-                     [leaf.path for leaf in plan.leaves] + [p for p, _ in extra])
-    be.scatter(plan, flat, targets)
-    # A broken tie (two arrays where the plan has one slot) gets the slot's values at both places.
-    for slot, value in zip(plan.slot_of, values):
-        if value is not targets[slot]:
-            value[...] = targets[slot]
+def raise_if_nonfinite(be, plan, result, p, where="") -> None:
+    """NonFiniteError naming the first leaf holding NaN or inf, if the norm is
+    not finite (the one host synchronisation of a checked clip).
+
+    >>> import numpy as np, gpuflat as gf
+    >>> from gpuflat.backends import get_backend
+    >>> g = [np.ones(2), np.array([np.nan])]
+    >>> be, p = get_backend("numpy"), gf.plan(g)
+    >>> raise_if_nonfinite(be, p, be.norms(p, g, 2.0, False), 2.0)
+    Traceback (most recent call last):
+    ...
+    gpuflat.errors.NonFiniteError: leaf '[1]' holds NaN or inf; the total 2-norm is non-finite, so no gradient was scaled (error_if_nonfinite=True)
+    """
+    # The norm itself is read: finite leaves whose sum overflows float64 give
+    # an inf norm too, and PyTorch raises on that. Only a non-finite norm costs
+    # a second read, to name the leaf.
+    if math.isfinite(float(be.to_host(result.total))):
+        return
+    bad = int(be.to_host(result.first_nonfinite))
+    what = (f"leaf {plan.leaves[bad].path!r} holds NaN or inf" if bad >= 0 else
+            "no leaf holds NaN or inf, but the sum overflowed float64")
+    raise NonFiniteError(
+        f"{what}{where}; the total {p:g}-norm is non-finite, so no gradient was scaled "
+        f"(error_if_nonfinite=True)"
+    )
 
 
 # ---------------------------------------------------------------- helpers
 
-def _norms(plan, unique, be, p, per_leaf, flat=None):
-    if flat is None:
-        flat = _resident_buffer(plan, unique)
-    return be.norms(plan, unique, p, per_leaf, flat=flat)
+def _rebuild(plan, flat, statics, like, backend):
+    flat = _view(flat, "flat")
+    checks.check_flat(plan, flat, exact_dtype=False)
+    be = select(backend, [flat], lambda i: "<flat>")
+    leaves = [be.xp.empty(leaf.shape, leaf.dtype) for leaf in plan.leaves]
+    be.scatter(plan, _as_plan_dtype(plan, flat), leaves)
+    if like is not None:
+        leaves = [_arrays.to_caller(a, like) for a in leaves]
+    return _tree.rebuild(plan.treedef, [leaves[s] for s in plan.slot_of], statics)
 
 
-_RESIDENT_KEPT = 4  # models resident in a buffer remembered per plan
-
-
-def _remember_resident(plan, flat, views):
-    """Remember unflatten's views, so later calls on that model use the buffer itself (#4).
-
-    Keyed by the first view's id and checked by identity of every view, so a
-    tree that merely looks alike is never mistaken for the buffer. Only weak
-    references are kept: a dropped model frees its buffer.
-    """
-    registry = plan.device_cache.setdefault("resident", {})
-    registry[id(views[0])] = (weakref.ref(flat), [weakref.ref(v) for v in views])
-    while len(registry) > _RESIDENT_KEPT:
-        registry.pop(next(iter(registry)), None)
-
-
-def _resident_buffer(plan, unique):
-    """The buffer the leaves are views of, if they are exactly the views unflatten made."""
-    registry = plan.device_cache.get("resident")
-    if not registry or not unique:
-        return None
-    entry = registry.get(id(unique[0]))
-    if entry is None:
-        return None
-    flat_ref, view_refs = entry
-    if all(ref() is a for ref, a in zip(view_refs, unique)):
-        return flat_ref()
-    return None
-
-
-def _check_flat(plan, flat, name="flat"):
-    shape = getattr(flat, "shape", None)
-    if shape is None:
-        raise TreeMismatchError(f"{name}: expected a 1-D array, got {type(flat).__name__}")
-    if shape != (plan.size,):
-        raise TreeMismatchError(f"{name}: expected shape ({plan.size},), got {tuple(shape)}")
-    if flat.dtype != plan.dtype:
-        raise TreeMismatchError(f"{name}: expected dtype {plan.dtype}, got {flat.dtype}")
-
-
-def _check_max_norm(max_norm) -> float:
+def _view(x, name):
+    """A NumPy or CuPy view of a flat buffer given as any supported kind."""
+    if isinstance(x, _tree._array_types()):
+        return x
     try:
-        value = float(max_norm)
-    except (TypeError, ValueError):
-        value = math.nan
-    if not value >= 0:
-        raise ValueError(f"max_norm: expected a number >= 0, got {max_norm!r}")
-    return value
+        adopted = _arrays.adopt(x)
+    except _arrays.UnsupportedLeafError as e:
+        raise TreeMismatchError(f"{name}: {e}") from None
+    if adopted is None:
+        raise TreeMismatchError(f"{name}: expected a 1-D array, got {type(x).__name__}")
+    return adopted
 
 
-def _check_writable(paths, arrays):
-    for path, a in zip(paths, arrays):
-        # CuPy arrays have no writeable flag: device memory is always writable.
-        if not getattr(getattr(a, "flags", None), "writeable", True):
-            raise ValueError(f"leaf {path!r}: expected a writable array, got a read-only one")
+def _as_plan_dtype(plan, flat):
+    if flat.dtype == plan.dtype:
+        return flat
+    if flat.dtype.kind == "c" and plan.dtype.kind != "c":
+        flat = flat.real  # complex to real keeps the real part, as the kernels do
+    return flat.astype(plan.dtype)
+
+
+def _slot_sources(plan, tree) -> list:
+    """Per slot, the distinct arrays ``tree`` holds there (tied gradients: several)."""
+    values, exact = checks.occurrences(plan, tree, allow_none=True)
+    if exact and len(plan.slot_of) == len(plan.leaves):
+        return [[v] for v in values]  # no ties, no None: the common case
+    sources: list = [[] for _ in plan.leaves]
+    for slot, value in zip(plan.slot_of, values):
+        # The same gradient object met twice counts once (Optimisers.jl).
+        if value is not None and all(value is not seen for seen in sources[slot]):
+            sources[slot].append(value)
+    return sources
+
+
+def _norm_inputs(call, grads, model, backend):
+    """(plan, one array per slot) whose norm is the gradients' norm."""
+    if model is None:
+        return call.plan, list(call.unique)
+    model_plan = _Call(model).plan
+    sources = _slot_sources(model_plan, grads)
+    if all(len(s) == 1 for s in sources):
+        return model_plan, [s[0] for s in sources]
+    # Tied weights with separate gradients (or missing ones): the norm is that
+    # of the summed gradients, gathered as flatten gathers them.
+    summed = flatten(model_plan, grads, backend=backend)
+    return _Call([summed]).plan, [summed]

@@ -1,4 +1,4 @@
-"""Finding distinct leaves that share memory, before an in-place write (#5).
+"""Finding distinct leaves that share memory, before an in-place write.
 
 Two arrays can only overlap if they view one common base, so only leaves that
 share a base are compared: a tree of separately allocated arrays costs one
@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import OverlapError
 
 
 def _root(a):
     # Follow every owner, not only array bases: an as_strided view hangs off a
-    # DummyArray, an np.frombuffer view off a memoryview of the buffer (#5).
+    # DummyArray, an np.frombuffer view off a memoryview of the buffer.
     while True:
         owner = getattr(a, "base", None)
         if owner is None and isinstance(a, memoryview):
@@ -66,16 +65,3 @@ def find_overlap(arrays):
                     return min(i, j), max(i, j)
     return None
 
-
-def check_no_overlap(plan, arrays, paths=None) -> None:
-    """Raise OverlapError naming both paths if two leaves share memory.
-
-    ``paths`` names ``arrays``; by default they are the plan's slots.
-    """
-    pair = find_overlap(arrays)
-    if pair is not None:
-        first, second = (plan.leaves[k].path if paths is None else paths[k] for k in pair)
-        raise OverlapError(
-            f"leaves {first!r} and {second!r} share memory; an in-place operation would "
-            f"write one through the other (expected distinct memory, found overlapping views)"
-        )

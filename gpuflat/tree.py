@@ -1,22 +1,31 @@
 """Walking a model tree: which containers are opened, which leaves are trainable.
 
 A walk turns a tree into a *treedef* (hashable nested tuples that describe the
-containers and where the trainable arrays sit) plus the list of trainable
-arrays met, one per occurrence, in walk order. Everything the walk does not
-open is a *static*: kept by reference and rebuilt as it was.
+containers and where the trainable arrays sit), the list of trainable arrays
+met, one per occurrence, in walk order, and the list of *statics*: everything
+the walk does not open, kept by reference and rebuilt as it was.
 
-The walk is the only per-call Python work over the leaves (#2), so it reads
-each leaf once and builds no path strings; paths are derived from the treedef
-when a plan is built or an error is reported.
+A treedef records what a static *is* (its type; shape and dtype for an
+array), never its value: a running mean or a step counter replaced every
+step leaves the structure, and so the cached plan, unchanged. Rebuilding
+takes the values from the statics list of the tree at hand.
+
+The walk is the only per-call Python work over the leaves, so it reads each
+leaf once and builds no path strings; paths are derived from the treedef when
+a plan is built or an error is reported.
 """
 from __future__ import annotations
 
 import dataclasses
 import sys
 import threading
+from collections import defaultdict
+from collections.abc import Iterator, Set
+from typing import NamedTuple
 
 import numpy as np
 
+from . import arrays
 from .dtypes import TAGS
 from .errors import TreeMismatchError
 
@@ -38,37 +47,34 @@ class _Leaf:
 
 LEAF = _Leaf()
 
-# Values compared by value in a treedef; anything else by identity, so that a
-# plan never confuses two different non-trainable objects (#2).
-_BY_VALUE = (type(None), bool, int, float, complex, str, bytes)
-
-
 class Static:
-    """A non-trainable leaf, kept by reference; equal by value or identity."""
+    """The place of a non-trainable value in a treedef: equal by what the value is.
 
-    __slots__ = ("value", "_key")
+    >>> Static.of(np.zeros(3)) == Static.of(np.ones(3)), Static.of(1) == Static.of(1.0)
+    (True, False)
+    """
 
-    def __init__(self, value):
-        self.value = value
-        if type(value) in (float, complex):
-            # By repr: -0.0 == 0.0 would rebuild a -0.0 static as 0.0 from a
-            # cached plan, and nan != nan would make every such tree a miss (#2).
-            self._key = repr(value)
-        else:
-            self._key = value if type(value) in _BY_VALUE else id(value)
+    __slots__ = ("kind",)
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    @classmethod
+    def of(cls, value) -> "Static":
+        shape = getattr(value, "shape", None)
+        dtype = getattr(value, "dtype", None)
+        if type(shape) is tuple and dtype is not None:
+            return cls((type(value), shape, dtype))
+        return cls((type(value),))
 
     def __eq__(self, other):
-        return (
-            type(other) is Static
-            and type(self.value) is type(other.value)
-            and self._key == other._key
-        )
+        return type(other) is Static and self.kind == other.kind
 
     def __hash__(self):
-        return hash((type(self.value), self._key))
+        return hash(self.kind)
 
     def __repr__(self):
-        return f"Static({self.value!r})"
+        return f"Static({self.kind[0].__name__})"
 
 
 def register(cls, fields, trainable=None):
@@ -125,51 +131,163 @@ def _object_fields(x):
     return None
 
 
-def walk(tree, array_types=None):
-    """(treedef, arrays): the tree's structure and its trainable arrays per occurrence.
+class UnwalkableError(TypeError):
+    """A value inside a tree that gpuflat cannot take; raised naming its path."""
 
-    >>> treedef, arrays = walk({"w": np.ones(2), "n": 3})
-    >>> len(arrays)
-    1
+
+class _Refused(Exception):
+    """Raised inside the walk at a value it refuses; ``walk`` adds the path."""
+
+    def __init__(self, value, reason):
+        super().__init__(reason)
+        self.value, self.reason = value, reason
+
+
+# One-shot iterables cannot be rebuilt (and model.parameters() is a
+# generator): taken as statics they would hide every array inside.
+_ONE_SHOT = (Iterator, Set, type({}.keys()), type({}.values()), type({}.items()))
+
+
+class Walked(NamedTuple):
+    """What one walk found.
+
+    ``arrays`` holds NumPy or CuPy arrays: a PyTorch or JAX leaf appears as
+    its zero-copy view, and ``foreign`` maps ``id(view)`` to the caller's own
+    object (one view per object, so a tied tensor stays tied).
+    """
+
+    treedef: object
+    arrays: list
+    statics: list
+    foreign: dict
+
+
+def walk(tree, array_types=None) -> Walked:
+    """(treedef, arrays, statics, foreign): the tree's structure, its trainable
+    arrays per occurrence, its non-trainable values, each in walk order, and
+    the caller's own objects behind adopted arrays.
+
+    >>> treedef, arrays, statics, foreign = walk({"w": np.ones(2), "n": 3})
+    >>> len(arrays), statics, foreign
+    (1, [3], {})
     """
     arrays: list = []
-    treedef = _walk(tree, arrays, array_types or _array_types())
-    return treedef, arrays
+    statics: list = []
+    foreign: dict = {}
+    try:
+        treedef = _walk(tree, arrays, (statics, foreign), array_types or _array_types())
+    except _Refused as refused:
+        raise UnwalkableError(f"leaf {_path_of(tree, refused.value)!r}: {refused.reason}") from None
+    except RecursionError:
+        raise UnwalkableError(f"leaf {_cycle_path(tree)!r}: expected a tree, found a container "
+                              "that contains itself") from None
+    return Walked(treedef, arrays, statics, {id(v): x for x, v in foreign.values()})
 
 
-def _walk(x, out, array_types):
+def _walk(x, out, side, array_types):
+    statics = side[0]
     cls = type(x)
     if isinstance(x, array_types):
         if x.dtype in TAGS:
             out.append(x)
             return LEAF
-        return Static(x)
+        statics.append(x)
+        return Static.of(x)
     if cls is dict or (isinstance(x, dict) and cls not in _registry):
-        return (DICT, cls, tuple(x), _walk_children(x.values(), out, array_types))
+        if isinstance(x, defaultdict):
+            statics.append(x.default_factory)
+        return (DICT, cls, tuple(x), _walk_children(x.values(), out, side, array_types))
     if cls is list or cls is tuple:
-        return (SEQ, cls, None, _walk_children(x, out, array_types))
+        return (SEQ, cls, None, _walk_children(x, out, side, array_types))
     if isinstance(x, tuple) and hasattr(cls, "_fields"):
-        return (NAMEDTUPLE, cls, cls._fields, _walk_children(x, out, array_types))
+        return (NAMEDTUPLE, cls, cls._fields, _walk_children(x, out, side, array_types))
     fields = _object_fields(x)
     if fields is None:
-        return Static(x)
+        return _leaf(x, out, side)
     trainable, others = fields
-    children = _walk_children([getattr(x, n) for n in trainable], out, array_types)
-    statics = tuple([Static(getattr(x, n)) for n in others])
-    return (OBJECT, cls, (trainable, others), children, statics)
+    children = _walk_children([getattr(x, n) for n in trainable], out, side, array_types)
+    values = [getattr(x, n) for n in others]
+    statics.extend(values)
+    return (OBJECT, cls, (trainable, others), children, tuple(map(Static.of, values)))
 
 
-def _walk_children(values, out, array_types):
+def _leaf(x, out, side):
+    """A value the walk does not open: a trainable array of another kind, or a static."""
+    statics, foreign = side
+    seen = foreign.get(id(x))
+    if seen is not None:  # the same tensor again: the same view, so the tie holds
+        out.append(seen[1])
+        return LEAF
+    if isinstance(x, _ONE_SHOT):
+        raise _Refused(x, f"expected an array or a container, got a {type(x).__name__}, which "
+                          "cannot be walked twice or rebuilt; pass a list")
+    try:
+        adopted = arrays.adopt(x)
+    except arrays.UnsupportedLeafError as e:
+        raise _Refused(x, str(e)) from None
+    if adopted is not None and adopted.dtype in TAGS:
+        foreign[id(x)] = (x, adopted)
+        out.append(adopted)
+        return LEAF
+    statics.append(x)
+    return Static.of(x)
+
+
+def _walk_children(values, out, side, array_types):
     # Arrays are handled inline: a model with thousands of leaves pays one
-    # loop step per leaf, not one recursive call (#2, #4).
+    # loop step per leaf, not one recursive call.
     nodes = []
     for v in values:
         if type(v) is np.ndarray and v.dtype in TAGS:
             out.append(v)
             nodes.append(LEAF)
         else:
-            nodes.append(_walk(v, out, array_types))
+            nodes.append(_walk(v, out, side, array_types))
     return tuple(nodes)
+
+
+def _children_with_paths(x, prefix):
+    """(path, child) of a container the walk opens; [] for anything else."""
+    cls = type(x)
+    if isinstance(x, dict):
+        return [(f"{prefix}[{k!r}]", v) for k, v in x.items()]
+    if cls is list or cls is tuple:
+        return [(f"{prefix}[{i}]", v) for i, v in enumerate(x)]
+    if isinstance(x, tuple) and hasattr(cls, "_fields"):
+        return [(f"{prefix}.{n}", v) for n, v in zip(cls._fields, x)]
+    fields = _object_fields(x) if not isinstance(x, (np.ndarray, str, bytes)) else None
+    if fields is None:
+        return []
+    return [(f"{prefix}.{n}", getattr(x, n)) for n in fields[0] + fields[1]]
+
+
+def _path_of(tree, target) -> str:
+    """The path of ``target`` (by identity) in ``tree``: only called to word an error."""
+    stack, seen = [("", tree)], set()
+    while stack:
+        prefix, x = stack.pop()
+        if x is target:
+            return display(prefix)
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        stack.extend(reversed(_children_with_paths(x, prefix)))
+    return "<unknown>"
+
+
+def _cycle_path(tree) -> str:
+    """The path at which ``tree`` first contains one of its own ancestors."""
+    def search(x, prefix, ancestors):
+        for path, child in _children_with_paths(x, prefix):
+            if id(child) in ancestors:
+                return path
+            if _children_with_paths(child, path):
+                found = search(child, path, ancestors | {id(child)})
+                if found is not None:
+                    return found
+        return None
+
+    return display(search(tree, "", {id(tree)}) or "")
 
 
 # ---------------------------------------------------------------- paths
@@ -218,7 +336,7 @@ def arrays_like(treedef, tree, array_types=None) -> list:
     tree with None or other values there still matches. A mismatch raises
     TreeMismatchError naming the first differing path.
 
-    >>> treedef, _ = walk({"w": np.ones(2), "act": "relu"})
+    >>> treedef = walk({"w": np.ones(2), "act": "relu"}).treedef
     >>> arrays_like(treedef, {"w": None, "act": None})
     [None]
     """
@@ -268,24 +386,27 @@ def _raise_keys(path, expected, found):
 
 # ---------------------------------------------------------------- rebuilding
 
-def rebuild(treedef, values):
-    """A new tree shaped like ``treedef`` with ``values`` at the trainable places.
+def rebuild(treedef, values, statics):
+    """A new tree shaped like ``treedef``: ``values`` at the trainable places,
+    ``statics`` (from a walk of a tree of this structure) everywhere else.
 
-    >>> treedef, arrays = walk({"w": np.ones(2), "act": "relu"})
-    >>> rebuild(treedef, [np.zeros(2)])
+    >>> treedef, arrays, statics, _ = walk({"w": np.ones(2), "act": "relu"})
+    >>> rebuild(treedef, [np.zeros(2)], statics)
     {'w': array([0., 0.]), 'act': 'relu'}
     """
-    it = iter(values)
-    return _build(treedef, it)
+    return _build(treedef, iter(values), iter(statics))
 
 
-def _build(node, it):
+def _build(node, values, statics):
     if node is LEAF:
-        return next(it)
+        return next(values)
     if type(node) is Static:
-        return node.value
+        return next(statics)
     kind, cls, names, children = node[:4]
-    built = [_build(c, it) for c in children]
+    if kind == DICT and issubclass(cls, defaultdict):
+        factory = next(statics)
+        return cls(factory, zip(names, [_build(c, values, statics) for c in children]))
+    built = [_build(c, values, statics) for c in children]
     if kind == DICT:
         return cls(zip(names, built))
     if kind == SEQ:
@@ -293,11 +414,11 @@ def _build(node, it):
     if kind == NAMEDTUPLE:
         return cls._make(built)
     # Objects are rebuilt without calling __init__, as copy.copy does, so a
-    # model class needs no special constructor (#2).
+    # model class needs no special constructor.
     new = object.__new__(cls)
     trainable, others = names
     for name, value in zip(trainable, built):
         object.__setattr__(new, name, value)
-    for name, static in zip(others, node[4]):
-        object.__setattr__(new, name, static.value)
+    for name in others:
+        object.__setattr__(new, name, next(statics))
     return new

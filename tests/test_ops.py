@@ -100,8 +100,8 @@ def test_unflatten_views_and_scatter(backend):
     rng = np.random.default_rng(2)
     tree = mixed_tree(rng, np.float32)
     p = gf.plan(tree)
-    flat = p.flatten(tree, backend=backend)
-    resident = p.unflatten(flat)
+    flat = gf.flatten(p, tree, backend=backend)
+    resident = gf.unflatten(p, flat)
     leaves = gf.trainables(resident)
     assert all(np.shares_memory(a, flat) for a in leaves if a.size)
     assert resident["tied"] is resident["again"][0]
@@ -110,7 +110,7 @@ def test_unflatten_views_and_scatter(backend):
     assert_bits_equal(ref_flatten(resident), np.arange(flat.size, dtype=np.float32))
     # scatter writes into the tree's own (strided) arrays.
     before = [id(a) for a in gf.trainables(tree)]
-    p.scatter(flat * 2, tree, backend=backend)
+    gf.scatter(p, flat * 2, tree, backend=backend)
     assert [id(a) for a in gf.trainables(tree)] == before
     assert_bits_equal(ref_flatten(tree), np.arange(flat.size, dtype=np.float32) * 2)
 
@@ -119,7 +119,7 @@ def test_flatten_into_out(backend):
     tree = {"a": np.ones(3, np.float32), "b": np.full((2, 2), 2, np.float32).T}
     p = gf.plan(tree)
     out = np.full(7, -1, np.float32)
-    got = p.flatten(tree, out=out, backend=backend)
+    got = gf.flatten(p, tree, out=out, backend=backend)
     assert got is out and out.tolist() == [1, 1, 1, 2, 2, 2, 2]
 
 
@@ -130,7 +130,7 @@ def test_optimisers_tie_contract(dtype, backend):
     a, b = np.zeros(2, dtype), np.zeros(2, dtype)
     model = {"x": a, "y": b, "z": a}
     grads = {"x": np.full(2, 3, dtype), "y": None, "z": np.full(2, 13, dtype)}
-    got = gf.plan(model).flatten(grads, backend=backend)
+    got = gf.flatten(gf.plan(model), grads, backend=backend)
     assert_bits_equal(got, np.array([16, 16, 0, 0], dtype))
 
 
@@ -138,11 +138,11 @@ def test_same_gradient_object_counts_once(backend):
     a = np.zeros(2)
     model = {"x": a, "y": np.zeros(1), "z": a}
     g = np.array([1.0, 2.0])
-    got = gf.plan(model).flatten({"x": g, "y": np.ones(1), "z": g}, backend=backend)
+    got = gf.flatten(gf.plan(model), {"x": g, "y": np.ones(1), "z": g}, backend=backend)
     assert got.tolist() == [1, 2, 1]
-    got = gf.plan(model).flatten({"x": g, "y": None, "z": g.copy()}, backend=backend)
+    got = gf.flatten(gf.plan(model), {"x": g, "y": None, "z": g.copy()}, backend=backend)
     assert got.tolist() == [2, 4, 0]
-    got = gf.plan(model).flatten({"x": None, "y": None, "z": None}, backend=backend)
+    got = gf.flatten(gf.plan(model), {"x": None, "y": None, "z": None}, backend=backend)
     assert got.tolist() == [0, 0, 0]
 
 
@@ -288,8 +288,8 @@ def test_clip_resident_model(backend):
     rng = np.random.default_rng(8)
     tree = {"a": rng.standard_normal((3, 3)), "b": rng.standard_normal(4)}
     p = gf.plan(tree)
-    flat = p.flatten(tree, backend=backend)
-    resident = p.unflatten(flat)
+    flat = gf.flatten(p, tree, backend=backend)
+    resident = gf.unflatten(p, flat)
     copies = [resident["a"].copy(), resident["b"].copy()]
     norm = gf.clip_grad_norm_(resident, 0.1, backend=backend)
     assert rel_err(norm, exact_norm(copies)) < 1e-12
@@ -322,28 +322,28 @@ def test_flatten_errors_name_path_and_values():
     p = gf.plan(m)
     g = _model()
     g["enc"]["layers"][1].weight = np.ones((3, 4), np.float32)
-    _check_raises_and_unchanged(lambda: p.flatten(g), [g], gf.TreeMismatchError,
+    _check_raises_and_unchanged(lambda: gf.flatten(p, g), [g], gf.TreeMismatchError,
                                 "['enc']['layers'][1].weight", "(3, 3)", "(3, 4)")
     g = _model()
     g["enc"]["layers"][0].bias = np.zeros(3, np.float64)
-    _check_raises_and_unchanged(lambda: p.flatten(g), [g], gf.TreeMismatchError,
+    _check_raises_and_unchanged(lambda: gf.flatten(p, g), [g], gf.TreeMismatchError,
                                 "['enc']['layers'][0].bias", "float32", "float64")
     g = _model()
     g["head"] = [1.0, 2.0]
-    _check_raises_and_unchanged(lambda: p.flatten(g), [g], gf.TreeMismatchError, "['head']", "list")
+    _check_raises_and_unchanged(lambda: gf.flatten(p, g), [g], gf.TreeMismatchError, "['head']", "list")
     g = _model()
     del g["head"]
-    _check_raises_and_unchanged(lambda: p.flatten(g), [g], gf.TreeMismatchError, "head")
+    _check_raises_and_unchanged(lambda: gf.flatten(p, g), [g], gf.TreeMismatchError, "head")
     g = _model()
     g["extra"] = np.ones(1, np.float32)
-    _check_raises_and_unchanged(lambda: p.flatten(g), [g], gf.TreeMismatchError, "extra")
+    _check_raises_and_unchanged(lambda: gf.flatten(p, g), [g], gf.TreeMismatchError, "extra")
 
 
 def test_flatten_out_errors_change_nothing():
     m = _model()
     p = gf.plan(m)
     for out in [np.zeros(p.size + 1, np.float32), np.zeros(p.size, np.float64), np.zeros((p.size, 1), np.float32)]:
-        _check_raises_and_unchanged(lambda: p.flatten(m, out=out), [m, out], gf.TreeMismatchError, "out")
+        _check_raises_and_unchanged(lambda: gf.flatten(p, m, out=out), [m, out], gf.TreeMismatchError, "out")
 
 
 def test_re_and_unflatten_errors():
@@ -351,27 +351,57 @@ def test_re_and_unflatten_errors():
     flat, re = gf.destructure(m)
     p = gf.plan(m)
     for bad, what in [(np.zeros(flat.size - 1, np.float32), f"({flat.size},)"),
-                      (np.zeros(flat.size, np.float64), "float32"),
+                      (np.zeros(flat.size, np.int64), "int64"),
+                      (np.zeros(2 * flat.size, np.float32)[::2], "C-contiguous"),
                       (np.zeros((flat.size, 1), np.float32), f"({flat.size},)"),
                       ([0.0] * flat.size, "list")]:
-        for fn in (lambda: re(bad), lambda: p.unflatten(bad)):
+        for fn in (lambda: re(bad), lambda: gf.unflatten(p, bad)):
             _check_raises_and_unchanged(fn, [m, bad] if isinstance(bad, np.ndarray) else [m],
                                         gf.TreeMismatchError, what)
+
+
+def test_re_and_scatter_take_any_floating_flat_and_cast_it_back(backend):
+    # A float64 norm makes float64 updates: Optimisers' Restructure casts them back.
+    m = _model()
+    flat, re = gf.destructure(m, backend=backend)
+    norm = gf.global_norm(m, backend=backend)
+    scaled = flat / norm
+    assert scaled.dtype == np.float64 and flat.dtype == np.float32
+    rebuilt = re(scaled)
+    want = (flat.astype(np.float64) / norm).astype(np.float32)
+    assert_bits_equal(gf.flatten(gf.plan(rebuilt), rebuilt, backend=backend), want)
+    gf.scatter(gf.plan(m), scaled, m, backend=backend)
+    assert_bits_equal(gf.flatten(gf.plan(m), m, backend=backend), want)
+
+
+def test_out_must_be_contiguous_and_exact(backend):
+    m = _model()
+    p = gf.plan(m)
+    for out, what in [(np.zeros(2 * p.size, np.float32)[::2], "strides"),
+                      (np.zeros(p.size, np.float64), "float64")]:
+        before = out.copy()
+        with pytest.raises(gf.TreeMismatchError, match=what):
+            gf.flatten(p, m, out=out, backend=backend)
+        assert_bits_equal(out, before)
 
 
 def test_scatter_errors_change_nothing():
     m = _model()
     p = gf.plan(m)
     flat = np.arange(p.size, dtype=np.float32)
-    _check_raises_and_unchanged(lambda: p.scatter(flat[:-1], m), [m], gf.TreeMismatchError, "flat")
-    _check_raises_and_unchanged(lambda: p.scatter(flat.astype(np.float64), m), [m], gf.TreeMismatchError, "float64")
+    _check_raises_and_unchanged(lambda: gf.scatter(p, flat[:-1], m), [m], gf.TreeMismatchError, "flat")
+    _check_raises_and_unchanged(lambda: gf.scatter(p, flat.astype(np.int32), m), [m], gf.TreeMismatchError, "int32")
+    strided = np.arange(2 * p.size, dtype=np.float32)[::2]
+    _check_raises_and_unchanged(lambda: gf.scatter(p, strided, m), [m], gf.TreeMismatchError, "strides (8,)")
+    reversed_view = np.arange(p.size, dtype=np.float32)[::-1]
+    _check_raises_and_unchanged(lambda: gf.scatter(p, reversed_view, m), [m], gf.TreeMismatchError, "strides (-4,)")
     bad = _model()
     bad["enc"]["layers"][1].weight = np.ones((3, 4), np.float32)  # the last leaf is wrong
-    _check_raises_and_unchanged(lambda: p.scatter(flat, bad), [bad], gf.TreeMismatchError,
+    _check_raises_and_unchanged(lambda: gf.scatter(p, flat, bad), [bad], gf.TreeMismatchError,
                                 "['enc']['layers'][1].weight", "(3, 3)", "(3, 4)")
     bad = _model()
     bad["enc"]["layers"][1].weight = None
-    _check_raises_and_unchanged(lambda: p.scatter(flat, bad), [bad], gf.TreeMismatchError,
+    _check_raises_and_unchanged(lambda: gf.scatter(p, flat, bad), [bad], gf.TreeMismatchError,
                                 "['enc']['layers'][1].weight", "NoneType")
 
 
@@ -417,7 +447,7 @@ def test_property_flatten_unflatten_round_trip(tree):
         assert_bits_equal(a, b)
     p = gf.plan(tree)
     # The resident pattern: views into the flat buffer, same values.
-    assert_bits_equal(ref_flatten(p.unflatten(flat.copy())), flat)
+    assert_bits_equal(ref_flatten(gf.unflatten(p, flat.copy())), flat)
 
 
 @SETTINGS
@@ -425,7 +455,7 @@ def test_property_flatten_unflatten_round_trip(tree):
 def test_property_gradient_flatten_matches_contract(data):
     model = data.draw(trees())
     grads = data.draw(grads_for(model))
-    got = gf.plan(model).flatten(grads)
+    got = gf.flatten(gf.plan(model), grads)
     assert_bits_equal(got, ref_flatten_grads(model, grads))
 
 
@@ -437,15 +467,15 @@ def test_property_adjoint_identity(data):
     p = gf.plan(model)
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     v = rng.standard_normal(p.size).astype(p.dtype)
-    x = p.flatten(model)
+    x = gf.flatten(p, model)
     lhs = math.fsum((x * v).tolist())
-    u = p.unflatten(v)
+    u = gf.unflatten(p, v)
     rhs = math.fsum(math.fsum((a.reshape(-1) * b.reshape(-1)).tolist())
                     for (_, a), (_, b) in zip(ref_unique(model), ref_unique(u)))
     assert math.isclose(lhs, rhs, rel_tol=1e-12, abs_tol=1e-12)
     # With ties, flatten of a gradient tree is the adjoint of unflatten: <flatten(g), v> = sum over occurrences.
     grads = data.draw(grads_for(model))
-    gflat = p.flatten(grads)
+    gflat = gf.flatten(p, grads)
     occ = [g for g in __import__("conftest").ref_grad_leaves(model, grads)]
     u_occ = __import__("conftest").ref_walk(u)
     seen_pairs = set()
@@ -487,8 +517,103 @@ def test_unflatten_complex_flat_into_real_leaf_without_warning():
     flat = np.array([1 + 5j, 2 + 6j, 3 + 4j], np.complex64)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        m = p.unflatten(flat)
+        m = gf.unflatten(p, flat)
         m2 = gf.destructure(tree)[1](flat)
     for t in (m, m2):
         assert t["r"].dtype == np.float32 and t["r"].tolist() == [1.0, 2.0]
         assert t["c"].tolist() == [3 + 4j]
+
+
+# ---------------------------------------------------------------- in-place safety and arguments
+
+
+def test_clip_refuses_a_read_only_model_made_by_unflatten(backend):
+    m = _model()
+    p = gf.plan(m)
+    flat, _ = gf.destructure(m)
+    flat.flags.writeable = False
+    resident = gf.unflatten(p, flat)
+    before = flat.copy()
+    with pytest.raises(ValueError, match="read-only"):
+        gf.clip_grad_norm_(resident, 1e-3, backend=backend)
+    assert_bits_equal(flat, before)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.lib.stride_tricks.as_strided(np.ones(1, np.float32), (4,), (0,)),
+    lambda: np.lib.stride_tricks.as_strided(np.arange(8.0), (3, 3), (16, 8)),
+], ids=["zero stride", "self-overlap"])
+def test_in_place_ops_refuse_leaves_that_overlap_themselves(make, backend):
+    leaf = make()
+    base = leaf.base
+    while getattr(base, "base", None) is not None:
+        base = base.base
+    tree = {"ok": np.ones(3), "bad": leaf}
+    before = np.array(base, copy=True)
+    with pytest.raises(ValueError, match=r"\['bad'\].*distinct memory"):
+        gf.clip_grad_norm_(tree, 1e-3, backend=backend)
+    p = gf.plan(tree)
+    with pytest.raises(ValueError, match=r"\['bad'\].*distinct memory"):
+        gf.scatter(p, np.zeros(p.size), tree, backend=backend)
+    assert_bits_equal(np.asarray(base), before)
+    gf.global_norm(tree, backend=backend)  # reading such a leaf is fine
+
+
+@pytest.mark.parametrize("kwargs, what", [
+    ({"max_norm": "1.0"}, "max_norm"), ({"max_norm": True}, "max_norm"),
+    ({"max_norm": 1.0, "eps": -1}, "eps"), ({"max_norm": 1.0, "eps": "0"}, "eps"),
+    ({"max_norm": 1.0, "ord": "2"}, "ord"),
+])
+def test_clip_arguments_are_checked(kwargs, what):
+    g = {"w": np.array([3.0, 4.0])}
+    with pytest.raises(ValueError, match=what):
+        gf.clip_grad_norm_(g, **kwargs)
+    assert g["w"].tolist() == [3.0, 4.0]
+
+
+def test_clipping_an_inf_gradient_warns_nothing(backend):
+    import warnings
+
+    g = {"w": np.array([np.inf, 1.0], np.float32), "b": np.ones(2)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        norm = gf.clip_grad_norm_(g, 1.0, backend=backend)
+    # An inf norm gives a zero factor, as in PyTorch: inf * 0 is NaN, the rest 0.
+    assert np.isinf(norm) and np.isnan(g["w"][0]) and g["w"][1] == 0 and (g["b"] == 0).all()
+
+
+def test_model_argument_adds_tied_gradients_as_flatten_does(backend):
+    # The README's example: enc.w and dec are one array; their gradients add.
+    w = np.ones((64, 64), np.float32)
+    model = {"enc": {"w": w, "b": np.zeros(64, np.float32)}, "act": "relu", "dec": w}
+    grads = {"enc": {"w": np.ones((64, 64), np.float32), "b": None}, "act": None,
+             "dec": np.ones((64, 64), np.float32)}
+    assert float(gf.global_norm(grads, backend=backend)) == pytest.approx(math.sqrt(2 * 4096))
+    norm = gf.global_norm(grads, model=model, backend=backend)
+    assert float(norm) == float(np.linalg.norm(gf.flatten(gf.plan(model), grads))) == 128.0
+    clipped = gf.clip_grad_norm_(grads, 1.0, model=model, backend=backend)
+    assert float(clipped) == 128.0
+    coef = np.float32(1.0 / (128.0 + 1e-6))
+    for g in (grads["enc"]["w"], grads["dec"]):  # every occurrence scaled by the one factor
+        assert_bits_equal(g, np.full((64, 64), np.float32(1) * coef, np.float32))
+
+
+def test_model_argument_refuses_a_gradient_tree_of_another_shape():
+    model = {"w": np.ones(3)}
+    with pytest.raises(gf.TreeMismatchError, match=r"\['w'\].*\(3,\).*\(4,\)"):
+        gf.global_norm({"w": np.ones(4)}, model=model)
+
+
+def test_clip_by_global_norm_leaves_its_input_untouched(backend):
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(5).astype(np.float32)
+    tree = {"x": a, "y": rng.standard_normal((2, 3)), "z": a, "n": "relu"}
+    before = [a.copy(), tree["y"].copy()]
+    clipped, norm = gf.clip_by_global_norm(tree, 0.5, backend=backend)
+    assert_bits_equal(tree["x"], before[0]) and assert_bits_equal(tree["y"], before[1])
+    assert clipped["x"] is clipped["z"] and clipped["n"] == "relu"
+    reference = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in tree.items()}
+    reference["z"] = reference["x"]
+    ref_norm = gf.clip_grad_norm_(reference, 0.5, backend=backend)
+    assert float(norm) == float(ref_norm)
+    assert_bits_equal(clipped["x"], reference["x"]) and assert_bits_equal(clipped["y"], reference["y"])

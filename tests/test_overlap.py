@@ -85,7 +85,7 @@ def test_scatter_refuses_overlap_naming_both_paths(name, backend):
     p = gf.plan(tree)
     before = snapshot(tree)
     with pytest.raises(gf.OverlapError) as info:
-        p.scatter(np.full(p.size, 7.0), tree, backend=backend)
+        gf.scatter(p, np.full(p.size, 7.0), tree, backend=backend)
     assert "['first']" in str(info.value) and "['deep'][0]['second']" in str(info.value)
     assert snapshot(tree) == before
 
@@ -95,7 +95,7 @@ def test_in_place_ops_accept_disjoint_views(name, backend):
     x, y = _disjoint()[name]
     tree = {"x": x, "y": y}
     p = gf.plan(tree)
-    p.scatter(np.arange(p.size, dtype=np.float64), tree, backend=backend)
+    gf.scatter(p, np.arange(p.size, dtype=np.float64), tree, backend=backend)
     assert list(x.reshape(-1)) + list(y.reshape(-1)) == list(range(p.size))
     gf.clip_grad_norm_(tree, 1.0, backend=backend)
 
@@ -115,5 +115,5 @@ def test_scatter_broken_tie_overlapping_another_leaf_is_refused(backend):
     tree = {"x": np.zeros(3), "y": base[:3], "z": base[1:4]}
     before = snapshot(tree)
     with pytest.raises(gf.OverlapError, match=r"\['y'\].*\['z'\]"):
-        p.scatter(np.arange(6.0), tree, backend=backend)
+        gf.scatter(p, np.arange(6.0), tree, backend=backend)
     assert snapshot(tree) == before

@@ -10,7 +10,7 @@ import pytest
 import gpuflat as gf
 import importlib
 
-gplan = importlib.import_module("gpuflat.plan")
+gplan = importlib.import_module("gpuflat.flatplan")
 
 from conftest import BF16, DTYPES, DTYPE_IDS, ref_flat_dtype
 
@@ -20,7 +20,7 @@ def info():
     return i.hits, i.misses, i.size
 
 
-def test_offsets_sizes_shapes_strides():
+def test_offsets_sizes_shapes():
     a = np.ones((2, 3), np.float32)
     b = np.ones((4, 5))[:, ::2]  # strided
     c = np.array(2.0, np.float32)  # 0-d
@@ -31,7 +31,8 @@ def test_offsets_sizes_shapes_strides():
     assert [l.size for l in p.leaves] == [6, 12, 1, 0]
     assert [l.shape for l in p.leaves] == [(2, 3), (4, 3), (), (0, 7)]
     assert [l.dtype for l in p.leaves] == [a.dtype, b.dtype, c.dtype, e.dtype]
-    assert p.leaves[1].strides == b.strides
+    # Strides are not part of a plan: a plan serves every tree of its structure.
+    assert not hasattr(p.leaves[1], "strides")
     assert p.size == 19 and p.dtype == np.float64
     assert p.offsets.tolist() == [0, 6, 18, 19, 19] and p.offsets.dtype == np.int64
     with pytest.raises(ValueError):
@@ -100,13 +101,16 @@ CHANGES = {
     "tie broken": lambda t: {**t, "z": t["x"].copy()},
     "tie made": None,  # built in the test: needs a tree without a tie first
     "container": lambda t: {**t, "y": [t["y"]]},
-    "static": lambda t: {**t, "act": "gelu"},
+    "static type": lambda t: {**t, "act": 3},
+    "static array shape": lambda t: {**t, "act": np.arange(4)},
 }
 
 
 @pytest.mark.parametrize("change", list(CHANGES), ids=list(CHANGES))
 def test_changed_tree_is_a_miss_and_gets_fresh_offsets(change):
-    base = {**_tied(), "act": "relu"} if change == "static" else _tied()
+    base = {**_tied(), "act": "relu"} if change == "static type" else _tied()
+    if change == "static array shape":
+        base = {**_tied(), "act": np.arange(3)}
     p1 = gf.plan(base)
     if change != "tie made":
         changed = CHANGES[change](base)
@@ -133,13 +137,13 @@ def test_changed_tree_is_a_miss_and_gets_fresh_offsets(change):
 def test_stale_plan_used_on_changed_tree_raises():
     p = gf.plan(_tied())
     with pytest.raises(gf.TreeMismatchError, match=r"\['y'\].*\(3,\).*\(4,\)"):
-        p.flatten(CHANGES["shape"](_tied()))
+        gf.flatten(p, CHANGES["shape"](_tied()))
     with pytest.raises(gf.TreeMismatchError, match=r"\['y'\].*float32.*float64"):
-        p.flatten(CHANGES["dtype"](_tied()))
+        gf.flatten(p, CHANGES["dtype"](_tied()))
     with pytest.raises(gf.TreeMismatchError, match="extra"):
-        p.flatten(CHANGES["key added"](_tied()))
+        gf.flatten(p, CHANGES["key added"](_tied()))
     with pytest.raises(gf.TreeMismatchError, match="missing"):
-        p.flatten(CHANGES["key removed"](_tied()))
+        gf.flatten(p, CHANGES["key removed"](_tied()))
 
 
 def test_cache_is_bounded():
@@ -184,9 +188,30 @@ def test_same_shape_different_strides_gives_correct_results():
     np.testing.assert_array_equal(flat, b.reshape(-1))
 
 
-def test_plan_methods_exist():
-    p = gf.plan({"w": np.ones(2)})
-    assert callable(p.flatten) and callable(p.unflatten) and callable(p.scatter)
+def test_statics_replaced_every_step_hit_the_cache_and_rebuild_with_their_new_value():
+    # Integer statistics and a step counter replaced each step: same structure, so
+    # one plan; the rebuilt tree carries this step's values, not the first.
+    w = np.ones(3, np.float32)
+    for step in range(5):
+        tree = {"w": w, "mean": np.full(2, step), "step": np.array(step), "n": step, "act": f"a{step}"}
+        flat, re = gf.destructure(tree)
+        rebuilt = re(flat)
+        assert rebuilt["mean"] is tree["mean"] and rebuilt["step"] is tree["step"]
+        assert rebuilt["n"] == step and rebuilt["act"] == f"a{step}"
+    assert gf.plan_cache_info().misses == 1 and gf.plan_cache_info().size == 1
+
+
+def test_a_plan_keeps_no_array_of_the_trees_after_the_first():
+    import gc
+    import weakref
+
+    gf.plan({"w": np.ones(2), "mean": np.zeros(2, int)})
+    later = np.zeros(2, int)
+    ref = weakref.ref(later)
+    gf.plan({"w": np.ones(2), "mean": later})
+    del later
+    gc.collect()
+    assert ref() is None
 
 
 def test_large_synthetic_offsets_are_python_ints():
@@ -214,5 +239,5 @@ def test_offsets_of_multi_dimensional_leaves_past_2_32():
 
 def test_signature_helpers_agree():
     a = np.ones(2)
-    slot_of, unique, shapes = gplan._signature([a, np.ones(3), a])
+    slot_of, unique, shapes = gplan.signature([a, np.ones(3), a])
     assert slot_of == (0, 1, 0) and unique[0] is a and [s[0] for s in shapes] == [(2,), (3,)]

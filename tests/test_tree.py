@@ -225,3 +225,46 @@ def test_nan_static_still_hits_the_plan_cache():
     gf.plan({"w": np.ones(1), "s": float("nan")})
     info = gf.plan_cache_info()
     assert (info.hits, info.misses, info.size) == (1, 1, 1)
+
+
+# ---------------------------------------------------------------- what a walk refuses or rebuilds
+
+
+def test_defaultdict_is_rebuilt_with_its_default_factory():
+    from collections import defaultdict
+
+    tree = defaultdict(list, {"w": np.ones(2), "b": np.zeros(1)})
+    flat, re = gf.destructure(tree)
+    rebuilt = re(flat * 2)
+    assert type(rebuilt) is defaultdict and rebuilt.default_factory is list
+    assert rebuilt["w"].tolist() == [2, 2] and rebuilt["missing"] == []
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (np.ones(2) for _ in range(2)),
+    lambda: iter([np.ones(2)]),
+    lambda: {1, 2},
+    lambda: {"a": np.ones(2)}.values(),
+    lambda: {"a": np.ones(2)}.keys(),
+], ids=["generator", "iterator", "set", "dict_values", "dict_keys"])
+def test_one_shot_iterables_are_refused_naming_where(make):
+    with pytest.raises(gf.UnwalkableError, match="<root>.*cannot be walked twice"):
+        gf.global_norm(make())
+    with pytest.raises(gf.UnwalkableError, match=r"\['enc'\]\[1\]"):
+        gf.global_norm({"enc": [np.ones(1), make()]})
+
+
+def test_a_tree_that_contains_itself_is_refused_naming_the_path():
+    tree = {"w": np.ones(2), "layers": [np.ones(1)]}
+    tree["layers"].append(tree)
+    with pytest.raises(gf.UnwalkableError, match=r"\['layers'\]\[1\].*contains itself"):
+        gf.global_norm(tree)
+
+
+def test_unknown_array_likes_are_refused_not_static():
+    class Frame:
+        def __array__(self, dtype=None, copy=None):
+            return np.ones(3)
+
+    with pytest.raises(gf.UnwalkableError, match=r"\['x'\].*Frame"):
+        gf.global_norm({"x": Frame(), "w": np.ones(2)})

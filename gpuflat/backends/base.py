@@ -1,48 +1,36 @@
-"""What every backend returns, and how a backend is chosen for a call."""
+"""Which backend serves a call: by name, and by the arrays' kind and device."""
 from __future__ import annotations
 
-import math
 import sys
 import threading
 
-
 BACKEND_NAMES = ("numpy", "cuda", "emulated")
-
-
-def check_ord(ord) -> float:
-    """The norm order as a float: 1, 2, inf or any p > 0; else ValueError.
-
-    >>> check_ord(2), check_ord(float("inf"))
-    (2.0, inf)
-    """
-    try:
-        p = float(ord)
-    except (TypeError, ValueError):
-        p = math.nan
-    if isinstance(ord, bool) or not (p > 0):
-        raise ValueError(f"ord: expected 1, 2, inf or a number p > 0, got {ord!r}")
-    return p
-
 
 _backends: dict = {}
 _lock = threading.Lock()
 
 
-def get_backend(name: str):
+def get_backend(name: str, device: int | None = None):
     """The backend instance called ``name`` ("numpy", "cuda" or "emulated").
+
+    "cuda" has one backend per device (``device``: the CUDA device id;
+    default: CuPy's current device), each launching on its own device.
 
     >>> get_backend("numpy").name
     'numpy'
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"backend: expected one of {BACKEND_NAMES}, got {name!r}")
+    if name == "cuda" and device is None:
+        device = sys.modules["cupy"].cuda.Device().id if "cupy" in sys.modules else 0
+    key = (name, device if name == "cuda" else None)
     with _lock:
-        if name not in _backends:
-            _backends[name] = _make(name)
-        return _backends[name]
+        if key not in _backends:
+            _backends[key] = _make(name, device)
+        return _backends[key]
 
 
-def _make(name):
+def _make(name, device):
     if name == "numpy":
         from .numpy_backend import NumpyBackend
 
@@ -50,7 +38,7 @@ def _make(name):
     from .cuda import CudaBackend
     from ..runtime import CupyRuntime, EmulatedRuntime
 
-    return CudaBackend(EmulatedRuntime() if name == "emulated" else CupyRuntime())
+    return CudaBackend(EmulatedRuntime() if name == "emulated" else CupyRuntime(device))
 
 
 def _is_cupy(x) -> bool:
@@ -62,8 +50,16 @@ def select(backend, arrays, path_of):
     """The backend for a call on ``arrays``; ``path_of(i)`` names the i-th (only on error).
 
     The default follows the arrays: NumPy arrays take "numpy", CuPy arrays
-    "cuda". A mix raises, naming one leaf of each; so does a backend that
-    cannot reach the arrays' memory.
+    "cuda" on their device. A mix of kinds or of devices raises, naming one
+    leaf of each; so does a backend that cannot reach the arrays' memory.
+
+    >>> import numpy as np
+    >>> select(None, [np.ones(2)], lambda i: "['w']").name
+    'numpy'
+    >>> select("cuda", [np.ones(2)], lambda i: "['w']")
+    Traceback (most recent call last):
+    ...
+    TypeError: backend 'cuda' works on CuPy arrays; leaf "['w']" is a numpy.ndarray
     """
     on_gpu = list(map(_is_cupy, arrays)) if "cupy" in sys.modules else [False] * len(arrays)
     first_cupy = on_gpu.index(True) if True in on_gpu else None
@@ -82,4 +78,20 @@ def select(backend, arrays, path_of):
             f"backend {name!r} works on {kind} arrays; leaf {path_of(wrong)!r} is a "
             f"{type(arrays[wrong]).__module__}.{type(arrays[wrong]).__name__}"
         )
-    return get_backend(name)
+    if not wants_cupy:
+        return get_backend(name)
+    return get_backend(name, _one_device(arrays, path_of))
+
+
+def _one_device(arrays, path_of):
+    """The CUDA device all ``arrays`` live on; TypeError naming a leaf on each of two."""
+    if not arrays:
+        return None
+    device = arrays[0].device.id
+    for i, a in enumerate(arrays):
+        if a.device.id != device:
+            raise TypeError(
+                f"tree spans two GPUs: leaf {path_of(0)!r} is on device {device}, "
+                f"leaf {path_of(i)!r} on device {a.device.id}; expected one device"
+            )
+    return device

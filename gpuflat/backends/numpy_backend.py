@@ -1,6 +1,6 @@
 """The NumPy backend: the same operations as the CUDA kernels, on the host.
 
-Norms accumulate in float64 whatever the leaf dtype (#2): leaves are converted
+Norms accumulate in float64 whatever the leaf dtype: leaves are converted
 in pieces of at most PIECE elements (small leaves packed together, large ones
 cut), so the float64 copy stays in cache and memory use stays flat. Pieces are
 fixed by the plan, so every repeat adds the same numbers in the same order.
@@ -8,6 +8,7 @@ fixed by the plan, so every repeat adds the same numbers in the same order.
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 
@@ -20,13 +21,17 @@ PIECE = 1 << 15  # elements per float64 piece: 256 KiB, a comfortable L2 fit
 DOT = 8192
 
 
+# Per-plan piece layouts; a dropped plan drops its entry.
+_layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _layout(plan):
     """Pieces of the plan: (first slot, end slot, element count, complex?), memoised per plan.
 
     A piece is either a run of consecutive small slots of one kind (real or
     complex) packed together, or one large slot on its own.
     """
-    layout = plan.device_cache.get("numpy")
+    layout = _layouts.get(plan)
     if layout is not None:
         return layout
     pieces, start, count, kind = [], 0, 0, None
@@ -39,7 +44,7 @@ def _layout(plan):
         count += leaf.size
     if start < len(plan.leaves):
         pieces.append((start, len(plan.leaves), count, kind))
-    layout = plan.device_cache.setdefault("numpy", tuple(pieces))
+    _layouts[plan] = layout = tuple(pieces)
     return layout
 
 
@@ -64,10 +69,10 @@ class NumpyBackend:
     xp = np
 
     def gather(self, plan, sources, out):
-        if not sources:  # an empty tree: np.concatenate refuses an empty list (#2)
+        if not sources:  # an empty tree: np.concatenate refuses an empty list
             return
         if all(len(s) == 1 for s in sources):
-            # One C loop over all leaves; axis=None flattens any strides (#2).
+            # One C loop over all leaves; axis=None flattens any strides.
             np.concatenate([s[0] for s in sources], axis=None, out=out, casting="unsafe")
             return
         acc_dtype = np.complex128 if plan.dtype.kind == "c" else np.float64
@@ -95,7 +100,7 @@ class NumpyBackend:
             packed = per_leaf and end - first > 1
             for values in _chunks(plan, leaves, flat, first, end, count, acc_dtype):
                 # The total always comes from the chunk partials, so per_leaf=True
-                # and False (global_norm and clip_grad_norm_) give the same bits (#2).
+                # and False (global_norm and clip_grad_norm_) give the same bits.
                 part, contrib = _partial(values, p, keep=packed)
                 partials.append(part)
                 if packed:
@@ -108,10 +113,13 @@ class NumpyBackend:
         return NormResult(np.asarray(total), per, np.asarray(bad, np.int64))
 
     def clip_(self, plan, leaves, total, max_norm, eps, flat=None):
-        coef = _clip_coef(total, max_norm, eps)
-        # A resident model is clipped with one multiply over its buffer (#4).
-        for target in [flat] if flat is not None else leaves:
-            _scale(target, coef)
+        # A NaN or inf norm scales to NaN, PyTorch's semantics, without
+        # NumPy's warnings: the caller asked for exactly that.
+        with np.errstate(invalid="ignore", over="ignore"):
+            coef = _clip_coef(total, max_norm, eps)
+            # A resident model is clipped with one multiply over its buffer.
+            for target in [flat] if flat is not None else leaves:
+                _scale(target, coef)
 
     def to_host(self, x):
         return np.asarray(x)
@@ -131,7 +139,7 @@ def _scale(target, coef):
 
 def _clip_coef(total, max_norm, eps):
     # PyTorch's clip_grad_norm_: the factor is clamped to 1 and always applied;
-    # a NaN norm gives a NaN factor, as there (#2).
+    # a NaN norm gives a NaN factor, as there.
     return np.minimum(np.float64(max_norm) / (np.float64(total) + eps), 1.0)
 
 
@@ -182,14 +190,14 @@ def _per_slot(plan, first, end, contrib, p, sums):
 
 
 def _reduce(acc, value, p):
-    # np.maximum, not max(): a NaN must win (#5).
+    # np.maximum, not max(): a NaN must win.
     return float(np.maximum(acc, value)) if p == math.inf else acc + value
 
 
 def _combine(sums, p):
     if p == math.inf:
         return float(sums.max()) if len(sums) else 0.0
-    # math.fsum: the slot sums are combined exactly, in any order (#2).
+    # math.fsum: the slot sums are combined exactly, in any order.
     total = math.fsum(sums) if np.isfinite(sums).all() else float(sums.sum())
     return math.sqrt(total) if p == 2 else _root(total, p)
 

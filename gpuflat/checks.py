@@ -1,0 +1,202 @@
+"""Every validation gpuflat makes before it computes or writes anything.
+
+The public operations call these first, so a bad call raises naming the leaf
+path and what was expected against what was found, and changes nothing.
+Backends never validate: what reaches them fits the plan.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import tree as _tree
+from .dtypes import TAGS
+from .errors import OverlapError, TreeMismatchError
+from .flatplan import shape_and_dtype
+from .overlap import find_overlap
+
+def occurrences(plan, tree, *, allow_none):
+    """(values, exact): what ``tree`` holds at each trainable place of ``plan``, checked.
+
+    ``exact`` is True when the tree is shaped exactly like the plan's, so
+    every value is an array of the expected shape and dtype (no None). A tree
+    shaped exactly like the plan's costs one walk and one tuple comparison;
+    anything else takes the slow path that finds and names the first
+    difference.
+
+    >>> import numpy as np, gpuflat as gf
+    >>> p = gf.plan({"w": np.ones(2)})
+    >>> occurrences(p, {"w": np.ones(3)}, allow_none=False)
+    Traceback (most recent call last):
+    ...
+    gpuflat.errors.TreeMismatchError: leaf "['w']": expected shape (2,), got (3,)
+    """
+    walked = _tree.walk(tree)
+    arrays = walked.arrays
+    if walked.treedef == plan.treedef and tuple(map(shape_and_dtype, arrays)) == plan.occurrence_signature:
+        return arrays, True
+    values = _tree.arrays_like(plan.treedef, tree)
+    views: dict = {}  # one view per object, so the same gradient met twice stays one
+    checked = []
+    for path, slot, value in zip(plan.occurrence_paths, plan.slot_of, values):
+        if id(value) not in views:
+            views[id(value)] = check_leaf(plan.leaves[slot], path, value, allow_none=allow_none)
+        checked.append(views[id(value)])
+    return checked, False
+
+
+def check_leaf(spec, path: str, value, *, allow_none: bool):
+    """``value`` as a NumPy or CuPy array if it fits ``spec`` (None stays None
+    where allowed); else TreeMismatchError naming the path."""
+    if value is None and allow_none:
+        return None
+    adopted = value if isinstance(value, _tree._array_types()) else _adopt(path, value)
+    if adopted is None:
+        expected = f"an array of {spec.describe()}" + (" or None" if allow_none else "")
+        raise TreeMismatchError(f"leaf {path!r}: expected {expected}, got {type(value).__name__}")
+    if tuple(adopted.shape) != spec.shape:
+        raise TreeMismatchError(f"leaf {path!r}: expected shape {spec.shape}, got {tuple(adopted.shape)}")
+    if adopted.dtype != spec.dtype:
+        raise TreeMismatchError(f"leaf {path!r}: expected dtype {spec.dtype}, got {adopted.dtype}")
+    return adopted
+
+
+def _adopt(path, value):
+    from . import arrays
+
+    try:
+        return arrays.adopt(value)
+    except arrays.UnsupportedLeafError as e:
+        raise TreeMismatchError(f"leaf {path!r}: {e}") from None
+
+
+def check_flat(plan, flat, name="flat", *, exact_dtype=True):
+    """A flat buffer: 1-D, ``plan.size`` elements, C-contiguous, and of
+    ``plan.dtype`` (any real or complex floating dtype if not ``exact_dtype``).
+
+    >>> import numpy as np, gpuflat as gf
+    >>> p = gf.plan([np.ones(3)])
+    >>> check_flat(p, np.arange(6.0)[::2])
+    Traceback (most recent call last):
+    ...
+    gpuflat.errors.TreeMismatchError: flat: expected a C-contiguous array, got strides (16,)
+    """
+    shape = getattr(flat, "shape", None)
+    if shape is None:
+        raise TreeMismatchError(f"{name}: expected a 1-D array, got {type(flat).__name__}")
+    if tuple(shape) != (plan.size,):
+        raise TreeMismatchError(f"{name}: expected shape ({plan.size},), got {tuple(shape)}")
+    if exact_dtype and flat.dtype != plan.dtype:
+        raise TreeMismatchError(f"{name}: expected dtype {plan.dtype}, got {flat.dtype}")
+    if not exact_dtype and flat.dtype not in TAGS:
+        raise TreeMismatchError(f"{name}: expected a floating or complex dtype, got {flat.dtype}")
+    # The kernels address a flat buffer as base + i: a strided view would be
+    # read and written in its gaps and past its end.
+    if not flat.flags.c_contiguous:
+        raise TreeMismatchError(f"{name}: expected a C-contiguous array, got strides {tuple(flat.strides)}")
+
+
+def check_in_place(paths, arrays) -> None:
+    """Arrays about to be written in place: writable, each free of self-overlap
+    (no zero stride), and no two sharing memory.
+
+    >>> import numpy as np
+    >>> check_in_place(["['w']"], [np.lib.stride_tricks.as_strided(np.ones(1), (3,), (0,))])
+    Traceback (most recent call last):
+    ...
+    ValueError: leaf "['w']": expected an array whose elements are distinct memory, got shape (3,) with strides (0,) (a broadcast or self-overlapping view); an in-place write would race. Pass a copy
+    """
+    for path, a in zip(paths, arrays):
+        # CuPy arrays have no writeable flag: device memory is always writable.
+        if not getattr(getattr(a, "flags", None), "writeable", True):
+            raise ValueError(f"leaf {path!r}: expected a writable array, got a read-only one")
+        if may_overlap_itself(a):
+            raise ValueError(
+                f"leaf {path!r}: expected an array whose elements are distinct memory, got shape "
+                f"{tuple(a.shape)} with strides {tuple(a.strides)} (a broadcast or self-overlapping "
+                f"view); an in-place write would race. Pass a copy"
+            )
+    pair = find_overlap(arrays)
+    if pair is not None:
+        first, second = (paths[k] for k in pair)
+        raise OverlapError(
+            f"leaves {first!r} and {second!r} share memory; an in-place operation would "
+            f"write one through the other (expected distinct memory, found overlapping views)"
+        )
+
+
+def may_overlap_itself(a) -> bool:
+    """True when two elements of ``a`` may share an address (a zero stride,
+    or strides too small for the dimensions inside them).
+
+    Sufficient, not exact: dims sorted by stride must each step past the
+    whole extent of the smaller ones, so a few exotic interleaved layouts
+    that do not overlap are refused too.
+
+    >>> import numpy as np
+    >>> x = np.zeros((4, 4))
+    >>> may_overlap_itself(x.T), may_overlap_itself(x[::-2]), may_overlap_itself(np.broadcast_to(x[0], (2, 4)))
+    (False, False, True)
+    """
+    if a.size == 0:
+        return False
+    dims = sorted((abs(s), n) for n, s in zip(a.shape, a.strides) if n > 1)
+    extent = a.dtype.itemsize
+    for stride, n in dims:
+        if stride < extent:
+            return True
+        extent = stride * (n - 1) + extent
+    return False
+
+
+def check_max_norm(max_norm) -> float:
+    """``max_norm`` as a float: a real number >= 0 (not a string, not NaN).
+
+    >>> check_max_norm("1.0")
+    Traceback (most recent call last):
+    ...
+    ValueError: max_norm: expected a number >= 0, got '1.0'
+    """
+    return _nonnegative("max_norm", max_norm)
+
+
+def check_eps(eps) -> float:
+    """``eps`` as a float: a real number >= 0.
+
+    >>> check_eps(-1)
+    Traceback (most recent call last):
+    ...
+    ValueError: eps: expected a number >= 0, got -1
+    """
+    return _nonnegative("eps", eps)
+
+
+def _nonnegative(name, x) -> float:
+    value = math.nan
+    if not isinstance(x, (str, bytes, bool)):
+        try:
+            value = float(x)
+        except (TypeError, ValueError):
+            pass
+    if not value >= 0:
+        raise ValueError(f"{name}: expected a number >= 0, got {x!r}")
+    return value
+
+
+def check_ord(ord) -> float:
+    """The norm order as a float: 1, 2, inf or any p > 0; else ValueError.
+
+    >>> check_ord(2), check_ord(float("inf"))
+    (2.0, inf)
+    """
+    p = math.nan
+    if not isinstance(ord, (str, bytes, bool)):
+        try:
+            p = float(ord)
+        except (TypeError, ValueError):
+            pass
+    if not p > 0:
+        raise ValueError(f"ord: expected 1, 2, inf or a number p > 0, got {ord!r}")
+    return p
+

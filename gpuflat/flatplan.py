@@ -1,0 +1,192 @@
+"""The offset plan: where each unique trainable array lives in the flat buffer.
+
+A plan is plain frozen data built once per tree *structure* (containers,
+keys, what each static is, leaf shapes and dtypes, tie pattern) and kept in
+a bounded, thread-safe LRU cache, so a training loop pays the host-side walk
+of its tree once and afterwards only reads the leaves. The operations that
+use a plan live in ``gpuflat.ops``; backends read plans and keep their own
+per-plan caches, keyed weakly by the plan.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, namedtuple
+from dataclasses import dataclass, field
+from functools import cached_property
+from operator import attrgetter
+
+import numpy as np
+
+from . import tree as _tree
+from .dtypes import flat_dtype
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """One unique trainable array: its path (first occurrence) and its slice of the flat buffer."""
+
+    path: str
+    offset: int
+    size: int
+    shape: tuple
+    dtype: np.dtype
+
+    def describe(self) -> str:
+        """How error messages print the expected leaf.
+
+        >>> LeafSpec("['w']", 0, 12, (3, 4), np.dtype("float32")).describe()
+        'shape (3, 4) float32'
+        """
+        return f"shape {self.shape} {self.dtype}"
+
+
+@dataclass(frozen=True, eq=False)
+class FlatPlan:
+    """The frozen offset plan of one tree structure.
+
+    ``leaves`` has one LeafSpec per unique trainable array (a *slot*) in walk
+    order; ``slot_of[i]`` is the slot of the i-th trainable occurrence, so a
+    tied array appears once in ``leaves`` and several times in ``slot_of``.
+    ``statics`` are the non-trainable values of the tree the plan was first
+    built from: what ``gpuflat.unflatten`` puts back when it is given no tree.
+
+    >>> import numpy as np, gpuflat as gf
+    >>> a = np.ones(2, np.float32)
+    >>> p = gf.plan({"x": a, "y": np.zeros((2, 2)), "z": a})
+    >>> [(leaf.path, leaf.offset, leaf.size) for leaf in p.leaves]
+    [("['x']", 0, 2), ("['y']", 2, 4)]
+    >>> p.size, p.dtype, p.slot_of
+    (6, dtype('float64'), (0, 1, 0))
+    """
+
+    treedef: object = field(repr=False)
+    leaves: tuple
+    slot_of: tuple
+    size: int
+    dtype: np.dtype
+    statics: tuple = field(repr=False, default=())
+
+    @cached_property
+    def offsets(self) -> np.ndarray:
+        """Cumulative offsets, one more than there are slots (read-only int64)."""
+        offsets = np.array([leaf.offset for leaf in self.leaves] + [self.size], dtype=np.int64)
+        offsets.flags.writeable = False
+        return offsets
+
+    @cached_property
+    def occurrence_paths(self) -> tuple:
+        """The path of every trainable occurrence, ties included, in walk order."""
+        return tuple(_tree.leaf_paths(self.treedef))
+
+    @cached_property
+    def occurrence_signature(self) -> tuple:
+        """(shape, dtype) of every trainable occurrence: what a matching tree holds."""
+        return tuple((self.leaves[s].shape, self.leaves[s].dtype) for s in self.slot_of)
+
+
+shape_and_dtype = attrgetter("shape", "dtype")
+
+
+def signature(arrays):
+    """(slot_of, unique arrays, key part): ties by identity, then shapes and dtypes.
+
+    >>> a = np.ones(2)
+    >>> slot_of, unique, key = signature([a, np.ones(3), a])
+    >>> slot_of, len(unique)
+    ((0, 1, 0), 2)
+    """
+    if len(set(map(id, arrays))) == len(arrays):  # no ties: the common case
+        slot_of, unique = tuple(range(len(arrays))), arrays
+    else:
+        slots: dict[int, int] = {}
+        slot_of = tuple([slots.setdefault(id(a), len(slots)) for a in arrays])
+        unique = [None] * len(slots)
+        for a, s in zip(arrays, slot_of):
+            unique[s] = a
+    return slot_of, unique, tuple(map(shape_and_dtype, unique))
+
+
+def build(treedef, slot_of, unique, statics=()) -> FlatPlan:
+    """The plan of a walked tree (uncached; see :func:`cached`).
+
+    >>> treedef, arrays, statics, _ = _tree.walk({"w": np.ones(3, np.float32), "n": "relu"})
+    >>> build(treedef, (0,), arrays, statics).leaves[0]
+    LeafSpec(path="['w']", offset=0, size=3, shape=(3,), dtype=dtype('float32'))
+    """
+    paths = _tree.leaf_paths(treedef)
+    first_path: dict[int, str] = {}
+    for path, s in zip(paths, slot_of):
+        first_path.setdefault(s, path)
+    leaves, offset = [], 0
+    for s, a in enumerate(unique):
+        size = int(a.size)
+        leaves.append(LeafSpec(first_path[s], offset, size, tuple(a.shape), a.dtype))
+        offset += size
+    return FlatPlan(treedef, tuple(leaves), slot_of, offset,
+                    flat_dtype(a.dtype for a in unique), tuple(statics))
+
+
+class PlanCache:
+    """A bounded LRU of plans keyed by tree signature; safe under threads.
+
+    >>> c = PlanCache(maxsize=1)
+    >>> c.get("a", lambda: 1), c.get("a", lambda: 2), c.get("b", lambda: 3), c.info()
+    (1, 1, 3, CacheInfo(hits=1, misses=2, size=1, maxsize=1))
+    """
+
+    def __init__(self, maxsize=256):
+        self.maxsize = maxsize
+        self._plans: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+        self._last_key = self._last_plan = None
+
+    def get(self, key, make):
+        with self._lock:
+            # Comparing with the last key first skips hashing a long key: a
+            # training loop asks for the same plan every step.
+            if key == self._last_key:
+                self.hits += 1
+                return self._last_plan
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+                self.hits += 1
+                self._last_key, self._last_plan = key, plan
+                return plan
+            self.misses += 1
+        plan = make()  # outside the lock: building is the slow part
+        with self._lock:
+            plan = self._plans.setdefault(key, plan)
+            self._plans.move_to_end(key)
+            while len(self._plans) > self.maxsize:
+                self._plans.popitem(last=False)
+            self._last_key, self._last_plan = key, plan
+        return plan
+
+    def info(self):
+        with self._lock:
+            return CacheInfo(self.hits, self.misses, len(self._plans), self.maxsize)
+
+    def clear(self):
+        with self._lock:
+            self._plans.clear()
+            self.hits = self.misses = 0
+            self._last_key = self._last_plan = None
+
+
+CacheInfo = namedtuple("CacheInfo", "hits misses size maxsize")
+cache = PlanCache()
+
+
+def cached(treedef, arrays, statics=()):
+    """(plan, unique trainable arrays in slot order) of a walked tree, from the cache.
+
+    >>> treedef, arrays, statics, _ = _tree.walk([np.ones(2), np.ones(2)])
+    >>> plan, unique = cached(treedef, arrays, statics)
+    >>> plan.size, len(unique)
+    (4, 2)
+    """
+    slot_of, unique, shapes = signature(arrays)
+    key = (treedef, shapes, slot_of)
+    return cache.get(key, lambda: build(treedef, slot_of, unique, statics)), unique
