@@ -1,0 +1,310 @@
+"""Array kinds: seeing a leaf zero-copy as a backend array, and handing results back.
+
+gpuflat computes on NumPy arrays (host) and CuPy arrays (device). A leaf may
+also be a PyTorch tensor or a JAX array; this module is the one place that
+knows them. ``adopt`` views a leaf's memory as a NumPy or CuPy array without
+copying; ``to_caller`` turns a result back into the caller's kind, on the
+caller's device; ``launch_stream`` is where kernels on a PyTorch CUDA tensor
+run. Neither torch nor JAX nor CuPy is imported here at module import: a
+tensor can only exist if the caller imported its library already.
+
+Array-likes gpuflat does not know (anything with ``__dlpack__``,
+``__array__``, ``__array_interface__`` or ``__cuda_array_interface__``, and
+``memoryview`` and ``array.array``, which expose typed buffers) are refused
+with UnsupportedLeafError rather than kept as statics: a gradient that is
+silently left out of a norm is worse than an error. NumPy scalars
+(``np.float32(1.0)``), ``bytes`` and ``bytearray`` are values, not arrays:
+they stay statics, as before.
+"""
+from __future__ import annotations
+
+import array as _array
+import contextlib
+import sys
+
+import numpy as np
+
+from .dtypes import BFLOAT16
+
+_ARRAY_PROTOCOLS = ("__dlpack__", "__array__", "__array_interface__", "__cuda_array_interface__")
+_BUFFERS = (memoryview, _array.array)
+
+
+class UnsupportedLeafError(TypeError):
+    """A leaf is an array gpuflat cannot view zero-copy; the walk prefixes its path.
+
+    >>> raise UnsupportedLeafError("expected a NumPy, CuPy, PyTorch or JAX array, found Series")
+    Traceback (most recent call last):
+    ...
+    gpuflat.arrays.UnsupportedLeafError: expected a NumPy, CuPy, PyTorch or JAX array, found Series
+    """
+
+
+# ---------------------------------------------------------------- kinds
+
+def kind(x):
+    """"numpy", "cupy", "torch" or "jax" for an array of that library, else None.
+
+    >>> import numpy as np
+    >>> kind(np.ones(2)), kind("relu"), kind(np.float32(1.0))
+    ('numpy', None, None)
+    """
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    for name, array_type in (("torch", "Tensor"), ("jax", "Array"), ("cupy", "ndarray")):
+        module = sys.modules.get(name)
+        if module is not None and isinstance(x, getattr(module, array_type)):
+            return name
+    return None
+
+
+# ---------------------------------------------------------------- adopt
+
+def adopt(x):
+    """A NumPy or CuPy array viewing ``x``'s memory, or None if ``x`` is no array.
+
+    NumPy and CuPy arrays come back as they are. A PyTorch tensor is read
+    through ``detach()`` (same storage), so writing into the view changes the
+    tensor. A JAX array comes back as a read-only view (JAX arrays are
+    immutable). Other array-likes raise UnsupportedLeafError naming their type.
+
+    >>> import numpy as np
+    >>> a = np.ones(3)
+    >>> adopt(a) is a, adopt("relu"), adopt(np.float64(2.0))
+    (True, None, None)
+    >>> adopt(memoryview(b"ab"))
+    Traceback (most recent call last):
+    ...
+    gpuflat.arrays.UnsupportedLeafError: expected a NumPy, CuPy, PyTorch or JAX array, found memoryview (wrap it with np.asarray to use it as a leaf)
+    """
+    if isinstance(x, np.ndarray):
+        return x
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return _adopt_torch(x, torch)
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(x, jax.Array):
+        return _adopt_jax(x, jax)
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return x
+    if isinstance(x, np.generic) or not _looks_like_array(x):
+        return None
+    raise UnsupportedLeafError(
+        f"expected a NumPy, CuPy, PyTorch or JAX array, found {_type_name(x)} "
+        f"(wrap it with np.asarray to use it as a leaf)"
+    )
+
+
+def _looks_like_array(x):
+    return isinstance(x, _BUFFERS) or any(hasattr(x, name) for name in _ARRAY_PROTOCOLS)
+
+
+def _type_name(x):
+    cls = type(x)
+    return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+# ---------------------------------------------------------------- PyTorch
+
+def _adopt_torch(x, torch):
+    t = x.detach()  # same storage; numpy() and DLPack refuse tensors that require grad
+    if t.is_cuda:
+        return _adopt_torch_cuda(t, torch, _cupy())
+    if t.dtype is torch.bfloat16:
+        refusal = _torch_refusal(t, torch)
+        if refusal:
+            raise UnsupportedLeafError(refusal)
+        return t.view(torch.int16).numpy().view(_bfloat16_for("PyTorch"))
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError):
+        raise UnsupportedLeafError(
+            _torch_refusal(t, torch) or f"expected a tensor of a dtype NumPy can hold, found {t.dtype}"
+        ) from None
+
+
+def _adopt_torch_cuda(t, torch, cupy):
+    refusal = _torch_refusal(t, torch)
+    if refusal:
+        raise UnsupportedLeafError(refusal)
+    if t.dtype is torch.bfloat16:
+        # CuPy 13 crashes importing a bfloat16 DLPack tensor (cupy issue 8801,
+        # https://github.com/cupy/cupy/issues/8801): pass the bits as int16.
+        return _as_bfloat16(cupy, cupy.from_dlpack(t.view(torch.int16)))
+    return cupy.from_dlpack(t)
+
+
+def _torch_refusal(t, torch):
+    """Why a tensor cannot be viewed zero-copy, or None if nothing is wrong."""
+    if t.layout is not torch.strided:
+        return f"expected a strided (dense) tensor, found layout {t.layout} (call .to_dense() first)"
+    if t.is_conj():
+        return "expected a tensor without the conjugate bit, found one with it set (call .resolve_conj() first)"
+    if t.is_neg():
+        return "expected a tensor without the negative bit, found one with it set (call .resolve_neg() first)"
+    if t.device.type not in ("cpu", "cuda"):
+        return f"expected a CPU or CUDA tensor, found one on device '{t.device}'"
+    return None
+
+
+# ---------------------------------------------------------------- JAX
+
+def _adopt_jax(x, jax):
+    if isinstance(x, jax.core.Tracer):
+        raise UnsupportedLeafError(
+            f"expected a concrete jax.Array, found a tracer ({type(x).__name__}): "
+            f"gpuflat calls inside jax.jit, jax.grad or jax.vmap are not supported"
+        )
+    device = x.device  # a Sharding, not a Device, when the array spans several devices
+    if not isinstance(device, jax.Device):
+        raise UnsupportedLeafError(
+            f"expected a jax.Array on one device, found one sharded over "
+            f"{len(x.sharding.device_set)} devices"
+        )
+    if device.platform == "cpu":
+        return np.asarray(x)  # zero-copy for a CPU array, and read-only: JAX made it so
+    if device.platform in ("gpu", "cuda"):
+        return _adopt_jax_gpu(x, jax, _cupy())
+    raise UnsupportedLeafError(f"expected a CPU or GPU jax.Array, found one on {device}")
+
+
+def _adopt_jax_gpu(x, jax, cupy):
+    # Written through, a JAX buffer breaks JAX's immutability (jax issue 19123,
+    # https://github.com/jax-ml/jax/issues/19123); CuPy arrays have no
+    # read-only flag, so gpuflat's in-place operations must not be given them.
+    if x.dtype == BFLOAT16:
+        # As for PyTorch, bfloat16 crosses DLPack as int16 bits; JAX cannot
+        # reinterpret without a copy, so this one dtype costs a device copy.
+        bits = jax.lax.bitcast_convert_type(x, np.int16)
+        return _as_bfloat16(cupy, cupy.from_dlpack(bits))
+    return cupy.from_dlpack(x)
+
+
+# ---------------------------------------------------------------- shared device helpers
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError:
+        raise UnsupportedLeafError(
+            "expected CuPy to be installed for device tensors, found none (pip install cupy-cuda12x)"
+        ) from None
+    return cupy
+
+
+def _bfloat16_for(library):
+    if BFLOAT16 is None:
+        raise UnsupportedLeafError(
+            f"expected ml_dtypes to be installed for bfloat16 {library} arrays, found none "
+            f"(pip install ml_dtypes)"
+        )
+    return BFLOAT16
+
+
+def _as_bfloat16(cupy, bits):
+    dtype = _bfloat16_for("device")
+    try:
+        return bits.view(dtype)
+    except Exception:  # CuPy before 14 knows no bfloat16 and refuses the dtype
+        raise UnsupportedLeafError(
+            f"expected a CuPy with bfloat16 support, found CuPy {cupy.__version__} "
+            f"(install CuPy >= 14, e.g. pip install 'cupy-cuda12x>=14')"
+        ) from None
+
+
+# ---------------------------------------------------------------- results back to the caller
+
+def to_caller(result, like):
+    """``result`` (NumPy or CuPy) in the kind of ``like``, on like's device.
+
+    Zero-copy where the libraries allow it (torch.from_numpy, DLPack); NumPy
+    and CuPy ``like`` give ``result`` unchanged.
+
+    >>> import numpy as np
+    >>> r = np.asarray(5.0)
+    >>> to_caller(r, np.ones(2)) is r
+    True
+    """
+    which = kind(like)
+    if which == "torch":
+        return _to_torch(result, like, sys.modules["torch"])
+    if which == "jax":
+        return _to_jax(result, like, sys.modules["jax"])
+    return result
+
+
+def _to_torch(result, like, torch):
+    if isinstance(result, (np.ndarray, np.generic)):
+        result = np.asarray(result)
+        if not result.flags.writeable:
+            result = result.copy()  # torch tensors are writable; a read-only view is not
+        if result.dtype == BFLOAT16:
+            tensor = torch.from_numpy(result.view(np.int16)).view(torch.bfloat16)
+        else:
+            tensor = torch.from_numpy(result)
+    elif result.dtype == BFLOAT16:
+        tensor = torch.from_dlpack(result.view(np.int16)).view(torch.bfloat16)
+    else:
+        tensor = torch.from_dlpack(result)
+    return tensor if tensor.device == like.device else tensor.to(like.device)
+
+
+def _to_jax(result, like, jax):
+    if isinstance(result, (np.ndarray, np.generic)):
+        return jax.device_put(result, like.device)
+    if result.dtype == BFLOAT16:
+        bits = jax.dlpack.from_dlpack(result.view(np.int16))
+        return jax.device_put(jax.lax.bitcast_convert_type(bits, BFLOAT16), like.device)
+    return jax.device_put(jax.dlpack.from_dlpack(result), like.device)
+
+
+# ---------------------------------------------------------------- streams
+
+def launch_stream(like):
+    """The context to launch kernels in for leaves like ``like``.
+
+    For a PyTorch CUDA tensor, PyTorch's current stream on its device: no
+    synchronisation, no cross-stream hazard with PyTorch's caching allocator,
+    and what CUDA-graph capture needs. Otherwise a context that does nothing.
+
+    >>> import numpy as np
+    >>> with launch_stream(np.ones(2)):
+    ...     pass
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(like, torch.Tensor) and like.is_cuda:
+        return _torch_stream(like.device, torch, _cupy())
+    return contextlib.nullcontext()
+
+
+def _torch_stream(device, torch, cupy):
+    stream = torch.cuda.current_stream(device)
+    return cupy.cuda.ExternalStream(stream.cuda_stream, device.index)
+
+
+# ---------------------------------------------------------------- PyTorch modules
+
+def is_module(x):
+    """True for a ``torch.nn.Module`` (never imports torch).
+
+    >>> is_module({"w": 1})
+    False
+    """
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.nn.Module)
+
+
+def module_parameters(module):
+    """(qualified name, parameter) for each trainable parameter, in named_parameters() order.
+
+    Frozen parameters (requires_grad False) and buffers are left out; a
+    parameter shared by several submodules appears once, under its first name.
+
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    >>> _ = net[0].bias.requires_grad_(False)
+    >>> [name for name, _ in module_parameters(net)]
+    ['0.weight', '1.weight', '1.bias']
+    """
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]

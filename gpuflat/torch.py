@@ -1,0 +1,214 @@
+"""Drop-in replacements for ``torch.nn.utils``' gradient-norm clipping.
+
+Swap one import and keep the call::
+
+    from gpuflat.torch import clip_grad_norm_   # was: from torch.nn.utils import clip_grad_norm_
+
+The signatures, the returned 0-d tensor (on the gradients' device, in the
+dtype PyTorch returns) and the errors are PyTorch's. What differs is inside:
+the gradients are read zero-copy and the norm is accumulated in float64 in
+one fused pass, and the clip factor ``min(1, max_norm / (norm + 1e-6))`` is
+taken from that float64 norm, so it is closer to exact than PyTorch's, which
+reduces in the gradients' dtype. CUDA gradients are worked on in PyTorch's
+current stream, with no host synchronisation unless ``error_if_nonfinite``.
+
+Differences that remain, on purpose:
+
+- a tensor passed twice counts once (PyTorch counts and scales it twice);
+- ``error_if_nonfinite`` reads the float64 norm, so a float16 norm that only
+  overflows the returned dtype (above 65504) does not raise, and the clip
+  factor stays finite where PyTorch's would scale by 0;
+- ``norm_type`` must be a number p > 0 or inf; ``foreach`` is accepted and
+  ignored (gpuflat always uses its fused pass).
+"""
+from __future__ import annotations
+
+import types
+import warnings
+
+import torch
+
+import gpuflat as _gf
+
+from .arrays import adopt, launch_stream, to_caller
+from .backends.base import select
+from .errors import NonFiniteError
+
+__all__ = ["NonFiniteNormError", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
+
+_EPS = 1e-6  # PyTorch's: coef = max_norm / (total_norm + 1e-6)
+
+
+class NonFiniteNormError(NonFiniteError, RuntimeError):
+    """The total norm is NaN or inf and ``error_if_nonfinite`` was set; nothing was scaled.
+
+    A RuntimeError, as PyTorch raises, and a gpuflat NonFiniteError.
+
+    >>> issubclass(NonFiniteNormError, RuntimeError), issubclass(NonFiniteNormError, _gf.NonFiniteError)
+    (True, True)
+    """
+
+
+@torch.no_grad()
+def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """The norm of all ``tensors`` taken as one vector, as ``torch.nn.utils.get_total_norm``.
+
+    >>> import torch
+    >>> get_total_norm([torch.tensor([3.0]), torch.tensor([[4.0]])])
+    tensor(5.)
+    >>> get_total_norm([])
+    tensor(0.)
+    """
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    tensors, names = _unique((t, f"tensors[{i}]") for i, t in enumerate(tensors))
+    p = float(norm_type)
+    if not tensors:
+        return torch.tensor(0.0)
+    total = _total_norm(tensors, names, p)
+    if error_if_nonfinite:
+        _check_finite(total, p, tensors, names)
+    return total.to(_returned_dtype(tensors))
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
+    """Scale the parameters' gradients in place by min(1, max_norm / (total_norm + 1e-6)).
+
+    As ``torch.nn.utils.clip_grads_with_norm_``: ``total_norm`` may come from
+    anywhere (e.g. reduced over a pipeline), and the factor is applied without
+    reading it on the host.
+
+    >>> import torch
+    >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([3.0, 4.0])
+    >>> clip_grads_with_norm_([w], 1.0, torch.tensor(5.0))
+    >>> w.grad
+    tensor([0.6000, 0.8000])
+    """
+    grads, names = _gradients(_parameter_list(parameters, warn_empty=False))
+    max_norm = float(max_norm)
+    if grads:
+        _scale(grads, names, max_norm, total_norm)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """Clip the gradient norm of ``parameters`` in place; return the total norm before clipping.
+
+    As ``torch.nn.utils.clip_grad_norm_``; parameters without a gradient are
+    skipped. With ``error_if_nonfinite``, a NaN or inf norm raises
+    NonFiniteNormError (a RuntimeError) and no gradient is scaled.
+
+    >>> import torch
+    >>> net = torch.nn.Linear(3, 1)
+    >>> net(torch.ones(1, 3)).sum().backward()
+    >>> float(clip_grad_norm_(net.parameters(), max_norm=1.0))
+    2.0
+    >>> round(float(torch.cat([p.grad.flatten() for p in net.parameters()]).norm()), 5)
+    1.0
+    """
+    grads, names = _gradients(_parameter_list(parameters, warn_empty=True))
+    max_norm = float(max_norm)
+    p = float(norm_type)
+    if not grads:
+        return torch.tensor(0.0)
+    total = _total_norm(grads, names, p)
+    if error_if_nonfinite:
+        _check_finite(total, p, grads, names)
+    _scale(grads, names, max_norm, total)
+    return total.to(_returned_dtype(grads))
+
+
+# ---------------------------------------------------------------- arguments
+
+def _parameter_list(parameters, warn_empty):
+    if isinstance(parameters, torch.Tensor):
+        return [parameters]
+    is_generator = isinstance(parameters, types.GeneratorType)
+    parameters = list(parameters)
+    if warn_empty and is_generator and not parameters:
+        warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.",
+                      stacklevel=4)
+    return parameters
+
+
+def _gradients(parameters):
+    """(unique gradients, their names) of the parameters that have one."""
+    return _unique((p.grad, f"parameters[{i}].grad") for i, p in enumerate(parameters)
+                   if p.grad is not None)
+
+
+def _unique(named):
+    """(tensors, names) from (tensor, name) pairs, each tensor once: a tensor met twice counts once."""
+    seen, tensors, names = set(), [], []
+    for tensor, name in named:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            tensors.append(tensor)
+            names.append(name)
+    return tensors, names
+
+
+def _returned_dtype(tensors):
+    """The dtype PyTorch returns: the promoted real dtype of the tensors."""
+    dtype = tensors[0].dtype.to_real()
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype.to_real())
+    return dtype
+
+
+# ---------------------------------------------------------------- the work, per device
+
+def _by_device(tensors, names):
+    groups: dict = {}
+    for t, name in zip(tensors, names):
+        groups.setdefault(t.device, []).append((t, name))
+    return list(groups.values())
+
+
+def _views(group):
+    views = []
+    for t, name in group:
+        try:
+            views.append(adopt(t))
+        except TypeError as err:
+            raise type(err)(f"leaf {name!r}: {err}") from None
+    return views
+
+
+def _total_norm(tensors, names, p):
+    """The float64 norm of all tensors, as a 0-d tensor on the first one's device."""
+    norms = []
+    for group in _by_device(tensors, names):
+        like = group[0][0]
+        with launch_stream(like):
+            norms.append(to_caller(_gf.global_norm(_views(group), p), like))
+    if len(norms) == 1:
+        return norms[0]
+    first = tensors[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), p)
+
+
+def _check_finite(total, p, tensors, names):
+    # The one host synchronisation, asked for by the caller.
+    if torch.isfinite(total).item():
+        return
+    bad = next((name for t, name in zip(tensors, names) if not torch.isfinite(t).all()), None)
+    where = (f"leaf {bad!r} holds NaN or inf" if bad else
+             "no tensor holds NaN or inf, but the sum overflowed float64")
+    raise NonFiniteNormError(
+        f"{where}: the total norm of order {p:g} for gradients from `parameters` is "
+        f"non-finite ({total.item()}), so it cannot be clipped; no gradient was scaled. To "
+        f"disable this error and scale the gradients by the non-finite norm anyway, set "
+        f"`error_if_nonfinite=False`"
+    )
+
+
+def _scale(grads, names, max_norm, total_norm):
+    for group in _by_device(grads, names):
+        like = group[0][0]
+        total = torch.as_tensor(total_norm, dtype=torch.float64).to(like.device)
+        views = _views(group)
+        plan = _gf.plan(views)
+        backend = select(None, views, lambda i: group[i][1])
+        with launch_stream(like):
+            backend.clip_(plan, views, adopt(total), max_norm, _EPS)

@@ -1,0 +1,70 @@
+"""JAX arrays: read-only zero-copy views, tracers refused, results handed back as JAX arrays."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import DTYPES, DTYPE_IDS, random_array
+from gpuflat.arrays import UnsupportedLeafError, adopt, kind, to_caller
+
+SHAPES = [(), (0,), (3,), (2, 0), (3, 4)]
+
+
+@pytest.fixture(autouse=True)
+def x64():
+    # float64 and complex128 leaves exist only with 64-bit types enabled.
+    with jax.enable_x64(True):
+        yield
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_cpu_array_is_a_read_only_zero_copy_view(dtype, shape):
+    source = random_array(np.random.default_rng(0), shape, dtype)
+    x = jnp.asarray(source)
+    assert x.dtype == dtype
+    view = adopt(x)
+    assert type(view) is np.ndarray and kind(x) == "jax"
+    assert view.dtype == dtype and view.shape == shape
+    np.testing.assert_array_equal(view, source)
+    assert not view.flags.writeable
+    if x.size:
+        assert view.ctypes.data == x.unsafe_buffer_pointer()
+        with pytest.raises(ValueError, match="read-only"):
+            view[(0,) * view.ndim] = 1
+
+
+def test_nonfinite_values_survive():
+    x = jnp.asarray([np.nan, np.inf, -np.inf, 1.0], jnp.float32)
+    np.testing.assert_array_equal(adopt(x), [np.nan, np.inf, -np.inf, 1.0])
+
+
+@pytest.mark.parametrize("transform", [
+    lambda f: jax.jit(f),
+    lambda f: jax.grad(lambda x: (f(x), x.sum())[1]),
+    lambda f: jax.vmap(f),
+], ids=["jit", "grad", "vmap"])
+def test_tracers_are_refused(transform):
+    def call_adopt(x):
+        with pytest.raises(UnsupportedLeafError, match="inside jax.jit.*not supported"):
+            adopt(x)
+        return x
+
+    transform(call_adopt)(jnp.ones(3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_to_caller_gives_a_jax_array_on_likes_device(dtype):
+    result = random_array(np.random.default_rng(1), (2, 3), dtype)
+    like = jnp.zeros(1)
+    back = to_caller(result, like)
+    assert isinstance(back, jax.Array) and back.dtype == dtype
+    assert back.device == like.device
+    np.testing.assert_array_equal(np.asarray(back), result)
+
+
+def test_to_caller_keeps_a_0d_norm_0d():
+    back = to_caller(np.asarray(5.0), jnp.zeros(3, jnp.float16))
+    assert back.shape == () and back.dtype == np.float64 and float(back) == 5.0

@@ -1,0 +1,302 @@
+"""gpuflat.torch against torch.nn.utils on real modules: norms, clipped gradients,
+returned tensors, errors, and a training loop."""
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import gpuflat as gf
+import gpuflat.torch as gft
+from conftest import exact_norm, torch_scaled
+
+NORM_TYPES = [1.0, 2.0, math.inf, 3.0]
+GRAD_DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+# Relative agreement with PyTorch's own result: PyTorch reduces in the
+# gradients' dtype, gpuflat in float64, so they differ by the dtype's rounding.
+TORCH_RTOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2,
+              torch.float16: 2e-3, torch.complex64: 1e-5, torch.complex128: 1e-12}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    # These models are tiny: PyTorch's intra-op thread pool only contends for
+    # the machine's cores (a 2-layer transformer's backward went from 12 ms to
+    # 3.5 s on a loaded 2-core machine); one thread also fixes the reduction order.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class TiedLM(nn.Module):
+    """An embedding tied to the output layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 16)
+        self.hidden = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 11, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.hidden(self.embed(tokens))))
+
+
+class FrozenBN(nn.Module):
+    """Frozen parameters and BatchNorm buffers beside trainable ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(6, 8)
+        self.stem.requires_grad_(False)
+        self.norm = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(self.stem(x))))
+
+
+def transformer():
+    return nn.Transformer(d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=2,
+                          dim_feedforward=64, dropout=0.0, batch_first=True)
+
+
+def loss_of(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    if isinstance(model, nn.Transformer):
+        dtype = next(model.parameters()).dtype
+        src = torch.randn(2, 5, 32, generator=g).to(dtype)
+        tgt = torch.randn(2, 4, 32, generator=g).to(dtype)
+        return model(src, tgt).float().pow(2).mean()
+    if isinstance(model, TiedLM):
+        return model(torch.randint(0, 11, (4, 7), generator=g)).float().logsumexp(-1).mean()
+    x = torch.randn(5, 6, generator=g).to(next(model.parameters()).dtype)
+    return model(x).float().pow(2).mean()
+
+
+MODELS = {"transformer": transformer, "tied": TiedLM, "frozen_bn": FrozenBN}
+
+
+def model_with_grads(name, dtype, seed=0):
+    torch.manual_seed(seed)
+    model = MODELS[name]().to(dtype)
+    loss_of(model, seed).backward()
+    return model
+
+
+def twin(model):
+    """A deep copy (ties kept) holding copies of the same gradients."""
+    other = copy.deepcopy(model)
+    for p, q in zip(model.parameters(), other.parameters()):
+        q.grad = None if p.grad is None else p.grad.clone()
+    return other
+
+
+def grads_of(model):
+    return [p.grad for p in model.parameters() if p.grad is not None]
+
+
+def exact(grads, norm_type):
+    wide = {True: torch.complex128, False: torch.float64}
+    return exact_norm([g.detach().to(wide[g.dtype.is_complex]).numpy() for g in grads], norm_type)
+
+
+def expected_clipped(grads, max_norm, total):
+    """Each gradient times min(1, max_norm / (total + 1e-6)), in PyTorch's per-dtype precision."""
+    coef = min(1.0, max_norm / (total + 1e-6))
+    out = []
+    for g in grads:
+        as_np = g.detach().float().numpy() if g.dtype == torch.bfloat16 else g.detach().numpy()
+        scaled = torch_scaled(as_np, coef)
+        out.append(torch.from_numpy(np.asarray(scaled, np.float32 if g.dtype == torch.bfloat16
+                                               else scaled.dtype)).to(g.dtype))
+    return out
+
+
+# ---------------------------------------------------------------- norms and clipped gradients
+
+@pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=str)
+@pytest.mark.parametrize("norm_type", NORM_TYPES, ids=str)
+@pytest.mark.parametrize("name", MODELS)
+def test_clip_grad_norm_matches_pytorch(name, norm_type, dtype):
+    ours = model_with_grads(name, dtype)
+    theirs = twin(ours)
+    reference_total = exact(grads_of(ours), norm_type)
+    max_norm = 0.3 * reference_total  # clipping happens
+    expected = expected_clipped(grads_of(ours), max_norm, reference_total)
+
+    total = gft.clip_grad_norm_(ours.parameters(), max_norm, norm_type)
+    torch_total = nn.utils.clip_grad_norm_(theirs.parameters(), max_norm, norm_type)
+
+    assert total.shape == () and total.dtype == torch_total.dtype == dtype
+    assert total.device == torch_total.device
+    # float64 inside: within one unit in the last place of the returned dtype of the
+    # exact norm (float64's own summation error, ~1e-15, for float64 gradients).
+    one_ulp = 1e-14 if dtype == torch.float64 else torch.finfo(dtype).eps
+    exact_in_dtype = torch.tensor(reference_total, dtype=torch.float64).to(dtype)
+    torch.testing.assert_close(total, exact_in_dtype, rtol=one_ulp, atol=0)
+    torch.testing.assert_close(total, torch_total, rtol=TORCH_RTOL[dtype], atol=0)
+    for got, want, pytorchs in zip(grads_of(ours), expected, grads_of(theirs)):
+        torch.testing.assert_close(got, want, rtol=1e-15 if dtype == torch.float64 else 1e-6, atol=1e-300)
+        torch.testing.assert_close(got, pytorchs, rtol=TORCH_RTOL[dtype], atol=1e-7)
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES, ids=str)
+@pytest.mark.parametrize("name", MODELS)
+def test_get_total_norm_and_clip_grads_with_norm_match_pytorch(name, norm_type):
+    ours = model_with_grads(name, torch.float32)
+    theirs = twin(ours)
+    total = gft.get_total_norm(grads_of(ours), norm_type)
+    torch_total = nn.utils.get_total_norm(grads_of(theirs), norm_type)
+    assert total.dtype == torch_total.dtype and total.shape == ()
+    torch.testing.assert_close(total, torch_total, rtol=1e-5, atol=0)
+
+    max_norm = 0.5 * torch_total.item()
+    gft.clip_grads_with_norm_(ours.parameters(), max_norm, torch_total)
+    nn.utils.clip_grads_with_norm_(theirs.parameters(), max_norm, torch_total)
+    for got, want in zip(grads_of(ours), grads_of(theirs)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+
+
+def test_no_clipping_below_max_norm_leaves_gradients_bit_for_bit():
+    ours = model_with_grads("tied", torch.float32)
+    before = [g.clone() for g in grads_of(ours)]
+    total = gft.clip_grad_norm_(ours.parameters(), max_norm=1e6)
+    assert total.item() > 0
+    for got, want in zip(grads_of(ours), before):
+        assert torch.equal(got, want)
+
+
+def test_tied_parameter_counts_once():
+    ours = model_with_grads("tied", torch.float64)
+    unique = grads_of(ours)  # parameters() yields the tied weight once
+    assert len(unique) == 3
+    repeated = [ours.embed.weight, ours.out.weight, ours.hidden.weight, ours.hidden.bias]
+    assert gft.get_total_norm(unique).item() == gft.clip_grad_norm_(repeated, 1e9).item()
+    assert gft.get_total_norm(unique).item() == pytest.approx(exact(unique, 2), rel=1e-15)
+
+
+@pytest.mark.parametrize("dtypes, returned", [
+    ((torch.float32, torch.float64), torch.float64),
+    ((torch.float16, torch.bfloat16), torch.float32),
+    ((torch.float16,), torch.float16),
+    ((torch.complex64,), torch.float32),
+    ((torch.complex128, torch.float32), torch.float64),
+])
+def test_returned_dtype_is_pytorchs(dtypes, returned):
+    tensors = [torch.randn(5, generator=torch.Generator().manual_seed(i)).to(d)
+               for i, d in enumerate(dtypes)]
+    ours, theirs = gft.get_total_norm(tensors), nn.utils.get_total_norm(tensors)
+    assert ours.dtype == theirs.dtype == returned
+    # PyTorch takes each tensor's norm in its own dtype: the least precise one bounds the agreement.
+    torch.testing.assert_close(ours, theirs, rtol=max(TORCH_RTOL[d] for d in dtypes), atol=0)
+    torch.testing.assert_close(ours.double(), torch.tensor(exact(tensors, 2), dtype=torch.float64),
+                               rtol=torch.finfo(returned).eps, atol=0)
+
+
+def test_complex_gradients_match_pytorch():
+    p = nn.Parameter(torch.zeros(4, dtype=torch.complex64))
+    p.grad = torch.tensor([3 + 4j, 1j, -2, 0], dtype=torch.complex64)
+    q = nn.Parameter(p.detach().clone())
+    q.grad = p.grad.clone()
+    torch.testing.assert_close(gft.clip_grad_norm_([p], 1.0), nn.utils.clip_grad_norm_([q], 1.0))
+    torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+
+
+# ---------------------------------------------------------------- arguments as PyTorch takes them
+
+def test_single_tensor_generator_and_missing_gradients():
+    w, b, unused = (nn.Parameter(torch.zeros(2)) for _ in range(3))
+    w.grad, b.grad = torch.tensor([3.0, 0.0]), torch.tensor([0.0, 4.0])
+    assert gft.get_total_norm(w.grad).item() == 3.0
+    total = gft.clip_grad_norm_((p for p in (w, unused, b)), max_norm=1.0)
+    assert total.item() == 5.0 and unused.grad is None
+    torch.testing.assert_close(w.grad, torch.tensor([0.6, 0.0]))
+    assert gft.clip_grad_norm_(w, max_norm=10.0).item() == pytest.approx(0.6)
+
+
+def test_empty_inputs_give_tensor_zero_as_pytorch():
+    for ours, theirs in [(gft.get_total_norm([]), nn.utils.get_total_norm([])),
+                         (gft.clip_grad_norm_([nn.Parameter(torch.ones(2))], 1.0),
+                          nn.utils.clip_grad_norm_([nn.Parameter(torch.ones(2))], 1.0))]:
+        assert ours.dtype == theirs.dtype and ours.shape == () and ours.item() == theirs.item() == 0.0
+    with pytest.warns(UserWarning, match="empty generator"):
+        assert gft.clip_grad_norm_((p for p in []), 1.0).item() == 0.0
+
+
+def test_requires_grad_gradients_and_the_autograd_state_are_left_alone():
+    p = nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0, requires_grad=True)  # create_graph=True leaves such gradients
+    total = gft.clip_grad_norm_([p], 1.0)
+    assert not total.requires_grad and p.grad.requires_grad
+    torch.testing.assert_close(p.grad.detach(), torch.full((3,), 2.0 / (math.sqrt(12) + 1e-6)))
+
+
+@pytest.mark.parametrize("norm_type", [0, -1, "two"])
+def test_bad_norm_type_raises(norm_type):
+    with pytest.raises(ValueError):
+        gft.get_total_norm([torch.ones(2)], norm_type)
+
+
+# ---------------------------------------------------------------- non-finite gradients
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_error_if_nonfinite_raises_a_runtime_error_and_scales_nothing(bad):
+    model = model_with_grads("frozen_bn", torch.float32)
+    model.head.bias.grad[1] = bad
+    before = [g.clone() for g in grads_of(model)]
+    try:
+        gft.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    except RuntimeError as err:
+        assert isinstance(err, gf.NonFiniteError)
+        assert "leaf 'parameters[5].grad' holds NaN or inf" in str(err)
+        assert "error_if_nonfinite=False" in str(err)
+    else:
+        pytest.fail("no error raised")
+    for got, want in zip(grads_of(model), before):
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    with pytest.raises(RuntimeError, match="non-finite"):
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    with pytest.raises(gft.NonFiniteNormError):
+        gft.get_total_norm(grads_of(model), error_if_nonfinite=True)
+
+
+def test_nonfinite_without_the_flag_scales_as_pytorch():
+    ours = model_with_grads("tied", torch.float32)
+    ours.hidden.weight.grad[0, 0] = math.nan
+    theirs = twin(ours)
+    total = gft.clip_grad_norm_(ours.parameters(), 1.0)
+    torch_total = nn.utils.clip_grad_norm_(theirs.parameters(), 1.0)
+    assert math.isnan(total.item()) and math.isnan(torch_total.item())
+    for got, want in zip(grads_of(ours), grads_of(theirs)):
+        assert torch.equal(got.isnan(), want.isnan())
+
+
+# ---------------------------------------------------------------- a training loop
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-12), (torch.float32, 1e-5)], ids=str)
+@pytest.mark.parametrize("name", MODELS)
+def test_training_loop_gives_pytorchs_parameters(name, dtype, rtol):
+    torch.manual_seed(0)
+    ours = MODELS[name]().to(dtype)
+    theirs = copy.deepcopy(ours)
+    runs = [(ours, gft.clip_grad_norm_), (theirs, nn.utils.clip_grad_norm_)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m, _ in runs]
+    clipped = 0
+    for step in range(5):
+        for (model, clip), opt in zip(runs, optimizers):
+            loss_of(model, seed=step).backward()
+            total = clip(model.parameters(), max_norm=0.05)
+            clipped += total.item() > 0.05
+            opt.step()
+            opt.zero_grad()
+    assert clipped == 10  # every step clipped, in both runs
+    for (n, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p, q, rtol=rtol, atol=rtol * 1e-2, msg=n)
+    for a, b in zip(ours.buffers(), theirs.buffers()):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * 1e-2)
