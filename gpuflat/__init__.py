@@ -25,6 +25,7 @@ from .ops import (
     trainables,
     unflatten,
 )
+from .residency import Resident, resident
 from .tree import UnwalkableError, register
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "LeafSpec",
     "NonFiniteError",
     "OverlapError",
+    "Resident",
     "TreeMismatchError",
     "UnwalkableError",
     "clip_by_global_norm",
@@ -43,6 +45,7 @@ __all__ = [
     "plan_cache_clear",
     "plan_cache_info",
     "register",
+    "resident",
     "scatter",
     "total",
     "trainables",

@@ -57,8 +57,10 @@ def find_overlap(arrays):
         if len(members) < 2:
             continue
         spans = sorted((e, i) for i in members if (e := _extent(arrays[i])) is not None)
+        # Sweep in address order: only spans starting before the current end can overlap.
         for k, ((_, hi), i) in enumerate(spans):
-            for (lo2, _), j in spans[k + 1 :]:
+            for m in range(k + 1, len(spans)):
+                (lo2, _), j = spans[m]
                 if lo2 >= hi:
                     break
                 if _really_overlap(arrays[i], arrays[j]):

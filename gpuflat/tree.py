@@ -16,6 +16,7 @@ a plan is built or an error is reported.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 import threading
@@ -30,7 +31,7 @@ from .dtypes import TAGS
 from .errors import TreeMismatchError
 
 # Container kinds in a treedef node: (kind, type, names, children[, statics]).
-DICT, SEQ, NAMEDTUPLE, OBJECT = "dict", "seq", "namedtuple", "object"
+DICT, SEQ, NAMEDTUPLE, OBJECT, MODULE = "dict", "seq", "namedtuple", "object", "module"
 
 _registry: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 _registry_lock = threading.Lock()
@@ -201,6 +202,8 @@ def _walk(x, out, side, array_types):
         return (SEQ, cls, None, _walk_children(x, out, side, array_types))
     if isinstance(x, tuple) and hasattr(cls, "_fields"):
         return (NAMEDTUPLE, cls, cls._fields, _walk_children(x, out, side, array_types))
+    if arrays.is_module(x):
+        return _walk_module(x, out, side)
     fields = _object_fields(x)
     if fields is None:
         return _leaf(x, out, side)
@@ -209,6 +212,18 @@ def _walk(x, out, side, array_types):
     values = [getattr(x, n) for n in others]
     statics.extend(values)
     return (OBJECT, cls, (trainable, others), children, tuple(map(Static.of, values)))
+
+
+def _walk_module(module, out, side):
+    """A PyTorch module: its trainable parameters under their qualified names.
+
+    The module itself is kept among the statics: rebuilding copies it with
+    new parameter values.
+    """
+    side[0].append(module)
+    named = arrays.module_parameters(module)
+    children = tuple(_leaf(p, out, side) for _, p in named)
+    return (MODULE, type(module), tuple(name for name, _ in named), children)
 
 
 def _leaf(x, out, side):
@@ -255,6 +270,8 @@ def _children_with_paths(x, prefix):
         return [(f"{prefix}[{i}]", v) for i, v in enumerate(x)]
     if isinstance(x, tuple) and hasattr(cls, "_fields"):
         return [(f"{prefix}.{n}", v) for n, v in zip(cls._fields, x)]
+    if arrays.is_module(x):
+        return [(f"{prefix}.{n}", p) for n, p in arrays.module_parameters(x)]
     fields = _object_fields(x) if not isinstance(x, (np.ndarray, str, bytes)) else None
     if fields is None:
         return []
@@ -298,7 +315,7 @@ def _child_paths(node, prefix):
         return [(f"{prefix}[{k!r}]", c) for k, c in zip(names, children)]
     if kind == SEQ:
         return [(f"{prefix}[{i}]", c) for i, c in enumerate(children)]
-    if kind == NAMEDTUPLE:
+    if kind in (NAMEDTUPLE, MODULE):
         return [(f"{prefix}.{n}", c) for n, c in zip(names, children)]
     return [(f"{prefix}.{n}", c) for n, c in zip(names[0], children)]
 
@@ -360,6 +377,11 @@ def _match(node, x, out, path):
         if tuple(x) != names:
             _raise_keys(path, names, tuple(x))
         values = x.values()
+    elif kind == MODULE:
+        named = arrays.module_parameters(x)
+        if tuple(n for n, _ in named) != names:
+            _raise_keys(path, names, tuple(n for n, _ in named))
+        values = [p for _, p in named]
     elif kind == OBJECT:
         values = [getattr(x, n, None) for n in names[0]]
     else:
@@ -403,6 +425,8 @@ def _build(node, values, statics):
     if type(node) is Static:
         return next(statics)
     kind, cls, names, children = node[:4]
+    if kind == MODULE:
+        return _build_module(next(statics), names, [_build(c, values, statics) for c in children])
     if kind == DICT and issubclass(cls, defaultdict):
         factory = next(statics)
         return cls(factory, zip(names, [_build(c, values, statics) for c in children]))
@@ -421,4 +445,13 @@ def _build(node, values, statics):
         object.__setattr__(new, name, value)
     for name in others:
         object.__setattr__(new, name, next(statics))
+    return new
+
+
+def _build_module(module, names, values):
+    """A deep copy of ``module`` whose trainable parameters hold ``values``."""
+    new = copy.deepcopy(module)
+    for name, value in zip(names, values):
+        param = new.get_parameter(name)
+        param.data = value if type(value) is type(param.data) else arrays.to_caller(value, param.data)
     return new

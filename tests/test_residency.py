@@ -1,0 +1,225 @@
+"""gf.resident: a model in flat buffers, per-step calls without a tree walk."""
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+
+import gpuflat as gf
+from gpuflat import tree as gtree
+from gpuflat.residency import ALIGN_BYTES
+
+from conftest import DTYPES, DTYPE_IDS, assert_bits_equal, exact_norm, random_array, ref_unique, rel_err
+
+
+def _mixed_model(rng):
+    w = random_array(rng, (5, 7), np.float32)
+    return {
+        "enc": {"w": w, "b": random_array(rng, (7,), np.float32), "scale": random_array(rng, (), np.float64)},
+        "half": random_array(rng, (3, 3), np.float16),
+        "z": random_array(rng, (4,), np.complex64),
+        "empty": np.zeros((0, 3), np.float32),
+        "dec": w,  # tied to enc.w
+        "steps": np.arange(3),  # not trainable
+        "act": "relu",
+    }
+
+
+def _fill_grads(r, rng):
+    for path, g in gf.trainables(r.grads, path=True):
+        g[...] = random_array(rng, g.shape, g.dtype)
+
+
+def test_params_are_aligned_views_into_one_buffer_per_dtype(backend):
+    rng = np.random.default_rng(0)
+    model = _mixed_model(rng)
+    r = gf.resident(model, backend=backend)
+    assert [b.dtype for b in r.param_buffers] == [np.float32, np.float64, np.float16, np.complex64]
+    assert r.params["enc"]["w"] is r.params["dec"] and r.params["act"] == "relu"
+    assert r.params["steps"] is model["steps"]
+    for (path, view), (_, original) in zip(gf.trainables(r.params, path=True), ref_unique(model)):
+        assert_bits_equal(view, original)
+        s = next(s for s in r.layout if s.path == path)
+        buffer = r.param_buffers[s.buffer]
+        assert np.shares_memory(view, buffer) or view.size == 0
+        assert (s.offset * buffer.itemsize) % ALIGN_BYTES == 0
+    # Padding is zero: the buffer's norm is the model's.
+    total = math.sqrt(sum(exact_norm([b]) ** 2 for b in r.param_buffers))
+    assert rel_err(total, exact_norm([a for _, a in ref_unique(model)])) < 1e-12
+
+
+@pytest.mark.parametrize("ord", [1, 2, math.inf, 3])
+def test_grad_norm_and_per_leaf_match_the_tree_functions(ord, backend):
+    rng = np.random.default_rng(1)
+    r = gf.resident(_mixed_model(rng), backend=backend)
+    _fill_grads(r, rng)
+    grads = [a for _, a in ref_unique(r.grads)]
+    total, per = r.grad_norm(ord, per_leaf=True)
+    assert rel_err(total, exact_norm(grads, ord)) < 1e-12
+    ref_total, ref_per = gf.global_norm(r.grads, ord, per_leaf=True, backend=backend)
+    assert per.shape == ref_per.shape
+    for got, a in zip(per, grads):  # plan order, paddings left out
+        assert rel_err(got, exact_norm([a], ord)) < 1e-12
+    assert rel_err(r.param_norm(ord), gf.global_norm(r.params, ord, backend=backend)) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_clip_gives_the_tree_clip_bits_for_one_dtype(dtype, backend):
+    rng = np.random.default_rng(2)
+    sizes = [1, 4095, 4096, 4097, 0, 33]
+    r = gf.resident({f"l{i}": random_array(rng, (n,), dtype) for i, n in enumerate(sizes)}, backend=backend)
+    _fill_grads(r, rng)
+    copies = {k: v.copy() for k, v in r.grads.items()}
+    norm = r.clip_grad_norm_(0.25)
+    ref = gf.clip_grad_norm_(copies, 0.25, backend=backend)
+    assert rel_err(norm, float(ref)) < 1e-13
+    for k in copies:
+        np.testing.assert_allclose(r.grads[k].astype(np.complex128), copies[k].astype(np.complex128),
+                                   rtol=2e-3 if np.dtype(dtype).itemsize <= 2 else 1e-6)
+
+
+def test_error_if_nonfinite_names_the_leaf_and_scales_nothing(backend):
+    rng = np.random.default_rng(3)
+    r = gf.resident(_mixed_model(rng), backend=backend)
+    _fill_grads(r, rng)
+    r.grads["half"][1, 2] = np.inf
+    before = [b.copy() for b in r.grad_buffers]
+    with pytest.raises(gf.NonFiniteError, match=r"\['half'\]"):
+        r.clip_grad_norm_(1.0, error_if_nonfinite=True)
+    for b, old in zip(r.grad_buffers, before):
+        assert_bits_equal(b, old)
+
+
+def test_zero_grad_and_no_grads():
+    r = gf.resident({"w": np.ones(3)})
+    r.grads["w"][...] = 2.0
+    r.zero_grad()
+    assert (r.grad_buffers[0] == 0).all()
+    frozen = gf.resident({"w": np.ones(3)}, grads=False)
+    assert frozen.grads is None and float(frozen.param_norm()) == pytest.approx(math.sqrt(3))
+    with pytest.raises(ValueError, match="grads=False"):
+        frozen.grad_norm()
+
+
+def test_per_step_calls_never_walk_the_tree(monkeypatch, backend):
+    r = gf.resident({f"w{i}": np.ones(10, np.float32) for i in range(300)}, backend=backend)
+    _fill_grads(r, np.random.default_rng(4))
+
+    def no_walk(*args, **kwargs):
+        raise AssertionError("a per-step call walked the tree")
+
+    monkeypatch.setattr(gtree, "walk", no_walk)
+    r.grad_norm(per_leaf=True)
+    r.clip_grad_norm_(1.0)
+    r.param_norm()
+    r.zero_grad()
+
+
+def test_backend_calls_per_step_do_not_grow_with_the_leaves():
+    from gpuflat.backends import get_backend
+
+    be = get_backend("numpy")
+    counts = []
+    for n in (10, 1000):
+        r = gf.resident({f"w{i}": np.ones(1000 // n * 10, np.float32) for i in range(n)})
+        calls = []
+        original = be.norms
+        be.norms = lambda *a, **k: calls.append(1) or original(*a, **k)
+        try:
+            r.clip_grad_norm_(1.0)
+        finally:
+            be.norms = original
+        counts.append(len(calls))
+    assert counts == [1, 1]
+
+
+def test_jax_trees_are_refused_with_the_functional_way_named():
+    jnp = pytest.importorskip("jax.numpy")
+    with pytest.raises(TypeError, match="clip_by_global_norm"):
+        gf.resident({"w": jnp.ones(3)})
+
+
+# ---------------------------------------------------------------- PyTorch
+
+
+torch = pytest.importorskip("torch")
+
+
+class TiedNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 8)
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.out = torch.nn.Linear(8, 11, bias=False)
+        self.out.weight = self.embed.weight  # tied embedding and output layer
+        self.body[0].bias.requires_grad_(False)  # frozen
+
+    def forward(self, x):
+        return self.out(self.norm(self.body(self.embed(x))))
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _step(net, opt, x, y, clip):
+    loss = torch.nn.functional.cross_entropy(net(x), y)
+    loss.backward()
+    norm = clip()
+    opt.step()
+    opt.zero_grad()  # set_to_none=True: the next backward allocates new gradients
+    return float(norm)
+
+
+def test_a_resident_training_loop_matches_plain_pytorch(one_thread):
+    torch.manual_seed(0)
+    net = TiedNet()
+    plain = copy.deepcopy(net)
+    r = gf.resident(net)
+    names = [n for n, p in net.named_parameters() if p.requires_grad]
+    assert list(r.grads) == names and r.params is net
+    for name, p in net.named_parameters():
+        if p.requires_grad:  # the parameter's storage is its view into the buffer
+            buf = r.param_buffers[0]
+            assert buf.data_ptr() <= p.data_ptr() < buf.data_ptr() + buf.numel() * buf.element_size()
+            assert p.grad is r.grads[name]
+    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+    opt_plain = torch.optim.SGD([p for p in plain.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x, y = torch.randint(0, 11, (6,), generator=gen), torch.randint(0, 11, (6,), generator=gen)
+        got = _step(net, opt, x, y, lambda: r.clip_grad_norm_(0.5))
+        want = _step(plain, opt_plain, x, y,
+                     lambda: torch.nn.utils.clip_grad_norm_([p for p in plain.parameters() if p.requires_grad], 0.5))
+        assert got == pytest.approx(want, rel=1e-5)
+    for (name, a), (_, b) in zip(net.state_dict().items(), plain.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_rebound_pytorch_gradients_are_copied_in_and_rebound(one_thread):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    r = gf.resident(net)
+    net.zero_grad(set_to_none=True)
+    net(torch.ones(2, 4)).sum().backward()  # autograd allocates new gradients
+    fresh = {n: p.grad.clone() for n, p in net.named_parameters()}
+    assert all(p.grad is not r.grads[n] for n, p in net.named_parameters())
+    norm = r.grad_norm()
+    want = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in fresh.values()]).double())
+    assert float(norm) == pytest.approx(float(want), rel=1e-12)
+    for n, p in net.named_parameters():
+        assert p.grad is r.grads[n] and torch.equal(p.grad, fresh[n])
+    net.weight.grad = None  # None counts as zero
+    assert float(r.grad_norm()) == pytest.approx(float(torch.linalg.vector_norm(fresh["bias"].double())))
+
+
+def test_mixed_pytorch_and_numpy_leaves_are_refused():
+    with pytest.raises(TypeError, match=r"\['b'\].*torch.Tensor"):
+        gf.resident({"a": torch.ones(2), "b": np.ones(2)})
