@@ -68,3 +68,58 @@ def test_to_caller_gives_a_jax_array_on_likes_device(dtype):
 def test_to_caller_keeps_a_0d_norm_0d():
     back = to_caller(np.asarray(5.0), jnp.zeros(3, jnp.float16))
     assert back.shape == () and back.dtype == np.float64 and float(back) == 5.0
+
+
+# ---------------------------------------------------------------- trees of JAX arrays
+
+import gpuflat as gf  # noqa: E402
+
+from conftest import exact_norm, rel_err  # noqa: E402
+
+
+def _jax_tree():
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.standard_normal((3, 4)).astype(np.float32))
+    return {"w": w, "b": jnp.asarray(rng.standard_normal(4)), "tied": w, "act": "relu"}, rng
+
+
+def test_read_only_operations_take_jax_trees_and_answer_in_jax():
+    tree, _ = _jax_tree()
+    unique = [np.asarray(tree["w"]), np.asarray(tree["b"])]
+    norm = gf.global_norm(tree)
+    assert isinstance(norm, jax.Array) and norm.shape == () and norm.dtype == jnp.float64
+    assert rel_err(norm, exact_norm(unique)) < 1e-12
+    assert [p for p, _ in gf.trainables(tree, path=True)] == ["['w']", "['b']"]
+    assert gf.trainables(tree)[0] is tree["w"]  # the caller's own arrays
+    assert rel_err(gf.total("l1", tree), exact_norm(unique, 1)) < 1e-12
+    flat, re = gf.destructure(tree)
+    assert isinstance(flat, jax.Array) and flat.shape == (16,)
+    rebuilt = re(flat * 2)
+    assert isinstance(rebuilt["w"], jax.Array) and rebuilt["w"] is rebuilt["tied"]
+    np.testing.assert_array_equal(np.asarray(rebuilt["b"]), 2 * unique[1])
+
+
+def test_clip_by_global_norm_returns_new_jax_arrays_and_leaves_the_input():
+    tree, _ = _jax_tree()
+    before = {k: np.array(v) for k, v in tree.items() if k != "act"}
+    clipped, norm = gf.clip_by_global_norm(tree, 0.5)
+    assert isinstance(clipped["w"], jax.Array) and clipped["w"] is clipped["tied"]
+    for k, v in before.items():
+        np.testing.assert_array_equal(np.asarray(tree[k]), v)
+    coef = 0.5 / (float(norm) + 1e-6)
+    np.testing.assert_allclose(np.asarray(clipped["b"]), before["b"] * coef, rtol=1e-15)
+
+
+def test_in_place_operations_refuse_jax_arrays_naming_the_leaf():
+    tree, _ = _jax_tree()
+    with pytest.raises(ValueError, match=r"\['w'\].*read-only"):
+        gf.clip_grad_norm_(tree, 0.1)
+
+
+def test_calls_inside_jit_are_refused_clearly():
+    @jax.jit
+    def step(x):
+        return gf.global_norm({"x": x})
+
+    with pytest.raises(TypeError, match=r"\['x'\].*jax.jit"):
+        step(jnp.ones(3))

@@ -300,3 +300,49 @@ def test_training_loop_gives_pytorchs_parameters(name, dtype, rtol):
         torch.testing.assert_close(p, q, rtol=rtol, atol=rtol * 1e-2, msg=n)
     for a, b in zip(ours.buffers(), theirs.buffers()):
         torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * 1e-2)
+
+
+# ---------------------------------------------------------------- modules and tensors as gpuflat trees
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_module_is_a_tree_of_its_trainable_parameters(name):
+    model = model_with_grads(name, torch.float32)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    got = gf.trainables(model, path=True)
+    assert [p for p, _ in got] == list(trainable)  # PyTorch's qualified names, shared once
+    assert all(t is trainable[p] for p, t in got)
+    norm = gf.global_norm(model)
+    assert isinstance(norm, torch.Tensor) and norm.dtype == torch.float64 and norm.shape == ()
+    want = exact([p.detach() for p in trainable.values()], 2.0)
+    assert abs(float(norm) - want) <= 1e-12 * want
+    # The same through a list of parameters and a dict of tensors: never a silent 0.
+    assert float(gf.global_norm(list(model.parameters()))) > 0
+    assert float(gf.global_norm({"w": torch.ones(3)})) == pytest.approx(math.sqrt(3))
+
+
+def test_a_parameters_generator_is_refused_not_silently_zero():
+    model = model_with_grads("tied", torch.float32)
+    with pytest.raises(gf.UnwalkableError, match="generator"):
+        gf.global_norm(model.parameters())
+
+
+def test_destructure_rebuilds_a_copy_of_the_module():
+    model = model_with_grads("frozen_bn", torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    flat, re = gf.destructure(model)
+    assert isinstance(flat, torch.Tensor) and flat.numel() == sum(
+        p.numel() for p in model.parameters() if p.requires_grad)
+    copy_ = re(flat * 0)
+    assert type(copy_) is type(model) and copy_ is not model
+    assert all(float(p.detach().abs().sum()) == 0 for p in copy_.parameters() if p.requires_grad)
+    assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+    frozen = dict(copy_.named_parameters())["stem.weight"]
+    assert not frozen.requires_grad and torch.equal(frozen.detach(), before["stem.weight"])
+
+
+def test_clip_grad_norm_of_a_gradient_tree_writes_the_tensors():
+    grads = {"w": torch.full((3,), 4.0), "b": torch.full((1,), 3.0, dtype=torch.float64)}
+    norm = gf.clip_grad_norm_(grads, 1.0)
+    assert float(norm) == pytest.approx(math.sqrt(57))
+    assert torch.allclose(grads["w"], torch.full((3,), 4.0 / math.sqrt(57)))
