@@ -7,6 +7,8 @@ Backends never validate: what reaches them fits the plan.
 from __future__ import annotations
 
 import math
+import operator
+import weakref
 
 import numpy as np
 
@@ -107,10 +109,8 @@ def check_in_place(paths, arrays) -> None:
     ...
     ValueError: leaf "['w']": expected an array whose elements are distinct memory, got shape (3,) with strides (0,) (a broadcast or self-overlapping view); an in-place write would race. Pass a copy
     """
+    _check_writable(paths, arrays)
     for path, a in zip(paths, arrays):
-        # CuPy arrays have no writeable flag: device memory is always writable.
-        if not getattr(getattr(a, "flags", None), "writeable", True):
-            raise ValueError(f"leaf {path!r}: expected a writable array, got a read-only one")
         if may_overlap_itself(a):
             raise ValueError(
                 f"leaf {path!r}: expected an array whose elements are distinct memory, got shape "
@@ -124,6 +124,39 @@ def check_in_place(paths, arrays) -> None:
             f"leaves {first!r} and {second!r} share memory; an in-place operation would "
             f"write one through the other (expected distinct memory, found overlapping views)"
         )
+
+
+class InPlaceChecked:
+    """Remembers, per plan, the arrays last found fit for an in-place write.
+
+    A training loop clips the same gradient arrays every step; an array's
+    memory layout cannot change under its identity, so when the very same
+    arrays come again only their writable flags are read again (the
+    overlap tests cost far more than the write on a tree of tiny leaves).
+    The arrays are held, so an identity is never a recycled id.
+
+    >>> import numpy as np
+    >>> memo, arrays = InPlaceChecked(), [np.ones(2), np.ones(3)]
+    >>> memo.check(object, ["a", "b"], arrays); memo.check(object, ["a", "b"], arrays)
+    """
+
+    def __init__(self):
+        self._last = weakref.WeakKeyDictionary()
+
+    def check(self, plan, paths, arrays) -> None:
+        last = self._last.get(plan)
+        if last is not None and len(last) == len(arrays) and all(map(operator.is_, last, arrays)):
+            _check_writable(paths, arrays)
+            return
+        check_in_place(paths, arrays)
+        self._last[plan] = tuple(arrays)
+
+
+def _check_writable(paths, arrays):
+    for path, a in zip(paths, arrays):
+        # CuPy arrays have no writeable flag: device memory is always writable.
+        if not getattr(getattr(a, "flags", None), "writeable", True):
+            raise ValueError(f"leaf {path!r}: expected a writable array, got a read-only one")
 
 
 def may_overlap_itself(a) -> bool:

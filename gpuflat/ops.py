@@ -20,6 +20,7 @@ from .errors import NonFiniteError, TreeMismatchError
 from .flatplan import FlatPlan
 
 _NAMED_TOTALS = ("sumsq", "l1", "l2", "count")
+_in_place_checked = checks.InPlaceChecked()
 
 
 class _Call:
@@ -311,7 +312,7 @@ def clip_grad_norm_(grads, max_norm, ord=2, *, eps=1e-6, error_if_nonfinite: boo
     be = select(backend, norm_leaves + scale_leaves,
                 lambda i: (norm_plan.leaves[i].path if i < len(norm_leaves)
                            else scale_paths[i - len(norm_leaves)]))
-    checks.check_in_place(scale_paths, scale_leaves)
+    _in_place_checked.check(scale_plan, scale_paths, scale_leaves)
     result = be.norms(norm_plan, norm_leaves, p, per_leaf=False)
     if error_if_nonfinite:
         raise_if_nonfinite(be, norm_plan, result, p)

@@ -617,3 +617,13 @@ def test_clip_by_global_norm_leaves_its_input_untouched(backend):
     ref_norm = gf.clip_grad_norm_(reference, 0.5, backend=backend)
     assert float(norm) == float(ref_norm)
     assert_bits_equal(clipped["x"], reference["x"]) and assert_bits_equal(clipped["y"], reference["y"])
+
+
+def test_a_leaf_made_read_only_after_a_clip_is_refused_on_the_next(backend):
+    g = {"w": np.array([3.0, 4.0]), "b": np.ones(2, np.float32)}
+    gf.clip_grad_norm_(g, 1.0, backend=backend)
+    g["b"].flags.writeable = False
+    before = g["w"].copy()
+    with pytest.raises(ValueError, match=r"\['b'\].*read-only"):
+        gf.clip_grad_norm_(g, 1e-3, backend=backend)
+    assert_bits_equal(g["w"], before)
