@@ -226,13 +226,14 @@ def scatter(plan: FlatPlan, flat, tree, *, backend: str | None = None) -> None:
             value[...] = targets[slot]
 
 
-def total(f, tree, *, backend: str | None = None):
+def total(f, tree, *, model=None, backend: str | None = None):
     """The sum over unique trainables of ``f(leaf)``.
 
     ``f`` is any callable, or one of the fused reductions: "sumsq" (sum of
     squares), "l1" (sum of absolute values), "l2" (the sum of each leaf's
     2-norm, as Optimisers.jl's ``total(norm, model)``) and "count" (the
-    number of trainable elements).
+    number of trainable elements). With ``model=``, ``tree`` is a gradient
+    tree read through the model's plan (tied gradients added first).
 
     >>> import numpy as np, gpuflat as gf
     >>> model = {"x": np.array([3.0, 4.0]), "y": (np.sin, np.array([5.0])), "z": (6, 7)}
@@ -241,18 +242,19 @@ def total(f, tree, *, backend: str | None = None):
     >>> float(gf.total(np.sum, model))
     12.0
     """
-    call = _Call(tree)
-    if callable(f):
-        return sum((f(call.foreign.get(id(a), a)) for a in call.unique), 0)
-    if f not in _NAMED_TOTALS:
+    if not callable(f) and f not in _NAMED_TOTALS:
         raise ValueError(f"total: expected a callable or one of {_NAMED_TOTALS}, got {f!r}")
+    call = _Call(tree)
+    plan, leaves = _norm_inputs(call, tree, model, backend)
+    if callable(f):
+        return sum((f(call.foreign.get(id(a), a)) for a in leaves), 0)
     if f == "count":
-        return call.plan.size
-    be = call.backend(backend)
+        return plan.size
+    be = select(backend, leaves, lambda i: plan.leaves[i].path)
     if f == "l2":
-        result = be.norms(call.plan, call.unique, 2.0, per_leaf=True)
+        result = be.norms(plan, leaves, 2.0, per_leaf=True)
         return call.result(be.xp.sum(result.per_leaf))
-    result = be.norms(call.plan, call.unique, 1.0 if f == "l1" else 2.0, per_leaf=False)
+    result = be.norms(plan, leaves, 1.0 if f == "l1" else 2.0, per_leaf=False)
     return call.result(result.total if f == "l1" else result.total * result.total)
 
 

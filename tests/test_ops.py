@@ -627,3 +627,12 @@ def test_a_leaf_made_read_only_after_a_clip_is_refused_on_the_next(backend):
     with pytest.raises(ValueError, match=r"\['b'\].*read-only"):
         gf.clip_grad_norm_(g, 1e-3, backend=backend)
     assert_bits_equal(g["w"], before)
+
+
+def test_total_reads_a_gradient_tree_through_the_model(backend):
+    w = np.ones(3)
+    model = {"a": w, "b": w, "c": np.ones(2, np.float32)}
+    grads = {"a": np.full(3, 2.0), "b": np.full(3, 1.0), "c": None}
+    assert float(gf.total("sumsq", grads, model=model, backend=backend)) == pytest.approx(27.0)
+    assert float(gf.total("l1", grads, model=model, backend=backend)) == pytest.approx(9.0)
+    assert gf.total("count", grads, model=model, backend=backend) == 5
