@@ -60,12 +60,20 @@ def cupy_with_device():
 
 # The emulated backend is the CUDA kernels run on the host: it must run
 # wherever the tests do (g++ is a test requirement), so it is never skipped.
-BACKENDS = ["numpy", "emulated"]
+BACKENDS = ["numpy", "host", "emulated"]
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    """Both host backends: "numpy", and "emulated" (the CUDA kernels on the host)."""
+    """Every backend that runs without a GPU: "numpy", "host" (the native C++
+    path) and "emulated" (the CUDA kernels on the host)."""
+    if request.param == "host":
+        from gpuflat.backends.host import available
+
+        # The native path must build wherever the tests run (g++ and the
+        # Python headers are test requirements): a silent NumPy fallback
+        # would make every "host" test a second NumPy test.
+        assert available(), "the native host backend did not build"
     return request.param
 
 

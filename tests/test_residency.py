@@ -123,7 +123,7 @@ def test_backend_calls_per_step_do_not_grow_with_the_leaves():
     be = get_backend("numpy")
     counts = []
     for n in (10, 1000):
-        r = gf.resident({f"w{i}": np.ones(1000 // n * 10, np.float32) for i in range(n)})
+        r = gf.resident({f"w{i}": np.ones(1000 // n * 10, np.float32) for i in range(n)}, backend="numpy")
         calls = []
         original = be.norms
         be.norms = lambda *a, **k: calls.append(1) or original(*a, **k)

@@ -4,14 +4,14 @@ from __future__ import annotations
 import sys
 import threading
 
-BACKEND_NAMES = ("numpy", "cuda", "emulated")
+BACKEND_NAMES = ("numpy", "host", "cuda", "emulated")
 
 _backends: dict = {}
 _lock = threading.Lock()
 
 
 def get_backend(name: str, device: int | None = None):
-    """The backend instance called ``name`` ("numpy", "cuda" or "emulated").
+    """The backend instance called ``name`` ("numpy", "host", "cuda" or "emulated").
 
     "cuda" has one backend per device (``device``: the CUDA device id;
     default: CuPy's current device), each launching on its own device.
@@ -35,6 +35,10 @@ def _make(name, device):
         from .numpy_backend import NumpyBackend
 
         return NumpyBackend()
+    if name == "host":
+        from .host import HostBackend
+
+        return HostBackend()
     from .cuda import CudaBackend
     from ..runtime import CupyRuntime, EmulatedRuntime
 
@@ -49,13 +53,13 @@ def _is_cupy(x) -> bool:
 def select(backend, arrays, path_of):
     """The backend for a call on ``arrays``; ``path_of(i)`` names the i-th (only on error).
 
-    The default follows the arrays: NumPy arrays take "numpy", CuPy arrays
-    "cuda" on their device. A mix of kinds or of devices raises, naming one
+    The default follows the arrays: NumPy arrays take "host" (the native
+    path) where it builds, else "numpy"; CuPy arrays "cuda" on their device. A mix of kinds or of devices raises, naming one
     leaf of each; so does a backend that cannot reach the arrays' memory.
 
     >>> import numpy as np
-    >>> select(None, [np.ones(2)], lambda i: "['w']").name
-    'numpy'
+    >>> select(None, [np.ones(2)], lambda i: "['w']").name in ("host", "numpy")
+    True
     >>> select("cuda", [np.ones(2)], lambda i: "['w']")
     Traceback (most recent call last):
     ...
@@ -69,7 +73,7 @@ def select(backend, arrays, path_of):
             f"tree mixes NumPy and CuPy arrays: leaf {path_of(first_numpy)!r} is a NumPy array, "
             f"leaf {path_of(first_cupy)!r} is a CuPy array"
         )
-    name = backend or ("cuda" if first_cupy is not None else "numpy")
+    name = backend or ("cuda" if first_cupy is not None else _host_default())
     wants_cupy = name == "cuda"
     wrong = first_numpy if wants_cupy else first_cupy
     if wrong is not None:
@@ -81,6 +85,12 @@ def select(backend, arrays, path_of):
     if not wants_cupy:
         return get_backend(name)
     return get_backend(name, _one_device(arrays, path_of))
+
+
+def _host_default() -> str:
+    from .host import available
+
+    return "host" if available() else "numpy"
 
 
 def _one_device(arrays, path_of):

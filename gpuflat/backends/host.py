@@ -1,0 +1,176 @@
+"""The native host backend: gather, scatter, norms and clipping in C++ on every core.
+
+The NumPy backend pays for float64 accumulation with a conversion pass and
+runs float16 arithmetic as scalar code. This backend runs the same operations
+in one pass, in a small C++ library (``kernels/host/host_backend.cpp``) built
+with g++ on first use and cached on disk. Its element arithmetic is the CUDA
+kernels' own (``kernels/gpuflat_math.cuh``, compiled for the host) and its
+summation order theirs (work items of ``ITEM`` elements, 32 lanes, the fixed
+trees), so its norms are the same bits as the CUDA and emulated backends',
+whatever the number of threads; gather, scatter and clip the same bits as
+every backend.
+
+Where no compiler (or no Python or NumPy headers) is found, every operation
+runs on the NumPy backend instead; :func:`available` says which.
+
+>>> import numpy as np, gpuflat as gf
+>>> be = HostBackend()
+>>> tree = {"w": np.ones((2, 3), np.float32), "b": np.full(2, 2.0)}
+>>> plan, leaves = gf.plan(tree), gf.trainables(tree)
+>>> r = be.norms(plan, leaves, 2, per_leaf=True)
+>>> float(r.total) ** 2, r.per_leaf ** 2, int(r.first_nonfinite)
+(14.0, array([6., 8.]), -1)
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import os
+import platform
+import sysconfig
+
+import numpy as np
+
+from gpuflat import host_compiler
+from gpuflat.dtypes import BFLOAT16
+from gpuflat.kernel_loader import kernel_dir
+
+from .numpy_backend import NumpyBackend
+from .protocol import NormResult
+
+# The arithmetic must stay the kernels': no fast-math, and no contraction of
+# a*b+c into one fma (the kernels are built with --fmad=false). -march=native
+# lets the compiler use the machine's widest vectors; the cache key carries
+# the CPU's identity, so a library is never loaded on a CPU it was not built for.
+FLAGS = ("-O3", "-std=c++20", "-pthread", "-march=native", "-ffp-contract=off", "-fno-math-errno",
+         "-fno-strict-aliasing", "-fvisibility=hidden")
+SHARED_HEADERS = ("gpuflat_common.cuh", "gpuflat_math.cuh")
+NORM_KINDS = {1.0: 0, 2.0: 1, math.inf: 2}  # kernels/gpuflat_math.cuh; any other p is GF_NORM_P
+NORM_P = 3
+
+
+def available() -> bool:
+    """Whether the native library builds and loads here (else NumPy runs everything).
+
+    >>> isinstance(available(), bool)
+    True
+    """
+    return _library() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _library():
+    """The loaded library, built on first use; None where it cannot be built."""
+    numpy_include = np.get_include()
+    python_include = sysconfig.get_paths()["include"]
+    if not os.path.isfile(os.path.join(python_include, "Python.h")):
+        return None
+    kernels = kernel_dir()
+    host = kernels / "host"
+    files = {name: (kernels / name).read_text() for name in SHARED_HEADERS}
+    files["host_prelude.h"] = (host / "host_prelude.h").read_text()
+    try:
+        path = host_compiler.build_library(
+            "gpuflat-host", (host / "host_backend.cpp").read_text(), include_dirs=(python_include, numpy_include),
+            flags=FLAGS, files=files, key_parts=(python_include, np.__version__, _cpu_identity()))
+        lib = host_compiler.load(path, ctypes.PyDLL)
+    except (host_compiler.BuildError, OSError):
+        return None
+    obj, i64, f64, c_int = ctypes.py_object, ctypes.c_longlong, ctypes.c_double, ctypes.c_int
+    lib.gf_host_init.argtypes = [obj, c_int]
+    lib.gf_host_init.restype = None
+    lib.gf_host_norms.argtypes = [obj, obj, c_int, f64, c_int, obj, obj, obj]
+    lib.gf_host_gather.argtypes = [obj, obj, obj, obj, c_int]
+    lib.gf_host_scatter.argtypes = [obj, obj, obj, c_int]
+    lib.gf_host_clip.argtypes = [obj, obj, f64, f64, f64, c_int]
+    for fn in (lib.gf_host_norms, lib.gf_host_gather, lib.gf_host_scatter, lib.gf_host_clip):
+        fn.restype = i64
+    lib.gf_host_init(np.ndarray, BFLOAT16.num if BFLOAT16 is not None else -1)
+    return lib
+
+
+def _cpu_identity() -> str:
+    """The CPU model and feature flags (what -march=native compiled for)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
+class HostBackend:
+    """Whole-tree operations on NumPy arrays in native code on ``threads`` threads.
+
+    ``threads`` defaults to the CPUs this process may run on; results never
+    depend on it.
+    """
+
+    name = "host"
+    xp = np
+
+    def __init__(self, threads: int | None = None):
+        self.threads = int(threads or len(os.sched_getaffinity(0)))
+        self._numpy = NumpyBackend()
+
+    def gather(self, plan, sources, out) -> None:
+        """out[slot's range] = sum of the slot's sources, cast to ``plan.dtype``."""
+        lib = _library()
+        if lib is None:
+            return self._numpy.gather(plan, sources, out)
+        arrays = [a for s in sources for a in s]
+        csr = np.zeros(len(sources) + 1, np.int64)
+        np.cumsum([len(s) for s in sources], out=csr[1:])
+        bad = lib.gf_host_gather(arrays, csr, plan.offsets, out, self.threads)
+        if bad >= 0:
+            _refuse(plan, int(np.searchsorted(csr, bad, side="right")) - 1, arrays[bad])
+
+    def scatter(self, plan, flat, leaves) -> None:
+        """leaves[slot][...] = flat[slot's range], cast to the leaf's dtype, in place."""
+        lib = _library()
+        if lib is None:
+            return self._numpy.scatter(plan, flat, leaves)
+        _check(plan, leaves, lib.gf_host_scatter(flat, leaves, plan.offsets, self.threads))
+
+    def norms(self, plan, leaves, ord, per_leaf, flat=None) -> NormResult:
+        """Total and per-leaf norms (always both) and the first non-finite slot, in
+        the CUDA kernels' order; ``flat`` is not needed (the leaves are read directly)."""
+        lib = _library()
+        if lib is None:
+            return self._numpy.norms(plan, leaves, ord, per_leaf, flat=flat)
+        p = float(ord)
+        per, total, first = np.empty(len(plan.leaves)), np.empty(()), np.empty((), np.int64)
+        kind = NORM_KINDS.get(p, NORM_P)
+        _check(plan, leaves, lib.gf_host_norms(leaves, plan.offsets, kind, p, self.threads, per, total, first))
+        return NormResult(total, per, first)
+
+    def clip_(self, plan, leaves, total, max_norm, eps, flat=None) -> None:
+        """Every leaf *= min(1, max_norm / (total + eps)); with ``flat`` (the buffer
+        the leaves are views of) one pass over it."""
+        lib = _library()
+        if lib is None:
+            return self._numpy.clip_(plan, leaves, total, max_norm, eps, flat=flat)
+        if flat is not None:
+            leaves, offsets = [flat], np.array([0, flat.size], np.int64)
+        else:
+            offsets = plan.offsets
+        _check(plan, leaves, lib.gf_host_clip(leaves, offsets, float(total), float(max_norm), float(eps),
+                                              self.threads))
+
+    def to_host(self, x) -> np.ndarray:
+        """``x`` as a NumPy array (it already is one)."""
+        return np.asarray(x)
+
+
+def _check(plan, arrays, bad: int) -> None:
+    if bad >= 0:
+        _refuse(plan, bad, arrays[bad])
+
+
+def _refuse(plan, slot: int, array) -> None:
+    leaf = plan.leaves[slot]
+    found = (f"{type(array).__module__}.{type(array).__name__} of shape {getattr(array, 'shape', '?')} "
+             f"{getattr(array, 'dtype', '?')}")
+    raise TypeError(f"leaf {leaf.path!r}: the host backend expected a native-byte-order NumPy array of "
+                    f"{leaf.describe()}, got a {found}")

@@ -1,0 +1,206 @@
+"""Build a C++ shared library with g++ from source text, and load it.
+
+One place for what every host build of gpuflat needs: the compiler
+(``$GPUFLAT_CXX``, default ``g++``), the cache directory, content hashes,
+a disk cache keyed by a hash of everything that goes into the build, an
+atomic rename (concurrent builders never see a half-written library) and an
+in-process memo of loaded libraries.
+
+>>> src = 'extern "C" int twice(int x) { return 2 * x; }'
+>>> path = build_library("doctest-twice", src, flags=("-O2",))
+>>> path == build_library("doctest-twice", src, flags=("-O2",))
+True
+>>> lib = load(path)
+>>> lib.twice(21), load(path) is lib
+(42, True)
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import re
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+__all__ = ["BuildError", "build_library", "cache_dir", "cache_root", "compiler", "digest", "load", "tree_digest"]
+
+# Every library is position-independent and shared; the caller adds the rest.
+BASE_FLAGS = ("-shared", "-fPIC")
+
+
+class BuildError(RuntimeError):
+    """The compiler rejected the sources (or could not run); ``stderr`` holds its message."""
+
+    def __init__(self, message: str, stderr: str = ""):
+        super().__init__(message)
+        self.stderr = stderr
+
+
+def compiler() -> str:
+    """The C++ compiler: ``$GPUFLAT_CXX``, else ``g++``.
+
+    >>> compiler() == os.environ.get("GPUFLAT_CXX", "g++")
+    True
+    """
+    return os.environ.get("GPUFLAT_CXX", "g++")
+
+
+def cache_root() -> Path:
+    """gpuflat's cache: ``$GPUFLAT_CACHE_DIR``, else ``$XDG_CACHE_HOME/gpuflat``,
+    else ``~/.cache/gpuflat``.
+
+    >>> cache_root().is_absolute() or "GPUFLAT_CACHE_DIR" in os.environ
+    True
+    """
+    root = os.environ.get("GPUFLAT_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg, "gpuflat") if xdg else Path(os.path.expanduser("~"), ".cache", "gpuflat")
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: the ``host`` folder of :func:`cache_root`.
+
+    >>> cache_dir() == cache_root() / "host"
+    True
+    """
+    return cache_root() / "host"
+
+
+def digest(parts) -> str:
+    """SHA-256 (hex) of a sequence of strings or bytes, each part delimited,
+    so ``["ab", "c"]`` and ``["a", "bc"]`` differ.
+
+    >>> digest(["ab", "c"]) != digest(["a", "bc"])
+    True
+    """
+    h = hashlib.sha256()
+    for part in parts:
+        data = part if isinstance(part, bytes) else str(part).encode()
+        h.update(len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()
+
+
+def tree_digest(directory) -> str:
+    """SHA-256 of every file under ``directory`` (relative names and bytes),
+    so an edit to any header gives a new hash.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     _ = Path(d, "a.h").write_text("int a;")
+    ...     before = tree_digest(d)
+    ...     _ = Path(d, "a.h").write_text("int b;")
+    ...     before != tree_digest(d)
+    True
+    """
+    d = Path(directory)
+    files = sorted(p for p in d.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    parts = []
+    for f in files:
+        parts += [f.relative_to(d).as_posix(), f.read_bytes()]
+    return digest(parts)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_identity(cxx: str) -> str:
+    """``cxx --version``: a compiler upgrade gives new libraries."""
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return ""
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:80] or "library"
+
+
+def _check_relative(name: str) -> str:
+    parts = Path(name).parts
+    if not name or Path(name).is_absolute() or ".." in parts:
+        raise ValueError(f"file name {name!r} must be a relative path without '..'")
+    return name
+
+
+_build_lock = threading.Lock()
+
+
+def build_library(name: str, main_source: str, include_dirs=(), flags=(), key_parts=(), files=None) -> Path:
+    """The shared library compiled from ``main_source``, built once per content.
+
+    ``include_dirs`` go to ``-I`` (their files are not hashed: put what
+    matters, e.g. :func:`tree_digest` of them, in ``key_parts``); ``flags``
+    are added to ``-shared -fPIC``; ``files`` maps relative names to the
+    text of extra files written beside the main source (so ``#include
+    "name"`` finds them; they are hashed). The library is kept under
+    :func:`cache_dir` as ``<name>-<hash>.so``, the hash covering the
+    compiler and its version, the flags, the sources and ``key_parts``.
+    Raises :class:`BuildError` with the compiler's message on failure.
+
+    >>> build_library("doctest-bad", "int f() { return }")
+    Traceback (most recent call last):
+    ...
+    gpuflat.host_compiler.BuildError: g++ failed to build doctest-bad (exit 1):
+    ...
+    """
+    files = dict(files or {})
+    for file_name in files:
+        _check_relative(file_name)
+    cxx = compiler()
+    all_flags = BASE_FLAGS + tuple(flags)
+    key = digest([cxx, _compiler_identity(cxx), *all_flags, "\0", *map(str, include_dirs), "\0",
+                  main_source, *[x for n in sorted(files) for x in (n, files[n])], "\0", *key_parts])
+    path = cache_dir() / f"{_safe_name(name)}-{key[:20]}.so"
+    if not path.is_file():
+        with _build_lock:
+            if not path.is_file():
+                _compile(name, cxx, main_source, files, include_dirs, all_flags, path)
+    return path
+
+
+def _compile(name, cxx, main_source, files, include_dirs, flags, path: Path) -> None:
+    """Compile into a temporary file beside ``path``, then rename it into place:
+    another process building the same library at once is harmless."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="gpuflat-build-") as work:
+        for file_name, text in files.items():
+            dest = Path(work, file_name)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(text)
+        main = Path(work, "main.cpp")
+        main.write_text(main_source)
+        fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        includes = [arg for d in include_dirs for arg in ("-I", str(d))]
+        cmd = [cxx, *flags, "-I", work, *includes, "-o", tmp, str(main)]
+        try:
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+            except OSError as exc:
+                raise BuildError(f"cannot run the C++ compiler {cxx!r}: {exc}") from exc
+            if proc.returncode != 0:
+                raise BuildError(f"{cxx} failed to build {name} (exit {proc.returncode}):\n{proc.stderr}",
+                                 proc.stderr)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+_loaded: dict = {}
+_load_lock = threading.Lock()
+
+
+def load(path, factory=ctypes.CDLL):
+    """``factory(path)`` (default ``ctypes.CDLL``), made once per path and
+    factory in this process; see the module example."""
+    key = (str(path), factory)
+    with _load_lock:
+        lib = _loaded.get(key)
+        if lib is None:
+            lib = _loaded[key] = factory(str(path))
+        return lib

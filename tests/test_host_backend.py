@@ -1,0 +1,328 @@
+"""The native host backend against independent NumPy references of the CUDA
+kernels' summation order, the NumPy backend, and the emulated CUDA backend."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import gpuflat as gf
+from gpuflat.backends import get_backend
+from gpuflat.backends.host import HostBackend, available
+
+from conftest import BF16, DTYPE_IDS, DTYPES, assert_bits_equal, random_array, strided_variant, torch_scaled
+
+pytestmark = [
+    pytest.mark.skipif(not available(), reason="no C++ compiler or Python/NumPy headers here"),
+    # The references convert NaN bit patterns on purpose.
+    pytest.mark.filterwarnings("ignore:invalid value encountered"),
+]
+
+ITEM = 4096  # elements per work item of the CUDA kernels
+ORDS = [1, 2, math.inf, 3]
+SIZES = [0, 1, ITEM - 1, ITEM, ITEM + 1, 2 * ITEM + 1]
+LAYOUTS = ["c", "transposed", "sliced", "reversed"]
+
+
+# ---------------------------------------------------------------- the kernels' order in NumPy
+
+def _nanmax(a, b):
+    return np.where(np.isnan(a), a, np.where(np.isnan(b), b, np.where(a > b, a, b)))
+
+
+def _combine(a, b, p):
+    return _nanmax(a, b) if p == math.inf else a + b
+
+
+def _pow(a, p):
+    """C's pow element by element (NumPy's power has its own fast paths for some exponents)."""
+    return np.array([math.pow(v, p) for v in np.ravel(a).tolist()], np.float64).reshape(np.shape(a))
+
+
+def _terms(x, p):
+    """Each element's share in float64: |x|**2 as re*re + im*im, |x|, |x|**p."""
+    if x.dtype.kind == "c":
+        re, im = x.real.astype(np.float64), x.imag.astype(np.float64)
+        return re * re + im * im if p == 2 else (np.hypot(re, im) if p in (1, math.inf) else _pow(np.hypot(re, im), p))
+    w = x.astype(np.float64)
+    return w * w if p == 2 else (np.abs(w) if p in (1, math.inf) else _pow(np.abs(w), p))
+
+
+def _item_partial(terms, lanes_per_vector, p):
+    """32 lanes; vector j (V elements) is lane j % 32's; then the shuffle-down tree."""
+    step = 32 * lanes_per_vector
+    padded = np.zeros(-(-terms.size // step) * step)  # +0.0 changes no sum or max of terms
+    padded[: terms.size] = terms
+    acc = np.zeros(32)
+    for block in padded.reshape(-1, 32, lanes_per_vector):
+        for k in range(lanes_per_vector):
+            acc = _combine(acc, block[:, k], p)
+    for off in (16, 8, 4, 2, 1):
+        acc[:off] = _combine(acc[:off], acc[off : 2 * off], p)
+    return acc[0]
+
+
+def _block_tree(red, p):
+    for w in (128, 64, 32, 16, 8, 4, 2, 1):
+        red[:w] = _combine(red[:w], red[w : 2 * w], p)
+    return red[0]
+
+
+def _strided_sum(values, p):
+    """256 threads, thread t taking values t, t + 256, ... in order, then the block tree."""
+    red = np.zeros(256)
+    for start in range(0, len(values), 256):
+        chunk = values[start : start + 256]
+        red[: len(chunk)] = _combine(red[: len(chunk)], chunk, p)
+    return _block_tree(red, p)
+
+
+def _root(v, p):
+    return np.sqrt(v) if p == 2 else (v if p in (1, math.inf) else _pow(v, 1.0 / p))
+
+
+def ref_norms(leaves, p):
+    """(total, per-leaf norms, first non-finite slot) in the order of kernels/norms.cu."""
+    raw, first_bad = [], -1
+    for slot, leaf in enumerate(leaves):
+        x = np.asarray(leaf).reshape(-1)
+        lanes_per_vector = 16 // x.dtype.itemsize
+        partials = [_item_partial(_terms(x[i : i + ITEM], p), lanes_per_vector, p) for i in range(0, x.size, ITEM)]
+        if len(partials) <= 16:
+            v = 0.0
+            for part in partials:
+                v = float(_combine(np.float64(v), np.float64(part), p))
+        else:
+            v = _strided_sum(np.array(partials), p)
+        raw.append(v)
+        parts = x.astype(np.complex128) if x.dtype.kind == "c" else x.astype(np.float64)
+        if first_bad < 0 and not np.isfinite(parts).all():
+            first_bad = slot
+    total = _root(_strided_sum(np.array(raw, np.float64), p), p)
+    return np.float64(total), _root(np.array(raw, np.float64), p), first_bad
+
+
+def host_norms(leaves, p, threads=None):
+    tree = list(leaves)
+    r = HostBackend(threads).norms(gf.plan(tree), gf.trainables(tree), p, per_leaf=True)
+    return r.total, r.per_leaf, int(r.first_nonfinite)
+
+
+def emulated_norms(leaves, p):
+    tree = list(leaves)
+    be = get_backend("emulated")
+    r = be.norms(gf.plan(tree), gf.trainables(tree), p, per_leaf=True)
+    return be.to_host(r.total), be.to_host(r.per_leaf), int(be.to_host(r.first_nonfinite))
+
+
+def assert_same_bits_or_nan(got, want):
+    """Bitwise equal, but a NaN only has to be a NaN: which payload survives a sum
+    of several NaNs is the hardware's choice (a GPU returns a canonical NaN)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert_bits_equal(np.isnan(got), np.isnan(want))
+    assert_bits_equal(np.where(np.isnan(got), 0.0, got), np.where(np.isnan(want), 0.0, want))
+
+
+def assert_same_norms(got, want):
+    assert_same_bits_or_nan(got[0], want[0])
+    assert_same_bits_or_nan(got[1], want[1])
+    assert got[2] == want[2]
+
+
+# ---------------------------------------------------------------- norms
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("p", ORDS)
+def test_norms_follow_the_kernels_order(dtype, p):
+    rng = np.random.default_rng(7)
+    leaves = [random_array(rng, (n,), dtype) for n in SIZES] + [random_array(rng, (), dtype)]
+    assert_same_norms(host_norms(leaves, p), ref_norms(leaves, p))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("p", [2, math.inf])
+def test_norms_bitwise_equal_emulated_cuda(dtype, p):
+    rng = np.random.default_rng(8)
+    leaves = [random_array(rng, (n,), dtype) for n in (ITEM - 1, 2 * ITEM + 1, 0)] + [
+        random_array(rng, (), dtype), strided_variant(rng, (67, 129), dtype, "transposed")]
+    assert_same_norms(host_norms(leaves, p), emulated_norms(leaves, p))
+
+
+def test_big_slot_uses_the_block_tree():
+    """A leaf of more than 16 items is summed by 256 strided threads and the fixed tree."""
+    rng = np.random.default_rng(9)
+    leaves = [rng.standard_normal(17 * ITEM + 5).astype(np.float32), rng.standard_normal(300).astype(np.float32)]
+    want = ref_norms(leaves, 2)
+    assert_same_norms(host_norms(leaves, 2), want)
+    assert_same_norms(emulated_norms(leaves, 2), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_strided_leaves_give_the_contiguous_bits(dtype, layout):
+    rng = np.random.default_rng(10)
+    leaf = strided_variant(rng, (70, 130), dtype, layout)
+    for p in ORDS:
+        got = host_norms([leaf], p)
+        assert_same_norms(got, host_norms([np.ascontiguousarray(leaf)], p))
+        assert_same_norms(got, ref_norms([leaf], p))
+
+
+def test_unaligned_leaf():
+    raw = np.zeros(4 * 5000 + 1, np.uint8)[1:]
+    leaf = raw.view(np.float32)
+    leaf[:] = np.random.default_rng(11).standard_normal(5000)
+    assert not leaf.flags.aligned
+    assert_same_norms(host_norms([leaf], 2), ref_norms([leaf.copy()], 2))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_thread_count_changes_no_bit(threads):
+    rng = np.random.default_rng(12)
+    leaves = [rng.standard_normal(n).astype(np.float32) for n in (300_000, 5, 70_001, 0, 1 << 18)]
+    assert_same_norms(host_norms(leaves, 2, threads), host_norms(leaves, 2, 1))
+    assert_same_norms(host_norms(leaves, 2, threads), ref_norms(leaves, 2))
+
+
+@pytest.mark.parametrize("dtype, big", [(np.float32, 1e30), (np.float16, 300.0), (np.complex64, 1e30)])
+def test_overflow_prone_values(dtype, big):
+    leaf = np.full(3 * ITEM + 7, big, dtype)
+    total, _, bad = host_norms([leaf], 2)
+    assert total == pytest.approx(abs(np.asarray(big, dtype).astype(np.complex128)) * math.sqrt(leaf.size),
+                                  rel=1e-12)
+    assert bad == -1
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_first_nonfinite_slot(value, dtype):
+    leaves = [np.ones(ITEM + 3, dtype), np.ones(2 * ITEM + 1, dtype), np.ones(5, dtype)]
+    leaves[1][ITEM + 2] = value
+    leaves[2][0] = value
+    for p in ORDS:
+        total, per, bad = host_norms(leaves, p)
+        want = ref_norms(leaves, p)
+        assert bad == 1 == want[2]
+        assert_same_norms((total, per, bad), want)
+
+
+def test_finite_overflow_is_not_a_nonfinite_leaf():
+    leaves = [np.full(10, 1e300), np.ones(3)]
+    total, _, bad = host_norms(leaves, 2)
+    assert total == np.inf and bad == -1
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["float16", "bfloat16"])
+def test_every_16_bit_pattern(dtype):
+    """Every float16 / bfloat16 bit pattern (NaNs of every payload included) in norms and clip."""
+    patterns = np.arange(1 << 16, dtype=np.uint16).view(dtype)
+    leaves = [patterns[i : i + 4096 + 512] for i in range(0, 1 << 16, 4096)]
+    for p in (2, 1):
+        assert_same_norms(host_norms(leaves, p), ref_norms(leaves, p))
+    for coef_total in (3.0, 0.7e-3):
+        host, ref = patterns.copy(), patterns.copy()
+        tree_h, tree_r = [host], [ref]
+        HostBackend().clip_(gf.plan(tree_h), tree_h, np.float64(coef_total), 1.0, 1e-6)
+        get_backend("numpy").clip_(gf.plan(tree_r), tree_r, np.float64(coef_total), 1.0, 1e-6)
+        finite = np.isfinite(ref.astype(np.float32))
+        assert_bits_equal(host[finite], ref[finite])
+        assert np.isnan(host[~finite].astype(np.float32)).sum() == np.isnan(ref[~finite].astype(np.float32)).sum()
+
+
+# ---------------------------------------------------------------- gather and scatter
+
+def _tree(rng, dtypes):
+    return {f"x{i}": strided_variant(rng, shape, dt, layout)
+            for i, (dt, (shape, layout)) in enumerate(zip(dtypes, [
+                ((ITEM + 1,), "c"), ((70, 130), "transposed"), ((), "c"), ((0,), "c"),
+                ((33, 65), "reversed"), ((2 * ITEM + 1,), "sliced")]))}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gather_bits_equal_numpy_and_emulated(dtype):
+    rng = np.random.default_rng(13)
+    tree = _tree(rng, [dtype, np.float32, dtype, dtype, np.float64, dtype])
+    plan, leaves = gf.plan(tree), gf.trainables(tree)
+    outs = []
+    for be in (HostBackend(), get_backend("numpy"), get_backend("emulated")):
+        out = be.xp.zeros(plan.size, plan.dtype)
+        be.gather(plan, [[a] for a in leaves], out)
+        outs.append(be.to_host(out))
+    assert_bits_equal(outs[0], outs[1])
+    assert_bits_equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gather_ties_and_missing_sources(dtype):
+    """Tied sources added in complex double in list order, rounded once; none gives zeros."""
+    rng = np.random.default_rng(14)
+    a = random_array(rng, (ITEM + 9,), dtype)
+    tree = {"a": a, "b": random_array(rng, (5,), dtype)}
+    plan = gf.plan(tree)
+    sources = [[random_array(rng, a.shape, dtype), random_array(rng, (2 * a.size,), np.float64)[::-2],
+                random_array(rng, a.shape, np.complex128)], []]
+    out = np.full(plan.size, 7, plan.dtype)
+    HostBackend().gather(plan, sources, out)
+    acc = sum((s.astype(np.complex128) for s in sources[0][1:]), sources[0][0].astype(np.complex128))
+    want = np.concatenate([acc.real if plan.dtype.kind != "c" else acc, np.zeros(5)]).astype(plan.dtype)
+    assert_bits_equal(out, want)
+    emulated = get_backend("emulated")
+    dev = emulated.xp.full(plan.size, 7, plan.dtype)
+    emulated.gather(plan, sources, dev)
+    assert_bits_equal(out, emulated.to_host(dev))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_scatter_in_place_through_strides(dtype):
+    rng = np.random.default_rng(15)
+    mixed = [dtype, np.float32, dtype, dtype, np.float64, dtype]
+    trees = [_tree(np.random.default_rng(15), mixed) for _ in range(2)]
+    plan = gf.plan(trees[0])
+    flat = random_array(rng, (plan.size,), plan.dtype)
+    HostBackend().scatter(plan, flat, gf.trainables(trees[0]))
+    get_backend("numpy").scatter(plan, flat, gf.trainables(trees[1]))
+    for a, b in zip(gf.trainables(trees[0]), gf.trainables(trees[1])):
+        assert_bits_equal(a, b)
+    start = plan.leaves[1].offset
+    assert_bits_equal(trees[0]["x1"].reshape(-1), flat[start : start + trees[0]["x1"].size].real.astype(np.float32))
+
+
+# ---------------------------------------------------------------- clip
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("total", [4.0, 0.5, np.nan, np.inf])
+def test_clip_bits_equal_torch_rounding(dtype, total):
+    rng = np.random.default_rng(16)
+    tree = _tree(rng, [dtype] * 6)
+    before = [a.copy() for a in gf.trainables(tree)]
+    HostBackend().clip_(gf.plan(tree), gf.trainables(tree), np.float64(total), 1.0, 1e-6)
+    coef = min(1.0, 1.0 / (total + 1e-6)) if not np.isnan(total) else np.nan
+    for got, old in zip(gf.trainables(tree), before):
+        if coef == 1.0:
+            assert_bits_equal(got, old)  # never rewritten
+        else:
+            assert_bits_equal(got, torch_scaled(old, coef))
+
+
+def test_clip_matches_emulated_and_uses_flat():
+    rng = np.random.default_rng(17)
+    flat = rng.standard_normal(3 * ITEM + 5).astype(np.float32)
+    leaves = [flat[: ITEM + 1].reshape(1, -1), flat[ITEM + 1 :]]
+    tree = {"a": leaves[0].copy(), "b": leaves[1].copy()}
+    plan = gf.plan(tree)
+    HostBackend().clip_(plan, leaves, np.float64(9.0), 2.0, 1e-6, flat=flat)
+    emulated = get_backend("emulated")
+    dev = [emulated.xp.asarray(a) for a in gf.trainables(tree)]
+    emulated.clip_(plan, dev, emulated.xp.asarray(np.float64(9.0)), 2.0, 1e-6)
+    assert_bits_equal(flat, np.concatenate([emulated.to_host(d).reshape(-1) for d in dev]))
+
+
+# ---------------------------------------------------------------- errors
+
+def test_unreadable_leaf_is_named_and_nothing_written():
+    a = np.ones(3, np.float32)
+    plan = gf.plan({"a": a, "b": np.ones(2, np.float32)})
+    with pytest.raises(TypeError, match=r"leaf \"\['b'\]\".*list"):
+        HostBackend().clip_(plan, [a, [1.0, 2.0]], np.float64(10.0), 1.0, 1e-6)
+    assert_bits_equal(a, np.ones(3, np.float32))
