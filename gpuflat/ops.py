@@ -219,7 +219,7 @@ def scatter(plan: FlatPlan, flat, tree, *, backend: str | None = None) -> None:
             seen.add(id(value))
             written.append(value)
             paths.append(path)
-    checks.check_in_place(paths, written)
+    _in_place_checked.check(plan, paths, written)
     be.scatter(plan, _as_plan_dtype(plan, flat), targets)
     for slot, value in zip(plan.slot_of, values):
         if value is not targets[slot]:
