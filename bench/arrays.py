@@ -1,4 +1,4 @@
-"""Reading any library's result back as host float64 figures, for the checks (#4).
+"""Reading any library's result back as host float64 figures, for the checks.
 
 Results come from NumPy, CuPy, PyTorch or JAX; each is brought to a NumPy
 array on the host without going through float64 copies of whole models.

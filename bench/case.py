@@ -1,4 +1,4 @@
-"""One timed thing: an implementation of one operation on one workload (#4)."""
+"""One timed thing: an implementation of one operation on one workload."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 class Case:
     """``fn()`` runs the operation once; ``value(result)`` turns its result into
     a float64 array that the run compares with the expected figures, so a fast
-    wrong answer is reported as wrong (#4).
+    wrong answer is reported as wrong.
 
     ``skip`` holds why the case could not be built (a peer that lacks the
     dtype, a compile that failed); such cases are reported, never timed.

@@ -1,5 +1,5 @@
 """A PNG: per workload, every implementation's median time per operation on a
-log scale, with the floor drawn across each group (#4).
+log scale, with the floor drawn across each group.
 
 Only float32 (and the mixed tree) is drawn, to keep it readable; every dtype
 is in the JSON and the table.
@@ -22,11 +22,14 @@ def _units(results):
 
 
 def _colors(results, plt):
-    impls = sorted({r["impl"] for r in results["rows"] if r["status"] == "ok" and r["kind"] != "gpuflat"})
-    cmap = plt.get_cmap("tab20")
-    palette = [cmap(i) for i in range(20) if i not in (6, 7)]  # the reds are gpuflat's
-    colors = {impl: palette[i % len(palette)] for i, impl in enumerate(impls)}
-    colors.update({r["impl"]: cmap(6) for r in results["rows"] if r["kind"] == "gpuflat"})
+    """Peers in tab20's colours but its reds; gpuflat's rows in shades of red."""
+    ok = [r for r in results["rows"] if r["status"] == "ok"]
+    peers = sorted({r["impl"] for r in ok if r["kind"] != "gpuflat"})
+    mine = sorted({r["impl"] for r in results["rows"] if r["kind"] == "gpuflat"})
+    cmap, reds = plt.get_cmap("tab20"), plt.get_cmap("Reds")
+    palette = [cmap(i) for i in range(20) if i not in (6, 7)]
+    colors = {impl: palette[i % len(palette)] for i, impl in enumerate(peers)}
+    colors.update({impl: reds(0.9 - 0.5 * i / max(len(mine) - 1, 1)) for i, impl in enumerate(mine)})
     return colors
 
 

@@ -1,10 +1,12 @@
-"""Everything one workload in one dtype needs while its cases run (#4).
+"""Everything one workload in one dtype needs while its cases run.
 
 The context owns the model tree, one flat buffer shared by every flatten
-implementation, and (where every leaf has the flat dtype) a second buffer the
-model lives in for the resident pattern. With GPT-2 small at 500 MB a copy,
-that bounds the live copies: tree, flat buffer, resident buffer, plus what a
-peer allocates while it runs (#4).
+implementation, and, from the first resident operation (the last ones
+run), one ``gf.resident`` model per gpuflat backend (parameter and gradient
+buffers, one pair per dtype). With GPT-2 small at 500 MB a copy, that bounds
+the live copies: tree, flat buffer, two per resident model (PyTorch's rows
+add one more model), plus what a peer allocates while it runs; all go with
+the context when the workload and dtype are done.
 """
 from __future__ import annotations
 
@@ -20,18 +22,18 @@ from .workloads import HostWorkload
 # Relative error above which a result counts as wrong, by the dtype the peers
 # compute in. Loose on purpose: it catches a broken implementation, not the
 # float32 accumulation error of a peer (PyTorch's CPU norms of GPT-2's 38M-element
-# embedding are off by about 1e-3, pytorch #186881), which is reported as a
-# figure of its own (#4).
+# embedding are off by about 1e-3, https://github.com/pytorch/pytorch/issues/186881),
+# which is reported as a figure of its own.
 WRONG_ABOVE = {"float32": 1e-2, "float16": 2e-2, "bfloat16": 5e-2, "mixed": 2e-2}
 
 
 @dataclass
 class Device:
-    """Where a run happens: the array module, gpuflat's backend name, the timer."""
+    """Where a run happens: the array module, gpuflat's backends to time, the timer."""
 
     name: str  # "cpu" or "cuda"
     xp: object
-    backend: str
+    backends: tuple  # gpuflat backend names, each timed as its own row
     timer: object
 
     def put(self, host_array):
@@ -47,13 +49,10 @@ class Context:
     leaves: list
     plan: object
     out: object
-    resident_buf: object
     ref_norm: float
     ref_per_leaf: np.ndarray
     max_norm: float
     nbytes: int
-    resident_tree: object = None
-    resident_leaves: list = None
     cache: dict = field(default_factory=dict)
 
     @property
@@ -77,13 +76,34 @@ class Context:
             return np.array([self.max_norm])
         return np.array([self.ref_norm])
 
-    def prepare(self, op: str) -> None:
-        """Make the resident model right before its cases: gpuflat remembers only the
-        latest unflatten of a plan, and the unflatten cases make others (#4)."""
-        if op in ("resident_norm", "resident_clip") and self.resident_buf is not None:
-            self.resident_tree = self.plan.unflatten(self.resident_buf)
-            self.resident_leaves = gpuflat.trainables(self.resident_tree)
-            self.cache.pop("resident", None)
+    def resident(self, backend: str):
+        """The model resident in flat buffers for ``backend`` (``gf.resident``), its
+        gradient views holding the workload's values; built on first use."""
+        key = ("resident", backend)
+        if key not in self.cache:
+            r = gpuflat.resident(self.tree, backend=backend)
+            for grad, value in zip(gpuflat.trainables(r.grads), self.built_values()):
+                grad[...] = value
+            self.cache[key] = r
+        return self.cache[key]
+
+    def built_values(self) -> list:
+        """The trainables' values as the workload built them, in plan order.
+
+        Read from the flat buffer: the clip cases have scaled the tree itself
+        by then, while every operation before the resident ones (OPS order)
+        either writes the built values into the buffer or leaves it alone.
+        """
+        return gpuflat.trainables(gpuflat.unflatten(self.plan, self.out))
+
+    @property
+    def resident_grads(self) -> list:
+        """The gradient views of the first backend's resident model, which the
+        peers' resident rows work on."""
+        if "resident grads" not in self.cache:
+            r = self.resident(self.device.backends[0])
+            self.cache["resident grads"] = gpuflat.trainables(r.grads)
+        return self.cache["resident grads"]
 
 
 def _to_device(tree, device: Device, memo: dict):
@@ -107,8 +127,7 @@ def build(host: HostWorkload, device: Device) -> Context:
     leaves = [memo[id(a)] for a in host.leaves]
     plan = gpuflat.plan(tree)
     out = device.xp.empty(plan.size, plan.dtype)
-    plan.flatten(tree, out=out, backend=device.backend)
-    same_dtype = all(leaf.dtype == plan.dtype for leaf in plan.leaves)
+    gpuflat.flatten(plan, tree, out=out, backend=device.backends[0])
     return Context(
         workload=host.name,
         dtype=host.dtype,
@@ -117,8 +136,6 @@ def build(host: HostWorkload, device: Device) -> Context:
         leaves=leaves,
         plan=plan,
         out=out,
-        # a model lives in one buffer as views only if every leaf has its dtype
-        resident_buf=out.copy() if same_dtype else None,
         ref_norm=ref,
         ref_per_leaf=per_leaf,
         max_norm=0.5 * ref,  # clipping really scales on the first call

@@ -1,4 +1,4 @@
-"""The machine's limits over one contiguous buffer of the workload's bytes (#4).
+"""The machine's limits over one contiguous buffer of the workload's bytes.
 
 "reduce" reads N bytes once (np.dot on a CPU, a CuPy sum on a GPU); "copy"
 reads and writes them (np.copyto on a CPU; on a GPU the faster of a copy
@@ -7,7 +7,7 @@ byte count whatever the workload's dtype: float16 np.dot has no BLAS path and
 would time NumPy's fallback loop, not memory.
 
 The floors are timed again right before each operation's cases, so a ratio
-compares figures taken under the same load on a shared machine (#4).
+compares figures taken under the same load on a shared machine.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Naming the machine a run happened on, for file names and the JSON (#4)."""
+"""Naming the machine a run happened on, for file names and the JSON."""
 from __future__ import annotations
 
 import os
@@ -47,7 +47,7 @@ def _version(dist: str):
 
 def source_revision():
     """The checkout's commit (``+dirty`` with local changes), or None outside git:
-    results are only comparable with the code they measured (#4)."""
+    results are only comparable with the code they measured."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         rev = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty=+dirty"],

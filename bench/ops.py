@@ -1,8 +1,8 @@
-"""The operations the benchmark times, what each moves and which floor bounds it (#4).
+"""The operations the benchmark times, what each moves and which floor bounds it.
 
-Bytes moved follow the issue: flatten and scatter read and write every
-element (2N bytes), a norm reads them once (N), clipping reads them for the
-norm and then reads and writes them to scale (3N). Unflatten makes views in
+Bytes moved, as the design reference counts them: flatten and scatter read
+and write every element (2N bytes), a norm reads them once (N), clipping
+reads them for the norm and then reads and writes them to scale (3N). Unflatten makes views in
 gpuflat and copies in JAX, so it has no single floor and no bytes figure.
 """
 from __future__ import annotations

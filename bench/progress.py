@@ -1,4 +1,4 @@
-"""A progress bar on stderr: tqdm where installed, else a one-line fallback (#4)."""
+"""A progress bar on stderr: tqdm where installed, else a one-line fallback."""
 from __future__ import annotations
 
 import sys

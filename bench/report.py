@@ -1,4 +1,4 @@
-"""The terminal table and the JSON file (#4)."""
+"""The terminal table and the JSON file."""
 from __future__ import annotations
 
 import json
@@ -20,12 +20,22 @@ def _columns(head, body, left) -> list:
 
 
 def _table(rows) -> list:
-    head = ("workload", "dtype", "op", "gpuflat ms", "GB/s", "best peer", "peer ms",
+    head = ("workload", "dtype", "op", "best gpuflat", "gpuflat ms", "GB/s", "best peer", "peer ms",
             "peer/gpuflat", "floor ms", "gpuflat/floor")
-    body = [(s["workload"], s["dtype"], s["op"], _num(s["gpuflat_ms"]), _num(s["gpuflat_gb_s"], "{:.1f}"),
-             s["best_peer"] or "-", _num(s["best_peer_ms"]), _num(s["speedup_vs_best_peer"], "{:.2f}x"),
-             _num(s["floor_ms"]), _num(s["time_over_floor"], "{:.2f}x")) for s in rows]
-    return _columns(head, body, left={0, 1, 2, 5})
+    body = [(s["workload"], s["dtype"], s["op"], s["gpuflat"] or "-", _num(s["gpuflat_ms"]),
+             _num(s["gpuflat_gb_s"], "{:.1f}"), s["best_peer"] or "-", _num(s["best_peer_ms"]),
+             _num(s["speedup_vs_best_peer"], "{:.2f}x"), _num(s["floor_ms"]),
+             _num(s["time_over_floor"], "{:.2f}x")) for s in rows]
+    return _columns(head, body, left={0, 1, 2, 3, 6})
+
+
+def _host_cost(rows) -> list:
+    """The host µs per call table: the walk-per-call calls against the resident ones."""
+    head = ("workload", "leaves", "runtime", "call", "host µs per call", "launches", "syncs")
+    body = [(r["workload"], r["leaves"], r["runtime"], r["call"],
+             _num(r.get("us_per_call"), "{:.1f}", none=r["status"]), _num(r.get("launches"), "{}"),
+             _num(r.get("syncs"), "{}")) for r in rows]
+    return _columns(head, body, left={0, 2, 3})
 
 
 def _every_row(results) -> list:
@@ -43,7 +53,7 @@ def _every_row(results) -> list:
 def _header(results) -> list:
     m, s = results["machine"], results["settings"]
     where = m.get("gpu") or f"{m['cpu']}, {m['cores']} cores"
-    out = [f"gpuflat benchmark on {where}: backend {results['backend']}, {results['clock']}, "
+    out = [f"gpuflat benchmark on {where}: backends {', '.join(results['backends'])}, {results['clock']}, "
            f"median of {s['min_reps']}-{s['max_reps']} runs after {s['warmup']} warm-up"]
     out += [f"absent: {lib}: {why}" for lib, why in results["absent"].items()]
     return out
@@ -55,6 +65,9 @@ def _problems(results) -> list:
         if r["status"] in ("error", "wrong", "skipped"):
             why = r.get("reason") or f"relative error {r['rel_err']:.2g} against float64"
             out.append(f"  {r['workload']} {r['dtype']} {r['op']} {r['impl']}: {r['status']}: {why}")
+    for r in results.get("host_cost", ()):
+        if r["status"] != "ok":
+            out.append(f"  host cost {r['workload']} {r['runtime']} {r['call']}: {r['status']}: {r['reason']}")
     return out
 
 
@@ -79,7 +92,7 @@ def _precision(results, above=1e-5) -> list:
 def _targets(results) -> list:
     word = {True: "met", False: "MISSED", None: "not measured"}
     return [f"  {word[t['met']]:<12} {t['target']} [{t['unit']}]: {t['measured'] or '-'}"
-            for t in results["targets"]]
+            + (f" (best: {t['by']})" if t["by"] else "") for t in results["targets"]]
 
 
 def text(results, every=False) -> str:
@@ -89,7 +102,12 @@ def text(results, every=False) -> str:
     out += (_every_row(results) + [""]) if every else []
     out += _table(results["summary"])
     out += ["", "peer/gpuflat > 1: gpuflat is faster; gpuflat/floor = 1: at the machine's limit"]
-    out += ["", "issue #4 targets:"] + _targets(results)
+    if results.get("host_cost"):
+        out += ["", "host µs per call: gpuflat's own host work per step (CUDA backend; 'no-op launches': "
+                "its kernels counted, not run)"]
+        out += _host_cost(results["host_cost"])
+    out += ["", "targets (each against the fastest gpuflat row of its operation, any backend):"]
+    out += _targets(results)
     if _compiles(results):
         out += ["", "JAX lower+compile time (not in the medians):"] + _compiles(results)
     if _precision(results):

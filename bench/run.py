@@ -1,8 +1,9 @@
-"""``python -m bench [--quick] [--out DIR]``: every workload x dtype x operation,
-gpuflat beside the installed peers and the machine's floors, in one process (#4).
+"""``python -m bench``: every workload x dtype x operation, gpuflat on each of its
+backends beside the installed peers and the machine's floors, in one process.
 
 Writes ``<machine>.json`` and ``<machine>.png`` (``-quick`` added for quick
-runs) under ``--out`` and prints the side-by-side table.
+runs) under ``--out`` and prints the side-by-side table, the host cost per
+call of gpuflat's norm and clip, and the targets met or missed.
 """
 from __future__ import annotations
 
@@ -11,27 +12,64 @@ import gc
 import sys
 import time
 
-from . import chart, machine, report, timing, workloads
+from . import chart, host_cost, machine, report, timing, workloads
 from .arrays import rel_err
-from .impls import jax_peers, split_available
-from .ops import BYTES_FACTOR, FLOOR_PARTS, OPS, RESIDENT_OPS
+from .impls import gpuflat_impl, jax_peers, split_available
+from .ops import BYTES_FACTOR, FLOOR_PARTS, OPS
 
-QUICK_WORKLOADS = ("tiny-10k", "mixed")  # well under a minute on 2 cores (#4)
+# the many-leaves case and the mixed-dtype tree: under a minute on 2 cores
+QUICK_WORKLOADS = ("tiny-10k", "mixed")
+
+
+def _workload_list(path) -> str:
+    """One line per workload of the file: name, leaf count, what it models."""
+    try:
+        spec = workloads.load(path)
+    except (OSError, ValueError) as exc:
+        return f"(could not read {path}: {exc})"
+    lines = []
+    for name, w in spec.items():
+        count = w.get("count") or len(w.get("params", ())) or w.get("repeat", {}).get("count", "?")
+        lines.append(f"  {name:<12} {count} arrays: {w.get('about', '')}")
+    return "\n".join(lines)
+
+
+def parser(argv=None) -> argparse.ArgumentParser:
+    """The command line, its help listing the workloads of the file ``argv`` names.
+
+    >>> "tiny-10k" in parser([]).format_help()
+    True
+    """
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--workloads-file", default=str(workloads.DEFAULT_FILE))
+    path = pre.parse_known_args(argv)[0].workloads_file
+    p = argparse.ArgumentParser(
+        prog="python -m bench", description="gpuflat on each of its backends beside the installed peers and the machine's\n"
+                    "floors: every workload x dtype x operation, medians and ratios; then the\n"
+                    "host cost per call of norm and clip, and the targets met or missed.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"workloads in {path}:\n{_workload_list(path)}")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a reduced set: workloads {', '.join(QUICK_WORKLOADS)} in float32, "
+                        "fewer repeats (under a minute on 2 cores; the tests run it)")
+    p.add_argument("--out", default="bench/results", help="folder for the JSON and PNG (default: %(default)s)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: the GPU when CuPy sees one, else the CPU (default: %(default)s)")
+    p.add_argument("--workloads", help="comma-separated workload names (listed below); default: all")
+    p.add_argument("--dtypes", help="comma-separated, from " + ",".join(workloads.DTYPE_LABELS)
+                   + "; default: all (float32 with --quick); the mixed tree always runs in its own dtypes")
+    p.add_argument("--workloads-file", default=str(workloads.DEFAULT_FILE),
+                   help="JSON file of parameter shapes (default: %(default)s)")
+    p.add_argument("--jax-max-leaves", type=int, default=jax_peers.MAX_LEAVES,
+                   help="JAX is not attempted on trees with more leaves: its compile time grows "
+                        "faster than linearly with them (default: %(default)s)")
+    p.add_argument("--name", help="file name stem instead of the machine's name")
+    p.add_argument("--all", action="store_true", help="also print one line per implementation timed")
+    return p
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a reduced set in under a minute")
-    p.add_argument("--out", default="bench/results", help="folder for the JSON and PNG")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: the GPU when CuPy sees one, else the CPU")
-    p.add_argument("--workloads", help="comma-separated names from the workloads file")
-    p.add_argument("--dtypes", help="comma-separated: float32,float16,bfloat16")
-    p.add_argument("--workloads-file", default=str(workloads.DEFAULT_FILE))
-    p.add_argument("--jax-max-leaves", type=int, default=jax_peers.MAX_LEAVES)
-    p.add_argument("--name", help="file name stem instead of the machine's name")
-    p.add_argument("--all", action="store_true", help="also print one line per implementation")
-    return p.parse_args(argv)
+    return parser(argv).parse_args(argv)
 
 
 def _cupy_with_device():
@@ -50,10 +88,10 @@ def make_device(choice: str):
     if choice == "cuda" and cupy is None:
         sys.exit("--device cuda: CuPy sees no GPU")
     if cupy is not None:
-        return Device("cuda", cupy, "cuda", timing.CudaEventTimer(cupy))
+        return Device("cuda", cupy, ("cuda",), timing.CudaEventTimer(cupy))
     import numpy
 
-    return Device("cpu", numpy, "numpy", timing.HostTimer())
+    return Device("cpu", numpy, gpuflat_impl.cpu_backends(), timing.HostTimer())
 
 
 def units(args, spec):
@@ -107,17 +145,24 @@ def run_unit(name, label, spec, device, providers, settings, progress):
     rows, floors, limits = [], [], Floors(ctx)
     for op in OPS:
         progress.set_description(f"{name} {label} {op}")
-        if op in RESIDENT_OPS and ctx.resident_buf is None:
-            progress.update()
-            continue  # leaves of several dtypes cannot be views of one buffer
-        ctx.prepare(op)
         where = {"workload": name, "dtype": label, "op": op}
         floors += [{**where, **f} for f in limits.measure(FLOOR_PARTS[op], settings)]
         for provider in providers:
-            for case in provider.cases(op, ctx):
-                rows.append(run_case(case, op, ctx, settings))
+            try:
+                cases = provider.cases(op, ctx)
+            except Exception as exc:  # a setup that fails (a resident model, say) is a row too
+                rows.append(_setup_error(provider, op, ctx, exc))
+                continue
+            rows += [run_case(case, op, ctx, settings) for case in cases]
         progress.update()
     return rows, floors, None
+
+
+def _setup_error(provider, op, ctx, exc) -> dict:
+    library = provider.library_name(ctx.device)
+    return {"workload": ctx.workload, "dtype": ctx.dtype, "op": op, "impl": f"{library} (setup)",
+            "library": library, "kind": "gpuflat" if provider is gpuflat_impl else "peer",
+            "compile_ms": None, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:300]}
 
 
 def main(argv=None) -> int:
@@ -131,8 +176,9 @@ def main(argv=None) -> int:
     todo = units(args, spec)
     providers, absent = split_available(device)
     results = {"machine": machine.describe(device.name, device.xp), "device": device.name,
-               "backend": device.backend, "clock": device.timer.clock, "quick": args.quick,
-               "settings": vars(settings), "absent": absent, "rows": [], "floors": [], "notes": []}
+               "backends": list(device.backends), "clock": device.timer.clock, "quick": args.quick,
+               "settings": vars(settings), "absent": absent, "rows": [], "floors": [],
+               "notes": gpuflat_impl.notes(device)}
     began, progress = time.perf_counter(), progress_bar.bar(len(todo) * len(OPS))
     try:
         for name, label in todo:
@@ -141,6 +187,8 @@ def main(argv=None) -> int:
             results["floors"] += floors
             results["notes"] += [note] if note else []
             gc.collect()
+        progress.set_description("host cost per call")
+        results["host_cost"] = host_cost.measure(spec, settings, device.xp if device.name == "cuda" else None)
     finally:
         progress.close()
     results["wall_s"] = time.perf_counter() - began

@@ -1,14 +1,19 @@
-"""Per workload, dtype and operation: gpuflat, its best peer and the floor (#4)."""
+"""Per workload, dtype and operation: gpuflat's best row (any backend), its best
+peer and the floor."""
 from __future__ import annotations
 
 from .ops import FLOOR_PARTS
 
 
+def floor_parts(results, workload, dtype, op) -> dict:
+    """{part: median ms} of the floors timed right before ``op``'s cases."""
+    return {f["part"]: f["median_ms"] for f in results["floors"]
+            if (f["workload"], f["dtype"], f["op"]) == (workload, dtype, op)}
+
+
 def floor_ms(results, workload, dtype, op):
     """The op's floor: the sum of its floor parts' medians, timed before its cases."""
-    parts = FLOOR_PARTS[op]
-    times = {f["part"]: f["median_ms"] for f in results["floors"]
-             if (f["workload"], f["dtype"], f["op"]) == (workload, dtype, op)}
+    parts, times = FLOOR_PARTS[op], floor_parts(results, workload, dtype, op)
     if not parts or any(p not in times for p in parts):
         return None
     return sum(times[p] for p in parts)
@@ -24,7 +29,9 @@ def _groups(results):
 
 
 def _timed(rows, kind):
-    return [r for r in rows if r["kind"] == kind and r["status"] == "ok"]
+    """The rows of ``kind`` that ran and were right, fastest first."""
+    return sorted((r for r in rows if r["kind"] == kind and r["status"] == "ok"),
+                  key=lambda r: r["median_ms"])
 
 
 def summarize(results) -> list:
@@ -33,13 +40,13 @@ def summarize(results) -> list:
     for workload, dtype, op in _groups(results):
         rows = [r for r in results["rows"] if (r["workload"], r["dtype"], r["op"]) == (workload, dtype, op)]
         mine = _timed(rows, "gpuflat")
-        peers = sorted(_timed(rows, "peer"), key=lambda r: r["median_ms"])
+        peers = _timed(rows, "peer")
         floor = floor_ms(results, workload, dtype, op)
         g = mine[0] if mine else None
         best = peers[0] if peers else None
         out.append({
             "workload": workload, "dtype": dtype, "op": op,
-            "gpuflat_ms": g and g["median_ms"], "gpuflat_gb_s": g and g["gb_s"],
+            "gpuflat": g and g["impl"], "gpuflat_ms": g and g["median_ms"], "gpuflat_gb_s": g and g["gb_s"],
             "best_peer": best and best["impl"], "best_peer_ms": best and best["median_ms"],
             "speedup_vs_best_peer": (best["median_ms"] / g["median_ms"]) if g and best else None,
             "floor_ms": floor,

@@ -1,4 +1,4 @@
-"""Medians of repeated runs after warm-up, on the host clock or CUDA events (#4).
+"""Medians of repeated runs after warm-up, on the host clock or CUDA events.
 
 The machines are shared and noisy, so each case runs until it has both a
 minimum number of repeats and a minimum total time, and the median is kept.
@@ -45,7 +45,7 @@ class CudaEventTimer:
 
     Before each call a scratch buffer twice the L2 size is rewritten, so every
     repeat reads its operands from memory rather than from the 60 MB L2 (the
-    DESIGN's protocol: rotate buffers larger than L2) (#4). The events also
+    DESIGN's protocol: rotate buffers larger than L2). The events also
     catch host launch overhead: the end event waits for the last launch.
     """
 

@@ -1,4 +1,4 @@
-"""Parameter trees shaped like real models, built from bench/workloads.json (#4).
+"""Parameter trees shaped like real models, built from bench/workloads.json.
 
 Names such as ``h.0.attn.c_attn.weight`` or ``blocks[1].w`` become nested
 containers (numeric parts and ``[i]`` become list items), so gpuflat walks a
@@ -45,7 +45,7 @@ def load(path=DEFAULT_FILE) -> dict:
 
 def numpy_dtype(label: str) -> np.dtype:
     if label == "bfloat16":
-        import ml_dtypes  # NumPy has no bfloat16; ml_dtypes adds one (#4)
+        import ml_dtypes  # NumPy has no bfloat16; ml_dtypes adds one
 
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(label)
@@ -97,18 +97,23 @@ def _random(rng, shape, dtype: np.dtype) -> np.ndarray:
     return a.astype(dtype, copy=False).reshape(shape)
 
 
-def build(name: str, spec: dict, label: str, seed: int = 0) -> HostWorkload:
-    """The workload's tree in dtype ``label`` ("mixed" uses the spec's dtypes)."""
+def build(name: str, spec: dict, label: str, seed: int = 0, alloc=None) -> HostWorkload:
+    """The workload's tree in dtype ``label`` ("mixed" uses the spec's dtypes).
+
+    Leaves hold random values; with ``alloc(shape, dtype)``, whatever it
+    returns (e.g. ``np.empty``, for timings that never read the values).
+    """
     rng = np.random.default_rng(seed)
+    alloc = alloc or (lambda shape, dt: _random(rng, shape, dt))
     tree, leaves, by_name = {}, [], {}
     per_leaf = spec.get("dtypes", {})
     for pname, shape in _param_list(spec):
         tied = _TIED.match(shape) if isinstance(shape, str) else None
         if tied:
-            value = by_name[tied.group(1)]  # the same object: a tie (#2)
+            value = by_name[tied.group(1)]  # the same object: a tie
         else:
             dt = numpy_dtype(per_leaf.get(pname, label if label != "mixed" else "float32"))
-            value = by_name[pname] = _random(rng, shape, dt)
+            value = by_name[pname] = alloc(shape, dt)
             leaves.append(value)
         _insert(tree, pname, value)
     for pname, (dt, shape) in spec.get("non_trainable", {}).items():

@@ -1,4 +1,4 @@
-"""Implementations the benchmark times: gpuflat and each peer library (#4).
+"""Implementations the benchmark times: gpuflat and each peer library.
 
 Every module has ``LIBRARY``, ``absent(device) -> reason or None`` and
 ``cases(op, ctx) -> list[Case]``. A peer that is not installed is reported

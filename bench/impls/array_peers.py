@@ -1,5 +1,5 @@
 """What a user writes with the array library alone: a per-array loop, and
-``concatenate`` for flattening (NumPy on a CPU, CuPy on a GPU) (#4)."""
+``concatenate`` for flattening (NumPy on a CPU, CuPy on a GPU)."""
 from __future__ import annotations
 
 from .. import arrays
@@ -67,10 +67,8 @@ def cases(op, ctx) -> list:
         return [Case(loop, lib, lambda: _norms(xp, leaves), arrays.values)]
     if op == "clip":
         return [Case(loop, lib, lambda: _clip(xp, leaves, ctx.max_norm), arrays.values)]
-    if ctx.resident_leaves is None:
-        return []
     if op == "resident_norm":
-        return [Case(loop, lib, lambda: _total(xp, ctx.resident_leaves), arrays.values)]
+        return [Case(loop, lib, lambda: _total(xp, ctx.resident_grads), arrays.values)]
     if op == "resident_clip":
-        return [Case(loop, lib, lambda: _clip(xp, ctx.resident_leaves, ctx.max_norm), arrays.values)]
+        return [Case(loop, lib, lambda: _clip(xp, ctx.resident_grads, ctx.max_norm), arrays.values)]
     return []

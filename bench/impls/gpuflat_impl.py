@@ -1,7 +1,9 @@
-"""gpuflat itself, on the run's backend ("numpy" on a CPU, "cuda" on a GPU) (#4)."""
+"""gpuflat itself, one row per backend the run times ("numpy", and "host" where
+gpuflat has it, on a CPU; "cuda" on a GPU)."""
 from __future__ import annotations
 
 import gpuflat as gf
+from gpuflat.backends import BACKEND_NAMES
 
 from .. import arrays
 from ..case import Case
@@ -15,31 +17,59 @@ def absent(device):
     return None
 
 
-def _case(ctx, fn, value) -> Case:
-    return Case(impl=f"gpuflat ({ctx.device.backend})", library="gpuflat", kind="gpuflat",
-                fn=fn, value=value)
+def cpu_backends() -> tuple:
+    """gpuflat's CPU backends: "numpy" always, "host" (native C++) where gpuflat has one.
+
+    >>> cpu_backends()[0]
+    'numpy'
+    """
+    return ("numpy", "host") if "host" in BACKEND_NAMES else ("numpy",)
+
+
+def notes(device) -> list:
+    """Where a backend's rows are another backend's work in disguise: "host" runs
+    NumPy's code where its C++ library does not build (no compiler or headers).
+
+    >>> from bench.context import Device
+    >>> notes(Device("cpu", None, ("numpy",), None))
+    []
+    """
+    if "host" not in device.backends:
+        return []
+    from gpuflat.backends.host import available
+
+    return [] if available() else ["gpuflat (host): its C++ library did not build here, so its "
+                                   "rows time the NumPy backend's code"]
+
+
+def _case(backend, fn, value) -> Case:
+    return Case(impl=f"gpuflat ({backend})", library="gpuflat", kind="gpuflat", fn=fn, value=value)
+
+
+def _tree_cases(op, ctx, b) -> list:
+    plan, tree, out = ctx.plan, ctx.tree, ctx.out
+    leaves_norm = lambda _: arrays.norm_of(ctx.leaves)  # noqa: E731 - the model after an in-place op
+    fns = {
+        "flatten": (lambda: gf.flatten(plan, tree, out=out, backend=b), arrays.norm_of_flat),
+        "unflatten": (lambda: gf.unflatten(plan, out, backend=b),
+                      lambda t: arrays.norm_of(gf.trainables(t))),
+        "scatter": (lambda: gf.scatter(plan, out, tree, backend=b), leaves_norm),
+        "global_norm": (lambda: gf.global_norm(tree, backend=b), arrays.values),
+        "per_leaf_norm": (lambda: gf.global_norm(tree, per_leaf=True, backend=b)[1], arrays.values),
+        "clip": (lambda: gf.clip_grad_norm_(tree, ctx.max_norm, backend=b), arrays.values),
+    }
+    fn, value = fns[op]
+    return [_case(b, fn, value)]
+
+
+def _resident_case(op, ctx, b) -> Case:
+    r = ctx.resident(b)
+    if op == "resident_norm":
+        return _case(b, r.grad_norm, arrays.values)
+    return _case(b, lambda: r.clip_grad_norm_(ctx.max_norm), arrays.values)
 
 
 def cases(op, ctx) -> list:
-    b, plan, tree, out = ctx.device.backend, ctx.plan, ctx.tree, ctx.out
-    leaves_norm = lambda _: arrays.norm_of(ctx.leaves)  # noqa: E731 - the model after an in-place op
-    if op == "flatten":
-        return [_case(ctx, lambda: plan.flatten(tree, out=out, backend=b), arrays.norm_of_flat)]
-    if op == "unflatten":
-        return [_case(ctx, lambda: plan.unflatten(out), lambda t: arrays.norm_of(gf.trainables(t)))]
-    if op == "scatter":
-        return [_case(ctx, lambda: plan.scatter(out, tree, backend=b), leaves_norm)]
-    if op == "global_norm":
-        return [_case(ctx, lambda: gf.global_norm(tree, backend=b), arrays.values)]
-    if op == "per_leaf_norm":
-        return [_case(ctx, lambda: gf.global_norm(tree, per_leaf=True, backend=b)[1], arrays.values)]
-    if op == "clip":
-        return [_case(ctx, lambda: gf.clip_grad_norm_(tree, ctx.max_norm, backend=b), arrays.values)]
-    if ctx.resident_tree is None:
-        return []
-    if op == "resident_norm":
-        return [_case(ctx, lambda: gf.global_norm(ctx.resident_tree, backend=b), arrays.values)]
-    if op == "resident_clip":
-        return [_case(ctx, lambda: gf.clip_grad_norm_(ctx.resident_tree, ctx.max_norm, backend=b),
-                      arrays.values)]
-    return []
+    if op.startswith("resident_"):
+        return [_resident_case(op, ctx, b) for b in ctx.device.backends]
+    return [case for b in ctx.device.backends for case in _tree_cases(op, ctx, b)]

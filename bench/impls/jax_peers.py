@@ -1,4 +1,4 @@
-"""JAX with optax: ravel_pytree, global_norm, clip_by_global_norm, all jitted (#4).
+"""JAX with optax: ravel_pytree, global_norm, clip_by_global_norm, all jitted.
 
 Each function is lowered and compiled before timing and the compile time is
 reported apart, so the medians are steady-state calls. JAX arrays are
@@ -14,7 +14,7 @@ from ..case import Case, skipped
 
 # XLA's compile time grows faster than linearly with the number of leaves
 # (seconds at a few hundred, far longer at 10,000 on a small CPU), so larger
-# trees are reported as not attempted rather than stalling the run (#4).
+# trees are reported as not attempted rather than stalling the run.
 MAX_LEAVES = 1000
 
 
@@ -23,11 +23,13 @@ def library_name(device) -> str:
 
 
 def absent(device):
-    try:
-        import jax
-        import optax  # noqa: F401
-    except ImportError:
-        return "not installed (jax, jaxlib, optax)"
+    import importlib.util
+
+    missing = [m for m in ("jax", "jaxlib", "optax") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"not installed: {', '.join(missing)} (the JAX rows need jax, jaxlib and optax)"
+    import jax
+
     want = "cpu" if device.name == "cpu" else "gpu"
     if jax.default_backend() != want:
         return f"default backend is {jax.default_backend()}, not {want}"

@@ -1,8 +1,11 @@
-"""PyTorch's own whole-model helpers, on tensors sharing the model's memory (#4).
+"""PyTorch's own whole-model helpers, on tensors sharing the model's memory,
+beside gpuflat's drop-ins for them (``gpuflat.torch``) on the same tensors.
 
 CPU tensors come from ``torch.from_numpy`` and CUDA tensors from DLPack, so
 PyTorch works on the very arrays gpuflat works on and no peer pays for a copy
-the others do not.
+the others do not. The resident rows work on the gradient views of gpuflat's
+resident model, and ``gf.resident`` of a list of PyTorch parameters is timed
+beside them: the same pattern for a user who holds a ``torch.nn.Module``.
 """
 from __future__ import annotations
 
@@ -79,6 +82,8 @@ def _flatten_cases(ctx, ts):
 def _norm_cases(ts, max_norm):
     import torch
 
+    import gpuflat.torch as gft
+
     utils, params = torch.nn.utils, _holders(ts)
     return {
         "norm": [
@@ -86,6 +91,8 @@ def _norm_cases(ts, max_norm):
                  lambda: utils.get_total_norm(ts, foreach=True), arrays.values),
             Case("torch get_total_norm(loop)", "torch",
                  lambda: utils.get_total_norm(ts, foreach=False), arrays.values),
+            Case("gpuflat.torch get_total_norm", "gpuflat", lambda: gft.get_total_norm(ts),
+                 arrays.values, kind="gpuflat"),
         ],
         "per_leaf": [Case("torch _foreach_norm", "torch", lambda: torch._foreach_norm(ts),
                           arrays.values)],
@@ -94,8 +101,34 @@ def _norm_cases(ts, max_norm):
                  lambda: utils.clip_grad_norm_(params, max_norm, foreach=True), arrays.values),
             Case("torch clip_grad_norm_(loop)", "torch",
                  lambda: utils.clip_grad_norm_(params, max_norm, foreach=False), arrays.values),
+            Case("gpuflat.torch clip_grad_norm_", "gpuflat",
+                 lambda: gft.clip_grad_norm_(params, max_norm), arrays.values, kind="gpuflat"),
         ],
     }
+
+
+def _torch_resident(ctx):
+    """``gf.resident`` of the model as PyTorch parameters, their gradients
+    holding the workload's values; built once per workload and dtype."""
+    import torch
+
+    import gpuflat as gf
+
+    if "torch resident" not in ctx.cache:
+        values = [_tensor(a) for a in ctx.built_values()]
+        r = gf.resident([torch.nn.Parameter(t) for t in values])
+        for grad, value in zip(r.grads.values(), values):
+            grad.copy_(value)
+        ctx.cache["torch resident"] = r
+    return ctx.cache["torch resident"]
+
+
+def _resident_cases(op, ctx):
+    ts = _tensors(ctx, "resident", ctx.resident_grads)
+    peers = _norm_cases(ts, ctx.max_norm)["norm" if op == "resident_norm" else "clip"]
+    r = _torch_resident(ctx)
+    fn = r.grad_norm if op == "resident_norm" else (lambda: r.clip_grad_norm_(ctx.max_norm))
+    return peers + [Case("gpuflat resident(torch params)", "gpuflat", fn, arrays.values, kind="gpuflat")]
 
 
 def cases(op, ctx) -> list:
@@ -104,7 +137,4 @@ def cases(op, ctx) -> list:
     if op in ("global_norm", "per_leaf_norm", "clip"):
         group = {"global_norm": "norm", "per_leaf_norm": "per_leaf", "clip": "clip"}[op]
         return _norm_cases(_tensors(ctx, "torch", ctx.leaves), ctx.max_norm)[group]
-    if ctx.resident_leaves is None:
-        return []
-    ts = _tensors(ctx, "resident", ctx.resident_leaves)
-    return _norm_cases(ts, ctx.max_norm)["norm" if op == "resident_norm" else "clip"]
+    return _resident_cases(op, ctx)
