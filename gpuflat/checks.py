@@ -34,10 +34,11 @@ def occurrences(plan, tree, *, allow_none):
     ...
     gpuflat.errors.TreeMismatchError: leaf "['w']": expected shape (2,), got (3,)
     """
-    walked = _tree.walk(tree)
-    arrays = walked.arrays
-    if walked.treedef == plan.treedef and tuple(map(shape_and_dtype, arrays)) == plan.occurrence_signature:
-        return arrays, True
+    with _tree.collector_paused():
+        walked = _tree.walk(tree)
+        arrays = walked.arrays
+        if walked.treedef == plan.treedef and tuple(map(shape_and_dtype, arrays)) == plan.occurrence_signature:
+            return arrays, True
     values = _tree.arrays_like(plan.treedef, tree)
     views: dict = {}  # one view per object, so the same gradient met twice stays one
     checked = []

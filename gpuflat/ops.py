@@ -29,8 +29,9 @@ class _Call:
     __slots__ = ("plan", "unique", "statics", "like", "foreign")
 
     def __init__(self, tree):
-        walked = _tree.walk(tree)
-        self.plan, self.unique = flatplan.cached(walked.treedef, walked.arrays, walked.statics)
+        with _tree.collector_paused():
+            walked = _tree.walk(tree)
+            self.plan, self.unique = flatplan.cached(walked.treedef, walked.arrays, walked.statics)
         self.statics = walked.statics
         self.foreign = walked.foreign
         self.like = next(iter(walked.foreign.values()), None)

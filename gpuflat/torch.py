@@ -32,6 +32,7 @@ import gpuflat as _gf
 
 from .arrays import adopt, launch_stream, to_caller
 from .backends.base import select
+from .checks import check_ord
 from .errors import NonFiniteError
 
 __all__ = ["NonFiniteNormError", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
@@ -64,7 +65,7 @@ def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=Non
     p = float(norm_type)
     if not tensors:
         return torch.tensor(0.0)
-    total = _total_norm(tensors, names, p)
+    total = _total_norm(_device_groups(tensors, names), p)
     if error_if_nonfinite:
         _check_finite(total, p, tensors, names)
     return total.to(_returned_dtype(tensors))
@@ -87,7 +88,7 @@ def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
     grads, names = _gradients(_parameter_list(parameters, warn_empty=False))
     max_norm = float(max_norm)
     if grads:
-        _scale(grads, names, max_norm, total_norm)
+        _scale(_device_groups(grads, names), max_norm, total_norm)
 
 
 @torch.no_grad()
@@ -111,10 +112,11 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     p = float(norm_type)
     if not grads:
         return torch.tensor(0.0)
-    total = _total_norm(grads, names, p)
+    groups = _device_groups(grads, names)  # each gradient viewed once, for the norm and the scale
+    total = _total_norm(groups, p)
     if error_if_nonfinite:
         _check_finite(total, p, grads, names)
-    _scale(grads, names, max_norm, total)
+    _scale(groups, max_norm, total)
     return total.to(_returned_dtype(grads))
 
 
@@ -158,33 +160,39 @@ def _returned_dtype(tensors):
 
 # ---------------------------------------------------------------- the work, per device
 
-def _by_device(tensors, names):
+class _DeviceGroup:
+    """The tensors of one device, their zero-copy views, plan and backend."""
+
+    def __init__(self, pairs):
+        self.like = pairs[0][0]
+        self.names = [name for _, name in pairs]
+        self.views = []
+        for t, name in pairs:
+            try:
+                self.views.append(adopt(t))
+            except TypeError as err:
+                raise type(err)(f"leaf {name!r}: {err}") from None
+        self.plan = _gf.plan(self.views)
+        self.backend = select(None, self.views, lambda i: self.names[i])
+
+
+def _device_groups(tensors, names) -> list:
     groups: dict = {}
     for t, name in zip(tensors, names):
         groups.setdefault(t.device, []).append((t, name))
-    return list(groups.values())
+    return [_DeviceGroup(pairs) for pairs in groups.values()]
 
 
-def _views(group):
-    views = []
-    for t, name in group:
-        try:
-            views.append(adopt(t))
-        except TypeError as err:
-            raise type(err)(f"leaf {name!r}: {err}") from None
-    return views
-
-
-def _total_norm(tensors, names, p):
-    """The float64 norm of all tensors, as a 0-d tensor on the first one's device."""
+def _total_norm(groups, p):
+    """The float64 norm of all tensors, as a 0-d tensor on the first group's device."""
     norms = []
-    for group in _by_device(tensors, names):
-        like = group[0][0]
-        with launch_stream(like):
-            norms.append(to_caller(_gf.global_norm(_views(group), p), like))
+    for g in groups:
+        with launch_stream(g.like):
+            result = g.backend.norms(g.plan, g.views, check_ord(p), per_leaf=False)
+            norms.append(to_caller(result.total, g.like))
     if len(norms) == 1:
         return norms[0]
-    first = tensors[0].device
+    first = groups[0].like.device
     return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), p)
 
 
@@ -203,12 +211,8 @@ def _check_finite(total, p, tensors, names):
     )
 
 
-def _scale(grads, names, max_norm, total_norm):
-    for group in _by_device(grads, names):
-        like = group[0][0]
-        total = torch.as_tensor(total_norm, dtype=torch.float64).to(like.device)
-        views = _views(group)
-        plan = _gf.plan(views)
-        backend = select(None, views, lambda i: group[i][1])
-        with launch_stream(like):
-            backend.clip_(plan, views, adopt(total), max_norm, _EPS)
+def _scale(groups, max_norm, total_norm):
+    for g in groups:
+        total = torch.as_tensor(total_norm, dtype=torch.float64).to(g.like.device)
+        with launch_stream(g.like):
+            g.backend.clip_(g.plan, g.views, adopt(total), max_norm, _EPS)

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import sys
 import threading
 from collections import defaultdict
 from collections.abc import Iterator, Set
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -147,6 +149,29 @@ class _Refused(Exception):
 # One-shot iterables cannot be rebuilt (and model.parameters() is a
 # generator): taken as statics they would hide every array inside.
 _ONE_SHOT = (Iterator, Set, type({}.keys()), type({}.values()), type({}.items()))
+
+
+@contextmanager
+def collector_paused():
+    """Hold Python's cyclic garbage collector while a walk builds its tuples.
+
+    A walk of 10,000 leaves makes tens of thousands of small tuples, enough
+    to start several collections that each traverse every live object of
+    the program (a model, an optimizer): measured, 6 ms of a 7 ms signature.
+    None of these tuples can form a cycle, so nothing is lost by waiting.
+
+    >>> import gc
+    >>> with collector_paused():
+    ...     gc.isenabled()
+    False
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class Walked(NamedTuple):
