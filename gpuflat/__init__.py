@@ -27,6 +27,7 @@ from .ops import (
 )
 from .residency import Resident, resident
 from .tree import UnwalkableError, register
+from . import distributed  # noqa: E402  (reads gpuflat.* at call time only)
 
 __all__ = [
     "FlatPlan",

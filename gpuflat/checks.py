@@ -10,7 +10,6 @@ import math
 import operator
 import weakref
 
-import numpy as np
 
 from . import tree as _tree
 from .dtypes import TAGS
@@ -19,9 +18,11 @@ from .flatplan import shape_and_dtype
 from .overlap import find_overlap
 
 def occurrences(plan, tree, *, allow_none):
-    """(values, exact): what ``tree`` holds at each trainable place of ``plan``, checked.
+    """(values, exact, like): what ``tree`` holds at each trainable place of
+    ``plan``, checked, as NumPy or CuPy arrays.
 
-    ``exact`` is True when the tree is shaped exactly like the plan's, so
+    ``like`` is one of the caller's own objects behind them (a PyTorch
+    tensor, say), or None when they are NumPy or CuPy arrays. ``exact`` is True when the tree is shaped exactly like the plan's, so
     every value is an array of the expected shape and dtype (no None). A tree
     shaped exactly like the plan's costs one walk and one tuple comparison;
     anything else takes the slow path that finds and names the first
@@ -37,16 +38,19 @@ def occurrences(plan, tree, *, allow_none):
     with _tree.collector_paused():
         walked = _tree.walk(tree)
         arrays = walked.arrays
+        like = next(iter(walked.foreign.values()), None)
         if walked.treedef == plan.treedef and tuple(map(shape_and_dtype, arrays)) == plan.occurrence_signature:
-            return arrays, True
+            return arrays, True, like
     values = _tree.arrays_like(plan.treedef, tree)
     views: dict = {}  # one view per object, so the same gradient met twice stays one
     checked = []
     for path, slot, value in zip(plan.occurrence_paths, plan.slot_of, values):
         if id(value) not in views:
             views[id(value)] = check_leaf(plan.leaves[slot], path, value, allow_none=allow_none)
+            if like is None and views[id(value)] is not value and value is not None:
+                like = value
         checked.append(views[id(value)])
-    return checked, False
+    return checked, False, like
 
 
 def check_leaf(spec, path: str, value, *, allow_none: bool):

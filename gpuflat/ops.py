@@ -9,7 +9,6 @@ read through zero-copy views, and results come back in the caller's kind.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
 
 from . import arrays as _arrays
 from . import checks
@@ -23,8 +22,12 @@ _NAMED_TOTALS = ("sumsq", "l1", "l2", "count")
 _in_place_checked = checks.InPlaceChecked()
 
 
-class _Call:
-    """One call's walk of a tree: its plan, unique arrays and the caller's kind."""
+class Call:
+    """One call's walk of a tree: its plan, unique arrays and the caller's kind.
+
+    The modules of this package that take trees (``residency``, ``distributed``)
+    start from it too, so every entry point walks a tree the same way, once.
+    """
 
     __slots__ = ("plan", "unique", "statics", "like", "foreign")
 
@@ -61,7 +64,7 @@ def plan(tree, *, backend: str | None = None) -> FlatPlan:
     >>> gf.plan_cache_info()
     CacheInfo(hits=1, misses=1, size=1, maxsize=256)
     """
-    call = _Call(tree)
+    call = Call(tree)
     call.backend(backend)
     return call.plan
 
@@ -98,7 +101,7 @@ def trainables(tree, *, path: bool = False, backend: str | None = None) -> list:
     >>> [p for p, _ in gf.trainables(tree, path=True)]
     ["['enc']['w']"]
     """
-    call = _Call(tree)
+    call = Call(tree)
     call.backend(backend)
     own = [call.foreign.get(id(a), a) for a in call.unique]
     return list(zip(call.paths(), own)) if path else own
@@ -121,7 +124,7 @@ def destructure(tree, *, backend: str | None = None):
     >>> m["x"], m["x"] is m["z"], m["y"][0] is np.sin
     (array([10., 20.]), True, True)
     """
-    call = _Call(tree)
+    call = Call(tree)
     be = call.backend(backend)
     flat = be.xp.empty(call.plan.size, call.plan.dtype)
     be.gather(call.plan, [[a] for a in call.unique], flat)
@@ -148,7 +151,7 @@ def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None):
     >>> gf.flatten(p, g)
     array([16., 16.,  0.,  0.], dtype=float32)
     """
-    sources = _slot_sources(plan, tree)
+    sources, like = _slot_sources(plan, tree)
     present = [(leaf.path, s[0]) for leaf, s in zip(plan.leaves, sources) if s]
     # Every gradient chooses the backend, not only the first of each slot: a
     # tied weight's NumPy and CuPy gradients must meet the mixed-kinds error.
@@ -160,6 +163,8 @@ def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None):
     be = select(backend, [a for _, a in present], lambda i: present[i][0])
     if out is None:
         out = be.xp.empty(plan.size, plan.dtype)
+        be.gather(plan, sources, out)
+        return out if like is None else _arrays.to_caller(out, like)
     be.gather(plan, sources, out)
     return out
 
@@ -204,7 +209,7 @@ def scatter(plan: FlatPlan, flat, tree, *, backend: str | None = None) -> None:
     >>> m["w"], m["b"]
     (array([1., 2.], dtype=float32), array([3.]))
     """
-    values, _ = checks.occurrences(plan, tree, allow_none=False)
+    values, _, _ = checks.occurrences(plan, tree, allow_none=False)
     targets = [None] * len(plan.leaves)
     for slot, value in zip(plan.slot_of, values):
         targets[slot] = value if targets[slot] is None else targets[slot]
@@ -245,7 +250,7 @@ def total(f, tree, *, model=None, backend: str | None = None):
     """
     if not callable(f) and f not in _NAMED_TOTALS:
         raise ValueError(f"total: expected a callable or one of {_NAMED_TOTALS}, got {f!r}")
-    call = _Call(tree)
+    call = Call(tree)
     plan, leaves = _norm_inputs(call, tree, model, backend)
     if callable(f):
         return sum((f(call.foreign.get(id(a), a)) for a in leaves), 0)
@@ -278,7 +283,7 @@ def global_norm(tree, ord=2, *, per_leaf: bool = False, model=None, backend: str
     array([3., 4.])
     """
     p = checks.check_ord(ord)
-    call = _Call(tree)
+    call = Call(tree)
     plan, leaves = _norm_inputs(call, tree, model, backend)
     be = select(backend, leaves, lambda i: plan.leaves[i].path)
     result = be.norms(plan, leaves, p, per_leaf)
@@ -308,7 +313,7 @@ def clip_grad_norm_(grads, max_norm, ord=2, *, eps=1e-6, error_if_nonfinite: boo
     max_norm = checks.check_max_norm(max_norm)
     eps = checks.check_eps(eps)
     p = checks.check_ord(ord)
-    call = _Call(grads)
+    call = Call(grads)
     norm_plan, norm_leaves = _norm_inputs(call, grads, model, backend)
     # The grads' own walk holds each distinct gradient array once.
     scale_plan, scale_leaves, scale_paths = call.plan, list(call.unique), call.paths()
@@ -340,7 +345,7 @@ def clip_by_global_norm(tree, max_norm, ord=2, *, eps=1e-6, backend: str | None 
     max_norm = checks.check_max_norm(max_norm)
     eps = checks.check_eps(eps)
     p = checks.check_ord(ord)
-    call = _Call(tree)
+    call = Call(tree)
     be = call.backend(backend)
     result = be.norms(call.plan, call.unique, p, per_leaf=False)
     copies = [be.xp.array(a, copy=True, order="C") for a in call.unique]
@@ -411,28 +416,29 @@ def _as_plan_dtype(plan, flat):
     return flat.astype(plan.dtype)
 
 
-def _slot_sources(plan, tree) -> list:
-    """Per slot, the distinct arrays ``tree`` holds there (tied gradients: several)."""
-    values, exact = checks.occurrences(plan, tree, allow_none=True)
+def _slot_sources(plan, tree):
+    """(per slot, the distinct arrays ``tree`` holds there (tied gradients: several);
+    one of the caller's own objects behind them, or None for NumPy/CuPy)."""
+    values, exact, like = checks.occurrences(plan, tree, allow_none=True)
     if exact and len(plan.slot_of) == len(plan.leaves):
-        return [[v] for v in values]  # no ties, no None: the common case
+        return [[v] for v in values], like  # no ties, no None: the common case
     sources: list = [[] for _ in plan.leaves]
     for slot, value in zip(plan.slot_of, values):
         # The same gradient object met twice counts once (Optimisers.jl).
         if value is not None and all(value is not seen for seen in sources[slot]):
             sources[slot].append(value)
-    return sources
+    return sources, like
 
 
 def _norm_inputs(call, grads, model, backend):
     """(plan, one array per slot) whose norm is the gradients' norm."""
     if model is None:
         return call.plan, list(call.unique)
-    model_plan = _Call(model).plan
-    sources = _slot_sources(model_plan, grads)
+    model_plan = Call(model).plan
+    sources, _ = _slot_sources(model_plan, grads)
     if all(len(s) == 1 for s in sources):
         return model_plan, [s[0] for s in sources]
     # Tied weights with separate gradients (or missing ones): the norm is that
     # of the summed gradients, gathered as flatten gathers them.
     summed = flatten(model_plan, grads, backend=backend)
-    return _Call([summed]).plan, [summed]
+    return Call([summed]).plan, [summed]

@@ -17,7 +17,7 @@ def run(index):
 
 
 def test_every_example_is_tested():
-    assert len(BLOCKS) == 4
+    assert len(BLOCKS) == 5
 
 
 def test_tree_example():
@@ -51,3 +51,10 @@ def test_jax_example():
 
 def test_register_example():
     assert run(3)["count"] == 6
+
+
+def test_distributed_example():
+    scope = run(4)
+    # A world of one: every rule counts every leaf, so the norm is the plain one.
+    assert float(scope["norm"]) == pytest.approx(math.sqrt(32 + 4 + 16))
+    assert float(scope["grads"]["ln"][0]) == pytest.approx(1 / (math.sqrt(52) + 1e-6), rel=1e-6)

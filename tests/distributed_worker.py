@@ -1,0 +1,408 @@
+"""One rank of the multi-process tests of gpuflat.distributed.
+
+Run as ``python distributed_worker.py OUT gloo RANK SIZE PORT`` (one process
+per rank, torch.distributed over gloo on 127.0.0.1) or under mpirun as
+``python -m mpi4py distributed_worker.py OUT mpi``. Every case runs on every
+rank, in CASES order; each rank writes ``OUT/rank<r>.json`` mapping case name
+to "ok" or the error it met, after every case, so a crash still reports the
+cases before it.
+
+The data of rank r is drawn from a seed of its own, so every rank can rebuild
+every other rank's data and check the collective results against plain NumPy.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import ml_dtypes
+import numpy as np
+
+import gpuflat as gf
+from gpuflat import distributed as gfd
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+ORDS = (1, 2, math.inf, 3)
+CASES = []
+
+
+def case(f):
+    CASES.append(f.__name__)
+    return f
+
+
+class Ctx:
+    """What a case needs: the transport, the group, this rank and the world size."""
+
+    def __init__(self, transport, group, rank, size):
+        self.transport, self.group, self.rank, self.size = transport, group, rank, size
+
+    def per_tensor_sum_(self, arrays):
+        """The peers' way: one SUM all-reduce per array, in place."""
+        for a in arrays:
+            if self.transport == "mpi":
+                from mpi4py import MPI
+
+                self.group.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
+            else:
+                import torch
+                import torch.distributed as dist
+
+                dist.all_reduce(torch.from_numpy(a), group=self.group)
+
+
+# ---------------------------------------------------------------- data
+
+def whole_model(seed=0):
+    """Every dtype, an empty leaf, a 0-d leaf, a strided leaf and a large float32 one."""
+    rng = np.random.default_rng(seed)
+    big = rng.standard_normal((9, 4)) * 1e3
+    return {
+        "f16": rng.standard_normal((6, 5)).astype(np.float16),
+        "bf16": rng.standard_normal(7).astype(BF16),
+        "f32": big.astype(np.float32),
+        "f64": rng.standard_normal((5, 3)),
+        "c64": (rng.standard_normal((4, 2)) + 1j * rng.standard_normal((4, 2))).astype(np.complex64),
+        "c128": rng.standard_normal(3) + 1j * rng.standard_normal(3),
+        "empty": np.zeros((0, 3), np.float32),
+        "scalar": np.array(-2.5),
+        "strided": rng.standard_normal((10, 6)).astype(np.float32)[::2, ::3],
+    }
+
+
+def shard(whole, rank, size):
+    """Rank ``rank``'s row block of every leaf (a 0-d leaf lives on one rank; the
+    others hold an empty leaf in its place); strided leaves stay strided views."""
+    out = {}
+    for name, a in whole.items():
+        if a.ndim == 0:
+            out[name] = a if rank == size - 1 else np.zeros(0, a.dtype)
+        else:
+            out[name] = np.array_split(a, size, axis=0)[rank]
+    return out
+
+
+def ref_norm(arrays, p):
+    """The p-norm of all ``arrays`` taken as one vector: float64, exactly summed."""
+    mags = [np.abs(np.asarray(a).astype(np.complex128)).ravel() for a in arrays]
+    values = np.concatenate(mags) if mags else np.zeros(0)
+    if p == math.inf:
+        return float(values.max()) if values.size else 0.0
+    return math.fsum(values ** p) ** (1 / p)
+
+
+def assert_close(found, expected, rtol, what):
+    found = float(found)
+    if not (math.isclose(found, expected, rel_tol=rtol, abs_tol=0) or found == expected):
+        raise AssertionError(f"{what}: expected {expected!r}, got {found!r} (rtol {rtol})")
+
+
+def rtol_of(dtype):
+    """A few roundings in ``dtype`` (its real part's precision)."""
+    return 4 * float((ml_dtypes.finfo if dtype == BF16 else np.finfo)(dtype).eps)
+
+
+# ---------------------------------------------------------------- norms
+
+@case
+def sharded_norm_equals_whole(ctx):
+    whole = whole_model()
+    local = shard(whole, ctx.rank, ctx.size)
+    for p in ORDS:
+        found = gfd.global_norm(local, p, group=ctx.group)
+        assert_close(found, float(gf.global_norm(whole, p)), 1e-12, f"ord {p} against gf.global_norm")
+        assert_close(found, ref_norm(whole.values(), p), 1e-12, f"ord {p} against NumPy")
+
+
+@case
+def same_bits_on_every_rank(ctx):
+    local = shard(whole_model(), ctx.rank, ctx.size)
+    for p in ORDS:
+        mine = np.array([float(gfd.global_norm(local, p, group=ctx.group))])
+        every = np.zeros(ctx.size)
+        every[ctx.rank] = mine[0]
+        ctx.per_tensor_sum_([every])
+        if not (every.view(np.int64) == mine.view(np.int64)).all():
+            raise AssertionError(f"ord {p}: ranks disagree: {every.tolist()}")
+
+
+@case
+def replicated_counted_once(ctx):
+    whole = whole_model()
+    layer_norm = np.linspace(-1e4, 2e4, 11).astype(np.float32)  # the same on every rank
+    local = dict(shard(whole, ctx.rank, ctx.size), ln=layer_norm)
+    rule = gfd.replicated(ctx.group, where={"['ln']"})
+    for p in ORDS:
+        expected = ref_norm(list(whole.values()) + [layer_norm], p)
+        assert_close(gfd.global_norm(local, p, group=ctx.group, owned=rule), expected, 1e-12,
+                     f"ord {p}, replicated leaf")
+        paths = {leaf.path for leaf in gf.plan(local).leaves if ctx.rank == 0 or leaf.path != "['ln']"}
+        assert_close(gfd.global_norm(local, p, group=ctx.group, owned=paths), expected, 1e-12,
+                     f"ord {p}, owned as a set of paths")
+    # Counting the copy on every rank, as the peers' bug does, gives another norm.
+    naive = float(gfd.global_norm(local, 2, group=ctx.group))
+    if math.isclose(naive, ref_norm(list(whole.values()) + [layer_norm], 2), rel_tol=1e-6):
+        raise AssertionError("the replicated leaf made no difference: the case cannot fail")
+
+
+@case
+def tied_embedding_counted_once(ctx):
+    whole = whole_model()
+    embed = np.arange(12, dtype=np.float64).reshape(3, 4) - 5.5
+    local = shard(whole, ctx.rank, ctx.size)
+    last = ctx.size - 1
+    if ctx.rank in (0, last):  # the first and last pipeline stage hold a copy
+        local["embed"] = embed.copy()
+    rule = gfd.tied(last, ctx.group, where={"['embed']"}) & gfd.sharded()
+    for p in ORDS:
+        expected = ref_norm(list(whole.values()) + [embed], p)
+        assert_close(gfd.global_norm(local, p, group=ctx.group, owned=rule), expected, 1e-12,
+                     f"ord {p}, tied embedding")
+
+
+@case
+def ties_within_a_rank_count_once(ctx):
+    w = np.full(4, float(ctx.rank + 1), np.float32)
+    local = {"enc": w, "dec": w}
+    expected = math.sqrt(sum(4 * (r + 1) ** 2 for r in range(ctx.size)))
+    assert_close(gfd.global_norm(local, group=ctx.group), expected, 1e-12, "tied within a rank")
+
+
+@case
+def empty_shard(ctx):
+    whole = whole_model()
+    # Rank 0 holds nothing at all; the others share the model.
+    local = {} if ctx.rank == 0 else shard(whole, ctx.rank - 1, ctx.size - 1)
+    for p in ORDS:
+        assert_close(gfd.global_norm(local, p, group=ctx.group), ref_norm(whole.values(), p), 1e-12,
+                     f"ord {p} with an empty shard on rank 0")
+    total, per = gfd.global_norm(local, group=ctx.group, per_leaf=True)
+    if per.shape != (len(local),):
+        raise AssertionError(f"per-leaf norms of shape {per.shape} for {len(local)} leaves")
+    expected = ref_norm(whole.values(), 2)  # before the clip scales the shards, views of whole
+    total = gfd.clip_grad_norm_(local, 1.0, group=ctx.group)
+    assert_close(total, expected, 1e-12, "clip with an empty shard")
+
+
+@case
+def per_leaf_norms_are_local(ctx):
+    local = shard(whole_model(), ctx.rank, ctx.size)
+    total, per = gfd.global_norm(local, group=ctx.group, per_leaf=True)
+    for leaf, arr, found in zip(gf.plan(local).leaves, gf.trainables(local), per):
+        assert_close(found, ref_norm([arr], 2), 1e-12, f"per-leaf norm of {leaf.path}")
+
+
+@case
+def clip_scales_every_rank_alike(ctx):
+    whole = whole_model()
+    for p in ORDS:
+        local = {k: v.copy() for k, v in shard(whole, ctx.rank, ctx.size).items()}
+        before = {k: v.copy() for k, v in local.items()}
+        norm = ref_norm(whole.values(), p)
+        total = gfd.clip_grad_norm_(local, norm / 4, p, group=ctx.group)
+        assert_close(total, norm, 1e-12, f"ord {p}: the returned norm")
+        coef = min(1.0, (norm / 4) / (norm + 1e-6))
+        for k, v in local.items():
+            expected = before[k].astype(np.complex128) * coef
+            np.testing.assert_allclose(v.astype(np.complex128), expected, rtol=rtol_of(v.dtype),
+                                       err_msg=f"ord {p}, leaf {k}")
+
+
+@case
+def clip_below_max_norm_leaves_gradients(ctx):
+    local = {k: v.copy() for k, v in shard(whole_model(), ctx.rank, ctx.size).items()}
+    before = {k: v.copy() for k, v in local.items()}
+    gfd.clip_grad_norm_(local, 1e9, group=ctx.group)
+    for k, v in local.items():
+        np.testing.assert_array_equal(v, before[k], err_msg=f"leaf {k}")
+
+
+@case
+def nan_on_one_rank_is_nan_everywhere(ctx):
+    for bad, expect in ((np.nan, math.isnan), (np.inf, math.isinf)):
+        local = {k: v.copy() for k, v in shard(whole_model(), ctx.rank, ctx.size).items()}
+        if ctx.rank == 1:
+            local["f32"][0, 1] = bad
+        for p in ORDS:
+            found = float(gfd.global_norm(local, p, group=ctx.group))
+            if not expect(found):
+                raise AssertionError(f"ord {p}: {bad} on rank 1 gave {found} on rank {ctx.rank}")
+
+
+@case
+def error_if_nonfinite_raises_on_every_rank(ctx):
+    local = {k: v.copy() for k, v in shard(whole_model(), ctx.rank, ctx.size).items()}
+    if ctx.rank == 1:
+        local["c64"][0, 0] = complex(np.nan, 0)
+    before = {k: v.copy() for k, v in local.items()}
+    try:
+        gfd.clip_grad_norm_(local, 1.0, group=ctx.group, error_if_nonfinite=True)
+    except gf.NonFiniteError as err:
+        message = str(err)
+    else:
+        raise AssertionError(f"rank {ctx.rank}: no NonFiniteError")
+    if "['c64']" not in message or "rank 1" not in message:
+        raise AssertionError(f"the error names neither the leaf nor the rank: {message}")
+    for k, v in local.items():
+        np.testing.assert_array_equal(v, before[k], err_msg=f"leaf {k} was scaled")
+
+
+@case
+def bad_arguments_raise_before_the_collective(ctx):
+    # Every rank raises on its own, before any collective: nothing hangs.
+    for call, needle in ((lambda: gfd.global_norm({"w": np.ones(2)}, 0, group=ctx.group), "ord"),
+                         (lambda: gfd.clip_grad_norm_({"w": np.ones(2)}, -1, group=ctx.group), "max_norm"),
+                         (lambda: gfd.global_norm({"w": np.ones(2)}, group=ctx.group, owned={"['x']"}),
+                          "['x']"),
+                         (lambda: gfd.all_reduce_({"w": np.ones(2)}, "max", group=ctx.group), "op")):
+        try:
+            call()
+        except (ValueError, TypeError) as err:
+            if needle not in str(err):
+                raise AssertionError(f"the error does not name {needle!r}: {err}") from err
+        else:
+            raise AssertionError(f"no error for a bad {needle}")
+
+
+# ---------------------------------------------------------------- all-reduce
+
+def float32_grads(seed, integers=False):
+    rng = np.random.default_rng(seed)
+    shapes = [(50, 7), (0,), (), (13,), (3, 4, 5), (1,), (257,)]
+    draw = (lambda s: rng.integers(-1000, 1000, s)) if integers else rng.standard_normal
+    return {f"g{i}": np.array(draw(s), np.float32) for i, s in enumerate(shapes)}
+
+
+@case
+def all_reduce_equals_per_tensor(ctx):
+    # Integer values add exactly in any order, so any rank count compares bits;
+    # random values do at 2 ranks, where one addition is commutative.
+    for integers in (True, False) if ctx.size == 2 else (True,):
+        for op in ("sum", "mean"):
+            for bucket in (None, 64):
+                mine = float32_grads(ctx.rank, integers)
+                theirs = {k: v.copy() for k, v in mine.items()}
+                gfd.all_reduce_(mine, op, group=ctx.group, bucket_bytes=bucket)
+                ctx.per_tensor_sum_(list(theirs.values()))
+                for k, v in mine.items():
+                    expected = theirs[k] / np.float32(ctx.size) if op == "mean" else theirs[k]
+                    if v.tobytes() != expected.tobytes():
+                        raise AssertionError(f"{op}, bucket {bucket}, leaf {k}: differs from per tensor")
+
+
+@case
+def all_reduce_against_numpy(ctx):
+    for op in ("sum", "mean"):
+        mine = float32_grads(ctx.rank)
+        gfd.all_reduce_(mine, op, group=ctx.group, bucket_bytes=100)
+        every = [float32_grads(r) for r in range(ctx.size)]
+        for k, v in mine.items():
+            expected = sum(g[k].astype(np.float64) for g in every) / (ctx.size if op == "mean" else 1)
+            np.testing.assert_allclose(v, expected, rtol=1e-5, atol=1e-5, err_msg=f"{op}, leaf {k}")
+
+
+@case
+def all_reduce_every_dtype(ctx):
+    for name in ("f16", "bf16", "f32", "f64", "c64", "c128", "strided"):
+        mine = {name: whole_model(ctx.rank)[name].copy()}
+        gfd.all_reduce_(mine, "mean", group=ctx.group)
+        expected = sum(whole_model(r)[name].astype(np.complex128) for r in range(ctx.size)) / ctx.size
+        np.testing.assert_allclose(mine[name].astype(np.complex128), expected,
+                                   rtol=rtol_of(mine[name].dtype) * 10, atol=rtol_of(mine[name].dtype) * 10,
+                                   err_msg=f"leaf {name}")
+
+
+@case
+def all_reduce_grad_buffers(ctx):
+    class Resident:
+        def __init__(self, buffers):
+            self.grad_buffers = buffers
+
+    buffers = (np.full(1000, ctx.rank + 1, np.float32), np.arange(3.0) * (ctx.rank + 1), np.zeros(0))
+    gfd.all_reduce_(Resident(buffers), "sum", group=ctx.group, bucket_bytes=512)
+    total = sum(range(1, ctx.size + 1))
+    np.testing.assert_array_equal(buffers[0], np.full(1000, total, np.float32))
+    np.testing.assert_array_equal(buffers[1], np.arange(3.0) * total)
+
+
+@case
+def torch_leaves(ctx):
+    if ctx.transport != "gloo":
+        return
+    import torch
+
+    grads = {"w": torch.full((3, 2), float(ctx.rank + 1)), "b": torch.ones(4, dtype=torch.float64)}
+    total = gfd.global_norm(grads, group=ctx.group)
+    expected = math.sqrt(sum(6 * (r + 1) ** 2 + 4 for r in range(ctx.size)))
+    if not isinstance(total, torch.Tensor):
+        raise AssertionError(f"expected a tensor for torch leaves, got {type(total).__name__}")
+    assert_close(total, expected, 1e-12, "torch leaves")
+    gfd.all_reduce_(grads, "sum", group=ctx.group)
+    np.testing.assert_array_equal(grads["w"].numpy(), np.full((3, 2), sum(range(1, ctx.size + 1)), np.float32))
+    gfd.clip_grad_norm_(grads, 1.0, group=ctx.group)
+    assert_close(gfd.global_norm(grads, group=ctx.group), 1.0, 1e-5, "torch leaves clipped in place")
+
+
+@case
+def a_rank_that_raises_does_not_hang_the_others(ctx):
+    """Last: the group used here is left broken. Rank 1 fails before the collective;
+    the others get CollectiveError within the group's timeout (gloo). Under MPI
+    the test file checks that mpirun aborts the job instead."""
+    if ctx.transport != "gloo":
+        return
+    import torch.distributed as dist
+
+    group = dist.new_group(timeout=timedelta(seconds=2))
+    if ctx.rank == 1:
+        time.sleep(4)  # alive, but as if it had raised in its own code before the collective
+        return
+    start = time.monotonic()
+    try:
+        gfd.global_norm({"w": np.ones(3)}, group=group)
+    except gfd.CollectiveError as err:
+        if "another rank" not in str(err) or time.monotonic() - start > 30:
+            raise AssertionError(f"unclear or late error: {err}") from err
+    else:
+        raise AssertionError("the collective completed without rank 1")
+
+
+# ---------------------------------------------------------------- running
+
+def connect(transport, argv):
+    if transport == "mpi":
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        return Ctx("mpi", comm, comm.Get_rank(), comm.Get_size())
+    import torch.distributed as dist
+
+    rank, size, port = map(int, argv)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size, timeout=timedelta(seconds=60))
+    return Ctx("gloo", dist.group.WORLD, rank, size)
+
+
+def main(out_dir, transport, *argv):
+    ctx = connect(transport, argv)
+    results = {}
+    for name in CASES:
+        try:
+            globals()[name](ctx)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc(limit=4)
+        with open(os.path.join(out_dir, f"rank{ctx.rank}.json"), "w") as f:
+            json.dump(results, f)
+    if transport == "gloo":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

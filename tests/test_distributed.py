@@ -1,0 +1,153 @@
+"""gpuflat.distributed across processes: torch.distributed (gloo) and MPI, 2 and 4 ranks.
+
+Starting a process group costs seconds, so each (transport, ranks) pair runs
+every case of tests/distributed_worker.py in one launch, on 127.0.0.1 only;
+each case is then its own test here, passing when every rank reported it ok.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import distributed_worker
+from gpuflat import distributed as gfd
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+MPIRUN = Path(sys.executable).with_name("mpirun")
+LAUNCH_TIMEOUT = 90  # seconds for one launch; a hang fails every case of it
+RUNS = [("gloo", 2), ("gloo", 4), ("mpi", 2), ("mpi", 4)]
+
+_reports: dict = {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mpirun(size, *command):
+    """mpirun on this machine only: ranks talk through shared memory (the self and sm
+    transports), never a network interface."""
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    return [str(MPIRUN), *root, "--oversubscribe", "-n", str(size), "--mca", "btl", "self,sm",
+            sys.executable, "-m", "mpi4py", *command]
+
+
+def _launch(transport, size, out_dir):
+    """Run every case on ``size`` ranks; returns the ranks' reports and the processes' output."""
+    if transport == "mpi":
+        procs = [subprocess.Popen(_mpirun(size, str(WORKER), str(out_dir), "mpi"),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    else:
+        port = str(_free_port())
+        procs = [subprocess.Popen([sys.executable, str(WORKER), str(out_dir), "gloo", str(r), str(size), port],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for r in range(size)]
+    output = []
+    for proc in procs:
+        try:
+            output.append(proc.communicate(timeout=LAUNCH_TIMEOUT)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            output.append(f"timed out after {LAUNCH_TIMEOUT} s")
+    reports = []
+    for r in range(size):
+        path = out_dir / f"rank{r}.json"
+        reports.append(json.loads(path.read_text()) if path.exists() else {})
+    return reports, "\n".join(output)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    def get(transport, size):
+        key = (transport, size)
+        if key not in _reports:
+            _reports[key] = _launch(transport, size, tmp_path_factory.mktemp(f"{transport}{size}"))
+        return _reports[key]
+
+    return get
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+@pytest.mark.parametrize("case", distributed_worker.CASES)
+@pytest.mark.parametrize("transport,size", RUNS, ids=[f"{t}-{n}" for t, n in RUNS])
+def test_case_on_every_rank(report, transport, size, case):
+    reports, output = report(transport, size)
+    for rank, results in enumerate(reports):
+        if case not in results:
+            pytest.fail(f"rank {rank} did not report {case!r}; the processes printed:\n{output[-3000:]}")
+        assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
+
+
+@pytest.mark.timeout(60)
+def test_mpi_rank_that_raises_aborts_the_job(tmp_path):
+    """Under MPI no collective times out: ``python -m mpi4py`` aborts every rank
+    when one raises, instead of leaving the others in the all-reduce."""
+    script = tmp_path / "raise_on_rank_1.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from mpi4py import MPI\n"
+        "from gpuflat import distributed as gfd\n"
+        "comm = MPI.COMM_WORLD\n"
+        "if comm.Get_rank() == 1:\n"
+        "    raise RuntimeError('rank 1 failed before the collective')\n"
+        "gfd.global_norm({'w': np.ones(3)}, group=comm)\n"
+        "print('rank', comm.Get_rank(), 'passed the collective')\n"
+    )
+    proc = subprocess.run(_mpirun(2, str(script)), capture_output=True, text=True, timeout=50)
+    assert proc.returncode != 0
+    assert "rank 1 failed before the collective" in proc.stdout + proc.stderr
+    assert "passed the collective" not in proc.stdout
+
+
+# ---------------------------------------------------------------- one process
+
+def test_world_of_one_counts_owned_leaves_only():
+    grads = {"w": np.array([3.0, 4.0], np.float32), "ln": np.array([12.0])}
+    assert float(gfd.global_norm(grads)) == 13.0
+    assert float(gfd.global_norm(grads, owned=lambda path, leaf: leaf.dtype == np.float32)) == 5.0
+    assert float(gfd.global_norm(grads, np.inf, owned={"['ln']"})) == 12.0
+
+
+def test_owned_errors_name_the_path():
+    grads = {"w": np.ones(2)}
+    with pytest.raises(ValueError, match=r"\['v'\].*expected one of"):
+        gfd.global_norm(grads, owned={"['v']"})
+    with pytest.raises(TypeError, match="owned: expected"):
+        gfd.global_norm(grads, owned=3)
+
+
+def test_group_of_the_wrong_type_is_refused():
+    with pytest.raises(TypeError, match="group: expected a torch.distributed ProcessGroup"):
+        gfd.global_norm({"w": np.ones(2)}, group="world")
+
+
+def test_read_only_gradients_are_refused_before_any_write():
+    ro = np.ones(3)
+    ro.flags.writeable = False
+    grads = {"a": np.full(2, 10.0), "b": ro}
+    with pytest.raises(ValueError, match=r"leaf \"\['b'\]\": expected a writable array"):
+        gfd.clip_grad_norm_(grads, 1.0)
+    np.testing.assert_array_equal(grads["a"], np.full(2, 10.0))
+
+
+def test_ownership_mask_is_cached_per_plan():
+    calls = []
+
+    def rule(path, leaf):
+        calls.append(path)
+        return True
+
+    grads = {"w": np.ones(2), "b": np.ones(3)}
+    for _ in range(3):
+        gfd.global_norm(grads, owned=rule)
+    assert calls == ["['w']", "['b']"]
