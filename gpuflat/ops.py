@@ -440,5 +440,5 @@ def _norm_inputs(call, grads, model, backend):
         return model_plan, [s[0] for s in sources]
     # Tied weights with separate gradients (or missing ones): the norm is that
     # of the summed gradients, gathered as flatten gathers them.
-    summed = flatten(model_plan, grads, backend=backend)
+    summed = _view(flatten(model_plan, grads, backend=backend), "flat")
     return Call([summed]).plan, [summed]

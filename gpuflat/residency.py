@@ -25,7 +25,8 @@ from . import checks
 from . import tree as _tree
 from .backends.base import select
 from .errors import NonFiniteError
-from .flatplan import FlatPlan, LeafSpec, cached
+from .flatplan import FlatPlan, LeafSpec
+from .ops import Call
 
 ALIGN_BYTES = 256
 PADDING = "<padding>"
@@ -112,10 +113,10 @@ class Resident:
     """
 
     def __init__(self, tree, *, grads: bool = True, backend: str | None = None):
-        walked = _tree.walk(tree)
-        plan, unique = cached(walked.treedef, walked.arrays, walked.statics)
-        paths = [leaf.path for leaf in plan.leaves]
-        owners = [walked.foreign.get(id(a)) for a in unique]
+        call = Call(tree)
+        unique = call.unique
+        paths = call.paths()
+        owners = [call.foreign.get(id(a)) for a in unique]
         self._torch = _torch_parameters(owners, paths)
         self._backend = select(backend, unique, lambda i: paths[i])
         self._like = next((o for o in owners if o is not None), None)
@@ -130,9 +131,9 @@ class Resident:
         self._params = [self._allocate(g) for g in self._groups]
         for s, a in zip(self.layout, unique):
             _view(self._params[s.buffer][1], s)[...] = a
-        self.params = self._bind(walked, plan, self._params, "data", tree)
+        self.params = self._bind(call, self._params, "data", tree)
         self._grads = [self._allocate(g) for g in self._groups] if grads else None
-        self.grads = self._bind(walked, plan, self._grads, "grad", None) if grads else None
+        self.grads = self._bind(call, self._grads, "grad", None) if grads else None
 
     # ---------------------------------------------------------- buffers
 
@@ -157,11 +158,11 @@ class Resident:
             own = buf = self._backend.xp.zeros(group.size, group.dtype)
         return own, buf, group.pieces(buf)
 
-    def _bind(self, walked, plan, buffers, attribute, tree):
+    def _bind(self, call, buffers, attribute, tree):
         """The caller's tree over ``buffers``: PyTorch tensors rebound in place, else a rebuilt tree."""
         views = [_view(buffers[s.buffer][1], s) for s in self.layout]
         if self._torch is None:
-            return _tree.rebuild(plan.treedef, [views[slot] for slot in plan.slot_of], walked.statics)
+            return _tree.rebuild(call.plan.treedef, [views[slot] for slot in call.plan.slot_of], call.statics)
         bound = {}
         for (path, param), view, s in zip(self._torch, views, self.layout):
             tensor = _view(buffers[s.buffer][0], s)

@@ -346,3 +346,11 @@ def test_clip_grad_norm_of_a_gradient_tree_writes_the_tensors():
     norm = gf.clip_grad_norm_(grads, 1.0)
     assert float(norm) == pytest.approx(math.sqrt(57))
     assert torch.allclose(grads["w"], torch.full((3,), 4.0 / math.sqrt(57)))
+
+
+def test_model_argument_with_tied_tensor_gradients():
+    w = torch.ones(3)
+    model = {"a": w, "b": w}
+    grads = {"a": torch.full((3,), 2.0), "b": torch.full((3,), 1.0)}
+    norm = gf.global_norm(grads, model=model)
+    assert isinstance(norm, torch.Tensor) and float(norm) == pytest.approx(math.sqrt(27))
