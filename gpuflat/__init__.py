@@ -1,14 +1,15 @@
 """gpuflat: a model's parameter tree as one contiguous buffer.
 
 Walk the tree once, cache an offset plan, and do every whole-tree operation
-(flatten, scatter, norms, clipping) in a few kernel launches on a GPU, or with
-NumPy on the host.
+(flatten, scatter, norms, clipping) in a few kernel launches on a GPU, or in
+native code or NumPy on the host.
 
 >>> import numpy as np, gpuflat as gf
 >>> grads = {"w": np.array([3.0, 4.0]), "b": np.zeros(2, np.float32)}
 >>> float(gf.clip_grad_norm_(grads, max_norm=1.0))
 5.0
 """
+from . import distributed
 from .errors import NonFiniteError, OverlapError, TreeMismatchError
 from .flatplan import FlatPlan, LeafSpec
 from .ops import (
@@ -27,7 +28,6 @@ from .ops import (
 )
 from .residency import Resident, resident
 from .tree import UnwalkableError, register
-from . import distributed  # noqa: E402  (reads gpuflat.* at call time only)
 
 __all__ = [
     "FlatPlan",
@@ -38,6 +38,7 @@ __all__ = [
     "TreeMismatchError",
     "UnwalkableError",
     "clip_by_global_norm",
+    "distributed",
     "clip_grad_norm_",
     "destructure",
     "flatten",
