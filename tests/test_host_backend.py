@@ -9,15 +9,20 @@ import pytest
 
 import gpuflat as gf
 from gpuflat.backends import get_backend
-from gpuflat.backends.host import HostBackend, available
+from gpuflat.backends.host import HostBackend, available, unavailable_reason
 
 from conftest import BF16, DTYPE_IDS, DTYPES, assert_bits_equal, random_array, strided_variant, torch_scaled
 
-pytestmark = [
-    pytest.mark.skipif(not available(), reason="no C++ compiler or Python/NumPy headers here"),
-    # The references convert NaN bit patterns on purpose.
-    pytest.mark.filterwarnings("ignore:invalid value encountered"),
-]
+# The references convert NaN bit patterns on purpose.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered")
+
+
+@pytest.fixture(autouse=True)
+def native_library():
+    """The native path must build wherever the tests run (g++ and the Python and
+    NumPy headers are test requirements): without it every test here would
+    test the NumPy fallback, so each fails with the reason instead."""
+    assert available(), f"the native host backend did not build: {unavailable_reason()}"
 
 ITEM = 4096  # elements per work item of the CUDA kernels
 ORDS = [1, 2, math.inf, 3]
@@ -177,12 +182,38 @@ def test_unaligned_leaf():
     assert_same_norms(host_norms([leaf], 2), ref_norms([leaf.copy()], 2))
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+# More than 3 x 2M elements: work enough for 3 threads (the library starts a
+# thread only for at least 2M elements), each claiming chunks of 256K.
+THREADED_SIZES = (3_000_000, 5, 70_001, 0, 1 << 18, 3_500_000)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8])
 def test_thread_count_changes_no_bit(threads):
     rng = np.random.default_rng(12)
-    leaves = [rng.standard_normal(n).astype(np.float32) for n in (300_000, 5, 70_001, 0, 1 << 18)]
-    assert_same_norms(host_norms(leaves, 2, threads), host_norms(leaves, 2, 1))
-    assert_same_norms(host_norms(leaves, 2, threads), ref_norms(leaves, 2))
+    leaves = [rng.standard_normal(n).astype(np.float32) for n in THREADED_SIZES]
+    one = host_norms(leaves, 2, 1)
+    assert_same_norms(host_norms(leaves, 2, threads), one)
+    for p in (1, math.inf):
+        assert_same_norms(host_norms(leaves, p, threads), host_norms(leaves, p, 1))
+    if threads == 2:
+        assert_same_norms(one, ref_norms(leaves, 2))
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_gather_scatter_clip_bits(threads):
+    rng = np.random.default_rng(18)
+    leaves = [rng.standard_normal(n).astype(np.float32) for n in THREADED_SIZES]
+    plan = gf.plan(leaves)
+    out = np.empty(plan.size, plan.dtype)
+    HostBackend(threads).gather(plan, [[a] for a in leaves], out)
+    assert_bits_equal(out, np.concatenate(leaves))
+    back = [np.empty_like(a) for a in leaves]
+    HostBackend(threads).scatter(plan, out * 2, back)
+    for a, b in zip(leaves, back):
+        assert_bits_equal(b, a * 2)
+    HostBackend(threads).clip_(plan, back, np.float64(8.0), 1.0, 1e-6)
+    for a, b in zip(leaves, back):
+        assert_bits_equal(b, torch_scaled(a * 2, 1.0 / (8.0 + 1e-6)))
 
 
 @pytest.mark.parametrize("dtype, big", [(np.float32, 1e30), (np.float16, 300.0), (np.complex64, 1e30)])
@@ -228,6 +259,115 @@ def test_every_16_bit_pattern(dtype):
         finite = np.isfinite(ref.astype(np.float32))
         assert_bits_equal(host[finite], ref[finite])
         assert np.isnan(host[~finite].astype(np.float32)).sum() == np.isnan(ref[~finite].astype(np.float32)).sum()
+
+
+# ---------------------------------------------------------------- norms over a flat buffer
+
+# Sizes on and next to the SIMD steps (32 vectors of 16 bytes: 32 to 256
+# elements by dtype) and the work items.
+FLAT_SIZES = [0, 1, 3, 31, 32, 33, 64, 65, 127, 128, 129, 255, 256, 257, ITEM - 1, ITEM, ITEM + 1, 2 * ITEM + 1, 2]
+
+
+def flat_slots(flat, sizes):
+    """Consecutive slices of ``flat`` of ``sizes`` and their plan (slot s is flat[offsets[s]:offsets[s + 1]])."""
+    bounds = np.cumsum([0] + list(sizes))
+    leaves = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    plan = gf.plan(leaves)
+    assert_bits_equal(plan.offsets, bounds.astype(np.int64))
+    return leaves, plan
+
+
+def norms_both_ways(plan, leaves, flat, p):
+    """The host norms (total, per leaf, first non-finite slot) with and without ``flat``."""
+    be = HostBackend()
+    with_flat, without = (be.norms(plan, leaves, p, per_leaf=True, flat=f) for f in (flat, None))
+    return [(r.total, r.per_leaf, int(r.first_nonfinite)) for r in (with_flat, without)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("p", ORDS)
+def test_flat_norms_are_the_leaves_bits(dtype, p):
+    rng = np.random.default_rng(19)
+    flat = random_array(rng, (sum(FLAT_SIZES),), dtype)
+    leaves, plan = flat_slots(flat, FLAT_SIZES)
+    with_flat, without = norms_both_ways(plan, leaves, flat, p)
+    assert_bits_equal(with_flat[0], without[0])
+    assert_bits_equal(with_flat[1], without[1])
+    assert with_flat[2] == without[2] == -1
+    assert_same_norms(with_flat, ref_norms(leaves, p))
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_flat_norms_nonfinite_first_slot(value, dtype):
+    sizes = [ITEM + 1, 0, 130, 2 * ITEM + 1]
+    flat = random_array(np.random.default_rng(20), (sum(sizes),), dtype)
+    flat[ITEM] = value  # the first slot's last element, alone in its item
+    flat[-1] = value
+    leaves, plan = flat_slots(flat, sizes)
+    for p in ORDS:
+        with_flat, without = norms_both_ways(plan, leaves, flat, p)
+        assert with_flat[2] == without[2] == 0
+        assert_same_norms(with_flat, without)
+        assert_same_norms(with_flat, ref_norms(leaves, p))
+
+
+def test_flat_norms_read_no_leaf_object():
+    """With a usable flat buffer no per-slot Python object is looked at."""
+    flat = np.arange(10.0, dtype=np.float32)
+    leaves, plan = flat_slots(flat, [3, 0, 7])
+    r = HostBackend().norms(plan, [object()] * 3, 2, per_leaf=True, flat=flat)
+    assert_same_norms((r.total, r.per_leaf, int(r.first_nonfinite)), ref_norms(leaves, 2))
+
+
+@pytest.mark.parametrize("kind", ["unaligned", "strided"])
+def test_flat_norms_fall_back_to_the_leaves(kind):
+    """A flat buffer the native path cannot read directly gives the leaves' bits."""
+    rng = np.random.default_rng(21)
+    sizes = [ITEM + 3, 5, 300]
+    n = sum(sizes)
+    if kind == "unaligned":
+        flat = np.zeros(4 * n + 1, np.uint8)[1:].view(np.float32)
+        assert not flat.flags.aligned
+    else:
+        flat = np.zeros(2 * n, np.float32)[::2]
+    flat[:] = rng.standard_normal(n)
+    leaves, plan = flat_slots(flat, sizes)
+    with_flat, without = norms_both_ways(plan, leaves, flat, 2)
+    assert_same_norms(with_flat, without)
+    assert_same_norms(with_flat, ref_norms(leaves, 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_resident_grad_norm_on_host(dtype):
+    """gf.resident's per-step norms go through the flat path: each leaf's norm is
+    the reference's bits; the total, whose finishing order includes the zero
+    padding slots, matches to rounding."""
+    rng = np.random.default_rng(22)
+    shapes = [(ITEM + 1,), (), (0,), (3, 70), (129,), (2 * ITEM + 1,)]
+    tree = {f"x{i}": random_array(rng, shape, dtype) for i, shape in enumerate(shapes)}
+    r = gf.resident(tree, backend="host")
+    for name, a in tree.items():
+        r.grads[name][...] = a
+    leaves = list(tree.values())
+    for p in ORDS:
+        total, per = r.grad_norm(p, per_leaf=True)
+        want_total, want_per, _ = ref_norms(leaves, p)
+        assert_bits_equal(np.asarray(per), want_per)
+        assert float(total) == pytest.approx(float(want_total), rel=1e-14)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_flat_clip_is_the_leaves_bits(dtype):
+    rng = np.random.default_rng(23)
+    flat = random_array(rng, (sum(FLAT_SIZES),), dtype)
+    original, copy = flat.copy(), flat.copy()
+    leaves, plan = flat_slots(flat, FLAT_SIZES)
+    copies, _ = flat_slots(copy, FLAT_SIZES)
+    HostBackend().clip_(plan, leaves, np.float64(3.0), 1.0, 1e-6, flat=flat)
+    HostBackend().clip_(plan, copies, np.float64(3.0), 1.0, 1e-6)
+    assert_bits_equal(flat, copy)
+    assert_bits_equal(flat, torch_scaled(original, 1.0 / (3.0 + 1e-6)))
 
 
 # ---------------------------------------------------------------- gather and scatter
@@ -326,3 +466,15 @@ def test_unreadable_leaf_is_named_and_nothing_written():
     with pytest.raises(TypeError, match=r"leaf \"\['b'\]\".*list"):
         HostBackend().clip_(plan, [a, [1.0, 2.0]], np.float64(10.0), 1.0, 1e-6)
     assert_bits_equal(a, np.ones(3, np.float32))
+
+
+def test_gather_names_the_slot_of_an_unreadable_source_and_writes_nothing():
+    a, b = np.ones(3, np.float32), np.ones(2, np.float32)
+    plan = gf.plan({"a": a, "b": b})
+    out = np.full(plan.size, 7.0, np.float32)
+    with pytest.raises(TypeError, match=r"leaf \"\['b'\]\".*int64"):
+        HostBackend().gather(plan, [[a, a], [b, np.ones(2, np.int64)]], out)
+    assert_bits_equal(out, np.full(plan.size, 7.0, np.float32))
+    with pytest.raises(TypeError, match=r"leaf \"\['a'\]\".*shape \(4,\)"):
+        HostBackend().gather(plan, [[np.ones(4, np.float32)], [b]], out)
+    assert_bits_equal(out, np.full(plan.size, 7.0, np.float32))

@@ -8,7 +8,8 @@ kernels' own (``kernels/gpuflat_math.cuh``, compiled for the host) and its
 summation order theirs (work items of ``ITEM`` elements, 32 lanes, the fixed
 trees), so its norms are the same bits as the CUDA and emulated backends',
 whatever the number of threads; gather, scatter and clip the same bits as
-every backend.
+every backend. Arrays are read in native code (no Python work per leaf), and
+a resident model's norms read its one flat buffer at the plan's offsets.
 
 Where no compiler (or no Python or NumPy headers) is found, every operation
 runs on the NumPy backend instead; :func:`available` says which.
@@ -59,13 +60,28 @@ def available() -> bool:
     return _library() is not None
 
 
-@functools.lru_cache(maxsize=None)
+def unavailable_reason() -> str | None:
+    """Why the native library is not used here (no Python headers, or the
+    compiler's message), or None where it builds and loads.
+
+    >>> (unavailable_reason() is None) == available()
+    True
+    """
+    return _load()[1]
+
+
 def _library():
     """The loaded library, built on first use; None where it cannot be built."""
+    return _load()[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _load():
+    """(the loaded library, None), or (None, the reason it cannot be built or loaded)."""
     numpy_include = np.get_include()
     python_include = sysconfig.get_paths()["include"]
     if not os.path.isfile(os.path.join(python_include, "Python.h")):
-        return None
+        return None, f"no Python.h in {python_include}"
     kernels = kernel_dir()
     host = kernels / "host"
     files = {name: (kernels / name).read_text() for name in SHARED_HEADERS}
@@ -75,19 +91,20 @@ def _library():
             "gpuflat-host", (host / "host_backend.cpp").read_text(), include_dirs=(python_include, numpy_include),
             flags=FLAGS, files=files, key_parts=(python_include, np.__version__, _cpu_identity()))
         lib = host_compiler.load(path, ctypes.PyDLL)
-    except (host_compiler.BuildError, OSError):
-        return None
+    except (host_compiler.BuildError, OSError) as exc:
+        return None, str(exc)
     obj, i64, f64, c_int = ctypes.py_object, ctypes.c_longlong, ctypes.c_double, ctypes.c_int
     lib.gf_host_init.argtypes = [obj, c_int]
     lib.gf_host_init.restype = None
     lib.gf_host_norms.argtypes = [obj, obj, c_int, f64, c_int, obj, obj, obj]
-    lib.gf_host_gather.argtypes = [obj, obj, obj, obj, c_int]
+    lib.gf_host_norms_flat.argtypes = [obj, obj, c_int, f64, c_int, obj, obj, obj]
+    lib.gf_host_gather.argtypes = [obj, obj, obj, c_int]
     lib.gf_host_scatter.argtypes = [obj, obj, obj, c_int]
     lib.gf_host_clip.argtypes = [obj, obj, f64, f64, f64, c_int]
-    for fn in (lib.gf_host_norms, lib.gf_host_gather, lib.gf_host_scatter, lib.gf_host_clip):
+    for fn in (lib.gf_host_norms, lib.gf_host_norms_flat, lib.gf_host_gather, lib.gf_host_scatter, lib.gf_host_clip):
         fn.restype = i64
     lib.gf_host_init(np.ndarray, BFLOAT16.num if BFLOAT16 is not None else -1)
-    return lib
+    return lib, None
 
 
 def _cpu_identity() -> str:
@@ -115,19 +132,33 @@ class HostBackend:
         self._numpy = NumpyBackend()
 
     def gather(self, plan, sources, out) -> None:
-        """out[slot's range] = sum of the slot's sources, cast to ``plan.dtype``."""
+        """out[slot's range] = sum of the slot's sources, cast to ``plan.dtype``.
+
+        >>> import numpy as np, gpuflat as gf
+        >>> a, b = np.ones(2, np.float32), np.full(1, 3.0, np.float32)
+        >>> plan, out = gf.plan([a, b]), np.empty(3, np.float32)
+        >>> HostBackend().gather(plan, [[a, a], [b]], out)
+        >>> out
+        array([2., 2., 3.], dtype=float32)
+        """
         lib = _library()
         if lib is None:
             return self._numpy.gather(plan, sources, out)
-        arrays = [a for s in sources for a in s]
-        csr = np.zeros(len(sources) + 1, np.int64)
-        np.cumsum([len(s) for s in sources], out=csr[1:])
-        bad = lib.gf_host_gather(arrays, csr, plan.offsets, out, self.threads)
+        bad = lib.gf_host_gather(sources, plan.offsets, out, self.threads)
         if bad >= 0:
-            _refuse(plan, int(np.searchsorted(csr, bad, side="right")) - 1, arrays[bad])
+            counts = np.cumsum([len(s) for s in sources])
+            slot = int(np.searchsorted(counts, bad, side="right"))
+            _refuse(plan, slot, [a for s in sources for a in s][bad])
 
     def scatter(self, plan, flat, leaves) -> None:
-        """leaves[slot][...] = flat[slot's range], cast to the leaf's dtype, in place."""
+        """leaves[slot][...] = flat[slot's range], cast to the leaf's dtype, in place.
+
+        >>> import numpy as np, gpuflat as gf
+        >>> leaves = [np.zeros((1, 2), np.float32), np.zeros(1)]
+        >>> HostBackend().scatter(gf.plan(leaves), np.array([1.0, 2.0, 3.0]), leaves)
+        >>> leaves
+        [array([[1., 2.]], dtype=float32), array([3.])]
+        """
         lib = _library()
         if lib is None:
             return self._numpy.scatter(plan, flat, leaves)
@@ -135,19 +166,39 @@ class HostBackend:
 
     def norms(self, plan, leaves, ord, per_leaf, flat=None) -> NormResult:
         """Total and per-leaf norms (always both) and the first non-finite slot, in
-        the CUDA kernels' order; ``flat`` is not needed (the leaves are read directly)."""
+        the CUDA kernels' order; with ``flat`` (the buffer the leaves are views
+        of) every slot is read from it at the plan's offsets: the same bits,
+        with no per-leaf Python work.
+
+        >>> import numpy as np, gpuflat as gf
+        >>> flat = np.array([3.0, 4.0, 12.0])
+        >>> leaves = [flat[:2], flat[2:]]
+        >>> plan = gf.plan(leaves)
+        >>> r = HostBackend().norms(plan, leaves, 2, per_leaf=True, flat=flat)
+        >>> float(r.total), r.per_leaf
+        (13.0, array([ 5., 12.]))
+        """
         lib = _library()
         if lib is None:
             return self._numpy.norms(plan, leaves, ord, per_leaf, flat=flat)
         p = float(ord)
         per, total, first = np.empty(len(plan.leaves)), np.empty(()), np.empty((), np.int64)
-        kind = NORM_KINDS.get(p, NORM_P)
-        _check(plan, leaves, lib.gf_host_norms(leaves, plan.offsets, kind, p, self.threads, per, total, first))
+        args = (plan.offsets, NORM_KINDS.get(p, NORM_P), p, self.threads, per, total, first)
+        if flat is None or lib.gf_host_norms_flat(flat, *args) >= 0:
+            _check(plan, leaves, lib.gf_host_norms(leaves, *args))
         return NormResult(total, per, first)
 
     def clip_(self, plan, leaves, total, max_norm, eps, flat=None) -> None:
         """Every leaf *= min(1, max_norm / (total + eps)); with ``flat`` (the buffer
-        the leaves are views of) one pass over it."""
+        the leaves are views of) one pass over it.
+
+        >>> import numpy as np, gpuflat as gf
+        >>> flat = np.array([3.0, 4.0, 12.0])
+        >>> leaves = [flat[:2], flat[2:]]
+        >>> HostBackend().clip_(gf.plan(leaves), leaves, np.float64(13.0), 1.0, 0.0, flat=flat)
+        >>> flat * 13
+        array([ 3.,  4., 12.])
+        """
         lib = _library()
         if lib is None:
             return self._numpy.clip_(plan, leaves, total, max_norm, eps, flat=flat)
@@ -159,7 +210,11 @@ class HostBackend:
                                               self.threads))
 
     def to_host(self, x) -> np.ndarray:
-        """``x`` as a NumPy array (it already is one)."""
+        """``x`` as a NumPy array (it already is one).
+
+        >>> HostBackend().to_host(np.float64(2.0))
+        array(2.)
+        """
         return np.asarray(x)
 
 

@@ -12,20 +12,22 @@
 // are the same bits as the CUDA kernels' (built with --fmad=false; this file is
 // built with -ffp-contract=off, so a*b+c is two roundings here too).
 //
-// Work items are split across threads by contiguous ranges; every item's
+// Large calls share their work items among threads in chunks; every item's
 // partial lands in its own slot and the finish runs on one thread, so the
-// thread count never changes a bit.
+// thread count never changes a bit. Small calls run on the calling thread.
 //
 // Arrays arrive as Python objects (the library is loaded with ctypes.PyDLL):
 // reading 10,000 data pointers and strides here costs microseconds, where
-// reading them in Python costs milliseconds. The GIL is released while the
-// loops run.
+// reading them in Python costs milliseconds. A resident model's norms skip
+// even that: its slots are read from the one flat buffer at the plan's
+// offsets. The GIL is released while the loops run.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <numpy/ndarraytypes.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -41,8 +43,14 @@
 namespace {
 
 constexpr long long ITEM = 4096;  // elements per work item: gpuflat.backends.cuda.ITEM
-// Below this many elements per thread, starting a thread costs more than it saves.
-constexpr long long MIN_WORK_PER_THREAD = 1 << 17;
+// Below this many elements per thread, starting a thread costs more than it
+// saves: a start costs tens of microseconds on an idle machine, and
+// milliseconds when other processes hold the cores, while 2M elements are a
+// few hundred microseconds of work.
+constexpr long long MIN_WORK_PER_THREAD = 1 << 21;
+// Elements a thread claims at a time when several run: small enough to share
+// the work evenly, large enough that claiming costs nothing.
+constexpr long long CHUNK_WORK = 1 << 18;
 // What one work item costs beyond its elements (table lookups, the lane tree).
 constexpr long long ITEM_OVERHEAD = 64;
 
@@ -102,31 +110,62 @@ struct LeafSet {
         const npy_intp* strides = PyArray_STRIDES(a);
         long long size = 1;
         for (int d = 0; d < nd; ++d) size *= shape[d];
-        const size_t first = dims.size() / 2;
+        const long long at = (long long)dims.size();
         // Size-1 dims dropped, neighbours merged where the strides allow (as
         // the CUDA backend's table rows): a transposed matrix keeps 2 dims.
-        std::vector<long long> n_s;
+        // Pairs (extent, stride) on the stack: no allocation per leaf.
+        long long n_s[2 * NPY_MAXDIMS];
+        int kept = 0;
         for (int d = 0; d < nd && size > 0; ++d) {
             if (shape[d] == 1) continue;
-            if (!n_s.empty() && n_s[n_s.size() - 1] == strides[d] * shape[d]) {
-                n_s[n_s.size() - 2] *= shape[d];
-                n_s[n_s.size() - 1] = strides[d];
+            if (kept > 0 && n_s[2 * kept - 1] == strides[d] * shape[d]) {
+                n_s[2 * kept - 2] *= shape[d];
+                n_s[2 * kept - 1] = strides[d];
             } else {
-                n_s.push_back(shape[d]);
-                n_s.push_back(strides[d]);
+                n_s[2 * kept] = shape[d];
+                n_s[2 * kept + 1] = strides[d];
+                ++kept;
             }
         }
-        const bool contiguous = n_s.empty() || (n_s.size() == 2 && n_s[1] == itemsize);
+        const bool contiguous = kept == 0 || (kept == 1 && n_s[1] == itemsize);
         int ndim = 0;
         if (size > 0 && !(contiguous && PyArray_ISALIGNED(a))) {
-            if (contiguous) n_s = {size, itemsize};
-            ndim = (int)(n_s.size() / 2);
+            if (contiguous) {
+                kept = 1;
+                n_s[0] = size;
+                n_s[1] = itemsize;
+            }
+            ndim = kept;
             for (int d = 0; d < ndim; ++d) dims.push_back(n_s[2 * d]);
             for (int d = 0; d < ndim; ++d) dims.push_back(n_s[2 * d + 1]);
         }
-        dims_at.push_back((long long)first * 2);
+        dims_at.push_back(at);
         leaves.push_back(Leaf{(char*)PyArray_DATA(a), tag, ndim, size, nullptr, nullptr});
         return true;
+    }
+
+    // One contiguous leaf per slot of the 1-D buffer `flat`; false if it is not
+    // an aligned, contiguous, native-order ndarray of a gpuflat dtype holding
+    // exactly offsets[n_slots] elements.
+    bool add_slots(PyObject* flat, const long long* offsets, long long n_slots) {
+        if (!PyObject_TypeCheck(flat, g_ndarray)) return false;
+        PyArrayObject* a = (PyArrayObject*)flat;
+        const int tag = tag_of(a);
+        if (tag < 0 || PyArray_NDIM(a) != 1 || !PyArray_ISALIGNED(a)) return false;
+        const long long itemsize = itemsize_of(tag);
+        const long long size = PyArray_DIMS(a)[0];
+        if (size != offsets[n_slots] || (size > 1 && PyArray_STRIDES(a)[0] != itemsize)) return false;
+        char* base = (char*)PyArray_DATA(a);
+        leaves.reserve(n_slots);
+        for (long long s = 0; s < n_slots; ++s)
+            leaves.push_back(Leaf{base + offsets[s] * itemsize, tag, 0, offsets[s + 1] - offsets[s], nullptr, nullptr});
+        return true;
+    }
+
+    void clear() {
+        leaves.clear();
+        dims.clear();
+        dims_at.clear();
     }
 
     void finish() {
@@ -144,9 +183,40 @@ long long read_leaves(PyObject* seq, LeafSet& set) {
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject** items = PySequence_Fast_ITEMS(fast);
     set.leaves.reserve(n);
+    set.dims_at.reserve(n);
     long long bad = -1;
     for (Py_ssize_t i = 0; i < n && bad < 0; ++i)
         if (!set.add(items[i])) bad = i;
+    Py_DECREF(fast);
+    set.finish();
+    return bad;
+}
+
+// Reads a sequence of sequences of arrays (a slot's sources) into one list,
+// slot s's sources at csr[s] .. csr[s + 1]; returns the position of the first
+// unreadable array in that list, or -1.
+long long read_sources(PyObject* seq, LeafSet& set, std::vector<long long>& csr) {
+    PyObject* fast = PySequence_Fast(seq, "expected a sequence of sequences of arrays");
+    if (!fast) return 0;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject** slots = PySequence_Fast_ITEMS(fast);
+    set.leaves.reserve(n);
+    set.dims_at.reserve(n);
+    csr.assign(n + 1, 0);
+    long long bad = -1;
+    for (Py_ssize_t s = 0; s < n && bad < 0; ++s) {
+        PyObject* sources = PySequence_Fast(slots[s], "expected a sequence of arrays");
+        if (!sources) {
+            bad = (long long)set.leaves.size();
+            break;
+        }
+        const Py_ssize_t m = PySequence_Fast_GET_SIZE(sources);
+        PyObject** arrays = PySequence_Fast_ITEMS(sources);
+        for (Py_ssize_t k = 0; k < m && bad < 0; ++k)
+            if (!set.add(arrays[k])) bad = (long long)set.leaves.size();
+        Py_DECREF(sources);
+        csr[s + 1] = (long long)set.leaves.size();
+    }
     Py_DECREF(fast);
     set.finish();
     return bad;
@@ -159,35 +229,65 @@ T* data_of(PyObject* array) {
 
 // ------------------------------------------------------------ work items
 
-// The items of a plan from its offsets (n_slots + 1 of them), as
-// gpuflat.backends.cuda.plan_items builds them.
-std::vector<Item> plan_items(const long long* offsets, long long n_slots) {
+// The tables of one call. Each calling thread keeps one set and reuses its
+// memory, so a call on 10,000 leaves allocates (and page-faults) nothing
+// once the first has sized them.
+struct Workspace {
+    LeafSet set;
+    std::vector<long long> csr;
     std::vector<Item> items;
+    std::vector<double> partial;
+};
+
+Workspace& workspace() {
+    thread_local Workspace w;
+    w.set.clear();
+    return w;
+}
+
+// The items of a plan from its offsets (n_slots + 1 of them), as
+// gpuflat.backends.cuda.plan_items builds them, into `items`.
+void plan_items(const long long* offsets, long long n_slots, std::vector<Item>& items) {
+    items.clear();
     for (long long s = 0; s < n_slots; ++s)
         for (long long start = 0; start < offsets[s + 1] - offsets[s]; start += ITEM)
             items.push_back(Item{s, start, std::min(ITEM, offsets[s + 1] - offsets[s] - start), offsets[s] + start});
-    return items;
 }
 
-// Runs body(first, end) over contiguous ranges of items of about equal cost,
-// one range per thread. Which thread runs an item never changes its result.
+long long cost_of(const Item& item) { return item.len + ITEM_OVERHEAD; }
+
+// Runs body(first, end) over contiguous ranges of items, on up to `threads`
+// threads. The ranges are chunks of about CHUNK_WORK, claimed in order by
+// whichever thread is free, so a thread that starts late (other processes
+// hold the cores) takes fewer and nobody waits for its share. Which thread
+// runs an item never changes its result.
 template <class Body>
 void parallel_items(const std::vector<Item>& items, int threads, Body body) {
     const long long n = (long long)items.size();
-    std::vector<long long> cost(n + 1, 0);
-    for (long long i = 0; i < n; ++i) cost[i + 1] = cost[i] + items[i].len + ITEM_OVERHEAD;
-    const long long t = std::max(1LL, std::min<long long>(threads, cost[n] / MIN_WORK_PER_THREAD));
+    long long total = 0;
+    for (const Item& item : items) total += cost_of(item);
+    const long long t = std::max(1LL, std::min<long long>(threads, total / MIN_WORK_PER_THREAD));
     if (t == 1) {
         body(0LL, n);
         return;
     }
-    std::vector<long long> bounds(t + 1, n);
-    bounds[0] = 0;
-    for (long long k = 1; k < t; ++k)
-        bounds[k] = std::lower_bound(cost.begin(), cost.end(), cost[n] * k / t) - cost.begin();
+    std::vector<long long> bounds{0};
+    long long work = 0;
+    for (long long i = 0; i < n; ++i) {
+        work += cost_of(items[i]);
+        if (work >= CHUNK_WORK || i == n - 1) {
+            bounds.push_back(i + 1);
+            work = 0;
+        }
+    }
+    const size_t chunks = bounds.size() - 1;
+    std::atomic<size_t> next{0};
+    auto run = [&] {
+        for (size_t c = next++; c < chunks; c = next++) body(bounds[c], bounds[c + 1]);
+    };
     std::vector<std::thread> pool;
-    for (long long k = 1; k < t; ++k) pool.emplace_back(body, bounds[k], bounds[k + 1]);
-    body(bounds[0], bounds[1]);
+    for (long long k = 1; k < t; ++k) pool.emplace_back(run);
+    run();
     for (auto& th : pool) th.join();
 }
 
@@ -250,15 +350,23 @@ S* item_view(const Leaf& L, const Item& item, Scratch& scratch) {
 
 // ------------------------------------------------------------ norms
 
+// __shfl_down_sync's tree: lane l takes lane l + off, for off = 16 .. 1.
+template <int K>
+double lane_tree(double* acc) {
+    for (int off = GF_WARP / 2; off > 0; off >>= 1)
+        for (int l = 0; l < off; ++l) acc[l] = gf_combine<K>(acc[l], acc[l + off]);
+    return acc[0];
+}
+
 // The item's partial in the kernel's order (gpuflat_norm_partial).
-// `done`: elements 0 .. done - 1 (whole steps) are already in acc.
 template <int K, class S>
-double item_partial(const S* x, long long len, double p, double* acc, long long done) {
+double item_partial(const S* x, long long len, double p) {
     constexpr int V = 16 / (int)sizeof(S);
     constexpr bool CPLX = gf_is_complex<S>::value;
     constexpr long long STEP = (long long)GF_WARP * V;
+    double acc[GF_WARP] = {};
     const long long full = len / STEP;
-    for (long long r = done / STEP; r < full; ++r) {
+    for (long long r = 0; r < full; ++r) {
         const S* step = x + r * STEP;
         for (int k = 0; k < V; ++k)
             for (int l = 0; l < GF_WARP; ++l)
@@ -270,10 +378,7 @@ double item_partial(const S* x, long long len, double p, double* acc, long long 
     for (long long j = 0; j * V < rest; ++j)
         for (long long i = j * V; i < std::min(rest, (j + 1) * V); ++i)
             acc[j] = gf_combine<K>(acc[j], gf_term<K, CPLX>(gf_widen(tail[i]), p));
-    // __shfl_down_sync's tree: lane l takes lane l + off, for off = 16 .. 1.
-    for (int off = GF_WARP / 2; off > 0; off >>= 1)
-        for (int l = 0; l < off; ++l) acc[l] = gf_combine<K>(acc[l], acc[l + off]);
-    return acc[0];
+    return lane_tree<K>(acc);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
@@ -335,7 +440,7 @@ template <> struct Wide2<c128> {
     }
 };
 
-// Index vectors: lane i of a group takes element i * V + k of its 128 bytes,
+// Index vector k: lane i of a group takes element i * V + k of its 128 bytes,
 // counted in the permute's units (16-, 32- or 64-bit).
 template <class S>
 __m512i lane_index(int k) {
@@ -358,22 +463,43 @@ __m512i lane_index(int k) {
     }
 }
 
-// Adds the full steps (32 vectors each) of x into acc, in the lanes' order.
+// The V index vectors of a dtype, built once.
 template <class S>
-long long l2_steps(const S* x, long long len, double* acc) {
+struct LaneIndices {
+    __m512i idx[16 / sizeof(S)];
+    LaneIndices() {
+        for (int k = 0; k < (int)(16 / sizeof(S)); ++k) idx[k] = lane_index<S>(k);
+    }
+};
+
+// Row `at` .. at + 63 of an item's bytes, of which `left` exist from `at` on:
+// bytes past the end read as zero bits (+0.0 in every dtype), and a masked
+// load never touches them.
+inline __m512 load_row(const char* x, long long at, long long left) {
+    if (left >= 64) return _mm512_loadu_ps(reinterpret_cast<const float*>(x + at));
+    const __mmask64 mask = left <= 0 ? 0 : ~0ULL >> (64 - left);
+    return _mm512_castsi512_ps(_mm512_maskz_loadu_epi8(mask, x + at));
+}
+
+// The 2-norm partial of one item in the lanes' order: steps of 32 vectors
+// (512 bytes, 8 rows), the last one zero-padded to a whole step. The kernel's
+// lane j adds the last step's vector j; the padding adds +0.0 terms, which
+// change no sum of non-negative terms (nor a NaN), so these are the generic
+// loop's bits.
+template <class S>
+double l2_partial(const S* x, long long len) {
     constexpr int V = 16 / (int)sizeof(S);
-    constexpr long long STEP = (long long)GF_WARP * V;
-    __m512i idx[V];
-    for (int k = 0; k < V; ++k) idx[k] = lane_index<S>(k);
-    __m512d a0 = _mm512_loadu_pd(acc), a1 = _mm512_loadu_pd(acc + 8);
-    __m512d a2 = _mm512_loadu_pd(acc + 16), a3 = _mm512_loadu_pd(acc + 24);
-    const long long full = len / STEP;
-    for (long long r = 0; r < full; ++r) {
-        const float* row = reinterpret_cast<const float*>(x + r * STEP);  // 8 rows of 64 bytes
-        const __m512 r0 = _mm512_loadu_ps(row), r1 = _mm512_loadu_ps(row + 16);
-        const __m512 r2 = _mm512_loadu_ps(row + 32), r3 = _mm512_loadu_ps(row + 48);
-        const __m512 r4 = _mm512_loadu_ps(row + 64), r5 = _mm512_loadu_ps(row + 80);
-        const __m512 r6 = _mm512_loadu_ps(row + 96), r7 = _mm512_loadu_ps(row + 112);
+    static const LaneIndices<S> lanes;
+    const __m512i* idx = lanes.idx;
+    __m512d a0 = _mm512_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+    const char* bytes = reinterpret_cast<const char*>(x);
+    const long long n = len * (long long)sizeof(S);
+    for (long long at = 0; at < n; at += 512) {
+        const long long left = n - at;
+        const __m512 r0 = load_row(bytes, at, left), r1 = load_row(bytes, at + 64, left - 64);
+        const __m512 r2 = load_row(bytes, at + 128, left - 128), r3 = load_row(bytes, at + 192, left - 192);
+        const __m512 r4 = load_row(bytes, at + 256, left - 256), r5 = load_row(bytes, at + 320, left - 320);
+        const __m512 r6 = load_row(bytes, at + 384, left - 384), r7 = load_row(bytes, at + 448, left - 448);
         for (int k = 0; k < V; ++k) {
             a0 = _mm512_add_pd(a0, Wide2<S>::terms(r0, r1, idx[k]));
             a1 = _mm512_add_pd(a1, Wide2<S>::terms(r2, r3, idx[k]));
@@ -381,13 +507,15 @@ long long l2_steps(const S* x, long long len, double* acc) {
             a3 = _mm512_add_pd(a3, Wide2<S>::terms(r6, r7, idx[k]));
         }
     }
-    _mm512_storeu_pd(acc, a0);
-    _mm512_storeu_pd(acc + 8, a1);
-    _mm512_storeu_pd(acc + 16, a2);
-    _mm512_storeu_pd(acc + 24, a3);
-    return full * STEP;
+    // lane_tree in registers: lanes 0 .. 7 live in a0, 8 .. 15 in a1, and so on,
+    // and each step adds lane l + off into lane l, as the scalar tree does.
+    const __m512d lo16 = _mm512_add_pd(a0, a2), hi16 = _mm512_add_pd(a1, a3);  // off 16
+    const __m512d lanes8 = _mm512_add_pd(lo16, hi16);                           // off 8
+    const __m256d lanes4 = _mm256_add_pd(_mm512_castpd512_pd256(lanes8), _mm512_extractf64x4_pd(lanes8, 1));
+    const __m128d lanes2 = _mm_add_pd(_mm256_castpd256_pd128(lanes4), _mm256_extractf128_pd(lanes4, 1));
+    return _mm_cvtsd_f64(lanes2) + _mm_cvtsd_f64(_mm_unpackhi_pd(lanes2, lanes2));
 }
-#define GF_HOST_L2_STEPS 1
+#define GF_HOST_L2_SIMD 1
 
 // gf_scale on 16 float16 or bfloat16 values at once: widened exactly, one
 // float multiply, rounded once to nearest-even (vcvtps2ph for float16; for
@@ -440,31 +568,32 @@ bool holds_nonfinite(const S* x, long long len) {
     return false;
 }
 
-// One item's partial: whole steps of a 2-norm in SIMD where the machine has
-// it, the rest (and any item whose SIMD partial is NaN) by the generic loop.
+// One item's partial: a 2-norm in SIMD where the machine has it, the rest
+// (and any item whose SIMD partial is NaN) by the generic loop.
 template <int K, class S>
 double partial_of(const S* x, long long len, double p) {
-    double acc[GF_WARP] = {};
-#ifdef GF_HOST_L2_STEPS
+#ifdef GF_HOST_L2_SIMD
     if constexpr (K == GF_NORM_L2) {
-        const double fast = item_partial<K, S>(x, len, p, acc, l2_steps(x, len, acc));
+        const double fast = l2_partial(x, len);
         if (fast == fast) return fast;
-        for (double& a : acc) a = 0.0;
     }
 #endif
-    return item_partial<K, S>(x, len, p, acc, 0);
+    return item_partial<K, S>(x, len, p);
 }
 
 template <int K>
 void item_partials(const LeafSet& set, const std::vector<Item>& items, long long first, long long end,
                    double p, double* partial) {
     Scratch scratch;
-    for (long long it = first; it < end; ++it) {
-        const Item& item = items[it];
-        const Leaf& L = set.leaves[item.slot];
-        gf_dispatch(L.tag, [&](auto z) {
+    for (long long it = first; it < end;) {
+        const int tag = set.leaves[items[it].slot].tag;
+        // One dispatch for the run of items whose leaves share the dtype.
+        gf_dispatch(tag, [&](auto z) {
             using S = decltype(z);
-            partial[it] = partial_of<K, S>(item_view<S>(L, item, scratch), item.len, p);
+            for (; it < end && set.leaves[items[it].slot].tag == tag; ++it) {
+                const Item& item = items[it];
+                partial[it] = partial_of<K, S>(item_view<S>(set.leaves[item.slot], item, scratch), item.len, p);
+            }
         });
     }
 }
@@ -529,9 +658,9 @@ double finish(const std::vector<Item>& items, const double* partial, long long n
 }
 
 template <int K>
-void norms(const LeafSet& set, const std::vector<Item>& items, long long n_slots, double p, int threads,
-           double* per_leaf, double* total, long long* first_bad) {
-    std::vector<double> partial(items.size());
+void norms(const LeafSet& set, const std::vector<Item>& items, std::vector<double>& partial, long long n_slots,
+           double p, int threads, double* per_leaf, double* total, long long* first_bad) {
+    partial.resize(items.size());
     parallel_items(items, threads, [&](long long first, long long end) {
         item_partials<K>(set, items, first, end, p, partial.data());
     });
@@ -649,63 +778,82 @@ GF_EXPORT void gf_host_init(PyObject* ndarray_type, int bfloat16_num) {
     g_bfloat16_num = bfloat16_num;
 }
 
-GF_EXPORT long long gf_host_norms(PyObject* leaves, PyObject* offsets, int kind, double p, int threads,
-                                  PyObject* per_leaf, PyObject* total, PyObject* first_bad) {
-    LeafSet set;
-    long long bad = read_leaves(leaves, set);
-    if (bad < 0) bad = check_sizes(set, data_of<long long>(offsets));
-    if (bad >= 0) return bad;
+namespace {
+
+long long run_norms(Workspace& w, const long long* offsets, int kind, double p, int threads, PyObject* per_leaf,
+                    PyObject* total, PyObject* first_bad) {
+    const LeafSet& set = w.set;
     const long long n_slots = (long long)set.leaves.size();
-    Py_BEGIN_ALLOW_THREADS
-    const std::vector<Item> items = plan_items(data_of<long long>(offsets), n_slots);
     double* per = data_of<double>(per_leaf);
     double* tot = data_of<double>(total);
     long long* first = data_of<long long>(first_bad);
+    Py_BEGIN_ALLOW_THREADS
+    plan_items(offsets, n_slots, w.items);
     switch (kind) {
-        case GF_NORM_L1: norms<GF_NORM_L1>(set, items, n_slots, p, threads, per, tot, first); break;
-        case GF_NORM_L2: norms<GF_NORM_L2>(set, items, n_slots, p, threads, per, tot, first); break;
-        case GF_NORM_INF: norms<GF_NORM_INF>(set, items, n_slots, p, threads, per, tot, first); break;
-        default: norms<GF_NORM_P>(set, items, n_slots, p, threads, per, tot, first); break;
+        case GF_NORM_L1: norms<GF_NORM_L1>(set, w.items, w.partial, n_slots, p, threads, per, tot, first); break;
+        case GF_NORM_L2: norms<GF_NORM_L2>(set, w.items, w.partial, n_slots, p, threads, per, tot, first); break;
+        case GF_NORM_INF: norms<GF_NORM_INF>(set, w.items, w.partial, n_slots, p, threads, per, tot, first); break;
+        default: norms<GF_NORM_P>(set, w.items, w.partial, n_slots, p, threads, per, tot, first); break;
     }
     Py_END_ALLOW_THREADS
     return -1;
 }
 
-// sources: one sequence of arrays per slot; csr: n_slots + 1 int64 bounds of
-// each slot's sources in the flattened list.
-GF_EXPORT long long gf_host_gather(PyObject* sources, PyObject* csr, PyObject* offsets, PyObject* out,
-                                   int threads) {
-    LeafSet set;
-    const long long bad = read_leaves(sources, set);
+}  // namespace
+
+GF_EXPORT long long gf_host_norms(PyObject* leaves, PyObject* offsets, int kind, double p, int threads,
+                                  PyObject* per_leaf, PyObject* total, PyObject* first_bad) {
+    Workspace& w = workspace();
+    long long bad = read_leaves(leaves, w.set);
+    if (bad < 0) bad = check_sizes(w.set, data_of<long long>(offsets));
     if (bad >= 0) return bad;
-    const long long* bounds = data_of<long long>(csr);
+    return run_norms(w, data_of<long long>(offsets), kind, p, threads, per_leaf, total, first_bad);
+}
+
+// The same norms with every slot read from the one buffer `flat` at the
+// plan's offsets: no Python object per slot. Returns 0, computing nothing, if
+// `flat` is not an aligned contiguous buffer of exactly the plan's size (the
+// caller then passes the leaves).
+GF_EXPORT long long gf_host_norms_flat(PyObject* flat, PyObject* offsets, int kind, double p, int threads,
+                                       PyObject* per_leaf, PyObject* total, PyObject* first_bad) {
+    Workspace& w = workspace();
     const long long* offs = data_of<long long>(offsets);
-    const long long n_slots = PyArray_DIMS((PyArrayObject*)offsets)[0] - 1;
+    if (!w.set.add_slots(flat, offs, PyArray_DIMS((PyArrayObject*)offsets)[0] - 1)) return 0;
+    return run_norms(w, offs, kind, p, threads, per_leaf, total, first_bad);
+}
+
+// sources: one sequence of arrays per slot, added in order.
+GF_EXPORT long long gf_host_gather(PyObject* sources, PyObject* offsets, PyObject* out, int threads) {
+    Workspace& w = workspace();
+    const long long bad = read_sources(sources, w.set, w.csr);
+    if (bad >= 0) return bad;
+    const long long* offs = data_of<long long>(offsets);
+    const long long n_slots = (long long)w.csr.size() - 1;
     for (long long s = 0; s < n_slots; ++s)
-        for (long long k = bounds[s]; k < bounds[s + 1]; ++k)
-            if (set.leaves[k].size != offs[s + 1] - offs[s]) return k;
+        for (long long k = w.csr[s]; k < w.csr[s + 1]; ++k)
+            if (w.set.leaves[k].size != offs[s + 1] - offs[s]) return k;
     const int tag = tag_of((PyArrayObject*)out);
     Py_BEGIN_ALLOW_THREADS
-    const std::vector<Item> items = plan_items(offs, n_slots);
+    plan_items(offs, n_slots, w.items);
     gf_dispatch(tag, [&](auto z) {
         using T = decltype(z);
-        gather<T>(set, bounds, items, data_of<T>(out), threads);
+        gather<T>(w.set, w.csr.data(), w.items, data_of<T>(out), threads);
     });
     Py_END_ALLOW_THREADS
     return -1;
 }
 
 GF_EXPORT long long gf_host_scatter(PyObject* flat, PyObject* leaves, PyObject* offsets, int threads) {
-    LeafSet set;
-    long long bad = read_leaves(leaves, set);
-    if (bad < 0) bad = check_sizes(set, data_of<long long>(offsets));
+    Workspace& w = workspace();
+    long long bad = read_leaves(leaves, w.set);
+    if (bad < 0) bad = check_sizes(w.set, data_of<long long>(offsets));
     if (bad >= 0) return bad;
     const int tag = tag_of((PyArrayObject*)flat);
     Py_BEGIN_ALLOW_THREADS
-    const std::vector<Item> items = plan_items(data_of<long long>(offsets), (long long)set.leaves.size());
+    plan_items(data_of<long long>(offsets), (long long)w.set.leaves.size(), w.items);
     gf_dispatch(tag, [&](auto z) {
         using T = decltype(z);
-        scatter<T>(data_of<T>(flat), set, items, threads);
+        scatter<T>(data_of<T>(flat), w.set, w.items, threads);
     });
     Py_END_ALLOW_THREADS
     return -1;
@@ -715,16 +863,16 @@ GF_EXPORT long long gf_host_scatter(PyObject* flat, PyObject* leaves, PyObject* 
 // total gives a NaN factor, and a factor of exactly 1 writes nothing.
 GF_EXPORT long long gf_host_clip(PyObject* leaves, PyObject* offsets, double total, double max_norm, double eps,
                                  int threads) {
-    LeafSet set;
-    long long bad = read_leaves(leaves, set);
-    if (bad < 0) bad = check_sizes(set, data_of<long long>(offsets));
+    Workspace& w = workspace();
+    long long bad = read_leaves(leaves, w.set);
+    if (bad < 0) bad = check_sizes(w.set, data_of<long long>(offsets));
     if (bad >= 0) return bad;
     const double c = max_norm / (total + eps);
     const double coef = c > 1.0 ? 1.0 : c;
     if (coef == 1.0) return -1;
     Py_BEGIN_ALLOW_THREADS
-    const std::vector<Item> items = plan_items(data_of<long long>(offsets), (long long)set.leaves.size());
-    scale(set, items, coef, threads);
+    plan_items(data_of<long long>(offsets), (long long)w.set.leaves.size(), w.items);
+    scale(w.set, w.items, coef, threads);
     Py_END_ALLOW_THREADS
     return -1;
 }
