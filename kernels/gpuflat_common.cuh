@@ -1,4 +1,4 @@
-// Shared definitions of the flat-tree kernels (#3): element types, dtype
+// Shared definitions of the flat-tree kernels: element types, dtype
 // conversions, the device tables written by gpuflat/backends/cuda.py, and the
 // per-warp loop over one work item.
 //
@@ -13,11 +13,37 @@
 // Dimensions a strided leaf may keep after the host merged what it could.
 #define GF_MAX_DIMS 8
 // Threads of the single block that finishes a norm. A compile-time constant
-// because the reduction tree, and so the bits of the result, depend on it (#3).
+// because the reduction tree, and so the bits of the result, depend on it.
 #define GF_FINISH_THREADS 256
 // A slot with more work items than this is summed by the whole finishing block
 // (a fixed tree); smaller slots are summed by one thread, in item order.
 #define GF_SMALL_SLOT_ITEMS 16
+// Threads per block of the grid-stride kernels, and the blocks per SM their
+// __launch_bounds__ ask for: 256 * 4 threads at 64 registers each fill an
+// SM's 65,536 registers, so the compiler keeps every kernel within 64.
+#define GF_BLOCK_THREADS 256
+#define GF_MIN_BLOCKS_PER_SM 4
+// 16-byte vectors each lane loads before it uses the first (loads in flight).
+#define GF_UNROLL 4
+
+// The emulator's header may leave launch bounds out: they only guide the GPU
+// register allocator, so on the host they mean nothing.
+#if defined(GPUFLAT_EMULATOR) && !defined(__launch_bounds__)
+#define __launch_bounds__(...)
+#endif
+
+// *p = max(*p, v) atomically, the one integer atomic of the kernels. The
+// host build uses GCC's builtins, so it does not depend on which atomics the
+// emulator header defines.
+__device__ __forceinline__ void gf_atomic_max(long long* p, long long v) {
+#ifdef GPUFLAT_EMULATOR
+    long long old = __atomic_load_n(p, __ATOMIC_RELAXED);
+    while (old < v && !__atomic_compare_exchange_n(p, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+#else
+    atomicMax(p, v);
+#endif
+}
 
 struct f16 { unsigned short bits; };
 struct bf16 { unsigned short bits; };
@@ -76,7 +102,7 @@ __device__ __forceinline__ double gf_small_to_double(unsigned short h) {
 }
 
 // double -> 16-bit float in ONE correctly rounded step (nearest, ties to
-// even). Going through float first would round twice (#3).
+// even). Going through float first would round twice.
 template <int EBITS, int MBITS>
 __device__ __forceinline__ unsigned short gf_double_to_small(double x) {
     const int BIAS = (1 << (EBITS - 1)) - 1;
@@ -125,7 +151,7 @@ template <> __device__ __forceinline__ c128 gf_narrow<c128>(gf_wide w) { return 
 
 // Calls f(S{}) with S the element type named by a dtype tag. The tag is
 // uniform over a work item (one leaf), so the switch never diverges a warp and
-// a mixed-dtype tree is still one launch (#3).
+// a mixed-dtype tree is still one launch.
 template <class F>
 __device__ __forceinline__ void gf_dispatch(long long tag, F f) {
     switch (tag) {
@@ -142,22 +168,20 @@ __device__ __forceinline__ void gf_dispatch(long long tag, F f) {
 // ---------------------------------------------------------------- addressing
 __device__ __forceinline__ long long gf_min(long long a, long long b) { return a < b ? a : b; }
 
-// Address of element i (C order) of a leaf: 64-bit arithmetic throughout, so
-// leaves and trees past 2^31 elements index correctly (#3).
-// Out of line: the strided path is rare and long, and inlining it into every
-// dtype's loop made the kernels twice the size.
-__device__ __noinline__ char* gf_addr(const LeafRef& L, long long i, long long itemsize) {
+// Address of element i (C order) of a strided leaf: 64-bit arithmetic
+// throughout, so leaves and trees past 2^31 elements index correctly. Only
+// the out-of-line strided paths call it (see gf_strided_loop).
+__device__ __forceinline__ char* gf_addr(const LeafRef& L, long long i, long long itemsize) {
     char* p = (char*)L.ptr;
     const int nd = (int)L.ndim;
     if (nd == 0) return p + i * itemsize;
     long long off = 0;
-    for (int d = nd - 1; d >= 0; --d) {
-        const long long n = L.shape[d];
-        const long long q = i / n;
-        off += (i - q * n) * L.stride[d];
+    for (int d = nd - 1; d > 0; --d) {
+        const long long q = i / L.shape[d];
+        off += (i - q * L.shape[d]) * L.stride[d];
         i = q;
     }
-    return p + off;
+    return p + off + i * L.stride[0];  // the outermost index is what remains
 }
 
 // The per-lane loop over one work item of a leaf of element type S.
@@ -165,44 +189,93 @@ __device__ __noinline__ char* gf_addr(const LeafRef& L, long long i, long long i
 // The item's elements are grouped into vectors of V = 16 / sizeof(S)
 // consecutive elements; vector j belongs to lane j % 32 and each lane visits
 // its vectors in increasing j, elements in order. That mapping depends only
-// on the dtype, never on alignment or strides: a contiguous leaf whose item
-// starts 16-byte aligned is read (and written) with one 16-byte access per
-// vector, any other leaf element by element, and a norm accumulates in the
-// same order either way, so its bits do not depend on where an array happens
-// to live (#3).
+// on the dtype, never on alignment or strides, so a norm accumulates in the
+// same order whichever path reads it, and its bits do not depend on where an
+// array happens to live.
 //
-// op(i, x) gets the item-relative index and the element (read from memory if
-// READ; stored back if WRITE).
-template <class S, bool READ, bool WRITE, class Op>
-__device__ __forceinline__ void gf_item_loop(const LeafRef& L, long long start, long long len, int lane, Op op) {
-    constexpr int V = 16 / (int)sizeof(S);
-    const long long nvec = (len + V - 1) / V;
-    char* const base = (char*)L.ptr;
-    const bool vec = L.ndim == 0 && ((unsigned long long)(base + start * (long long)sizeof(S)) & 15ULL) == 0;
-    for (long long j = lane; j < nvec; j += GF_WARP) {
-        const long long i0 = j * V;
-        if (vec && i0 + V <= len) {
-            S* p = (S*)base + start + i0;
-            union { int4 raw; S v[V]; } u;
-            if constexpr (READ) u.raw = *reinterpret_cast<const int4*>(p);
-#pragma unroll
-            for (int k = 0; k < V; ++k) op(i0 + k, u.v[k]);
-            if constexpr (WRITE) *reinterpret_cast<int4*>(p) = u.raw;
-        } else {
-            const int n = (int)gf_min((long long)V, len - i0);
-            for (int k = 0; k < n; ++k) {
-                S* p = (S*)gf_addr(L, start + i0 + k, (long long)sizeof(S));
-                S x;
-                if constexpr (READ) x = *p;
-                op(i0 + k, x);
-                if constexpr (WRITE) *p = x;
-            }
-        }
+// gf_item_loop takes contiguous leaves: an item that starts 16-byte aligned
+// is read (and written) with one 16-byte access per vector, U vectors per
+// lane at a time, all loaded before the first is used, so several loads are
+// in flight per lane instead of one load followed by its dependent
+// arithmetic; a misaligned item, and an aligned one's last partial vector,
+// one element at a time. gf_strided_loop takes strided leaves, one element
+// at a time through gf_addr; kernels call it from an out-of-line function,
+// because its 64-bit divisions are calls that would make the hot loop spill.
+//
+// op(i0, v, n) gets the item-relative index of the vector's first element and
+// the vector, of which the first n elements are real; READ fills v from
+// memory first, WRITE stores it after.
+template <class S>
+struct gf_vec {
+    static constexpr int V = 16 / (int)sizeof(S);
+    union {
+        int4 raw;
+        S v[V];
+    };
+};
+
+// Elements [i0, i0 + n) of an item, one at a time, each as a vector of one
+// (the same order as whole vectors).
+template <class S, bool READ, bool WRITE, bool STRIDED, class Op>
+__device__ __forceinline__ void gf_elements(const LeafRef& L, long long start, long long i0, long long n, Op op) {
+    for (long long i = i0; i < i0 + n; ++i) {
+        S* const p = STRIDED ? (S*)gf_addr(L, start + i, (long long)sizeof(S)) : (S*)L.ptr + start + i;
+        S v[gf_vec<S>::V];
+        if constexpr (READ) v[0] = *p;
+        op(i, v, 1);
+        if constexpr (WRITE) *p = v[0];
     }
 }
 
+template <class S, bool READ, bool WRITE, int U = GF_UNROLL, class Op>
+__device__ __forceinline__ void gf_item_loop(const LeafRef& L, long long start, long long len, int lane, Op op) {
+    constexpr int V = gf_vec<S>::V;
+    S* const first = (S*)L.ptr + start;
+    const long long nvec = (len + V - 1) / V;
+    long long j = lane;
+    if (((unsigned long long)first & 15ULL) == 0) {
+        int4* const vecs = reinterpret_cast<int4*>(first);
+        const long long nfull = len / V;
+        for (; j + (U - 1) * GF_WARP < nfull; j += U * GF_WARP) {
+            gf_vec<S> u[U];
+            if constexpr (READ) {
+#pragma unroll
+                for (int r = 0; r < U; ++r) u[r].raw = vecs[j + r * GF_WARP];
+            }
+#pragma unroll
+            for (int r = 0; r < U; ++r) op((j + r * GF_WARP) * V, u[r].v, V);
+            if constexpr (WRITE) {
+#pragma unroll
+                for (int r = 0; r < U; ++r) vecs[j + r * GF_WARP] = u[r].raw;
+            }
+        }
+        for (; j < nfull; j += GF_WARP) {
+            gf_vec<S> u;
+            if constexpr (READ) u.raw = vecs[j];
+            op(j * V, u.v, V);
+            if constexpr (WRITE) vecs[j] = u.raw;
+        }
+    }
+    for (; j < nvec; j += GF_WARP) gf_elements<S, READ, WRITE, false>(L, start, j * V, gf_min((long long)V, len - j * V), op);
+}
+
+template <class S, bool READ, bool WRITE, class Op>
+__device__ __forceinline__ void gf_strided_loop(const LeafRef& L, long long start, long long len, int lane, Op op) {
+    constexpr int V = gf_vec<S>::V;
+    for (long long j = lane; j * V < len; j += GF_WARP)
+        gf_elements<S, READ, WRITE, true>(L, start, j * V, gf_min((long long)V, len - j * V), op);
+}
+
+// f(x) for the first n elements of a vector, in order.
+template <class S, class F>
+__device__ __forceinline__ void gf_for_each(S (&v)[gf_vec<S>::V], int n, F f) {
+#pragma unroll
+    for (int k = 0; k < gf_vec<S>::V; ++k)
+        if (k < n) f(v[k]);
+}
+
 // Element i of a leaf of any dtype, widened (the slow, general path).
-__device__ __noinline__ gf_wide gf_load_any(const LeafRef& L, long long i) {
+__device__ __forceinline__ gf_wide gf_load_any(const LeafRef& L, long long i) {
     gf_wide w = {0.0, 0.0};
     gf_dispatch(L.tag, [&](auto z) {
         using S = decltype(z);

@@ -24,7 +24,7 @@ __device__ __forceinline__ double gf_combine(double a, double b) {
 }
 
 // One element's share of the norm, in double: float32 values near 1e30 or
-// float16 values past 256 square without overflow (#3).
+// float16 values past 256 square without overflow.
 template <int K, bool CPLX>
 __device__ __forceinline__ double gf_term(gf_wide w, double p) {
     if constexpr (K == GF_NORM_L2) {
@@ -47,7 +47,7 @@ __device__ __forceinline__ double gf_root(double v, double p) {
 
 // The clip product in PyTorch's precision: the factor is cast to the leaf's
 // compute type (float for 16- and 32-bit leaves, double for 64-bit ones) and
-// multiplied there, so the result is rounded once, as torch's mul_ does (#3).
+// multiplied there, so the result is rounded once, as torch's mul_ does.
 __device__ __forceinline__ void gf_scale(float& x, double c) { x = x * (float)c; }
 __device__ __forceinline__ void gf_scale(double& x, double c) { x = x * c; }
 __device__ __forceinline__ void gf_scale(c64& x, double c) {

@@ -1,7 +1,7 @@
 // Fused norms (total, per leaf, first non-finite leaf) in two launches, and
-// the clipping scale in one, with no host synchronisation (#3).
+// the clipping scale in one, with no host synchronisation.
 //
-// Determinism (#3, #5): every sum runs in an order fixed by the plan alone.
+// Determinism: every sum runs in an order fixed by the plan alone.
 // Kernel 1 gives each work item a partial computed in a fixed lane order and
 // a fixed shuffle tree, stored in the item's own slot; kernel 2 is a single
 // block of GF_FINISH_THREADS threads that combines items per leaf and leaves
@@ -9,79 +9,118 @@
 // changes a bit. No float atomics anywhere.
 #include "gpuflat_math.cuh"
 
-// Kernel 1: one warp per work item (grid-stride). partial[it] is the item's
-// sum (or max) of terms, flags[it] is 1 when the item holds a NaN or inf.
+// pow makes the p-norm compute-bound: one vector in flight is enough, and
+// the registers go to pow.
 template <int K>
-__global__ void gpuflat_norm_partial(const Item* __restrict__ items, long long n_items,
-                                     const LeafRef* __restrict__ leaves, double p,
-                                     double* __restrict__ partial, int* __restrict__ flags) {
+constexpr int gf_norm_unroll() { return K == GF_NORM_P ? 1 : GF_UNROLL; }
+
+// A lane's share of one item: its sum (or max) of terms, and whether it met
+// a NaN or inf.
+struct gf_lane_sum {
+    double acc;
+    int bad;
+};
+
+template <int K, class S>
+__device__ __forceinline__ void gf_add_terms(gf_lane_sum& s, S (&v)[gf_vec<S>::V], int n, double p) {
+    gf_for_each(v, n, [&](S x) {
+        const gf_wide w = gf_widen(x);
+        s.bad |= !(isfinite(w.re) && isfinite(w.im));
+        s.acc = gf_combine<K>(s.acc, gf_term<K, gf_is_complex<S>::value>(w, p));
+    });
+}
+
+// The strided path of one item, out of line (see gf_strided_loop).
+template <int K, class S>
+__device__ __forceinline__ gf_lane_sum gf_norm_strided(const LeafRef& L, long long start, long long len, int lane,
+                                                    double p) {
+    gf_lane_sum s = {0.0, 0};
+    gf_strided_loop<S, true, false>(L, start, len, lane, [&](long long, S (&v)[gf_vec<S>::V], int n) {
+        gf_add_terms<K>(s, v, n, p);
+    });
+    return s;
+}
+
+template <class S>
+__device__ __forceinline__ void gf_scale_strided(const LeafRef& L, long long start, long long len, int lane, double coef) {
+    gf_strided_loop<S, true, true>(L, start, len, lane, [&](long long, S (&v)[gf_vec<S>::V], int n) {
+        gf_for_each(v, n, [&](S& x) { gf_scale(x, coef); });
+    });
+}
+
+// Kernel 1: one warp per work item (grid-stride). partial[it] is the item's
+// sum (or max) of terms. first_bad (zero before the launch) ends as the
+// largest n_items - it over the items holding a NaN or inf, that is the
+// first such item, recorded with an integer atomic whose result does not
+// depend on the order the items finish in; clean items never touch it.
+template <int K>
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_norm_partial(const Item* __restrict__ items, long long n_items, const LeafRef* __restrict__ leaves,
+                     double p, double* __restrict__ partial, long long* __restrict__ first_bad) {
     const int lane = (int)(threadIdx.x % GF_WARP);
     const long long nwarps = gf_warp_count();
     for (long long it = gf_global_warp(); it < n_items; it += nwarps) {
         const Item item = items[it];
         const LeafRef& L = leaves[item.slot];
-        double acc = 0.0;
-        int bad = 0;
+        gf_lane_sum sum = {0.0, 0};
         gf_dispatch(L.tag, [&](auto z) {
             using S = decltype(z);
-            gf_item_loop<S, true, false>(L, item.start, item.len, lane, [&](long long, S& x) {
-                const gf_wide w = gf_widen(x);
-                bad |= !(isfinite(w.re) && isfinite(w.im));
-                acc = gf_combine<K>(acc, gf_term<K, gf_is_complex<S>::value>(w, p));
-            });
+            if (L.ndim != 0) {
+                sum = gf_norm_strided<K, S>(L, item.start, item.len, lane, p);
+                return;
+            }
+            gf_item_loop<S, true, false, gf_norm_unroll<K>()>(L, item.start, item.len, lane,
+                                                            [&](long long, S (&v)[gf_vec<S>::V], int n) {
+                                                                gf_add_terms<K>(sum, v, n, p);
+                                                            });
         });
+        double acc = sum.acc;
         // Fixed tree: lane 0 ends with ((l0+l16)+(l8+l24))+... whatever the grid.
 #pragma unroll
         for (int off = GF_WARP / 2; off > 0; off >>= 1)
             acc = gf_combine<K>(acc, __shfl_down_sync(GF_FULL_MASK, acc, off));
-        bad = __any_sync(GF_FULL_MASK, bad);
+        const int bad = __any_sync(GF_FULL_MASK, sum.bad);
         if (lane == 0) {
             partial[it] = acc;
-            flags[it] = bad;
+            if (bad) gf_atomic_max(first_bad, n_items - it);
         }
     }
 }
 
 // Fixed-tree reduction over the finishing block; every thread gets the result.
 template <int K>
-__device__ __forceinline__ void gf_block_reduce(double* red, long long* redi, double& v, long long& m) {
+__device__ __forceinline__ double gf_block_reduce(double* red, double v) {
     const int t = (int)threadIdx.x;
     red[t] = v;
-    redi[t] = m;
     __syncthreads();
 #pragma unroll
     for (int w = GF_FINISH_THREADS / 2; w > 0; w >>= 1) {
-        if (t < w) {
-            red[t] = gf_combine<K>(red[t], red[t + w]);
-            redi[t] = redi[t] < redi[t + w] ? redi[t] : redi[t + w];
-        }
+        if (t < w) red[t] = gf_combine<K>(red[t], red[t + w]);
         __syncthreads();
     }
     v = red[0];
-    m = redi[0];
     __syncthreads();  // red is reused by the next reduction
+    return v;
 }
 
 // Kernel 2: one block of exactly GF_FINISH_THREADS threads.
 //
 // slot_items[s] .. slot_items[s + 1] are slot s's items (items are sorted by
 // slot); big_slots lists, ascending, the slots with more than
-// GF_SMALL_SLOT_ITEMS items. Writes per_leaf[s] (the leaf's norm), total[0]
-// and first_bad[0] (the slot of the first item holding a NaN or inf, or -1).
-// Slot s is owned by thread s % GF_FINISH_THREADS in every phase, so a thread
-// only reads back what it wrote itself.
+// GF_SMALL_SLOT_ITEMS items. Writes per_leaf[s] (the leaf's norm), total[0],
+// and turns first_bad[0] from kernel 1's record into the slot of the first
+// item holding a NaN or inf, or -1. Slot s is owned by thread
+// s % GF_FINISH_THREADS in every phase, so a thread only reads back what it
+// wrote itself.
 template <int K>
-__global__ void gpuflat_norm_finish(const Item* __restrict__ items, long long n_items,
-                                    const double* __restrict__ partial, const int* __restrict__ flags,
-                                    const long long* __restrict__ slot_items, long long n_slots,
-                                    const long long* __restrict__ big_slots, long long n_big, double p,
-                                    double* __restrict__ per_leaf, double* __restrict__ total,
-                                    long long* __restrict__ first_bad) {
+__global__ void __launch_bounds__(GF_FINISH_THREADS)
+gpuflat_norm_finish(const Item* __restrict__ items, long long n_items, const double* __restrict__ partial,
+                    const long long* __restrict__ slot_items, long long n_slots,
+                    const long long* __restrict__ big_slots, long long n_big, double p,
+                    double* __restrict__ per_leaf, double* __restrict__ total, long long* __restrict__ first_bad) {
     __shared__ double red[GF_FINISH_THREADS];
-    __shared__ long long redi[GF_FINISH_THREADS];
     const int t = (int)threadIdx.x;
     const long long T = GF_FINISH_THREADS;
-    long long unused = 0;
 
     // Small slots: one thread each, items in order (no synchronisation, so
     // 10,000 tiny leaves cost one pass).
@@ -98,38 +137,32 @@ __global__ void gpuflat_norm_finish(const Item* __restrict__ items, long long n_
         const long long a = slot_items[s], b = slot_items[s + 1];
         double v = 0.0;
         for (long long k = a + t; k < b; k += T) v = gf_combine<K>(v, partial[k]);
-        gf_block_reduce<K>(red, redi, v, unused);
+        v = gf_block_reduce<K>(red, v);
         if (s % T == t) per_leaf[s] = v;
     }
     // The total from the unrounded per-leaf sums (not from the rooted norms),
-    // then each leaf's root; and the first item flagged non-finite.
+    // then each leaf's root.
     double v = 0.0;
     for (long long s = t; s < n_slots; s += T) {
         const double raw = per_leaf[s];
         v = gf_combine<K>(v, raw);
         per_leaf[s] = gf_root<K>(raw, p);
     }
-    long long m = n_items;
-    for (long long k = t; k < n_items; k += T) {
-        if (flags[k]) {
-            m = k;
-            break;
-        }
-    }
-    gf_block_reduce<K>(red, redi, v, m);
+    v = gf_block_reduce<K>(red, v);
     if (t == 0) {
         total[0] = gf_root<K>(v, p);
-        first_bad[0] = m < n_items ? items[m].slot : -1;
+        const long long m = first_bad[0];
+        first_bad[0] = m > 0 ? items[n_items - m].slot : -1;
     }
 }
 
 // Clipping: every leaf *= min(1, max_norm / (total + eps)), with total read
-// from device memory, so clipping never waits on the host (#3). A NaN total
+// from device memory, so clipping never waits on the host. A NaN total
 // gives a NaN coefficient (PyTorch's semantics: the gradients become NaN); the
-// clamp is written so that NaN survives it (#5).
-__global__ void gpuflat_scale(const Item* __restrict__ items, long long n_items,
-                              const LeafRef* __restrict__ leaves, const double* __restrict__ total,
-                              double max_norm, double eps) {
+// clamp is written so that NaN survives it.
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_scale(const Item* __restrict__ items, long long n_items, const LeafRef* __restrict__ leaves,
+              const double* __restrict__ total, double max_norm, double eps) {
     const double c = max_norm / (total[0] + eps);
     const double coef = c > 1.0 ? 1.0 : c;
     // x * 1 is x exactly for every dtype (NaN stays NaN), so when nothing is
@@ -142,8 +175,10 @@ __global__ void gpuflat_scale(const Item* __restrict__ items, long long n_items,
         const LeafRef& L = leaves[item.slot];
         gf_dispatch(L.tag, [&](auto z) {
             using S = decltype(z);
-            gf_item_loop<S, true, true>(L, item.start, item.len, lane,
-                                        [&](long long, S& x) { gf_scale(x, coef); });
+            if (L.ndim != 0) return gf_scale_strided<S>(L, item.start, item.len, lane, coef);
+            gf_item_loop<S, true, true>(L, item.start, item.len, lane, [&](long long, S (&v)[gf_vec<S>::V], int n) {
+                gf_for_each(v, n, [&](S& x) { gf_scale(x, coef); });
+            });
         });
     }
 }

@@ -1,4 +1,4 @@
-"""The CUDA backend on the emulated device (#3): the kernels, tables and
+"""The CUDA backend on the emulated device: the kernels, tables and
 launch path that run on a GPU, compared with NumPy and exact references.
 
 Every dtype, sizes on and around the work-item size, empty and 0-d leaves,
@@ -297,7 +297,7 @@ def test_ties_sum_sources_in_order_and_empty_slots_are_zero(be):
     a, b = np.zeros(2, np.float32), np.zeros(2, np.float32)
     plan = gf.plan({"x": a, "y": b, "z": a})
     g = {"x": np.full(2, 3, np.float32), "y": None, "z": np.full(2, 13, np.float32)}
-    assert plan.flatten(g, backend="emulated").tolist() == [16, 16, 0, 0]
+    assert gf.flatten(plan, g, backend="emulated").tolist() == [16, 16, 0, 0]
 
 
 def test_negative_zero_survives_a_lone_source(be):
@@ -575,7 +575,7 @@ def test_gpu_gives_the_emulated_bits():
 
 def test_work_items_past_two_to_the_31_are_exact_int64():
     # The kernels index with the table's int64 fields; prove the table is
-    # right past 2**31 elements without allocating them (0-strided views, #5).
+    # right past 2**31 elements without allocating them (0-strided views).
     huge = 2**31 + 5
     tree = [np.broadcast_to(np.zeros(1, np.float32), (huge,)), np.zeros(3, np.float32),
             np.broadcast_to(np.zeros(1, np.float32), (2, 2**31))]

@@ -1,19 +1,21 @@
-"""The CUDA backend: whole-tree operations as a fixed number of kernel launches (#3).
+"""The CUDA backend: whole-tree operations as a fixed number of kernel launches.
 
 gather 1 launch, scatter 1, norms 2, clip_ 1, whatever the number of leaves.
 
 Host side, this module only builds tables; the kernels (kernels/*.cu) do the
 work. The tables:
 
-- static, per plan and device (uploaded once, memoised in
-  ``plan.device_cache``): the work items (slot, start, length, flat offset),
+- static, per plan and device (uploaded once, memoised in a
+  ``WeakKeyDictionary`` keyed by the plan, so they go with it): the work items (slot, start, length, flat offset),
   each at most ITEM elements of one leaf, so big leaves split and tiny leaves
   take one item each; where each slot's items begin; the slots the norm
   finisher sums with the whole block; the identity CSR of plain flattens;
 - per call: one row per source array (address, dtype tag, merged shape and
-  byte strides), plus the CSR slot -> sources for tied gradients. It is
-  uploaded again only when an address, stride or dtype changed: the last few
-  uploaded tables are kept per plan and reused when the bytes match.
+  byte strides), plus the CSR slot -> sources for tied gradients. The last
+  few tables are kept per plan, found again by the identity of the arrays
+  (weak references, so a table never keeps old gradients alive and a
+  recycled id never matches), so the norm and the scale of one clip, and
+  every step on arrays updated in place, build and upload nothing.
 
 The same code drives the GPU (``CupyRuntime``) and the host emulator
 (``EmulatedRuntime``); only the runtime differs.
@@ -32,7 +34,9 @@ The same code drives the GPU (``CupyRuntime``) and the host emulator
 from __future__ import annotations
 
 import math
+import operator
 import threading
+import weakref
 from collections import OrderedDict
 from functools import lru_cache
 from operator import attrgetter
@@ -50,6 +54,8 @@ from .protocol import NormResult
 ITEM = 4096
 # Mirrors of kernels/gpuflat_common.cuh (a test checks they agree).
 MAX_DIMS = 8
+# The kernels' __launch_bounds__: a larger block would not launch.
+BLOCK_THREADS = 256
 FINISH_THREADS = 256
 SMALL_SLOT_ITEMS = 16
 LEAF_ROW_WORDS = 4 + 2 * MAX_DIMS
@@ -90,20 +96,21 @@ class CudaBackend:
         st = _static_tables(plan, self.runtime)
         counts = [len(s) for s in sources]
         arrays = [a for s in sources for a in s]
-        slots = [slot for slot, s in enumerate(sources) for _ in s]
-        rows = _leaf_rows(plan, arrays, slots, self.runtime)
         if all(c == 1 for c in counts):
-            table, csr = _device_table(plan, self.runtime, rows), st.identity_csr
+            table = st.table(arrays, None, lambda: _leaf_rows(st, plan, arrays, range(len(arrays)), self.runtime))
+            csr = st.identity_csr
         else:
             extra = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
-            buf = _device_table(plan, self.runtime, rows, extra)
-            table, csr = buf[: rows.size], buf[rows.size :]
+            slots = [slot for slot, s in enumerate(sources) for _ in s]
+            buf = st.table(arrays, tuple(counts), lambda: np.concatenate(
+                [_leaf_rows(st, plan, arrays, slots, self.runtime).ravel(), extra]))
+            table, csr = buf[: len(arrays) * LEAF_ROW_WORDS], buf[len(arrays) * LEAF_ROW_WORDS :]
         self._launch(kl.gather_name(plan.dtype), st, [st.items, np.int64(st.n_items), table, csr, out])
 
     def scatter(self, plan, flat, leaves) -> None:
         """leaves[i][...] = flat slice i cast to the leaf's dtype, in place (1 launch)."""
         st = _static_tables(plan, self.runtime)
-        table = self._leaf_table(plan, leaves, None)
+        table = self._leaf_table(st, plan, leaves, None)
         self._launch(kl.scatter_name(plan.dtype), st, [st.items, np.int64(st.n_items), table, flat])
 
     def norms(self, plan, leaves, ord, per_leaf, flat=None) -> NormResult:
@@ -115,19 +122,20 @@ class CudaBackend:
         kind, p = _norm_kind(ord)
         rt = self.runtime
         st = _static_tables(plan, rt)
-        table = self._leaf_table(plan, leaves, flat)
+        table = self._leaf_table(st, plan, leaves, flat)
         n_slots = len(plan.leaves)
         per = rt.empty(n_slots, np.float64)
         total = rt.empty((), np.float64)
-        first = rt.empty((), np.int64)
+        # Zero: the first kernel records the first non-finite item in it with
+        # an atomic max, the finisher turns that into a slot.
+        first = rt.xp.zeros((), np.int64)
         # Scratch per call, not per plan: two threads norming same-shaped
-        # trees share the plan, and their launches may interleave (#5).
+        # trees share the plan, and their launches may interleave.
         partial = rt.empty(st.n_items, np.float64)
-        flags = rt.empty(st.n_items, np.int32)
         self._launch(kl.norm_partial_name(kind), st,
-                     [st.items, np.int64(st.n_items), table, np.float64(p), partial, flags])
+                     [st.items, np.int64(st.n_items), table, np.float64(p), partial, first])
         rt.launch(kl.norm_finish_name(kind), 1, FINISH_THREADS,
-                  [st.items, np.int64(st.n_items), partial, flags, st.slot_items,
+                  [st.items, np.int64(st.n_items), partial, st.slot_items,
                    np.int64(n_slots), st.big_slots, np.int64(st.n_big), np.float64(p),
                    per, total, first])
         return NormResult(total, per, first)
@@ -136,22 +144,22 @@ class CudaBackend:
         """Every leaf *= min(1, max_norm / (total + eps)), the factor computed on
         the device from ``total`` (1 launch, no synchronisation)."""
         st = _static_tables(plan, self.runtime)
-        table = self._leaf_table(plan, leaves, flat)
+        table = self._leaf_table(st, plan, leaves, flat)
         self._launch(kl.SCALE_NAME, st, [st.items, np.int64(st.n_items), table, total,
                                          np.float64(max_norm), np.float64(eps)])
 
     # ------------------------------------------------------------ helpers
 
-    def _leaf_table(self, plan, leaves, flat):
+    def _leaf_table(self, st, plan, leaves, flat):
         if flat is not None:
-            rows = _flat_rows(plan, self.runtime.pointer(flat))
-        else:
-            rows = _leaf_rows(plan, leaves, range(len(leaves)), self.runtime)
-        return _device_table(plan, self.runtime, rows)
+            # A resident model's table depends on the buffer's address alone.
+            pointer = self.runtime.pointer(flat)
+            return st.table((), ("flat", pointer), lambda: _flat_rows(st, plan, pointer))
+        return st.table(leaves, None, lambda: _leaf_rows(st, plan, leaves, range(len(leaves)), self.runtime))
 
     def _launch(self, name, st, args):
         grid = self.grid or self.runtime.grid_for(st.n_items)
-        self.runtime.launch(name, grid, self.runtime.block, args)
+        self.runtime.launch(name, grid, min(self.runtime.block, BLOCK_THREADS), args)
 
 
 def _norm_kind(ord):
@@ -189,8 +197,36 @@ def plan_items(plan) -> np.ndarray:
     return np.stack([slot, start, length, flat], axis=1).astype(np.int64).reshape(-1, ITEM_WORDS)
 
 
+class _TableEntry:
+    """One uploaded per-call table and what it was built for: the arrays (by
+    weak reference: the cache never keeps gradients alive, and a dead or
+    recycled array never matches) and a hashable ``key`` (tie counts, or a
+    resident buffer's address)."""
+
+    def __init__(self, arrays, key, host, device):
+        self.refs = _weak_refs(arrays)
+        self.key = key
+        self.host = host
+        self.device = device
+
+    def holds(self, arrays, key) -> bool:
+        return (self.refs is not None and len(self.refs) == len(arrays) and self.key == key
+                and all(map(operator.is_, map(_deref, self.refs), arrays)))
+
+
+def _weak_refs(arrays):
+    try:
+        return list(map(weakref.ref, arrays))
+    except TypeError:  # an array type without weak references: found by content only
+        return None
+
+
+_deref = weakref.ref.__call__
+
+
 class _StaticTables:
-    """Device tables of one plan on one device, uploaded as one buffer."""
+    """Device tables of one plan on one device, uploaded as one buffer, and
+    the plan's last few per-call tables."""
 
     def __init__(self, plan, runtime):
         items = plan_items(plan)
@@ -200,23 +236,56 @@ class _StaticTables:
         big = np.flatnonzero(counts > SMALL_SLOT_ITEMS).astype(np.int64)
         identity = np.arange(n_slots + 1, dtype=np.int64)
         parts = [items.ravel(), slot_items, big, identity]
+        self.runtime = runtime
         self.buffer = runtime.upload(np.concatenate(parts).astype(np.int64))
         bounds = np.cumsum([0] + [p.size for p in parts])
         views = [self.buffer[bounds[i] : bounds[i + 1]] for i in range(len(parts))]
         self.items, self.slot_items, self.big_slots, self.identity_csr = views
         self.n_items = len(items)
         self.n_big = len(big)
-        # The caches below are shared by every thread using this plan (#5).
+        # The caches below are shared by every thread using this plan.
         self.lock = threading.Lock()
-        self.tables: OrderedDict = OrderedDict()  # per-call tables by content
+        self.entries: list = []  # _TableEntry, most recently used last
         self.rows: OrderedDict = OrderedDict()  # host rows by array signature
+        self.flat_template = None
+
+    def table(self, arrays, key, build):
+        """The device table for ``arrays`` (and ``key``): found by identity,
+        else built with ``build()`` and uploaded unless a kept table has the
+        same words (new array objects at the same addresses)."""
+        with self.lock:
+            for entry in reversed(self.entries):
+                if entry.holds(arrays, key):
+                    return self._touch(entry).device
+        host = np.ascontiguousarray(build(), np.int64).ravel()
+        with self.lock:
+            same = next((e for e in self.entries if np.array_equal(e.host, host)), None)
+            device = same.device if same is not None else self.runtime.upload(host)
+            self.entries.append(_TableEntry(arrays, key, host, device))
+            while len(self.entries) > TABLES_KEPT:
+                self.entries.pop(0)
+            return device
+
+    def _touch(self, entry):
+        self.entries.remove(entry)
+        self.entries.append(entry)
+        return entry
+
+
+# Static tables per plan (weakly: they go when the plan goes) and device.
+_tables_lock = threading.Lock()
+_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _static_tables(plan, runtime) -> _StaticTables:
-    key = ("gpuflat.cuda",) + tuple(runtime.device_key)
-    st = plan.device_cache.get(key)
+    per_device = _tables.get(plan)
+    st = per_device.get(runtime.device_key) if per_device is not None else None
     if st is None:
-        st = plan.device_cache.setdefault(key, _StaticTables(plan, runtime))
+        with _tables_lock:
+            per_device = _tables.setdefault(plan, {})
+            st = per_device.get(runtime.device_key)
+            if st is None:
+                st = per_device[runtime.device_key] = _StaticTables(plan, runtime)
     return st
 
 
@@ -251,10 +320,9 @@ def _row(shape, strides, dtype):
             + [s for _, s in dims] + pad)
 
 
-def _leaf_rows(plan, arrays, slots, runtime) -> np.ndarray:
+def _leaf_rows(st, plan, arrays, slots, runtime) -> np.ndarray:
     """Host table (n, LEAF_ROW_WORDS) of ``arrays`` (``slots[i]`` is array i's slot)."""
     sig = tuple(map(_sig, arrays))
-    st = _static_tables(plan, runtime)
     with st.lock:
         template = st.rows.get(sig)
         if template is not None:
@@ -282,33 +350,13 @@ def _leaf_rows(plan, arrays, slots, runtime) -> np.ndarray:
     return table
 
 
-def _flat_rows(plan, flat_pointer) -> np.ndarray:
+def _flat_rows(st, plan, flat_pointer) -> np.ndarray:
     """Rows of a resident model: slot i is the contiguous slice at its offset."""
-    key = "gpuflat.cuda.flat_rows"
-    template = plan.device_cache.get(key)
-    if template is None:
-        n = len(plan.leaves)
-        template = np.zeros((n, LEAF_ROW_WORDS), np.int64)
+    if st.flat_template is None:
+        template = np.zeros((len(plan.leaves), LEAF_ROW_WORDS), np.int64)
         template[:, 1] = TAGS[plan.dtype]
         template[:, 3] = [leaf.size for leaf in plan.leaves]
-        template = plan.device_cache.setdefault(key, template)
-    table = template.copy()
+        st.flat_template = template
+    table = st.flat_template.copy()
     table[:, 0] = flat_pointer + np.asarray(plan.offsets[:-1], np.int64) * plan.dtype.itemsize
     return table
-
-
-def _device_table(plan, runtime, rows, extra=None):
-    """The device copy of ``rows`` (+ ``extra`` words), uploaded only when new."""
-    host = rows.ravel() if extra is None else np.concatenate([rows.ravel(), extra])
-    key = host.tobytes()
-    st = _static_tables(plan, runtime)
-    with st.lock:
-        dev = st.tables.get(key)
-        if dev is None:
-            dev = runtime.upload(host)
-            st.tables[key] = dev
-            while len(st.tables) > TABLES_KEPT:
-                st.tables.popitem(last=False)
-        else:
-            st.tables.move_to_end(key)
-        return dev
