@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import gpuflat as gf
-from gpuflat.backends import cuda
+from gpuflat.backends import cuda, get_backend
 from gpuflat.backends.cuda import ITEM, CudaBackend
 from gpuflat.runtime import EmulatedRuntime
 
@@ -588,3 +588,22 @@ def test_work_items_past_two_to_the_31_are_exact_int64():
     last = items[-1].tolist()
     assert last[0] == 2 and last[1] + last[2] == 2**32 and last[3] + last[2] == huge + 3 + 2**32
     assert int(items[:, 2].sum()) == huge + 3 + 2**32
+
+
+def test_per_call_tables_keep_no_array_alive_and_follow_new_arrays():
+    import gc
+    import weakref
+
+    be = get_backend("emulated")
+    tree = [np.ones(5, np.float32), np.ones(3)]
+    plan = gf.plan(tree)
+    be.norms(plan, tree, 2.0, per_leaf=False)
+    ref = weakref.ref(tree[0])
+    del tree
+    gc.collect()
+    assert ref() is None  # the cache held no strong reference
+    # New arrays (perhaps at recycled ids or addresses) get their own values.
+    for fill in (2.0, 3.0, 4.0):
+        fresh = [np.full(5, fill, np.float32), np.full(3, fill)]
+        got = float(be.norms(plan, fresh, 2.0, per_leaf=False).total)
+        assert got == pytest.approx(fill * math.sqrt(8))
