@@ -9,6 +9,7 @@ read through zero-copy views, and results come back in the caller's kind.
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 from . import arrays as _arrays
 from . import checks
@@ -69,7 +70,7 @@ def plan(tree, *, backend: str | None = None) -> FlatPlan:
     return call.plan
 
 
-def plan_cache_info():
+def plan_cache_info() -> flatplan.CacheInfo:
     """Hits, misses and size of the plan cache.
 
     >>> import gpuflat as gf
@@ -107,7 +108,7 @@ def trainables(tree, *, path: bool = False, backend: str | None = None) -> list:
     return list(zip(call.paths(), own)) if path else own
 
 
-def destructure(tree, *, backend: str | None = None):
+def destructure(tree, *, backend: str | None = None) -> tuple[Any, Callable[[Any], Any]]:
     """``(flat, re)``: the trainables in one 1-D buffer, and a function rebuilding the tree.
 
     ``re(flat2)`` returns a new tree with every trainable rebuilt from
@@ -135,7 +136,7 @@ def destructure(tree, *, backend: str | None = None):
     return call.result(flat), re
 
 
-def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None):
+def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None) -> Any:
     """Gather ``tree``'s arrays at ``plan``'s trainable places into one 1-D buffer.
 
     ``tree`` is the model itself or a gradient tree shaped like it: gradients
@@ -169,7 +170,7 @@ def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None):
     return out
 
 
-def unflatten(plan: FlatPlan, flat, *, backend: str | None = None):
+def unflatten(plan: FlatPlan, flat, *, backend: str | None = None) -> Any:
     """A tree shaped like ``plan``'s whose trainables are rebuilt from ``flat``.
 
     Where ``flat`` has a leaf's dtype, the leaf is a zero-copy view into it;
@@ -232,7 +233,7 @@ def scatter(plan: FlatPlan, flat, tree, *, backend: str | None = None) -> None:
             value[...] = targets[slot]
 
 
-def total(f, tree, *, model=None, backend: str | None = None):
+def total(f: str | Callable[[Any], Any], tree, *, model=None, backend: str | None = None) -> Any:
     """The sum over unique trainables of ``f(leaf)``.
 
     ``f`` is any callable, or one of the fused reductions: "sumsq" (sum of
@@ -264,7 +265,8 @@ def total(f, tree, *, model=None, backend: str | None = None):
     return call.result(result.total if f == "l1" else result.total * result.total)
 
 
-def global_norm(tree, ord=2, *, per_leaf: bool = False, model=None, backend: str | None = None):
+def global_norm(tree, ord: float = 2, *, per_leaf: bool = False, model=None,
+                backend: str | None = None) -> Any:
     """The norm of all trainables taken as one vector: (sum |x|**p) ** (1/p).
 
     Accumulated in float64 whatever the leaf dtype, in a fixed order (the
@@ -292,8 +294,8 @@ def global_norm(tree, ord=2, *, per_leaf: bool = False, model=None, backend: str
     return call.result(result.total)
 
 
-def clip_grad_norm_(grads, max_norm, ord=2, *, eps=1e-6, error_if_nonfinite: bool = False,
-                    model=None, backend: str | None = None):
+def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, eps: float = 1e-6,
+                    error_if_nonfinite: bool = False, model=None, backend: str | None = None) -> Any:
     """Scale every gradient in place by min(1, max_norm / (norm + eps)); return the norm.
 
     PyTorch's semantics: the factor is always applied (no branch on a device
@@ -328,7 +330,8 @@ def clip_grad_norm_(grads, max_norm, ord=2, *, eps=1e-6, error_if_nonfinite: boo
     return call.result(result.total)
 
 
-def clip_by_global_norm(tree, max_norm, ord=2, *, eps=1e-6, backend: str | None = None):
+def clip_by_global_norm(tree, max_norm: float, ord: float = 2, *, eps: float = 1e-6,
+                        backend: str | None = None) -> tuple[Any, Any]:
     """``(clipped, norm)``: a new tree whose trainables are scaled by
     min(1, max_norm / (norm + eps)); the input is left untouched.
 

@@ -26,7 +26,7 @@ from . import tree as _tree
 from .backends.base import select
 from .errors import NonFiniteError
 from .flatplan import FlatPlan, LeafSpec
-from .ops import Call
+from .ops import Call, raise_if_nonfinite
 
 ALIGN_BYTES = 256
 PADDING = "<padding>"
@@ -264,15 +264,10 @@ class Resident:
     def _raise_if_nonfinite(self, total, results, p):
         if math.isfinite(float(self._backend.to_host(total))):
             return
-        for group, r in zip(self._groups, results):
-            bad = int(self._backend.to_host(r.first_nonfinite))
-            if bad >= 0:
-                what = f"leaf {group.plan.leaves[bad].path!r} holds NaN or inf"
-                break
-        else:
-            what = "no leaf holds NaN or inf, but the sum overflowed float64"
-        raise NonFiniteError(f"{what}; the total {p:g}-norm is non-finite, so no gradient "
-                             f"was scaled (error_if_nonfinite=True)")
+        for group, result in zip(self._groups, results):
+            raise_if_nonfinite(self._backend, group.plan, result, p)
+        raise NonFiniteError(f"no leaf holds NaN or inf, but the sum overflowed float64; the total "
+                             f"{p:g}-norm is non-finite, so no gradient was scaled (error_if_nonfinite=True)")
 
     def _result(self, x):
         return x if self._like is None else _arrays.to_caller(x, self._like)
