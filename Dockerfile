@@ -1,4 +1,4 @@
-# gpuflat's GPU benchmark (#4): gpuflat beside CuPy and PyTorch on CUDA.
+# gpuflat's GPU benchmark: gpuflat beside CuPy, PyTorch and JAX on CUDA.
 #   docker build -t gpuflat-bench .
 #   docker run --rm --gpus all -v "$PWD/bench/results:/results" gpuflat-bench
 # The results (<gpu-name>.json, .png) land in the mounted /results folder;
@@ -22,8 +22,13 @@ RUN python3 -m venv "$VIRTUAL_ENV"
 WORKDIR /src
 COPY . .
 # "." is this repository; its extras' versions are bounded in pyproject.toml.
+# The peers extra brings JAX's CPU build only: jax[cuda12] adds its CUDA
+# plugin, so the JAX peer runs on the GPU instead of being left out.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[cuda12,bench,peers]"
+RUN pip install --no-cache-dir ".[cuda12,bench,peers]" "jax[cuda12]"
+
+# JAX would otherwise take most of the GPU's memory at import, starving CuPy.
+ENV XLA_PYTHON_CLIENT_PREALLOCATE=false
 
 VOLUME ["/results"]
 ENTRYPOINT ["python", "-m", "bench", "--device", "cuda", "--out", "/results"]

@@ -3,9 +3,9 @@
 The kernels in ``kernels/*.cu`` are plain CUDA C. On a machine without a GPU
 the same text is compiled with ``g++ -std=c++20`` with
 ``kernels/emulator/cuda_host.h`` force-included, which defines the CUDA
-built-ins and runs every thread of a block as a host thread (#3). This module
-builds that shared library (cached on disk, memoised in the process) and
-launches kernels in it through ctypes.
+built-ins and runs every thread of a block as a host thread. This module
+builds that shared library (with ``gpuflat.host_compiler``: cached on disk,
+memoised in the process) and launches kernels in it through ctypes.
 
 Kernel arguments are NumPy scalars: ``np.int64``/``np.int32``/... for
 integers, ``np.float64``/``np.float32`` for floats, and ``np.uint64`` for
@@ -16,33 +16,25 @@ parameter types, so a 32-bit integer passed where the kernel takes
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import re
 import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import numpy as np
 
-__all__ = [
-    "EmulatorBuildError",
-    "EmulatorError",
-    "EmulatorLibrary",
-    "KernelError",
-    "UnknownKernelError",
-    "cache_dir",
-    "header_path",
-    "load_library",
-]
+from gpuflat import host_compiler, kernel_loader
+
+__all__ = ["EmulatorBuildError", "EmulatorError", "EmulatorLibrary", "KernelError", "UnknownKernelError",
+           "load_library"]
 
 CXX_FLAGS = (
     "-O2",
     "-std=c++20",
     "-pthread",
-    "-shared",
-    "-fPIC",
+    # No a*b+c fused into one rounding (g++ contracts by default where the
+    # target has an fma, as aarch64 does): the GPU build passes --fmad=false,
+    # so both devices round every product and sum.
+    "-ffp-contract=off",
     # Only the gpuflat_emu_* entry points are exported; the rest is local,
     # which also gives the thread-locals the cheap TLS model.
     "-fvisibility=hidden",
@@ -62,12 +54,8 @@ class EmulatorError(RuntimeError):
     """Base class of the emulator's errors."""
 
 
-class EmulatorBuildError(EmulatorError):
+class EmulatorBuildError(EmulatorError, host_compiler.BuildError):
     """g++ rejected the kernel sources; ``stderr`` holds its message."""
-
-    def __init__(self, message: str, stderr: str = ""):
-        super().__init__(message)
-        self.stderr = stderr
 
 
 class UnknownKernelError(EmulatorError, LookupError):
@@ -76,37 +64,6 @@ class UnknownKernelError(EmulatorError, LookupError):
 
 class KernelError(EmulatorError):
     """A launch failed: a trap or assert in a kernel, or a deadlock."""
-
-
-def header_path() -> Path:
-    """The emulator header: installed package data first, else the repository's.
-
-    >>> header_path().name
-    'cuda_host.h'
-    """
-    here = Path(__file__).resolve().parent
-    for kernels in (here / "kernels", here.parent / "kernels"):
-        candidate = kernels / "emulator" / "cuda_host.h"
-        if candidate.is_file():
-            return candidate
-    raise EmulatorError(f"emulator header cuda_host.h not found under {here / 'kernels'} or {here.parent / 'kernels'}")
-
-
-def cache_dir() -> Path:
-    """Where built libraries are kept: $GPUFLAT_CACHE_DIR, else $XDG_CACHE_HOME/gpuflat, else ~/.cache/gpuflat.
-
-    >>> cache_dir().name
-    'emulator'
-    """
-    root = os.environ.get("GPUFLAT_CACHE_DIR")
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        root = os.path.join(xdg, "gpuflat") if xdg else os.path.join(os.path.expanduser("~"), ".cache", "gpuflat")
-    return Path(root) / "emulator"
-
-
-def _compiler() -> str:
-    return os.environ.get("GPUFLAT_CXX", "g++")
 
 
 def _generated_source(sources: dict[str, str], name_expressions: list[str]) -> str:
@@ -124,28 +81,16 @@ def _generated_source(sources: dict[str, str], name_expressions: list[str]) -> s
     return "\n".join(lines) + "\n"
 
 
-def _safe_name(name: str) -> str:
-    if ".." in name or name.startswith(("/", "\\")) or not name:
-        raise ValueError(f"source name {name!r} must be a relative path inside the kernels directory")
-    return name
-
-
-_libraries: dict[str, "EmulatorLibrary"] = {}
-_libraries_lock = threading.Lock()
-
-
-def load_library(
-    sources: dict[str, str], name_expressions: list[str], key: str, *, extra_flags: tuple[str, ...] = ()
-) -> "EmulatorLibrary":
+def load_library(sources: dict[str, str], name_expressions: list[str], name: str) -> "EmulatorLibrary":
     """Build (or reuse) the host library of these kernel sources.
 
     ``sources`` maps file names to the text of every ``.cu`` and ``.cuh``
     file; the ``.cu`` files are included in sorted order, and the headers are
     found by their names. ``name_expressions`` are the kernels to launch, as
-    for NVRTC (``"gather<float>"``). ``key`` names the cached library; a hash
-    of everything that goes into the build is appended, so a stale key can
-    never load an old library. Raises :class:`EmulatorBuildError` with g++'s
-    message when the sources do not compile.
+    for NVRTC (``"gather<float>"``). ``name`` names the library file; the
+    build is cached by the hash of everything that goes into it
+    (``gpuflat.host_compiler``). Raises :class:`EmulatorBuildError` with
+    g++'s message when the sources do not compile.
 
     >>> src = '''
     ... __global__ void iota(long long* out, long long n) {
@@ -158,54 +103,14 @@ def load_library(
     >>> out.tolist()
     [0, 1, 2, 3, 4]
     """
-    header = header_path()
-    flags = CXX_FLAGS + tuple(extra_flags)
-    generated = _generated_source(sources, list(name_expressions))
-    digest = hashlib.sha256()
-    for part in (header.read_text(), generated, "\0".join(flags)):
-        digest.update(part.encode())
-        digest.update(b"\0\0")
-    for name in sorted(sources):
-        digest.update(name.encode() + b"\0" + sources[name].encode() + b"\0\0")
-    safe_key = re.sub(r"[^A-Za-z0-9._-]", "_", key)[:80] or "kernels"
-    path = cache_dir() / f"{safe_key}-{digest.hexdigest()[:16]}.so"
-    with _libraries_lock:
-        lib = _libraries.get(str(path))
-        if lib is None:
-            if not path.is_file():
-                _build(sources, generated, header, flags, path)
-            lib = EmulatorLibrary(path, list(name_expressions))
-            _libraries[str(path)] = lib
-        return lib
-
-
-def _build(sources: dict[str, str], generated: str, header: Path, flags: tuple[str, ...], path: Path) -> None:
-    """Compile into a temporary file next to ``path``, then rename: concurrent builds are safe."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="gpuflat-emu-") as work:
-        for name, text in sources.items():
-            dest = Path(work) / _safe_name(name)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_text(text)
-        main = Path(work) / "gpuflat_emulator_main.cpp"
-        main.write_text(generated)
-        fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        cmd = [_compiler(), *flags, "-include", str(header), "-I", work, "-o", tmp, str(main)]
-        try:
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-            except OSError as exc:
-                raise EmulatorBuildError(f"cannot run the C++ compiler {cmd[0]!r}: {exc}") from exc
-            if proc.returncode != 0:
-                raise EmulatorBuildError(
-                    f"g++ failed to build the emulated kernels (exit {proc.returncode}):\n{proc.stderr}",
-                    proc.stderr,
-                )
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    header = kernel_loader.emulator_header()
+    try:
+        path = host_compiler.build_library(
+            name, _generated_source(sources, list(name_expressions)),
+            flags=CXX_FLAGS + ("-include", str(header)), key_parts=[header.read_text()], files=sources)
+    except host_compiler.BuildError as exc:
+        raise EmulatorBuildError(f"g++ failed to build the emulated kernels: {exc}", exc.stderr) from None
+    return host_compiler.load(path, EmulatorLibrary)
 
 
 # NumPy dtype kind and size a kernel parameter accepts, by the signature code
@@ -248,9 +153,8 @@ class EmulatorLibrary:
     are safe (the library serialises them, with the GIL released).
     """
 
-    def __init__(self, path: Path, name_expressions: list[str]):
+    def __init__(self, path):
         self.path = Path(path)
-        self.name_expressions = tuple(name_expressions)
         lib = ctypes.CDLL(str(self.path))
         lib.gpuflat_emu_launch.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p]
         lib.gpuflat_emu_launch.restype = ctypes.c_int
@@ -269,6 +173,7 @@ class EmulatorLibrary:
             name = lib.gpuflat_emu_kernel_name(i)
             sig = lib.gpuflat_emu_kernel_signature(i).decode()
             self._signatures[name.decode()] = (name, tuple(sig.split(",")) if sig else ())
+        self.name_expressions = tuple(self._signatures)
         ranges = _shared_ranges(self.path)
         self._ranges = (ctypes.c_ulonglong * max(1, 2 * len(ranges)))(*(v for r in ranges for v in r))
         lib.gpuflat_emu_set_shared_ranges(self._ranges, len(ranges))

@@ -1,12 +1,19 @@
-"""The one loader of gpuflat's CUDA kernels (#3).
+"""The one loader of gpuflat's CUDA kernels.
 
 The kernels are CUDA C files shipped as package data (``gpuflat/kernels`` in
 an installed wheel, ``kernels/`` next to the package in a checkout). This
 module finds them, names the template instantiations the backends launch,
-hashes every source and header into one cache key, and compiles them three
-ways: NVRTC to PTX (a compile check that needs no GPU), ``cupy.RawModule``
-for a real device, and the host emulator library for the ``emulated``
-backend.
+hashes every source and header into one cache key, and builds them two ways:
+NVRTC (:func:`nvrtc_compile`: PTX for the compile checks, a cubin for a real
+device) and the host emulator library for the ``emulated`` backend.
+
+A GPU runs the very cubin that :func:`nvrtc_compile` makes with
+:data:`OPTIONS`, loaded with ``cupy.cuda.function.Module().load``, not a
+``cupy.RawModule``: CuPy appends ``-ftz=true`` after the caller's options
+(``_compile_with_cache_cuda`` in
+https://github.com/cupy/cupy/blob/main/cupy/cuda/compiler.py) and the last
+flag wins, so a RawModule would flush float32 subnormals to zero where the
+compile checks and the emulator keep them.
 
 >>> "gpuflat_gather<float>" in name_expressions()
 True
@@ -17,19 +24,23 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import hashlib
+import functools
+import json
+import os
 import re
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from gpuflat import host_compiler
 from gpuflat.dtypes import CUDA_NAMES
 
-# Compile options shared by every route. No fast-math: NaN and inf must
-# survive the norm and clip kernels (#5). --fmad=false keeps a*b+c two
-# roundings, as the host emulator computes it, so the emulated device gives
+# NVRTC's options, for the compile checks and the GPU alike. No fast-math,
+# and flush-to-zero off (NVRTC's default): NaN, inf and subnormals must
+# survive the norm and clip kernels as they do on the host. --fmad=false
+# keeps a*b+c two roundings, as the host emulator computes it
+# (-ffp-contract=off), so the emulated device gives
 # the GPU's bits for gather, scatter, clip and the 1-, 2- and inf-norms (the
 # order is fixed either way; only pow and hypot may differ by an ulp).
 # -default-device makes the lambdas the kernels pass to their helpers device
@@ -117,6 +128,15 @@ def kernel_dir() -> Path:
     )
 
 
+def emulator_header(directory: Path | None = None) -> Path:
+    """The host emulator's header, ``emulator/cuda_host.h`` in the kernel directory.
+
+    >>> emulator_header().name
+    'cuda_host.h'
+    """
+    return (Path(directory) if directory is not None else kernel_dir()) / "emulator" / "cuda_host.h"
+
+
 def sources(directory: Path | None = None) -> dict[str, str]:
     """File name -> text of every ``*.cu`` and ``*.cuh`` in the kernel directory.
 
@@ -129,27 +149,22 @@ def sources(directory: Path | None = None) -> dict[str, str]:
 
 
 def cache_key(directory: Path | None = None) -> str:
-    """SHA-256 over every file under the kernel directory, emulator header too.
+    """SHA-256 over every file under the kernel directory, emulator header too,
+    and the NVRTC options.
 
     Hashing the files themselves, not just the top-level source text, means an
-    edited header always yields a new compiled module (#3).
+    edited header always yields a new compiled module.
     """
     d = Path(directory) if directory is not None else kernel_dir()
-    h = hashlib.sha256()
-    h.update(repr(OPTIONS).encode())
-    for f in sorted(p for p in d.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
-        h.update(str(f.relative_to(d).as_posix()).encode() + b"\0")
-        h.update(f.read_bytes() + b"\0")
-    return h.hexdigest()
+    return host_compiler.digest([*OPTIONS, host_compiler.tree_digest(d)])
 
 
 def assembled_source(directory: Path | None = None) -> str:
     """One self-contained translation unit: the ``.cu`` files in sorted order,
     each local ``#include "..."`` expanded once in place.
 
-    Expanding the headers ourselves makes the code string cover them, so
-    CuPy's on-disk cache (keyed by the code string) can never serve a module
-    built from an older header (#3).
+    NVRTC gets one string with no include path, so the compile reads no file
+    but the ones hashed by :func:`cache_key`.
 
     >>> "#include" in assembled_source()
     False
@@ -180,7 +195,7 @@ def assembled_source(directory: Path | None = None) -> str:
 
 @dataclass(frozen=True)
 class Compiled:
-    """The output of one NVRTC compile: PTX (or a cubin) and lowered names."""
+    """The output of one NVRTC compile: PTX or a cubin, and the lowered names."""
 
     arch: str
     ptx: str
@@ -189,82 +204,145 @@ class Compiled:
     log: str
 
 
-def nvrtc_library():
-    """ctypes handle on libnvrtc: the ``nvidia-cuda-nvrtc-cu12`` wheel's copy, else
-    the system's."""
-    candidates = []
-    try:
-        import nvidia.cuda_nvrtc as pkg  # the wheel is a namespace package
+def nvrtc_candidates() -> list[str]:
+    """Where libnvrtc may be, in the order tried: the ``nvidia-cuda-nvrtc-cu12``
+    wheel (``nvidia/cuda_nvrtc/lib``), the CUDA 13 wheels (``nvidia/cu13/lib``),
+    ``$CUDA_PATH``/``$CUDA_HOME``, ``/usr/local/cuda``, the linker's search
+    path, then the bare sonames.
 
-        for base in pkg.__path__:
-            candidates += sorted(Path(base, "lib").glob("libnvrtc.so*"))
+    The CUDA 12 wheel comes first because CUDA 13's NVRTC no longer targets
+    sm_70, which the compile checks cover.
+
+    >>> any("libnvrtc.so" in c for c in nvrtc_candidates())
+    True
+    """
+    found = []
+    try:
+        import nvidia  # the wheels share this namespace package
+
+        for base in nvidia.__path__:
+            for sub in ("cuda_nvrtc/lib", "cu13/lib", "cu12/lib"):
+                found += sorted(str(p) for p in Path(base, sub).glob("libnvrtc.so*"))
     except ImportError:
         pass
-    found = ctypes.util.find_library("nvrtc")
-    if found:
-        candidates.append(found)
-    for c in candidates:
-        if "alt" in Path(str(c)).name or "builtins" in Path(str(c)).name:
-            continue
+    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    for root in filter(None, roots):
+        found += sorted(str(p) for p in Path(root, "lib64").glob("libnvrtc.so*"))
+    system = ctypes.util.find_library("nvrtc")
+    found += [system] if system else []
+    found += ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+    # libnvrtc-builtins and the alt variants are helpers, not the compiler.
+    return [c for c in dict.fromkeys(found) if not re.search(r"builtins|alt", Path(c).name)]
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_library():
+    """ctypes handle on the first libnvrtc of :func:`nvrtc_candidates` that loads."""
+    for candidate in nvrtc_candidates():
         try:
-            return ctypes.CDLL(str(c))
+            lib = ctypes.CDLL(candidate)
         except OSError:
             continue
-    raise OSError("libnvrtc not found: install nvidia-cuda-nvrtc-cu12")
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        return lib
+    raise OSError("libnvrtc not found: install nvidia-cuda-nvrtc-cu12 (or CUDA 13's nvidia-cuda-nvrtc), "
+                  "or set CUDA_PATH")
 
 
-def compile(arch: str = "sm_80", directory: Path | None = None, cubin: bool = False) -> Compiled:
-    """Compile every kernel with NVRTC for ``arch`` (``"sm_70"``, ``"sm_80"``...).
+def nvrtc_version() -> tuple[int, int]:
+    """(major, minor) of the NVRTC :func:`nvrtc_library` loads.
 
-    ``cubin=False`` stops at PTX for the virtual architecture (compute_XX);
-    ``cubin=True`` runs the whole back end for the real one. No GPU is needed.
-    Raises ``RuntimeError`` with the compiler log on failure.
+    >>> nvrtc_version() >= (12, 0)
+    True
+    """
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    nvrtc_library().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return major.value, minor.value
+
+
+def nvrtc_compile(arch: str = "sm_80", directory: Path | None = None, cubin: bool = False,
+                  options: tuple = OPTIONS) -> Compiled:
+    """Compile every kernel with NVRTC for ``arch`` (``"sm_70"``, ``"sm_90"``...).
+
+    ``cubin=False`` stops at PTX for the virtual architecture (compute_XY);
+    ``cubin=True`` runs the whole back end for the real one (sm_XY), as a GPU
+    loads it. No GPU is needed. A warning about the code is an error (NVRTC
+    has no option for that, so the log is checked; see :func:`code_warnings`):
+    raises ``RuntimeError`` with the log.
+
+    >>> out = nvrtc_compile("sm_80")
+    >>> out.ptx.count(".entry") == len(name_expressions()), out.log
+    (True, '')
     """
     lib = nvrtc_library()
-    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-
-    def check(status, what, prog=None):
-        if status != 0:
-            log = _log(lib, prog) if prog is not None else ""
-            raise RuntimeError(f"NVRTC {what}: {lib.nvrtcGetErrorString(status).decode()}\n{log}")
-
+    digits = arch.split("_")[-1]
+    target = f"sm_{digits}" if cubin else f"compute_{digits}"
     prog = ctypes.c_void_p()
     code = assembled_source(directory).encode()
-    check(lib.nvrtcCreateProgram(ctypes.byref(prog), code, b"gpuflat.cu", 0, None, None), "create")
+    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), code, b"gpuflat.cu", 0, None, None), "create")
     try:
         names = name_expressions()
         for n in names:
-            check(lib.nvrtcAddNameExpression(prog, n.encode()), f"name {n}")
-        digits = arch.split("_")[-1]
-        target = f"sm_{digits}" if cubin else f"compute_{digits}"
-        opts = [o.encode() for o in OPTIONS + (f"--gpu-architecture={target}",)]
-        arr = (ctypes.c_char_p * len(opts))(*opts)
-        check(lib.nvrtcCompileProgram(prog, len(opts), arr), f"compile for {target}", prog)
-        lowered = {}
-        for n in names:
-            out = ctypes.c_char_p()
-            check(lib.nvrtcGetLoweredName(prog, n.encode(), ctypes.byref(out)), f"lowered name {n}")
-            lowered[n] = out.value.decode()
-        ptx, binary = "", b""
-        size = ctypes.c_size_t()
+            _check(lib, lib.nvrtcAddNameExpression(prog, n.encode()), f"name {n}")
+        opts = [o.encode() for o in (*options, f"--gpu-architecture={target}")]
+        status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        log = _log(lib, prog)
+        _check(lib, status, f"compile for {target}", log)
+        if code_warnings(log):
+            raise RuntimeError(f"NVRTC compile for {target}: warnings are errors here\n{log}")
+        lowered = {n: _lowered_name(lib, prog, n) for n in names}
         if cubin:
-            check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
-            buf = ctypes.create_string_buffer(size.value)
-            check(lib.nvrtcGetCUBIN(prog, buf), "cubin")
-            binary = buf.raw
-        else:
-            check(lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "ptx size")
-            buf = ctypes.create_string_buffer(size.value)
-            check(lib.nvrtcGetPTX(prog, buf), "ptx")
-            ptx = buf.value.decode()
-        return Compiled(arch, ptx, binary, lowered, _log(lib, prog))
+            return Compiled(arch, "", _output(lib, prog, "CUBIN").raw, lowered, log)
+        return Compiled(arch, _output(lib, prog, "PTX").value.decode(), b"", lowered, log)
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+# NVRTC 12.9 notes that sm_70 is deprecated, with no option to silence it;
+# it concerns the target, not the code.
+_TARGET_NOTICE = re.compile(r"Architectures prior to .* are deprecated")
+
+
+def code_warnings(log: str) -> list[str]:
+    """The lines of an NVRTC log that warn about the code (the deprecation
+    notice for old targets aside).
+
+    >>> code_warnings("t.cu(1): warning #177-D: variable never referenced\\n")
+    ['t.cu(1): warning #177-D: variable never referenced']
+    >>> code_warnings("nvrtc: warning: Architectures prior to '<compute/sm>_75' are deprecated\\n")
+    []
+    """
+    return [line for line in log.splitlines()
+            if "warning" in line.lower() and not _TARGET_NOTICE.search(line)]
+
+
 def compile_ptx(arch: str = "sm_80", directory: Path | None = None) -> Compiled:
-    """PTX of every kernel for ``arch``; see :func:`compile`."""
-    return compile(arch, directory, cubin=False)
+    """PTX of every kernel for ``arch``; see :func:`nvrtc_compile`.
+
+    >>> ".target sm_70" in compile_ptx("sm_70").ptx
+    True
+    """
+    return nvrtc_compile(arch, directory, cubin=False)
+
+
+def _check(lib, status, what, log=""):
+    if status != 0:
+        raise RuntimeError(f"NVRTC {what}: {lib.nvrtcGetErrorString(status).decode()}\n{log}")
+
+
+def _lowered_name(lib, prog, name: str) -> str:
+    out = ctypes.c_char_p()
+    _check(lib, lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(out)), f"lowered name {name}")
+    return out.value.decode()
+
+
+def _output(lib, prog, kind: str):
+    """The compiled PTX or CUBIN of ``prog`` as a ctypes buffer."""
+    size = ctypes.c_size_t()
+    _check(lib, getattr(lib, f"nvrtcGet{kind}Size")(prog, ctypes.byref(size)), f"{kind} size")
+    buf = ctypes.create_string_buffer(size.value)
+    _check(lib, getattr(lib, f"nvrtcGet{kind}")(prog, buf), kind)
+    return buf
 
 
 def _log(lib, prog) -> str:
@@ -276,41 +354,63 @@ def _log(lib, prog) -> str:
     return buf.value.decode(errors="replace")
 
 
-# ---------------------------------------------------------------- CuPy, emulator
-
-_lock = threading.Lock()
-_cupy_modules: dict = {}
-_emulator_libraries: dict = {}
+# ---------------------------------------------------------------- a real device
 
 
-def cupy_module(device_id: int | None = None):
-    """The compiled ``cupy.RawModule`` for a device, memoised per device.
+def device_arch(device) -> str:
+    """``"sm_XY"`` of a ``cupy.cuda.Device``, from its compute capability ("90").
 
-    Fetch a kernel with ``cupy_module().get_function(gather_name(dtype))``.
+    >>> from types import SimpleNamespace
+    >>> device_arch(SimpleNamespace(compute_capability="90"))
+    'sm_90'
+    """
+    return f"sm_{device.compute_capability}"
+
+
+@functools.lru_cache(maxsize=None)
+def _device_cubin(arch: str, key: str) -> Compiled:
+    """The cubin for ``arch``, cached on disk by the sources, options and NVRTC."""
+    lib_key = host_compiler.digest([key, arch, *map(str, nvrtc_version())])[:24]
+    path = host_compiler.cache_root() / "cubin" / f"{arch}-{lib_key}"
+    cubin_file, names_file = path.with_suffix(".cubin"), path.with_suffix(".json")
+    if cubin_file.is_file() and names_file.is_file():
+        return Compiled(arch, "", cubin_file.read_bytes(), json.loads(names_file.read_text()), "")
+    compiled = nvrtc_compile(arch, cubin=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for dest, data in ((names_file, json.dumps(compiled.lowered).encode()), (cubin_file, compiled.cubin)):
+        tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, dest)  # the cubin lands last: a reader sees both files or neither
+    return compiled
+
+
+def device_cubin(arch: str) -> Compiled:
+    """The cubin a GPU of ``arch`` runs: :func:`nvrtc_compile` with :data:`OPTIONS`
+    (memoised, and cached on disk), with its lowered kernel names."""
+    return _device_cubin(arch, cache_key())
+
+
+def cupy_module(device):
+    """The kernels loaded on ``device`` (a ``cupy.cuda.Device``): the
+    ``cupy.cuda.function.Module`` holding :func:`device_cubin` for its
+    architecture, and the lowered name of each name expression.
+
+    Fetch a kernel with ``module.get_function(lowered[gather_name(dtype)])``.
     """
     import cupy
 
-    device = cupy.cuda.Device(device_id) if device_id is not None else cupy.cuda.Device()
-    with _lock:
-        module = _cupy_modules.get(device.id)
-        if module is None:
-            with device:
-                module = cupy.RawModule(
-                    code=assembled_source(), options=OPTIONS, name_expressions=name_expressions()
-                )
-            _cupy_modules[device.id] = module
-        return module
+    compiled = device_cubin(device_arch(device))
+    module = cupy.cuda.function.Module()
+    with device:
+        module.load(compiled.cubin)
+    return module, compiled.lowered
+
+
+# ---------------------------------------------------------------- emulator
 
 
 def emulator_library():
-    """The kernels built for the host emulator (``gpuflat.emulator``), memoised
-    in this process and on disk under :func:`cache_key`."""
+    """The kernels built for the host emulator (``gpuflat.emulator``)."""
     from gpuflat import emulator
 
-    key = cache_key()
-    with _lock:
-        lib = _emulator_libraries.get(key)
-        if lib is None:
-            lib = emulator.load_library(sources(), name_expressions(), key)
-            _emulator_libraries[key] = lib
-        return lib
+    return emulator.load_library(sources(), name_expressions(), "gpuflat-kernels")

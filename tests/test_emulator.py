@@ -1,18 +1,20 @@
-"""The host emulator of the CUDA kernels (#3): built-ins, synchronisation,
-warp primitives, atomics, argument passing and failure reporting.
+"""The host emulator of the CUDA kernels: built-ins, synchronisation, warp
+primitives, argument passing, floating-point rounding and failure reporting.
 
 Every test runs small kernels written here against NumPy references; all of
 them are built into one library (one g++ run for the module).
 """
 from __future__ import annotations
 
+import ctypes
+import platform
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from gpuflat import emulator
+from gpuflat import emulator, host_compiler
 from gpuflat.emulator import EmulatorBuildError, KernelError, UnknownKernelError
 
 FULL = "0xffffffffu"
@@ -66,12 +68,7 @@ __global__ void k_shared_unwritten(long long* out) {
 template <class T>
 __global__ void k_shfl(const T* in, T* out, int delta, int width) {
     const unsigned g = blockIdx.x * blockDim.x + threadIdx.x;
-    const unsigned n = gridDim.x * blockDim.x;
-    const T v = in[g];
-    out[0 * n + g] = __shfl_down_sync(0xffffffffu, v, (unsigned)delta, width);
-    out[1 * n + g] = __shfl_up_sync(0xffffffffu, v, (unsigned)delta, width);
-    out[2 * n + g] = __shfl_xor_sync(0xffffffffu, v, delta, width);
-    out[3 * n + g] = __shfl_sync(0xffffffffu, v, delta, width);
+    out[g] = __shfl_down_sync(0xffffffffu, in[g], (unsigned)delta, width);
 }
 
 // A warp-shuffle tree sum of a 16-byte type.
@@ -89,66 +86,42 @@ __global__ void k_shfl_double2(const double* in, double* out) {
     }
 }
 
-__global__ void k_votes(const int* pred, unsigned* ballot, int* any, int* all) {
+__global__ void k_any(const int* pred, int* any) {
     const unsigned g = blockIdx.x * blockDim.x + threadIdx.x;
-    const int p = pred[g];
-    ballot[g] = __ballot_sync(0xffffffffu, p);
-    any[g] = __any_sync(0xffffffffu, p);
-    all[g] = __all_sync(0xffffffffu, p);
-}
-
-__global__ void k_sync_count(const int* pred, int* out) {
-    const unsigned g = blockIdx.x * blockDim.x + threadIdx.x;
-    const int p = pred[g];
-    out[3 * g + 0] = __syncthreads_count(p);
-    out[3 * g + 1] = __syncthreads_and(p);
-    out[3 * g + 2] = __syncthreads_or(p);
-}
-
-__global__ void k_atomics(int* ci, unsigned* cu, unsigned long long* cull, float* cf, double* cd,
-                          long long* mx, long long* mn, int* cas, unsigned* inc, unsigned* bits,
-                          int* exch, int* olds) {
-    const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    atomicAdd(ci, 1);
-    atomicAdd(cu, 2u);
-    atomicAdd(cull, 1ull << 33);
-    atomicAdd(cf, 1.0f);
-    atomicAdd(cd, 0.5);
-    atomicMax(mx, 7 * g - 100);
-    atomicMin(mn, 50 - 3 * g);
-    int old = *cas, assumed;
-    do {
-        assumed = old;
-        old = atomicCAS(cas, assumed, assumed + 3);
-    } while (old != assumed);
-    atomicInc(inc, 9u);
-    atomicOr(bits, 1u << (g % 32));
-    olds[g] = atomicExch(exch, (int)g);
+    any[g] = __any_sync(0xffffffffu, pred[g]);
 }
 
 __global__ void k_args(long long a, unsigned long long b, int c, double d, float e,
                        const long long* p, unsigned long long* out) {
+    unsigned e_bits;
+    memcpy(&e_bits, &e, sizeof e_bits);
     out[0] = (unsigned long long)a;
     out[1] = b;
     out[2] = (unsigned long long)(long long)c;
     out[3] = (unsigned long long)__double_as_longlong(d);
-    out[4] = __float_as_uint(e);
+    out[4] = e_bits;
     out[5] = (unsigned long long)p;
     out[6] = (unsigned long long)p[1];
 }
 
-__global__ void k_builtins(const unsigned* in, long long* out) {
-    const unsigned x = in[threadIdx.x];
-    long long* o = out + 8 * threadIdx.x;
-    o[0] = __popc(x);
-    o[1] = __ffs((int)x);
-    o[2] = __clz((int)x);
-    o[3] = __brev(x);
-    o[4] = max(-3, (int)(x & 7));
-    o[5] = isnan(__uint_as_float(x)) ? 1 : 0;
-    o[6] = (long long)fma(2.0, (double)(x & 255), 1.0);
-    const float4 f = make_float4(1.0f, 2.0f, 3.0f, (float)(x & 15));
-    o[7] = (long long)(f.x + f.y + f.z + f.w) + (long long)alignof(float4) * 1000;
+// The math the kernels use, with CUDA's NaN rules for min and max.
+__global__ void k_math(const double* in, double* out) {
+    const double x = in[threadIdx.x], y = in[blockDim.x + threadIdx.x];
+    double* o = out + 8 * threadIdx.x;
+    o[0] = max(x, y);
+    o[1] = min(x, y);
+    o[2] = fabs(x);
+    o[3] = hypot(x, y);
+    o[4] = pow(fabs(x), 1.5);
+    o[5] = sqrt(fabs(y));
+    o[6] = isfinite(x) ? 1.0 : 0.0;
+    o[7] = __longlong_as_double(__double_as_longlong(x) ^ (1ll << 63)) + (double)(max(-3, (int)threadIdx.x) + alignof(int4));
+}
+
+// One product and one sum, each rounded: never fused into an fma.
+__global__ void k_mul_add(const float* a, const float* b, const float* c, float* out, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = a[i] * b[i] + c[i];
 }
 
 __global__ void k_trap(int* out, int bad_block) {
@@ -159,9 +132,9 @@ __global__ void k_trap(int* out, int bad_block) {
 
 __global__ void k_assert(const int* x) { assert(x[threadIdx.x] >= 0); }
 
-// Lane 0 waits for its warp while the rest of the warp waits for the block.
-__global__ void k_deadlock() {
-    if (threadIdx.x == 0) __syncwarp();
+// Lane 0 waits at a warp shuffle while the rest of the warp waits for the block.
+__global__ void k_deadlock(int* out) {
+    if (threadIdx.x == 0) out[0] = __shfl_down_sync(0xffffffffu, 1, 1);
     else __syncthreads();
 }
 
@@ -175,8 +148,8 @@ __global__ void k_early_exit(int* out) {
 
 SHFL_TYPES = {"int": np.int32, "float": np.float32, "double": np.float64}
 NAMES = [
-    "k_ids", "k_block_sum", "k_neighbour", "k_shared_unwritten", "k_shfl_double2", "k_votes",
-    "k_sync_count", "k_atomics", "k_args", "k_builtins", "k_trap", "k_assert", "k_deadlock", "k_early_exit",
+    "k_ids", "k_block_sum", "k_neighbour", "k_shared_unwritten", "k_shfl_double2", "k_any", "k_args",
+    "k_math", "k_mul_add", "k_trap", "k_assert", "k_deadlock", "k_early_exit",
 ] + [f"k_shfl<{t}>" for t in SHFL_TYPES]
 
 
@@ -187,6 +160,10 @@ def lib():
 
 def ptr(a: np.ndarray) -> np.uint64:
     return np.uint64(a.ctypes.data)
+
+
+def assert_bits(a, b):
+    assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), (a, b)
 
 
 @pytest.mark.parametrize("grid,block", [(1, 1), (3, 32), (2, 100), (4, 256), (1, 1024), (5, 33)])
@@ -221,25 +198,17 @@ def test_shared_memory_is_poisoned_before_every_block(lib):
     assert (out == -1).all()
 
 
-def shfl_reference(v, block, delta, width):
-    """What __shfl_{down,up,xor,}_sync return, per PTX shfl.sync; lanes that
-    do not exist in a partial warp read as all-ones bytes."""
-    n = v.size
+def shfl_down_reference(v, block, delta, width):
+    """What __shfl_down_sync returns, per PTX shfl.sync.down; a lane that does
+    not exist in a partial warp reads as all-ones bytes."""
     poison = np.frombuffer(b"\xff" * v.itemsize, dtype=v.dtype)[0]
-    out = np.empty((4, n), dtype=v.dtype)
-    for g in range(n):
+    out = np.empty_like(v)
+    for g in range(v.size):
         t = g % block
         lane = t % 32
-        base = g - lane
         lanes = min(32, block - (t - lane))
-        srcs = (
-            lane if (lane % width) + delta >= width else lane + delta,
-            lane if (lane % width) < delta else lane - delta,
-            lane if (lane ^ delta) > (lane | (width - 1)) else lane ^ delta,
-            (lane & ~(width - 1)) + (delta & (width - 1)),
-        )
-        for k, src in enumerate(srcs):
-            out[k, g] = v[base + src] if src < lanes else poison
+        src = lane if (lane % width) + delta >= width else lane + delta
+        out[g] = v[g - lane + src] if src < lanes else poison
     return out
 
 
@@ -250,19 +219,19 @@ def test_shuffles_match_reference(lib, ctype, delta, width):
     grid, block = 2, 64
     rng = np.random.default_rng(delta * 100 + width)
     v = (rng.standard_normal(grid * block) * 1000).astype(dtype)
-    out = np.zeros((4, grid * block), dtype=dtype)
+    out = np.zeros(grid * block, dtype=dtype)
     lib.launch(f"k_shfl<{ctype}>", grid, block, [ptr(v), ptr(out), np.int32(delta), np.int32(width)])
-    ref = shfl_reference(v, block, delta, width)
+    ref = shfl_down_reference(v, block, delta, width)
     np.testing.assert_array_equal(out.view(np.uint8), ref.view(np.uint8))
 
 
 def test_shuffle_from_a_missing_lane_of_a_partial_warp(lib):
     block = 48  # the second warp has lanes 0..15 only
     v = np.arange(block, dtype=np.int32) + 100
-    out = np.zeros((4, block), dtype=np.int32)
+    out = np.zeros(block, dtype=np.int32)
     lib.launch("k_shfl<int>", 1, block, [ptr(v), ptr(out), np.int32(8), np.int32(32)])
-    np.testing.assert_array_equal(out, shfl_reference(v, block, 8, 32))
-    assert out[0, 32 + 8] == -1  # lane 8 of the partial warp reads lane 16
+    np.testing.assert_array_equal(out, shfl_down_reference(v, block, 8, 32))
+    assert out[32 + 8] == -1  # lane 8 of the partial warp reads lane 16
 
 
 def test_shuffle_of_a_16_byte_type(lib):
@@ -274,57 +243,18 @@ def test_shuffle_of_a_16_byte_type(lib):
 
 
 @pytest.mark.parametrize("block", [128, 40])
-def test_ballot_any_all(lib, block):
+def test_any(lib, block):
     rng = np.random.default_rng(block)
     grid = 2
     pred = rng.integers(0, 2, size=grid * block).astype(np.int32)
-    pred[:32] = 1  # a warp of all-true, then one of all-false
-    pred[block : block + 32] = 0
-    ballot = np.zeros(grid * block, dtype=np.uint32)
+    pred[:32] = 0  # a warp of all-false
     any_ = np.full(grid * block, 7, dtype=np.int32)
-    all_ = np.full(grid * block, 7, dtype=np.int32)
-    lib.launch("k_votes", grid, block, [ptr(pred), ptr(ballot), ptr(any_), ptr(all_)])
+    lib.launch("k_any", grid, block, [ptr(pred), ptr(any_)])
     for b in range(grid):
         for w0 in range(0, block, 32):
-            lanes = pred[b * block + w0 : b * block + min(block, w0 + 32)]
-            bits = sum(int(p) << i for i, p in enumerate(lanes))
-            sl = slice(b * block + w0, b * block + w0 + lanes.size)
-            assert (ballot[sl] == bits).all()
-            assert (any_[sl] == int(lanes.any())).all()
-            assert (all_[sl] == int(lanes.all())).all()
-
-
-def test_syncthreads_count_and_or(lib):
-    block, grid = 96, 3
-    pred = np.zeros(grid * block, dtype=np.int32)
-    pred[:block] = 1
-    pred[block + 5] = 1
-    pred[2 * block + 7 : 2 * block + 20] = 1
-    out = np.zeros((grid * block, 3), dtype=np.int32)
-    lib.launch("k_sync_count", grid, block, [ptr(pred), ptr(out)])
-    per_block = out.reshape(grid, block, 3)
-    for b, (count, all_, any_) in enumerate([(96, 1, 1), (1, 0, 1), (13, 0, 1)]):
-        assert (per_block[b] == [count, all_, any_]).all()
-
-
-def test_atomics_are_exact_under_contention(lib):
-    grid, block = 4, 256
-    n = grid * block
-    ci, cu = np.zeros(1, np.int32), np.zeros(1, np.uint32)
-    cull, cf, cd = np.zeros(1, np.uint64), np.zeros(1, np.float32), np.zeros(1, np.float64)
-    mx, mn = np.array([-(2**62)], np.int64), np.array([2**62], np.int64)
-    cas, inc, bits = np.zeros(1, np.int32), np.zeros(1, np.uint32), np.zeros(1, np.uint32)
-    exch, olds = np.array([-1], np.int32), np.zeros(n, np.int32)
-    arrays = [ci, cu, cull, cf, cd, mx, mn, cas, inc, bits, exch, olds]
-    lib.launch("k_atomics", grid, block, [ptr(a) for a in arrays])
-    assert ci[0] == n and cu[0] == 2 * n and cull[0] == n << 33
-    assert cf[0] == n and cd[0] == n / 2
-    assert mx[0] == 7 * (n - 1) - 100 and mn[0] == 50 - 3 * (n - 1)
-    assert cas[0] == 3 * n
-    assert inc[0] == n % 10  # atomicInc wraps to 0 past 9
-    assert bits[0] == 0xFFFFFFFF
-    # Every exchange returned the previous value: the chain holds each once.
-    assert sorted(olds.tolist() + [int(exch[0])]) == [-1] + list(range(n))
+            sl = slice(b * block + w0, b * block + min(block, w0 + 32))
+            assert (any_[sl] == int(pred[sl].any())).all()
+    assert (any_[:32] == 0).all()
 
 
 def test_64_bit_arguments_arrive_intact(lib):
@@ -351,17 +281,53 @@ def test_argument_types_are_checked(lib):
     assert (out == 0).all()
 
 
-def test_builtins(lib):
-    xs = np.array([0, 1, 0x80000000, 0xF0, 0x7FC00000, 12345678], dtype=np.uint32)
-    out = np.zeros((xs.size, 8), dtype=np.int64)
-    lib.launch("k_builtins", 1, xs.size, [ptr(xs), ptr(out)])
-    for x, row in zip(xs.tolist(), out.tolist()):
-        ffs = (x & -x).bit_length()
-        clz = 32 - x.bit_length()
-        brev = int(f"{x:032b}"[::-1], 2)
-        isnan = int(np.isnan(np.array([x], np.uint32).view(np.float32)[0]))
-        expect = [bin(x).count("1"), ffs, clz, brev, x & 7, isnan, 2 * (x & 255) + 1, 6 + (x & 15) + 16000]
-        assert row == expect
+def test_math(lib):
+    x = np.array([1.5, -2.0, np.nan, 3.0, -0.0, np.inf, 5e-324, 1e300])
+    y = np.array([np.nan, 4.0, 1.0, -7.5, 0.0, 2.0, -1e-310, 1e300])
+    out = np.zeros((x.size, 8))
+    lib.launch("k_math", 1, x.size, [ptr(np.concatenate([x, y])), ptr(out)])
+    t = np.arange(x.size)
+    with np.errstate(invalid="ignore", over="ignore"):
+        expect = np.stack([np.fmax(x, y), np.fmin(x, y), np.abs(x), np.hypot(x, y), np.abs(x) ** 1.5,
+                           np.sqrt(np.abs(y)), np.isfinite(x).astype(float),
+                           -x + (np.maximum(-3, t) + 16)], axis=1)
+    np.testing.assert_array_equal(out, expect)
+
+
+def test_products_and_sums_are_rounded_apart(lib):
+    # a*b+c where one fma rounding differs from two: (1+2**-12)**2 - (1+2**-11).
+    n = 100
+    a = np.full(n, 1 + 2.0**-12, np.float32)
+    c = np.full(n, -(1 + 2.0**-11), np.float32)
+    a[::2] = np.float32(1e-20)  # subnormal products survive too
+    c[::2] = np.float32(0)
+    out = np.zeros(n, np.float32)
+    lib.launch("k_mul_add", 2, 64, [ptr(a), ptr(a), ptr(c), ptr(out), np.int64(n)])
+    expect = a * a + c  # NumPy: two float32 roundings
+    assert_bits(out, expect)
+    assert out[1] == 0 and out[0] > 0 and out[0] < np.finfo(np.float32).tiny
+
+
+def _fma_flags():
+    """Flags that let g++ emit fused multiply-adds on this host."""
+    if platform.machine() in ("x86_64", "AMD64"):
+        return ("-mfma",)
+    return ()
+
+
+def test_the_emulator_flags_keep_a_fusing_host_from_fusing():
+    src = 'extern "C" __attribute__((visibility("default"))) float mul_add(float a, float b, float c) ' \
+          '{ return a * b + c; }'
+    a, c = 1 + 2.0**-12, -(1 + 2.0**-11)
+
+    def run(flags):
+        fn = host_compiler.load(host_compiler.build_library("test-mul-add", src, flags=flags)).mul_add
+        fn.argtypes, fn.restype = [ctypes.c_float] * 3, ctypes.c_float
+        return fn(a, a, c)
+
+    # The probe can tell: allowed to contract, an fma-capable host fuses.
+    assert run(("-O2", "-ffp-contract=fast", *_fma_flags())) == 2.0**-24
+    assert run(emulator.CXX_FLAGS + _fma_flags()) == 0.0
 
 
 def test_unknown_kernel_raises(lib):
@@ -398,7 +364,7 @@ def test_deadlock_is_reported(lib):
     lib.set_deadlock_timeout(0.2)
     try:
         with pytest.raises(KernelError, match=r"deadlock.*\(31 at __syncthreads, 1 at warp"):
-            lib.launch("k_deadlock", 1, 32, [])
+            lib.launch("k_deadlock", 1, 32, [ptr(np.zeros(1, np.int32))])
     finally:
         lib.set_deadlock_timeout(2.0)
     out = np.zeros(4, dtype=np.uint32)
@@ -434,7 +400,7 @@ def test_concurrent_launches_from_python_threads(lib):
 def test_library_is_cached_and_memoised(lib):
     again = emulator.load_library({"emulator_tests.cu": SOURCE}, NAMES, "test-emulator")
     assert again is lib
-    assert lib.path.parent == emulator.cache_dir()
+    assert lib.path.parent == host_compiler.cache_dir()
     assert lib.path.name.startswith("test-emulator-") and lib.path.is_file()
 
 

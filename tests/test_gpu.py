@@ -1,4 +1,4 @@
-"""The CUDA backend on a real GPU: CuPy trees against the NumPy backend and the emulated device (#3, #5).
+"""The CUDA backend on a real GPU: CuPy trees against the NumPy backend and the emulated device.
 
 Every test here is marked ``gpu`` and skipped where CuPy is missing or sees
 no device. Trees are built twice from the same host bases: NumPy views of
@@ -14,7 +14,10 @@ the device (transposed, sliced, negative strides). Then:
 - clip_grad_norm_ gives the emulated backend's bits, in 3 launches and no
   synchronisation (1 with error_if_nonfinite);
 - repeats and grids change no bit; a leaf of 2**31 + 1000 elements is normed,
-  clipped and flattened exactly; 1,000 clips leave the memory pool flat.
+  clipped and flattened exactly; 1,000 clips leave the memory pool flat;
+- subnormals give the emulated backend's bits (the GPU runs the cubin built
+  without flush-to-zero); tables uploaded on one stream serve launches on
+  other streams and on an ExternalStream.
 """
 from __future__ import annotations
 
@@ -554,3 +557,55 @@ def test_huge_leaf_clip(huge):
     want = (np.float32(C) * np.float32(coef)).astype(np.float16)
     assert int(cp.count_nonzero(huge != want)) == 0
     assert float(host(huge[-1])) == float(want) and float(host(huge[2**31])) == float(want)
+
+
+# ---------------------------------------------------------------- subnormals and streams
+
+def subnormal_tree(dtype):
+    """Leaves of only subnormals (each part, for complex), beside a normal leaf."""
+    dtype = np.dtype(dtype)
+    part = np.dtype(dtype.char.lower()) if dtype.kind == "c" else dtype
+    bits = np.uint16 if part.itemsize == 2 else np.uint32
+    tiny = np.arange(1, 65, dtype=bits).view(part)  # 1..64 times the smallest subnormal
+    leaf = tiny.astype(dtype) if dtype.kind != "c" else (tiny + 1j * tiny[::-1]).astype(dtype)
+    return {"tiny": leaf, "one": np.ones(8, dtype)}
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32, np.complex64], ids=str)
+def test_subnormals_give_the_emulated_bits(dtype):
+    need_dtype(dtype)
+    host_tree = subnormal_tree(dtype)
+    dev_tree = {k: cp.asarray(v) for k, v in host_tree.items()}
+    flat_d, re_d = gf.destructure(dev_tree)
+    flat_e, _ = gf.destructure(host_tree, backend="emulated")
+    assert_same(flat_d, flat_e, "flat")
+    assert (host(flat_d)[:64] != 0).all()
+    assert_same(re_d(flat_d)["tiny"], host_tree["tiny"], "rebuilt")
+    for ord in (1, 2, math.inf):
+        assert_same(gf.global_norm(dev_tree, ord), gf.global_norm(host_tree, ord, backend="emulated"), ord)
+    gf.clip_grad_norm_(dev_tree, 0.25)
+    gf.clip_grad_norm_(host_tree, 0.25, backend="emulated")
+    assert_same(dev_tree["tiny"], host_tree["tiny"], "clipped")
+
+
+def test_tables_serve_launches_on_other_streams():
+    from gpuflat.runtime import CupyRuntime
+
+    rng = np.random.default_rng(11)
+    host_leaves = [random_array(rng, (n,), np.float32) for n in (5, 70_000, 1)]
+    leaves = [cp.asarray(a) for a in host_leaves]
+    plan = gf.plan({f"l{i}": a for i, a in enumerate(host_leaves)})
+    be = CudaBackend(CupyRuntime())
+    want = exact_norm(host_leaves)
+    a, b, c = (cp.cuda.Stream(non_blocking=True) for _ in range(3))
+    with a:
+        first = be.norms(plan, leaves, 2, per_leaf=True)  # uploads the tables
+    with cp.cuda.ExternalStream(b.ptr):  # as PyTorch's current stream is used
+        again = be.norms(plan, leaves, 2, per_leaf=True)
+    with c:
+        third = be.norms(plan, leaves, 2, per_leaf=True)
+    for stream in (a, b, c):
+        stream.synchronize()  # the reads below run on the null stream
+    for r in (first, again, third):
+        assert_near_exact(r.total, want)
+        assert_same(r.per_leaf, first.per_leaf)

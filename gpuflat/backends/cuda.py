@@ -128,7 +128,7 @@ class CudaBackend:
         total = rt.empty((), np.float64)
         # Zero: the first kernel records the first non-finite item in it with
         # an atomic max, the finisher turns that into a slot.
-        first = rt.xp.zeros((), np.int64)
+        first = rt.zeros((), np.int64)
         # Scratch per call, not per plan: two threads norming same-shaped
         # trees share the plan, and their launches may interleave.
         partial = rt.empty(st.n_items, np.float64)

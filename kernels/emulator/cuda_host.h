@@ -1,6 +1,8 @@
 // Host emulation of the CUDA built-ins the kernels use, so that the same
 // kernels/*.cu text that NVRTC compiles for the GPU also compiles with
-// g++ -std=c++20 (force-included with -include) and runs on the CPU (#3).
+// g++ -std=c++20 (force-included with -include) and runs on the CPU.
+// It defines only what the kernels use; a kernel needing more built-ins
+// adds them here (the build fails, naming the missing one, until then).
 //
 // Execution model. Every CUDA thread of a block is a real host thread, taken
 // from a pool that persists across launches (creating hundreds of OS threads
@@ -16,7 +18,7 @@
 // ignores section attributes on statics of template functions.)
 //
 // Synchronisation. `__syncthreads` is a block-wide barrier and the warp
-// primitives (`__shfl_*_sync`, votes, `__syncwarp`) a per-warp barrier around
+// primitives (`__shfl_down_sync`, `__any_sync`) a per-warp barrier around
 // a double-buffered exchange area. The barrier is a small futex barrier rather
 // than std::barrier because it must also (a) let a thread that returned from
 // the kernel drop out, as exited threads do on the GPU, (b) be cancelled when
@@ -87,14 +89,8 @@
     GPUFLAT_EMU_V3(P##3, T)            \
     GPUFLAT_EMU_V4(P##4, T, A4)
 
-GPUFLAT_EMU_VECS(char, signed char, 2, 4)
-GPUFLAT_EMU_VECS(uchar, unsigned char, 2, 4)
-GPUFLAT_EMU_VECS(short, short, 4, 8)
-GPUFLAT_EMU_VECS(ushort, unsigned short, 4, 8)
 GPUFLAT_EMU_VECS(int, int, 8, 16)
 GPUFLAT_EMU_VECS(uint, unsigned int, 8, 16)
-GPUFLAT_EMU_VECS(long, long, 16, 16)
-GPUFLAT_EMU_VECS(ulong, unsigned long, 16, 16)
 GPUFLAT_EMU_VECS(longlong, long long, 16, 16)
 GPUFLAT_EMU_VECS(ulonglong, unsigned long long, 16, 16)
 GPUFLAT_EMU_VECS(float, float, 8, 16)
@@ -156,8 +152,6 @@ struct Barrier {
     alignas(64) std::atomic<uint32_t> remaining{0};
     std::atomic<uint32_t> expected{0};
     std::atomic<uint32_t> sleepers{0};
-    // Per-phase accumulators for __syncthreads_count/_and/_or, by phase parity.
-    std::atomic<int> acc[2] = {0, 0};
     alignas(64) std::atomic<uint32_t> gen{0};
 
     // Only while no thread is inside the barrier.
@@ -165,8 +159,6 @@ struct Barrier {
         expected.store(n, std::memory_order_relaxed);
         remaining.store(n, std::memory_order_relaxed);
         sleepers.store(0, std::memory_order_relaxed);
-        acc[0].store(0, std::memory_order_relaxed);
-        acc[1].store(0, std::memory_order_relaxed);
         gen.store(0, std::memory_order_release);
     }
 
@@ -180,7 +172,6 @@ struct Barrier {
 
     void complete(uint32_t g) {
         note_progress();
-        acc[(g + 1) & 1].store(0, std::memory_order_relaxed);
         remaining.store(expected.load(std::memory_order_relaxed), std::memory_order_relaxed);
         gen.fetch_add(1, std::memory_order_seq_cst);
         if (sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&gen);
@@ -476,7 +467,7 @@ inline unsigned sleeping_threads(unsigned* at_block, unsigned* at_warp) {
 
 // Waits for the launch to finish. A deadlock (every thread still running is
 // asleep at a barrier that can never complete, e.g. part of a warp at
-// __syncwarp and the rest at __syncthreads) shows as no barrier completing
+// a warp shuffle and the rest at __syncthreads) shows as no barrier completing
 // for the timeout while all live threads sleep; the launch is then
 // cancelled. A long computation keeps a thread awake, so it is never taken
 // for a deadlock.
@@ -670,50 +661,6 @@ inline unsigned vote(unsigned mask, int pred, const char* what) {
     return bits;
 }
 
-template <class T>
-inline T warp_reduce(unsigned mask, T v, int op, const char* what) {
-    Warp& w = warp_for(mask, what);
-    const uint32_t g = w.bar.phase();
-    std::memcpy(w.buf[g & 1][t_ctx.lane], &v, sizeof(T));
-    w.bar.arrive_and_wait(g);
-    T acc;
-    std::memcpy(&acc, w.buf[g & 1][0], sizeof(T));
-    for (unsigned l = 1; l < w.nlanes; ++l) {
-        T x;
-        std::memcpy(&x, w.buf[g & 1][l], sizeof(T));
-        switch (op) {
-            case 0: acc = static_cast<T>(acc + x); break;
-            case 1: acc = x < acc ? x : acc; break;
-            case 2: acc = x > acc ? x : acc; break;
-            case 3: acc &= x; break;
-            case 4: acc |= x; break;
-            default: acc ^= x; break;
-        }
-    }
-    return acc;
-}
-
-template <class T>
-inline std::atomic_ref<T> aref(T* p) {
-    return std::atomic_ref<T>(*p);
-}
-template <class T>
-inline T fetch_max(T* a, T v) {
-    auto r = aref(a);
-    T old = r.load(std::memory_order_relaxed);
-    while (old < v && !r.compare_exchange_weak(old, v, std::memory_order_relaxed)) {
-    }
-    return old;
-}
-template <class T>
-inline T fetch_min(T* a, T v) {
-    auto r = aref(a);
-    T old = r.load(std::memory_order_relaxed);
-    while (v < old && !r.compare_exchange_weak(old, v, std::memory_order_relaxed)) {
-    }
-    return old;
-}
-
 [[noreturn]] inline void assert_fail(const char* expr, const char* file, int line) {
     fail("assertion '%s' failed at %s:%d", expr, file, line);
 }
@@ -743,13 +690,8 @@ inline T fetch_min(T* a, T v) {
 // such as __noinline__, which these macros would break.
 #define __global__
 #define __device__
-#define __host__
 #define __forceinline__ inline
 #define __noinline__ __attribute__((noinline))
-#define __launch_bounds__(...)
-#define __align__(n) __attribute__((aligned(n)))
-#define __constant__ static
-#define __managed__
 // Static storage, poisoned before every block (see top).
 #define __shared__ static
 
@@ -758,29 +700,7 @@ inline void __syncthreads() {
     auto& b = ::gpuflat_emu::g_rt.block_bar;
     b.arrive_and_wait(b.phase());
 }
-inline int __syncthreads_count(int pred) {
-    auto& b = ::gpuflat_emu::g_rt.block_bar;
-    const uint32_t g = b.phase();
-    if (pred) b.acc[g & 1].fetch_add(1, std::memory_order_relaxed);
-    b.arrive_and_wait(g);
-    return b.acc[g & 1].load(std::memory_order_relaxed);
-}
-inline int __syncthreads_and(int pred) {
-    return __syncthreads_count(pred != 0) == static_cast<int>(::gpuflat_emu::g_rt.block_bar.expected.load());
-}
-inline int __syncthreads_or(int pred) { return __syncthreads_count(pred != 0) != 0; }
-
-inline void __syncwarp(unsigned mask = 0xffffffffu) {
-    auto& w = ::gpuflat_emu::warp_for(mask, "__syncwarp");
-    w.bar.arrive_and_wait(w.bar.phase());
-}
-
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-
 [[noreturn]] inline void __trap() { ::gpuflat_emu::fail("__trap()"); }
-[[noreturn]] inline void __brkpt() { ::gpuflat_emu::fail("__brkpt()"); }
 
 // Device-side assert: fails the launch (as on the GPU) instead of aborting
 // the host process.
@@ -793,253 +713,26 @@ inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_
 
 // ------------------------------------------------------------ warp shuffles
 // Source lane rules of PTX shfl.sync: a source outside the caller's segment of
-// `width` lanes (up/down/xor) gives the caller's own value.
-template <class T>
-inline T __shfl_sync(unsigned mask, T var, int srcLane, int width = warpSize) {
-    const unsigned lane = ::gpuflat_emu::t_ctx.lane;
-    const unsigned src = (lane & ~static_cast<unsigned>(width - 1)) + (static_cast<unsigned>(srcLane) & (width - 1));
-    return ::gpuflat_emu::exchange(mask, var, src, "__shfl_sync");
-}
-template <class T>
-inline T __shfl_up_sync(unsigned mask, T var, unsigned int delta, int width = warpSize) {
-    const unsigned lane = ::gpuflat_emu::t_ctx.lane;
-    const unsigned src = (lane & (width - 1)) < delta ? lane : lane - delta;
-    return ::gpuflat_emu::exchange(mask, var, src, "__shfl_up_sync");
-}
+// `width` lanes gives the caller's own value.
 template <class T>
 inline T __shfl_down_sync(unsigned mask, T var, unsigned int delta, int width = warpSize) {
     const unsigned lane = ::gpuflat_emu::t_ctx.lane;
     const unsigned src = (lane & (width - 1)) + delta >= static_cast<unsigned>(width) ? lane : lane + delta;
     return ::gpuflat_emu::exchange(mask, var, src, "__shfl_down_sync");
 }
-template <class T>
-inline T __shfl_xor_sync(unsigned mask, T var, int laneMask, int width = warpSize) {
-    const unsigned lane = ::gpuflat_emu::t_ctx.lane;
-    const unsigned seg_end = lane | static_cast<unsigned>(width - 1);
-    const unsigned x = lane ^ static_cast<unsigned>(laneMask);
-    return ::gpuflat_emu::exchange(mask, var, x > seg_end ? lane : x, "__shfl_xor_sync");
-}
-
-inline unsigned __ballot_sync(unsigned mask, int pred) { return ::gpuflat_emu::vote(mask, pred, "__ballot_sync"); }
 inline int __any_sync(unsigned mask, int pred) { return ::gpuflat_emu::vote(mask, pred, "__any_sync") != 0; }
-inline int __all_sync(unsigned mask, int pred) {
-    const unsigned present = ::gpuflat_emu::t_ctx.warp->present;
-    return ::gpuflat_emu::vote(mask, pred, "__all_sync") == present;
-}
-inline int __uni_sync(unsigned mask, int pred) {
-    const unsigned bits = ::gpuflat_emu::vote(mask, pred, "__uni_sync");
-    return bits == 0 || bits == ::gpuflat_emu::t_ctx.warp->present;
-}
-
-inline int __reduce_add_sync(unsigned mask, int v) { return ::gpuflat_emu::warp_reduce(mask, v, 0, "__reduce_add_sync"); }
-inline unsigned __reduce_add_sync(unsigned mask, unsigned v) { return ::gpuflat_emu::warp_reduce(mask, v, 0, "__reduce_add_sync"); }
-inline int __reduce_min_sync(unsigned mask, int v) { return ::gpuflat_emu::warp_reduce(mask, v, 1, "__reduce_min_sync"); }
-inline unsigned __reduce_min_sync(unsigned mask, unsigned v) { return ::gpuflat_emu::warp_reduce(mask, v, 1, "__reduce_min_sync"); }
-inline int __reduce_max_sync(unsigned mask, int v) { return ::gpuflat_emu::warp_reduce(mask, v, 2, "__reduce_max_sync"); }
-inline unsigned __reduce_max_sync(unsigned mask, unsigned v) { return ::gpuflat_emu::warp_reduce(mask, v, 2, "__reduce_max_sync"); }
-inline unsigned __reduce_and_sync(unsigned mask, unsigned v) { return ::gpuflat_emu::warp_reduce(mask, v, 3, "__reduce_and_sync"); }
-inline unsigned __reduce_or_sync(unsigned mask, unsigned v) { return ::gpuflat_emu::warp_reduce(mask, v, 4, "__reduce_or_sync"); }
-inline unsigned __reduce_xor_sync(unsigned mask, unsigned v) { return ::gpuflat_emu::warp_reduce(mask, v, 5, "__reduce_xor_sync"); }
-
-// ------------------------------------------------------------ atomics
-// The overloads CUDA has, and no others, so that code the emulator accepts
-// also compiles with NVRTC (there is no atomicAdd on long long, for example).
-// Relaxed ordering, like CUDA's atomics.
-#define GPUFLAT_EMU_RLX std::memory_order_relaxed
-inline int atomicAdd(int* a, int v) { return ::gpuflat_emu::aref(a).fetch_add(v, GPUFLAT_EMU_RLX); }
-inline unsigned atomicAdd(unsigned* a, unsigned v) { return ::gpuflat_emu::aref(a).fetch_add(v, GPUFLAT_EMU_RLX); }
-inline unsigned long long atomicAdd(unsigned long long* a, unsigned long long v) {
-    return ::gpuflat_emu::aref(a).fetch_add(v, GPUFLAT_EMU_RLX);
-}
-inline float atomicAdd(float* a, float v) { return ::gpuflat_emu::aref(a).fetch_add(v, GPUFLAT_EMU_RLX); }
-inline double atomicAdd(double* a, double v) { return ::gpuflat_emu::aref(a).fetch_add(v, GPUFLAT_EMU_RLX); }
-inline int atomicSub(int* a, int v) { return ::gpuflat_emu::aref(a).fetch_sub(v, GPUFLAT_EMU_RLX); }
-inline unsigned atomicSub(unsigned* a, unsigned v) { return ::gpuflat_emu::aref(a).fetch_sub(v, GPUFLAT_EMU_RLX); }
-inline int atomicExch(int* a, int v) { return ::gpuflat_emu::aref(a).exchange(v, GPUFLAT_EMU_RLX); }
-inline unsigned atomicExch(unsigned* a, unsigned v) { return ::gpuflat_emu::aref(a).exchange(v, GPUFLAT_EMU_RLX); }
-inline unsigned long long atomicExch(unsigned long long* a, unsigned long long v) {
-    return ::gpuflat_emu::aref(a).exchange(v, GPUFLAT_EMU_RLX);
-}
-inline float atomicExch(float* a, float v) { return ::gpuflat_emu::aref(a).exchange(v, GPUFLAT_EMU_RLX); }
-inline int atomicMax(int* a, int v) { return ::gpuflat_emu::fetch_max(a, v); }
-inline unsigned atomicMax(unsigned* a, unsigned v) { return ::gpuflat_emu::fetch_max(a, v); }
-inline long long atomicMax(long long* a, long long v) { return ::gpuflat_emu::fetch_max(a, v); }
-inline unsigned long long atomicMax(unsigned long long* a, unsigned long long v) { return ::gpuflat_emu::fetch_max(a, v); }
-inline int atomicMin(int* a, int v) { return ::gpuflat_emu::fetch_min(a, v); }
-inline unsigned atomicMin(unsigned* a, unsigned v) { return ::gpuflat_emu::fetch_min(a, v); }
-inline long long atomicMin(long long* a, long long v) { return ::gpuflat_emu::fetch_min(a, v); }
-inline unsigned long long atomicMin(unsigned long long* a, unsigned long long v) { return ::gpuflat_emu::fetch_min(a, v); }
-#define GPUFLAT_EMU_CAS(T)                                                         \
-    inline T atomicCAS(T* a, T compare, T val) {                                   \
-        ::gpuflat_emu::aref(a).compare_exchange_strong(compare, val, GPUFLAT_EMU_RLX); \
-        return compare;                                                            \
-    }
-GPUFLAT_EMU_CAS(int)
-GPUFLAT_EMU_CAS(unsigned)
-GPUFLAT_EMU_CAS(unsigned long long)
-GPUFLAT_EMU_CAS(unsigned short)
-#define GPUFLAT_EMU_BITOP(NAME, OP, T) \
-    inline T NAME(T* a, T v) { return ::gpuflat_emu::aref(a).OP(v, GPUFLAT_EMU_RLX); }
-GPUFLAT_EMU_BITOP(atomicAnd, fetch_and, int)
-GPUFLAT_EMU_BITOP(atomicAnd, fetch_and, unsigned)
-GPUFLAT_EMU_BITOP(atomicAnd, fetch_and, unsigned long long)
-GPUFLAT_EMU_BITOP(atomicOr, fetch_or, int)
-GPUFLAT_EMU_BITOP(atomicOr, fetch_or, unsigned)
-GPUFLAT_EMU_BITOP(atomicOr, fetch_or, unsigned long long)
-GPUFLAT_EMU_BITOP(atomicXor, fetch_xor, int)
-GPUFLAT_EMU_BITOP(atomicXor, fetch_xor, unsigned)
-GPUFLAT_EMU_BITOP(atomicXor, fetch_xor, unsigned long long)
-// ((old >= val) ? 0 : old + 1) and (((old == 0) || (old > val)) ? val : old - 1).
-inline unsigned atomicInc(unsigned* a, unsigned val) {
-    auto r = ::gpuflat_emu::aref(a);
-    unsigned old = r.load(GPUFLAT_EMU_RLX);
-    while (!r.compare_exchange_weak(old, old >= val ? 0u : old + 1u, GPUFLAT_EMU_RLX)) {
-    }
-    return old;
-}
-inline unsigned atomicDec(unsigned* a, unsigned val) {
-    auto r = ::gpuflat_emu::aref(a);
-    unsigned old = r.load(GPUFLAT_EMU_RLX);
-    while (!r.compare_exchange_weak(old, (old == 0 || old > val) ? val : old - 1u, GPUFLAT_EMU_RLX)) {
-    }
-    return old;
-}
-
-// ------------------------------------------------------------ loads / stores
-template <class T> inline T __ldg(const T* p) { return *p; }
-template <class T> inline T __ldcg(const T* p) { return *p; }
-template <class T> inline T __ldca(const T* p) { return *p; }
-template <class T> inline T __ldcs(const T* p) { return *p; }
-template <class T> inline T __ldlu(const T* p) { return *p; }
-template <class T> inline T __ldcv(const T* p) { return *p; }
-template <class T> inline void __stwb(T* p, T v) { *p = v; }
-template <class T> inline void __stcg(T* p, T v) { *p = v; }
-template <class T> inline void __stcs(T* p, T v) { *p = v; }
-template <class T> inline void __stwt(T* p, T v) { *p = v; }
 
 // ------------------------------------------------------------ bits
 inline long long __double_as_longlong(double x) { return std::bit_cast<long long>(x); }
 inline double __longlong_as_double(long long x) { return std::bit_cast<double>(x); }
-inline unsigned __float_as_uint(float x) { return std::bit_cast<unsigned>(x); }
-inline float __uint_as_float(unsigned x) { return std::bit_cast<float>(x); }
-inline int __float_as_int(float x) { return std::bit_cast<int>(x); }
-inline float __int_as_float(int x) { return std::bit_cast<float>(x); }
-inline int __double2hiint(double x) { return static_cast<int>(std::bit_cast<unsigned long long>(x) >> 32); }
-inline int __double2loint(double x) { return static_cast<int>(std::bit_cast<unsigned long long>(x)); }
-inline double __hiloint2double(int hi, int lo) {
-    return std::bit_cast<double>((static_cast<unsigned long long>(static_cast<unsigned>(hi)) << 32) |
-                                 static_cast<unsigned>(lo));
-}
-inline int __popc(unsigned x) { return std::popcount(x); }
-inline int __popcll(unsigned long long x) { return std::popcount(x); }
-inline int __clz(int x) { return std::countl_zero(static_cast<unsigned>(x)); }
-inline int __clzll(long long x) { return std::countl_zero(static_cast<unsigned long long>(x)); }
-inline int __ffs(int x) { return __builtin_ffs(x); }
-inline int __ffsll(long long x) { return __builtin_ffsll(x); }
-inline unsigned __brev(unsigned x) {
-    unsigned r = 0;
-    for (int i = 0; i < 32; ++i) r |= ((x >> i) & 1u) << (31 - i);
-    return r;
-}
-inline unsigned long long __brevll(unsigned long long x) {
-    unsigned long long r = 0;
-    for (int i = 0; i < 64; ++i) r |= ((x >> i) & 1ull) << (63 - i);
-    return r;
-}
-inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
-    const unsigned long long v = (static_cast<unsigned long long>(y) << 32) | x;
-    unsigned r = 0;
-    for (int i = 0; i < 4; ++i) r |= static_cast<unsigned>((v >> (8 * ((s >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
-    return r;
-}
-inline unsigned __umulhi(unsigned a, unsigned b) { return static_cast<unsigned>((static_cast<unsigned long long>(a) * b) >> 32); }
-inline int __mulhi(int a, int b) { return static_cast<int>((static_cast<long long>(a) * b) >> 32); }
-inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
-    return static_cast<unsigned long long>((static_cast<unsigned __int128>(a) * b) >> 64);
-}
-inline long long __mul64hi(long long a, long long b) { return static_cast<long long>((static_cast<__int128>(a) * b) >> 64); }
 
 // ------------------------------------------------------------ math
 // CUDA puts the float and double overloads in the global namespace.
-using std::abs;
-using std::acos;
-using std::asin;
-using std::atan;
-using std::atan2;
-using std::cbrt;
-using std::ceil;
-using std::copysign;
-using std::cos;
-using std::cosh;
-using std::erf;
-using std::erfc;
-using std::exp;
-using std::exp2;
-using std::expm1;
 using std::fabs;
-using std::floor;
-using std::fma;
-using std::fmax;
-using std::fmin;
-using std::fmod;
-using std::frexp;
 using std::hypot;
 using std::isfinite;
-using std::isinf;
-using std::isnan;
-using std::ldexp;
-using std::llrint;
-using std::llround;
-using std::log;
-using std::log10;
-using std::log1p;
-using std::log2;
-using std::lrint;
-using std::nextafter;
 using std::pow;
-using std::remainder;
-using std::rint;
-using std::round;
-using std::scalbn;
-using std::signbit;
-using std::sin;
-using std::sinh;
 using std::sqrt;
-using std::tan;
-using std::tanh;
-using std::trunc;
-
-inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
-inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
-inline float __saturatef(float x) { return x > 0.0f ? (x < 1.0f ? x : 1.0f) : 0.0f; }
-inline float __fdividef(float a, float b) { return a / b; }
-inline float __expf(float x) { return std::exp(x); }
-inline float __logf(float x) { return std::log(x); }
-inline float __powf(float a, float b) { return std::pow(a, b); }
-// The _rn forms: one IEEE operation each, never contracted into an fma.
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline float __fdiv_rn(float a, float b) { return a / b; }
-inline float __fsqrt_rn(float a) { return std::sqrt(a); }
-inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
-inline double __dadd_rn(double a, double b) { return a + b; }
-inline double __dsub_rn(double a, double b) { return a - b; }
-inline double __dmul_rn(double a, double b) { return a * b; }
-inline double __ddiv_rn(double a, double b) { return a / b; }
-inline double __drcp_rn(double a) { return 1.0 / a; }
-inline double __dsqrt_rn(double a) { return std::sqrt(a); }
-inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
-inline float __double2float_rn(double x) { return static_cast<float>(x); }
-inline double __ll2double_rn(long long x) { return static_cast<double>(x); }
-inline double __ull2double_rn(unsigned long long x) { return static_cast<double>(x); }
-inline long long __double2ll_rz(double x) { return static_cast<long long>(x); }
-inline long long __double2ll_rn(double x) { return std::llrint(x); }
-inline int __double2int_rz(double x) { return static_cast<int>(x); }
-inline int __double2int_rn(double x) { return static_cast<int>(std::lrint(x)); }
-inline int __float2int_rz(float x) { return static_cast<int>(x); }
-inline int __float2int_rn(float x) { return static_cast<int>(std::lrint(x)); }
 
 // CUDA's global min/max: fmin/fmax rules for floating point (a NaN loses),
 // plain comparison for integers, usual arithmetic conversions when mixed.
@@ -1057,11 +750,5 @@ inline std::common_type_t<A, B> max(A a, B b) {
     if constexpr (std::is_floating_point_v<C>) return std::fmax(static_cast<C>(a), static_cast<C>(b));
     else return static_cast<C>(a) < static_cast<C>(b) ? static_cast<C>(b) : static_cast<C>(a);
 }
-inline unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }
-inline unsigned umax(unsigned a, unsigned b) { return a < b ? b : a; }
-inline long long llmin(long long a, long long b) { return a < b ? a : b; }
-inline long long llmax(long long a, long long b) { return a < b ? b : a; }
-inline unsigned long long ullmin(unsigned long long a, unsigned long long b) { return a < b ? a : b; }
-inline unsigned long long ullmax(unsigned long long a, unsigned long long b) { return a < b ? b : a; }
 
 #endif  // GPUFLAT_EMULATOR_CUDA_HOST_H
