@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-try:  # bfloat16 is optional: NumPy has none, ml_dtypes provides one (#2).
+try:  # bfloat16 is optional: NumPy has none, ml_dtypes provides one.
     from ml_dtypes import bfloat16 as _bfloat16
 except ImportError:  # pragma: no cover - ml_dtypes is a test dependency
     _bfloat16 = None

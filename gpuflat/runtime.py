@@ -208,7 +208,7 @@ class CupyRuntime(Runtime):
 
     name = "cuda"
 
-    def __init__(self, device_id: int | None = None, block: int = 256, blocks_per_sm: int = 8):
+    def __init__(self, device_id: int | None = None, block: int = 256, blocks_per_sm: int = 4):
         super().__init__()
         import cupy
 

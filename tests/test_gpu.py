@@ -489,7 +489,7 @@ def test_repeated_clipping_leaves_the_memory_pool_flat():
     assert pool.total_bytes() - held <= 1 << 20, (held, pool.total_bytes())
 
 
-# ---------------------------------------------------------------- past 2**31 elements (#5)
+# ---------------------------------------------------------------- past 2**31 elements
 
 HUGE = 2**31 + 1000
 C = 0.5  # float16-exact; every partial sum of C**2 and of |C| is exact in float64

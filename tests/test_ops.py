@@ -1,4 +1,4 @@
-"""The public API against plain NumPy references (#2), for every dtype and backend.
+"""The public API against plain NumPy references, for every dtype and backend.
 
 Norms are checked against exact references (fractions, math.fsum); round trips bit for bit.
 """

@@ -1,4 +1,4 @@
-"""Distinct leaves that share memory (#5): read-only operations accept them, in-place ones refuse."""
+"""Distinct leaves that share memory: read-only operations accept them, in-place ones refuse."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""The wheel carries the CUDA sources, where the kernel loader looks first (#3)."""
+"""The wheel carries the CUDA sources, where the kernel loader looks first."""
 import subprocess
 import sys
 import zipfile

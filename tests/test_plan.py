@@ -1,4 +1,4 @@
-"""The offset plan: offsets, sizes, dtype promotion, ties, the bounded cache, staleness (#2, #5)."""
+"""The offset plan: offsets, sizes, dtype promotion, ties, the bounded cache, staleness."""
 from __future__ import annotations
 
 import dataclasses
@@ -215,7 +215,7 @@ def test_a_plan_keeps_no_array_of_the_trees_after_the_first():
 
 
 def test_large_synthetic_offsets_are_python_ints():
-    # Leaves of 2**31 + k elements, without allocating them: 0-strided broadcast views (#5).
+    # Leaves of 2**31 + k elements, without allocating them: 0-strided broadcast views.
     big = [np.broadcast_to(np.zeros(1, np.float32), (2**31 + k,)) for k in (1, 7, 3)]
     tiny = np.zeros(5, np.float32)
     p = gf.plan({"a": big[0], "b": tiny, "c": big[1], "d": (big[2],)})

@@ -1,4 +1,4 @@
-"""Reliability (#5): hostile input, faults and scale, with nothing lost.
+"""Reliability: hostile input, faults and scale, with nothing lost.
 
 Every in-place operation either completes or changes nothing (checked byte for
 byte); NaN/inf are reported honestly; overflow-prone dtypes give the right
@@ -162,21 +162,21 @@ def test_float32_1e30_and_float16_300_two_norm(backend):
 
 
 def test_bf16_norm_of_norms_keeps_precision(backend):
-    # pytorch #68107: a norm of norms in the input dtype loses precision; here it is float64.
+    # https://github.com/pytorch/pytorch/issues/68107: a norm of norms in the input dtype loses precision; here it is float64.
     rng = np.random.default_rng(1)
     tree = [rng.standard_normal(257).astype(BF16) for _ in range(50)]
     assert rel_err(gf.global_norm(tree, backend=backend), exact_norm(tree)) < 1e-12
 
 
 def test_many_small_float32_values_accumulate_exactly(backend):
-    # pytorch #186881: one fp32 sum over a flat cat has relative error ~3e-5 on 1M elements.
+    # https://github.com/pytorch/pytorch/issues/186881: one fp32 sum over a flat cat has relative error ~3e-5 on 1M elements.
     x = np.full(1 << 20, 0.1, np.float32)
     ref = exact_norm([x[:1]]) * 1024  # sqrt(2**20 * v**2) = 2**10 * |v|, exactly
     assert rel_err(gf.global_norm({"x": x}, backend=backend), ref) < 1e-12
 
 
 def test_empty_leaves_among_others(backend):
-    # pytorch #140066: empty tensors in a list gave wrong foreach norms.
+    # https://github.com/pytorch/pytorch/issues/140066: empty tensors in a list gave wrong foreach norms.
     tree = [np.zeros(0, np.float32), np.array([3.0, 4.0], np.float32), np.zeros((0, 5)), np.array([12.0])]
     total, per = gf.global_norm(tree, per_leaf=True, backend=backend)
     assert float(total) == 13.0 and np.asarray(per).tolist() == [0.0, 5.0, 0.0, 12.0]

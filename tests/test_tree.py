@@ -1,4 +1,4 @@
-"""The tree walk: which containers are opened, which leaves are trainable, paths, ties, rebuilds (#2)."""
+"""The tree walk: which containers are opened, which leaves are trainable, paths, ties, rebuilds."""
 from __future__ import annotations
 
 import dataclasses
