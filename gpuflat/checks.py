@@ -138,23 +138,30 @@ class InPlaceChecked:
     memory layout cannot change under its identity, so when the very same
     arrays come again only their writable flags are read again (the
     overlap tests cost far more than the write on a tree of tiny leaves).
-    The arrays are held, so an identity is never a recycled id.
+    The arrays are held by weak reference: a dead array never matches, and
+    the memo never keeps a step's gradients alive.
 
     >>> import numpy as np
     >>> memo, arrays = InPlaceChecked(), [np.ones(2), np.ones(3)]
-    >>> memo.check(object, ["a", "b"], arrays); memo.check(object, ["a", "b"], arrays)
+    >>> memo.check(InPlaceChecked, ["a", "b"], arrays); memo.check(InPlaceChecked, ["a", "b"], arrays)
     """
 
     def __init__(self):
         self._last = weakref.WeakKeyDictionary()
 
     def check(self, plan, paths, arrays) -> None:
-        last = self._last.get(plan)
-        if last is not None and len(last) == len(arrays) and all(map(operator.is_, last, arrays)):
+        refs = self._last.get(plan)
+        if refs is not None and len(refs) == len(arrays) and all(map(operator.is_, map(_deref, refs), arrays)):
             _check_writable(paths, arrays)
             return
         check_in_place(paths, arrays)
-        self._last[plan] = tuple(arrays)
+        try:
+            self._last[plan] = list(map(weakref.ref, arrays))
+        except TypeError:  # an array kind without weak references is checked every time
+            self._last.pop(plan, None)
+
+
+_deref = weakref.ref.__call__
 
 
 def _check_writable(paths, arrays):

@@ -636,3 +636,15 @@ def test_total_reads_a_gradient_tree_through_the_model(backend):
     assert float(gf.total("sumsq", grads, model=model, backend=backend)) == pytest.approx(27.0)
     assert float(gf.total("l1", grads, model=model, backend=backend)) == pytest.approx(9.0)
     assert gf.total("count", grads, model=model, backend=backend) == 5
+
+
+def test_clip_keeps_no_gradient_alive_after_it_returns(backend):
+    import gc
+    import weakref
+
+    g = {"w": np.ones(4, np.float32), "b": np.ones(2)}
+    gf.clip_grad_norm_(g, 1.0, backend=backend)
+    ref = weakref.ref(g["w"])
+    del g
+    gc.collect()
+    assert ref() is None  # set_to_none gradients must be freed, not held by a cache
