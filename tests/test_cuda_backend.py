@@ -154,7 +154,12 @@ def test_reference_bf16_rounding_is_one_step():
     got = _to_bf16(x).astype(np.float64)
     assert got[0] == 1 + 2.0**-7  # above the midpoint: a float32 detour rounds to 1
     assert got[1] == 1.0 and got[2] == 1 + 4 * 2.0**-8  # exact midpoints: to even
-    assert got[3] == -np.inf or abs(got[3]) > 3e38
+    # -3e38 is inside bfloat16's range (max about 3.39e38): a finite negative
+    # value, the nearest one, never an infinity of either sign.
+    nearest = min((np.float64(b) for b in np.array([-2.99e38, -3.0e38, -3.01e38]).astype(np.float32).astype(BF16)),
+                  key=lambda b: abs(b + 3.0e38))
+    assert np.isfinite(got[3]) and got[3] < 0 and got[3] == nearest
+    assert got[4] == 0.0 and got[5] == np.inf and np.isnan(got[6])  # 1e-45 is below bfloat16's subnormals
 
 
 @pytest.mark.parametrize("small", [np.float16, "bf16"])

@@ -251,3 +251,13 @@ def test_clipping_keeps_subnormals(backend, dtype):
     assert norm == pytest.approx(exact_norm([leaf, big]), rel=1e-12)
     assert_bits_equal(grads["s"], torch_scaled(leaf, min(1.0, 1.0 / (norm + 1e-6))))
     assert (grads["s"].view(subnormal(dtype).dtype) != 0).any()
+
+
+def test_flatten_chooses_the_backend_from_every_gradient_of_a_tied_slot(cupy):
+    # The first gradient of the tied slot is a NumPy array, the second a CuPy
+    # one: taking the first alone would launch on host memory or copy silently.
+    w = np.ones(3, np.float32)
+    plan = gf.plan({"enc": w, "dec": w})
+    grads = {"enc": np.ones(3, np.float32), "dec": cupy.on_device(np.ones(3, np.float32), 0)}
+    with pytest.raises(TypeError, match=r"mixes NumPy and CuPy.*\['enc'\].*\['enc'\]"):
+        gf.flatten(plan, grads)
