@@ -41,5 +41,3 @@ FLOOR_PARTS = {
     "resident_norm": ("reduce",),
     "resident_clip": ("reduce", "copy"),
 }
-
-RESIDENT_OPS = ("resident_norm", "resident_clip")

@@ -33,10 +33,6 @@ class HostWorkload:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.leaves)
 
-    @property
-    def elements(self) -> int:
-        return sum(a.size for a in self.leaves)
-
 
 def load(path=DEFAULT_FILE) -> dict:
     with open(path) as f:

@@ -28,15 +28,6 @@ TAGS = {dt: tag for dt, tag, _ in _TABLE if dt is not None}
 CUDA_NAMES = {dt: name for dt, _, name in _TABLE if dt is not None}
 
 
-def is_trainable_dtype(dtype) -> bool:
-    """True for the floating and complex dtypes gpuflat flattens.
-
-    >>> is_trainable_dtype(np.float32), is_trainable_dtype(np.int64)
-    (True, False)
-    """
-    return np.dtype(dtype) in TAGS
-
-
 def flat_dtype(dtypes) -> np.dtype:
     """The dtype of a flat buffer holding leaves of these dtypes.
 
