@@ -178,10 +178,10 @@ def test_flatten_destructure_unflatten_scatter_every_dtype(dtype):
     flat_h, re_h = gf.destructure(hst, backend="numpy")
     assert isinstance(flat_d, cp.ndarray) and flat_d.dtype == dtype and flat_d.shape == (plan.size,)
     assert_same(flat_d, flat_h, "destructure")
-    assert_same(plan.flatten(dev, backend="cuda"), flat_h, "plan.flatten")
+    assert_same(gf.flatten(plan, dev, backend="cuda"), flat_h, "plan.flatten")
     out = cp.full(plan.size, 7, flat_d.dtype) if dtype != BF16 else cp.empty(plan.size, dtype)
-    assert plan.flatten(dev, out=out) is out
-    assert_same(out, flat_h, "plan.flatten(out=)")
+    assert gf.flatten(plan, dev, out=out) is out
+    assert_same(out, flat_h, "gf.flatten(plan, out=)")
 
     # re: new arrays, cast back, the tie kept as one object.
     rng = np.random.default_rng(2)
@@ -195,7 +195,7 @@ def test_flatten_destructure_unflatten_scatter_every_dtype(dtype):
         assert a is not b
 
     # unflatten: views into the buffer (the resident model), same values.
-    resident = plan.unflatten(flat_d)
+    resident = gf.unflatten(plan, flat_d)
     assert resident["again"][0] is resident["l00000"]
     for leaf, v in zip(plan.leaves, leaves_of(resident)):
         assert isinstance(v, cp.ndarray) and v.shape == leaf.shape
@@ -206,8 +206,8 @@ def test_flatten_destructure_unflatten_scatter_every_dtype(dtype):
 
     # scatter: into the tree's own (strided, device-sliced) arrays, in place.
     before = [id(a) for a in leaves_of(dev)]
-    plan.scatter(cp.asarray(new_h), dev)
-    plan.scatter(new_h, hst, backend="numpy")
+    gf.scatter(plan, cp.asarray(new_h), dev)
+    gf.scatter(plan, new_h, hst, backend="numpy")
     assert [id(a) for a in leaves_of(dev)] == before
     for (path, a), b in zip(gf.trainables(dev, path=True), leaves_of(hst)):
         assert_same(a, b, f"scatter {path}")
@@ -356,8 +356,8 @@ def test_clip_resident_model_matches_the_emulated_device():
     dtype = np.float32
     dev, _, emu = twins(7, leaves_for(dtype), tie=False)
     plan = gf.plan(dev)
-    res_d = plan.unflatten(plan.flatten(dev))
-    res_e = plan.unflatten(plan.flatten(emu, backend="emulated"), backend="emulated")
+    res_d = gf.unflatten(plan, gf.flatten(plan, dev))
+    res_e = gf.unflatten(plan, gf.flatten(plan, emu, backend="emulated"), backend="emulated")
     n_d = gf.clip_grad_norm_(res_d, 0.1)
     n_e = gf.clip_grad_norm_(res_e, 0.1, backend="emulated")
     assert_same(n_d, n_e, "resident norm")
@@ -378,14 +378,14 @@ def test_launch_sync_and_upload_counts():
 
     plan = gf.plan(dev)
     out = cp.empty(plan.size, plan.dtype)
-    count(lambda: plan.flatten(dev, out=out))  # first call: the plan's tables go up
-    assert count(lambda: plan.flatten(dev, out=out)) == (1, 0, 0)
+    count(lambda: gf.flatten(plan, dev, out=out))  # first call: the plan's tables go up
+    assert count(lambda: gf.flatten(plan, dev, out=out)) == (1, 0, 0)
     assert count(lambda: gf.global_norm(dev, per_leaf=True)) == (2, 0, 0)
     assert count(lambda: gf.global_norm(dev, math.inf)) == (2, 0, 0)
     count(lambda: gf.clip_grad_norm_(dev, 1.0))
     assert count(lambda: gf.clip_grad_norm_(dev, 1.0)) == (3, 0, 0)  # norms 2 + scale 1, no sync, no upload
     assert count(lambda: gf.clip_grad_norm_(dev, 1.0, error_if_nonfinite=True)) == (3, 1, 0)
-    assert count(lambda: plan.scatter(out, dev)) == (1, 0, 0)
+    assert count(lambda: gf.scatter(plan, out, dev)) == (1, 0, 0)
 
 
 def test_ten_thousand_tiny_leaves():
@@ -397,10 +397,10 @@ def test_ten_thousand_tiny_leaves():
     plan = gf.plan(dev)
     t0 = time.perf_counter()
     be.stats.reset()
-    flat = plan.flatten(dev)
+    flat = gf.flatten(plan, dev)
     total, per = gf.global_norm(dev, per_leaf=True)
     assert be.stats.launches == 3 and be.stats.syncs == 0
-    assert_same(flat, plan.flatten(hst, backend="numpy"), "flatten")
+    assert_same(flat, gf.flatten(plan, hst, backend="numpy"), "flatten")
     total_e, per_e = gf.global_norm(emu, per_leaf=True, backend="emulated")
     assert_same(per, per_e, "per-leaf norms")
     assert_same(total, total_e, "total")
@@ -410,7 +410,7 @@ def test_ten_thousand_tiny_leaves():
     assert be.stats.launches == 3
     n_e = gf.clip_grad_norm_(emu, 1.0, backend="emulated")
     assert_same(n_d, n_e, "clip norm")
-    assert_same(plan.flatten(dev), plan.flatten(emu, backend="emulated"), "clipped leaves")
+    assert_same(gf.flatten(plan, dev), gf.flatten(plan, emu, backend="emulated"), "clipped leaves")
     assert time.perf_counter() - t0 < 60
 
 
@@ -527,7 +527,7 @@ def test_huge_leaf_flatten_past_two_to_the_31(huge):
         tree = {"big": huge, "small": small}
         plan = gf.plan(tree)
         assert plan.size == HUGE + 5 and plan.leaves[1].offset == HUGE
-        flat = plan.flatten(tree)
+        flat = gf.flatten(plan, tree)
         assert flat.shape == (HUGE + 5,) and flat.dtype == np.float16
         assert host(flat[:2]).tolist() == [C, C]
         assert host(flat[2**31 - 2 : 2**31 + 3]).tolist() == [C, 2.0, 3.0, -3.0, C]
@@ -540,7 +540,7 @@ def test_huge_leaf_flatten_past_two_to_the_31(huge):
         flat[2**31] = 7.0
         flat[HUGE + 4] = -1.0
         del tree
-        plan.scatter(flat, {"big": huge, "small": small})
+        gf.scatter(plan, flat, {"big": huge, "small": small})
         assert float(host(huge[2**31])) == 7.0 and host(small).tolist() == [1.0, 2.0, 3.0, 4.0, -1.0]
         del flat
     finally:
