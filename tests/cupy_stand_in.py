@@ -18,7 +18,13 @@ is CuPy's calling contract, enforced on every call (a breach raises
   ``double`` ``np.float64``; a Python number, whose width CuPy would guess,
   is refused;
 - a launch or read-back on one stream never uses an upload still in flight
-  on another stream (an upload lands when its stream is synchronised).
+  on another stream (an upload lands when its stream is synchronised);
+- an array is never converted to NumPy implicitly (``np.asarray(x)`` raises
+  TypeError, as CuPy's does: read it with ``.get()`` or ``cupy.asnumpy``);
+- element-wise work (arithmetic, comparisons, ``astype``, ``fill``, item
+  assignment, ``count_nonzero``) runs on the current device, which must be
+  the array's (no peer access is assumed); ``copy()`` copies to the current
+  device, as CuPy's does; memory is counted per device.
 
 Every allocation, upload, module load and launch is recorded in ``events``
 with the current device and stream, for tests to check.
@@ -26,8 +32,10 @@ with the current device and stream, for tests to check.
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 import types
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +47,13 @@ _MAX_BLOCK = 1024
 # Kernel parameter codes of the emulator library -> the NumPy type CuPy must get.
 _SCALARS = {"i8": np.int64, "u8": np.uint64, "i4": np.int32, "u4": np.uint32, "f8": np.float64,
             "f4": np.float32}
+# Memory each stand-in device reports in cuda.runtime.memGetInfo.
+DEVICE_MEMORY = 1 << 30
+# The binary operators of an array, each with its reflected form.
+_OPERATORS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
+              "pow": operator.pow}
+_COMPARISONS = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,
+                "gt": operator.gt, "ge": operator.ge}
 
 
 class ContractError(AssertionError):
@@ -59,10 +74,11 @@ def make_cupy(compute_capabilities=("90", "80"), sms: int = 2) -> types.ModuleTy
 
 
 class _Memory:
-    """One allocation: its device and the stream of an upload still in flight."""
+    """One allocation: its device, its size and the stream of an upload still in flight."""
 
-    def __init__(self, device: int, pending=None):
+    def __init__(self, device: int, nbytes: int, pending=None):
         self.device = device
+        self.nbytes = nbytes
         self.pending = pending
 
 
@@ -75,6 +91,8 @@ class _StandIn:
         self.null_streams = {}
         self.stream_ids = itertools.count(1)
         self.lock = threading.Lock()
+        # Weakly: an allocation is freed when its last array goes, as in CuPy's pool.
+        self.live_memories = weakref.WeakSet()
         self.module = self._module()
 
     # -------------------------------------------------------- device and stream state
@@ -100,6 +118,16 @@ class _StandIn:
         if pending is not None and pending is not stream:
             raise ContractError(f"{what} on stream {stream.ptr} uses an upload still in flight on stream "
                                 f"{pending.ptr}: nothing orders the copy before it")
+
+    def check_here(self, array, what):
+        """An element-wise operation on ``array``: on its device, after its upload landed."""
+        device = self.current_device()
+        if array._memory.device != device:
+            raise ContractError(f"{what}: array on device {array._memory.device}, current device {device}")
+        self.check_landed(array, self.current_stream(device), what)
+
+    def used_bytes(self, device):
+        return sum(m.nbytes for m in list(self.live_memories) if m.device == device)
 
     # -------------------------------------------------------- the module
     def _module(self):
@@ -172,6 +200,9 @@ class _StandIn:
                     self.device_id = device_id
 
         class ndarray:
+            # NumPy defers its operators to this class instead of converting it.
+            __array_ufunc__ = None
+
             def __init__(self, host: np.ndarray, memory: _Memory):
                 self._host = host
                 self._memory = memory
@@ -181,12 +212,62 @@ class _StandIn:
             dtype = property(lambda self: self._host.dtype)
             size = property(lambda self: self._host.size)
             ndim = property(lambda self: self._host.ndim)
+            itemsize = property(lambda self: self._host.itemsize)
             nbytes = property(lambda self: self._host.nbytes)
             data = property(lambda self: types.SimpleNamespace(ptr=self._host.ctypes.data))
             device = property(lambda self: Device(self._memory.device))
+            T = property(lambda self: self._view(self._host.T))
+            flags = property(lambda self: types.SimpleNamespace(
+                c_contiguous=self._host.flags.c_contiguous, f_contiguous=self._host.flags.f_contiguous))
+
+            def _view(self, host):
+                return ndarray(host, self._memory)
 
             def __getitem__(self, key):
-                return ndarray(self._host[key], self._memory)
+                return self._view(self._host[key])
+
+            def __setitem__(self, key, value):
+                standin.check_here(self, "__setitem__")
+                self._host[key] = operand(value, "__setitem__")
+
+            def reshape(self, *shape):
+                view = self._host.reshape(*shape)
+                if not np.shares_memory(view, self._host) and view.size:
+                    standin.check_here(self, "reshape (a copy)")
+                    return fresh(view)
+                return self._view(view)
+
+            def astype(self, dtype, copy=True):
+                standin.check_here(self, "astype")
+                if not copy and np.dtype(dtype) == self.dtype:
+                    return self
+                return fresh(self._host.astype(dtype))
+
+            def copy(self):
+                # CuPy copies to the current device, from any device.
+                standin.check_landed(self, standin.current_stream(self._memory.device), "copy")
+                return fresh(self._host.copy())
+
+            def fill(self, value):
+                standin.check_here(self, "fill")
+                self._host.fill(value)
+
+            def get(self):
+                return asnumpy(self)
+
+            def __array__(self, *args, **kwargs):
+                raise TypeError("Implicit conversion to a NumPy array is not allowed. "
+                                "Please use `.get()` to construct a NumPy array explicitly.")
+
+            def __int__(self):
+                return int(self.get())
+
+            def __float__(self):
+                return float(self.get())
+
+            def __neg__(self):
+                standin.check_here(self, "negative")
+                return fresh(-self._host)
 
             def __len__(self):
                 return len(self._host)
@@ -194,29 +275,57 @@ class _StandIn:
             def __repr__(self):
                 return f"stand-in cupy.ndarray on device {self._memory.device}: {self._host!r}"
 
-        def track(memory):
-            standin.live_memories.add(memory)
-            return memory
+        def binary(op, reflected=False):
+            def method(self, other):
+                standin.check_here(self, op.__name__)
+                a, b = self._host, operand(other, op.__name__)
+                return fresh(np.asarray(op(b, a) if reflected else op(a, b)))
+            return method
 
-        standin.live_memories = set()
+        for name, op in _OPERATORS.items():
+            setattr(ndarray, f"__{name}__", binary(op))
+            setattr(ndarray, f"__r{name}__", binary(op, reflected=True))
+        for name, op in _COMPARISONS.items():
+            setattr(ndarray, f"__{name}__", binary(op))
+        ndarray.__hash__ = None
+
+        def operand(value, what):
+            """The host value of an operand: CuPy takes its own arrays and scalars, never a NumPy array."""
+            if isinstance(value, ndarray):
+                standin.check_here(value, what)
+                return value._host
+            if isinstance(value, (bool, int, float, complex, np.generic)):
+                return value
+            raise TypeError(f"Unsupported type {type(value)}")
+
+        def allocate(host: np.ndarray, kind=None, pending=None):
+            """``host`` as a new allocation on the current device; ``kind``: the event to record."""
+            device = standin.current_device()
+            if kind is not None:
+                standin.record(kind, device, standin.current_stream(device), (host.shape, host.dtype))
+            memory = _Memory(device, host.nbytes, pending)
+            standin.live_memories.add(memory)
+            return ndarray(host, memory)
+
+        def fresh(host):
+            return allocate(np.array(host, order="C"), "empty")
 
         def empty(shape, dtype=np.float64):
-            device = standin.current_device()
-            standin.record("empty", device, standin.current_stream(device), (shape, np.dtype(dtype)))
-            return ndarray(np.empty(shape, dtype), track(_Memory(device)))
+            return allocate(np.empty(shape, dtype), "empty")
 
         def zeros(shape, dtype=np.float64):
-            device = standin.current_device()
-            standin.record("zeros", device, standin.current_stream(device), (shape, np.dtype(dtype)))
-            return ndarray(np.zeros(shape, dtype), track(_Memory(device)))
+            return allocate(np.zeros(shape, dtype), "zeros")
+
+        def full(shape, fill_value, dtype=None):
+            return allocate(np.full(shape, fill_value, dtype), "empty")
 
         def asarray(a, dtype=None):
             if isinstance(a, ndarray):
-                return a
+                return a if dtype is None else a.astype(dtype, copy=False)
             device = standin.current_device()
             stream = standin.current_stream(device)
             standin.record("upload", device, stream, np.asarray(a).nbytes)
-            return ndarray(np.array(a, dtype=dtype, copy=True), track(_Memory(device, pending=stream)))
+            return allocate(np.array(a, dtype=dtype, copy=True), pending=stream)
 
         def asnumpy(a):
             stream = standin.current_stream(a._memory.device)
@@ -225,9 +334,30 @@ class _StandIn:
             stream.synchronize()  # ndarray.get() on the current stream waits for it
             return np.array(a._host, copy=True)
 
+        def count_nonzero(a):
+            standin.check_here(a, "count_nonzero")
+            return fresh(np.asarray(np.count_nonzero(a._host), np.int64))
+
+        def sum_(a):
+            standin.check_here(a, "sum")
+            return fresh(np.asarray(np.sum(a._host)))
+
         def on_device(host: np.ndarray, device: int):
             """Test helper, not CuPy: a device array sharing ``host``'s memory."""
-            return ndarray(host, track(_Memory(device)))
+            memory = _Memory(device, host.nbytes)
+            standin.live_memories.add(memory)
+            return ndarray(host, memory)
+
+        class MemoryPool:
+            """The current device's live allocations; nothing is cached, so nothing is freed."""
+
+            def used_bytes(self):
+                return standin.used_bytes(standin.current_device())
+
+            total_bytes = used_bytes
+
+            def free_all_blocks(self):
+                pass
 
         class Module:
             def load(self, cubin: bytes):
@@ -269,6 +399,11 @@ class _StandIn:
             def getDeviceCount():
                 return len(standin.capabilities)
 
+            @staticmethod
+            def memGetInfo():
+                """(free, total) bytes of the current device."""
+                return DEVICE_MEMORY - standin.used_bytes(standin.current_device()), DEVICE_MEMORY
+
         cuda.Device = Device
         cuda.Stream = Stream
         cuda.ExternalStream = ExternalStream
@@ -280,8 +415,13 @@ class _StandIn:
         mod.ndarray = ndarray
         mod.empty = empty
         mod.zeros = zeros
+        mod.full = full
         mod.asarray = asarray
         mod.asnumpy = asnumpy
+        mod.count_nonzero = count_nonzero
+        mod.sum = sum_
+        pool = MemoryPool()
+        mod.get_default_memory_pool = lambda: pool
         mod.on_device = on_device
         mod.events = standin.events
         mod.ContractError = ContractError

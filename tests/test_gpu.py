@@ -1,7 +1,12 @@
-"""The CUDA backend on a real GPU: CuPy trees against the NumPy backend and the emulated device.
+"""The CUDA backend through CuPy (a GPU, or the stand-in) against the NumPy and emulated backends.
 
-Every test here is marked ``gpu`` and skipped where CuPy is missing or sees
-no device. Trees are built twice from the same host bases: NumPy views of
+Every test runs twice. "cupy": on real CuPy, marked ``gpu`` and skipped
+where CuPy is missing or sees no device. "stand-in": on the contract check
+of CuPy (tests/cupy_stand_in.py), whose arrays live in host memory and whose
+launches run the same kernels on the host emulator, so CI executes every
+test body and every CuPy call gpuflat makes; the few tests that need the
+hardware itself (memory, the pool) are marked ``gpu`` and skip there.
+Trees are built twice from the same host bases: NumPy views of
 them, and CuPy views of their device copies, with the same slicing done on
 the device (transposed, sliced, negative strides). Then:
 
@@ -22,26 +27,54 @@ the device (transposed, sliced, negative strides). Then:
 from __future__ import annotations
 
 import math
+import sys
 import time
 
 import numpy as np
 import pytest
 
 import gpuflat as gf
+from gpuflat.backends import base as backends_base
 from gpuflat.backends import get_backend
 from gpuflat.backends.cuda import ITEM, CudaBackend
 
+import cupy_stand_in
 from conftest import BF16, DTYPES, cupy_with_device, exact_norm, nonfinite_cases, random_array, rel_err
 
 
-cp = cupy_with_device()
+# The CuPy of the running variant (set by the ``cupy_variant`` fixture); the
+# helpers below use it as the tests do.
+cp = None
+ON_STAND_IN = False
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason="needs CuPy and a CUDA device")]
+
+@pytest.fixture(scope="module", autouse=True, params=[pytest.param("cupy", marks=pytest.mark.gpu), "stand-in"])
+def cupy_variant(request):
+    """Every test twice: on real CuPy (marked gpu, skipped without a device),
+    and on the contract check of CuPy, which runs the kernels on the host
+    emulator (no GPU needed, so CI runs it)."""
+    global cp, ON_STAND_IN
+    module = cupy_with_device() if request.param == "cupy" else cupy_stand_in.make_cupy(("90", "80"))
+    if module is None:
+        pytest.skip("needs CuPy and a CUDA device")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "cupy", module)
+        # The "cuda" backends hold the CuPy they were made with: start from none.
+        mp.setattr(backends_base, "_backends", {})
+        cp, ON_STAND_IN = module, request.param == "stand-in"
+        yield request.param
+        cp, ON_STAND_IN = None, False
+
+
+def needs_real_gpu(reason):
+    """Skip on the stand-in (the test is marked gpu, so it may): ``reason`` is what only a GPU gives."""
+    if ON_STAND_IN:
+        pytest.skip(f"needs a real GPU: {reason}")
 
 
 def _cupy_holds_bf16() -> bool:
     """CuPy 14 holds ml_dtypes' bfloat16; CuPy 13 refuses the dtype."""
-    if cp is None or BF16 is None:
+    if BF16 is None:
         return False
     try:
         host = np.array([1.5, -2.0, 0.0], BF16)
@@ -52,18 +85,17 @@ def _cupy_holds_bf16() -> bool:
         return False
 
 
-BF16_OK = _cupy_holds_bf16()
 IDS = [str(d) for d in DTYPES]
 ORDS = [1, 2, math.inf, 3]
 
 
 def need_dtype(dtype):
-    if np.dtype(dtype) == BF16 and not BF16_OK:
+    if np.dtype(dtype) == BF16 and not _cupy_holds_bf16():
         pytest.skip("this CuPy cannot hold ml_dtypes.bfloat16 arrays (CuPy 14 can)")
 
 
 def device_dtypes():
-    return [d for d in DTYPES if d != BF16 or BF16_OK]
+    return [d for d in DTYPES if d != BF16 or _cupy_holds_bf16()]
 
 
 # ---------------------------------------------------------------- comparisons
@@ -422,12 +454,12 @@ def test_tied_gradients_follow_the_contract(dtype):
     a, b = cp.asarray(np.zeros(2, dtype)), cp.asarray(np.zeros(2, dtype))
     model = {"x": a, "y": b, "z": a}
     grads = {"x": cp.asarray(np.full(2, 3, dtype)), "y": None, "z": cp.asarray(np.full(2, 13, dtype))}
-    got = gf.plan(model).flatten(grads)
+    got = gf.flatten(gf.plan(model), grads)
     assert isinstance(got, cp.ndarray)
     assert_same(got, np.array([16, 16, 0, 0], dtype), "tied gradients")
     # The same gradient object met twice counts once.
     g = cp.asarray(np.array([1, 2], dtype))
-    assert_same(gf.plan(model).flatten({"x": g, "y": cp.asarray(np.ones(2, dtype)), "z": g}),
+    assert_same(gf.flatten(gf.plan(model), {"x": g, "y": cp.asarray(np.ones(2, dtype)), "z": g}),
                 np.array([1, 2, 1, 1], dtype), "one object twice")
     # destructure / re keep the tie as one object.
     flat, re = gf.destructure(model)
@@ -475,7 +507,9 @@ def test_same_bits_on_every_repeat_and_any_grid():
 
 # ---------------------------------------------------------------- memory
 
+@pytest.mark.gpu
 def test_repeated_clipping_leaves_the_memory_pool_flat():
+    needs_real_gpu("CuPy's memory pool (the stand-in caches no blocks) and 1,020 clips")
     dev, _, _ = twins(13, leaves_for(np.float32))
     pool = cp.get_default_memory_pool()
     for _ in range(20):  # warm-up: the plan's tables, the kernels
@@ -496,7 +530,8 @@ C = 0.5  # float16-exact; every partial sum of C**2 and of |C| is exact in float
 
 
 @pytest.fixture(scope="module")
-def huge():
+def huge(cupy_variant):
+    needs_real_gpu(f"{4 * HUGE * 2 / 2**30:.0f} GiB of device memory")
     free, _ = cp.cuda.runtime.memGetInfo()
     if free < 4 * HUGE * 2 + (1 << 30):
         pytest.skip(f"needs about {4 * HUGE * 2 / 2**30:.0f} GiB of free device memory, has {free / 2**30:.1f}")
@@ -506,6 +541,7 @@ def huge():
     cp.get_default_memory_pool().free_all_blocks()
 
 
+@pytest.mark.gpu
 def test_huge_leaf_norms_in_closed_form(huge):
     tree = {"big": huge}
     total, per = gf.global_norm(tree, per_leaf=True)
@@ -518,6 +554,7 @@ def test_huge_leaf_norms_in_closed_form(huge):
     assert gf.total("count", tree) == HUGE
 
 
+@pytest.mark.gpu
 def test_huge_leaf_flatten_past_two_to_the_31(huge):
     small = cp.asarray(np.arange(1, 6, dtype=np.float16))
     marks = {2**31 - 1: 2.0, 2**31: 3.0, 2**31 + 1: -3.0, HUGE - 1: 4.0}
@@ -547,6 +584,7 @@ def test_huge_leaf_flatten_past_two_to_the_31(huge):
         huge.fill(C)
 
 
+@pytest.mark.gpu
 def test_huge_leaf_clip(huge):
     max_norm = 1.0
     norm = abs(C) * math.sqrt(HUGE)
