@@ -127,8 +127,9 @@ def destructure(tree, *, backend: str | None = None) -> tuple[Any, Callable[[Any
     """
     call = Call(tree)
     be = call.backend(backend)
-    flat = be.xp.empty(call.plan.size, call.plan.dtype)
-    be.gather(call.plan, [[a] for a in call.unique], flat)
+    with be.on_device():
+        flat = be.xp.empty(call.plan.size, call.plan.dtype)
+        be.gather(call.plan, [[a] for a in call.unique], flat)
 
     def re(flat2):
         return _rebuild(call.plan, flat2, call.statics, call.like, backend)
@@ -162,12 +163,13 @@ def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None) -> An
         checks.check_flat(plan, out, "out")
         present.append(("<out>", out))
     be = select(backend, [a for _, a in present], lambda i: present[i][0])
-    if out is None:
+    if out is not None:
+        be.gather(plan, sources, out)
+        return out
+    with be.on_device():
         out = be.xp.empty(plan.size, plan.dtype)
         be.gather(plan, sources, out)
-        return out if like is None else _arrays.to_caller(out, like)
-    be.gather(plan, sources, out)
-    return out
+    return out if like is None else _arrays.to_caller(out, like)
 
 
 def unflatten(plan: FlatPlan, flat, *, backend: str | None = None) -> Any:
@@ -186,14 +188,9 @@ def unflatten(plan: FlatPlan, flat, *, backend: str | None = None) -> Any:
     """
     flat = _view(flat, "flat")
     checks.check_flat(plan, flat, exact_dtype=False)
-    select(backend, [flat], lambda i: "<flat>")
-    views = []
-    for leaf in plan.leaves:
-        piece = flat[leaf.offset : leaf.offset + leaf.size]
-        if leaf.dtype != flat.dtype and leaf.dtype.kind != "c" and flat.dtype.kind == "c":
-            piece = piece.real  # complex to real keeps the real part, without NumPy's warning
-        views.append(piece.reshape(leaf.shape) if leaf.dtype == flat.dtype else
-                     piece.astype(leaf.dtype).reshape(leaf.shape))
+    be = select(backend, [flat], lambda i: "<flat>")
+    with be.on_device():
+        views = _views_of(plan, flat)
     return _tree.rebuild(plan.treedef, [views[s] for s in plan.slot_of], plan.statics)
 
 
@@ -227,10 +224,11 @@ def scatter(plan: FlatPlan, flat, tree, *, backend: str | None = None) -> None:
             written.append(value)
             paths.append(path)
     _in_place_checked.check(plan, paths, written)
-    be.scatter(plan, _as_plan_dtype(plan, flat), targets)
-    for slot, value in zip(plan.slot_of, values):
-        if value is not targets[slot]:
-            value[...] = targets[slot]
+    with be.on_device():
+        be.scatter(plan, _as_plan_dtype(plan, flat), targets)
+        for slot, value in zip(plan.slot_of, values):
+            if value is not targets[slot]:
+                value[...] = targets[slot]
 
 
 def total(f: str | Callable[[Any], Any], tree, *, model=None, backend: str | None = None) -> Any:
@@ -259,8 +257,9 @@ def total(f: str | Callable[[Any], Any], tree, *, model=None, backend: str | Non
         return plan.size
     be = select(backend, leaves, lambda i: plan.leaves[i].path)
     if f == "l2":
-        result = be.norms(plan, leaves, 2.0, per_leaf=True)
-        return call.result(be.xp.sum(result.per_leaf))
+        with be.on_device():
+            result = be.norms(plan, leaves, 2.0, per_leaf=True)
+            return call.result(be.xp.sum(result.per_leaf))
     result = be.norms(plan, leaves, 1.0 if f == "l1" else 2.0, per_leaf=False)
     return call.result(result.total if f == "l1" else result.total * result.total)
 
@@ -350,9 +349,10 @@ def clip_by_global_norm(tree, max_norm: float, ord: float = 2, *, eps: float = 1
     p = checks.check_ord(ord)
     call = Call(tree)
     be = call.backend(backend)
-    result = be.norms(call.plan, call.unique, p, per_leaf=False)
-    copies = [be.xp.array(a, copy=True, order="C") for a in call.unique]
-    be.clip_(call.plan, copies, result.total, max_norm, eps)
+    with be.on_device():
+        result = be.norms(call.plan, call.unique, p, per_leaf=False)
+        copies = [be.xp.array(a, copy=True, order="C") for a in call.unique]
+        be.clip_(call.plan, copies, result.total, max_norm, eps)
     leaves = [call.result(c) for c in copies]
     clipped = _tree.rebuild(call.plan.treedef, [leaves[s] for s in call.plan.slot_of], call.statics)
     return clipped, call.result(result.total)
@@ -391,11 +391,24 @@ def _rebuild(plan, flat, statics, like, backend):
     flat = _view(flat, "flat")
     checks.check_flat(plan, flat, exact_dtype=False)
     be = select(backend, [flat], lambda i: "<flat>")
-    leaves = [be.xp.empty(leaf.shape, leaf.dtype) for leaf in plan.leaves]
-    be.scatter(plan, _as_plan_dtype(plan, flat), leaves)
+    with be.on_device():
+        leaves = [be.xp.empty(leaf.shape, leaf.dtype) for leaf in plan.leaves]
+        be.scatter(plan, _as_plan_dtype(plan, flat), leaves)
     if like is not None:
         leaves = [_arrays.to_caller(a, like) for a in leaves]
     return _tree.rebuild(plan.treedef, [leaves[s] for s in plan.slot_of], statics)
+
+
+def _views_of(plan, flat) -> list:
+    """Each slot of ``flat`` as its leaf: a view where the dtype matches, else a cast copy."""
+    views = []
+    for leaf in plan.leaves:
+        piece = flat[leaf.offset : leaf.offset + leaf.size]
+        if leaf.dtype != flat.dtype and leaf.dtype.kind != "c" and flat.dtype.kind == "c":
+            piece = piece.real  # complex to real keeps the real part, without NumPy's warning
+        views.append(piece.reshape(leaf.shape) if leaf.dtype == flat.dtype else
+                     piece.astype(leaf.dtype).reshape(leaf.shape))
+    return views
 
 
 def _view(x, name):

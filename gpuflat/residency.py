@@ -121,6 +121,10 @@ class Resident:
         self._backend = select(backend, unique, lambda i: paths[i])
         self._like = next((o for o in owners if o is not None), None)
         self.layout = layout(unique, paths)
+        with self._backend.on_device():
+            self._make_buffers(call, unique, tree, grads)
+
+    def _make_buffers(self, call, unique, tree, grads):
         xp = self._backend.xp
         dtypes = list(dict.fromkeys(a.dtype for a in unique))
         self._groups = [_Group(dt, [s for s in self.layout if s.buffer == b], xp)
@@ -181,16 +185,18 @@ class Resident:
         """The gradients' norm (``(total, per_leaf)`` with ``per_leaf``), as ``gf.global_norm``."""
         p = checks.check_ord(ord)
         self._adopt_rebound_grads()
-        results = self._norms(self._require_grads(), p, per_leaf)
-        total = self._combine([r.total for r in results], p)
-        if not per_leaf:
-            return self._result(total)
-        return self._result(total), self._result(self._per_leaf(results))
+        with self._backend.on_device():
+            results = self._norms(self._require_grads(), p, per_leaf)
+            total = self._combine([r.total for r in results], p)
+            if not per_leaf:
+                return self._result(total)
+            return self._result(total), self._result(self._per_leaf(results))
 
     def param_norm(self, ord=2):
         """The parameters' norm, as ``gf.global_norm`` of the model."""
         p = checks.check_ord(ord)
-        return self._result(self._combine([r.total for r in self._norms(self._params, p, False)], p))
+        with self._backend.on_device():
+            return self._result(self._combine([r.total for r in self._norms(self._params, p, False)], p))
 
     def clip_grad_norm_(self, max_norm, ord=2, *, eps=1e-6, error_if_nonfinite: bool = False):
         """Scale the gradients by min(1, max_norm / (norm + eps)) in place; return the norm.
@@ -204,19 +210,21 @@ class Resident:
         p = checks.check_ord(ord)
         self._adopt_rebound_grads()
         buffers = self._require_grads()
-        results = self._norms(buffers, p, False)
-        total = self._combine([r.total for r in results], p)
-        if error_if_nonfinite:
-            self._raise_if_nonfinite(total, results, p)
-        with _arrays.launch_stream(self._like):
-            for group, (_, buf, pieces) in zip(self._groups, buffers):
-                self._backend.clip_(group.plan, pieces, total, max_norm, eps, flat=buf)
+        with self._backend.on_device():
+            results = self._norms(buffers, p, False)
+            total = self._combine([r.total for r in results], p)
+            if error_if_nonfinite:
+                self._raise_if_nonfinite(total, results, p)
+            with _arrays.launch_stream(self._like):
+                for group, (_, buf, pieces) in zip(self._groups, buffers):
+                    self._backend.clip_(group.plan, pieces, total, max_norm, eps, flat=buf)
         return self._result(total)
 
     def zero_grad(self) -> None:
         """Zero every gradient buffer (and rebind PyTorch gradients to their views)."""
-        for _, buf, _ in self._require_grads():
-            buf.fill(0)
+        with self._backend.on_device():
+            for _, buf, _ in self._require_grads():
+                buf.fill(0)
         if self._torch is not None:
             for (_, param), tensor in zip(self._torch, self.grads.values()):
                 param.grad = tensor

@@ -16,6 +16,7 @@ synchronisations (every device-to-host read) and table uploads.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
@@ -89,6 +90,10 @@ class Runtime:
     def device_key(self):
         """A hashable naming this device, for per-device table caches."""
         return (self.name,)
+
+    def on_device(self):
+        """A context in which array-module calls run on this runtime's device."""
+        return contextlib.nullcontext()
 
     def empty(self, shape, dtype):
         """An uninitialised device array (no upload: nothing crosses the bus)."""
@@ -223,6 +228,9 @@ class CupyRuntime(Runtime):
     @property
     def device_key(self):
         return (self.name, self.device.id)
+
+    def on_device(self):
+        return self.device
 
     def _empty(self, shape, dtype):
         with self.device:

@@ -85,6 +85,10 @@ class CudaBackend:
         """The runtime's launch, sync and upload counters."""
         return self.runtime.stats
 
+    def on_device(self):
+        """The runtime's device as a context: arrays made inside land there."""
+        return self.runtime.on_device()
+
     def to_host(self, x) -> np.ndarray:
         """Read a device array on the host (one synchronisation)."""
         return self.runtime.to_host(x)

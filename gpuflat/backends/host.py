@@ -24,6 +24,7 @@ runs on the NumPy backend instead; :func:`available` says which.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
@@ -208,6 +209,14 @@ class HostBackend:
             offsets = plan.offsets
         _check(plan, leaves, lib.gf_host_clip(leaves, offsets, float(total), float(max_norm), float(eps),
                                               self.threads))
+
+    def on_device(self):
+        """Host memory needs no device context.
+
+        >>> with HostBackend().on_device():
+        ...     pass
+        """
+        return contextlib.nullcontext()
 
     def to_host(self, x) -> np.ndarray:
         """``x`` as a NumPy array (it already is one).

@@ -7,6 +7,7 @@ fixed by the plan, so every repeat adds the same numbers in the same order.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 
@@ -120,6 +121,14 @@ class NumpyBackend:
             # A resident model is clipped with one multiply over its buffer.
             for target in [flat] if flat is not None else leaves:
                 _scale(target, coef)
+
+    def on_device(self):
+        """Host memory needs no device context.
+
+        >>> with NumpyBackend().on_device():
+        ...     pass
+        """
+        return contextlib.nullcontext()
 
     def to_host(self, x):
         return np.asarray(x)

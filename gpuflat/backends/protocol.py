@@ -65,3 +65,7 @@ class Backend(Protocol):
 
     def to_host(self, x):
         """``x`` as a NumPy array (one synchronisation on a device)."""
+
+    def on_device(self):
+        """A context in which new arrays land on this backend's device (and
+        array-module calls run there): callers allocate inside it."""

@@ -1,0 +1,88 @@
+"""The CuPy rules tests/test_gpu.py relies on when it runs on the stand-in
+(tests/cupy_stand_in.py): each refusal fires, so a test body that breaks
+one fails in CI rather than on the first lent GPU.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from gpuflat.backends import base as backends_base
+
+import cupy_stand_in
+
+
+@pytest.fixture
+def cp(monkeypatch):
+    """The stand-in as ``cupy``: device 0 is sm_90, device 1 sm_80."""
+    module = cupy_stand_in.make_cupy(("90", "80"))
+    monkeypatch.setitem(sys.modules, "cupy", module)
+    monkeypatch.setattr(backends_base, "_backends", {})
+    return module
+
+
+def test_no_implicit_conversion_to_numpy(cp):
+    x = cp.asarray(np.arange(3.0))
+    with pytest.raises(TypeError, match="Implicit conversion to a NumPy array is not allowed"):
+        np.asarray(x)
+    with pytest.raises(TypeError, match="Unsupported type"):
+        x + np.ones(3)
+    assert x.get().tolist() == [0.0, 1.0, 2.0]
+
+
+def test_operations_return_device_arrays_with_numpys_values(cp):
+    host = np.array([[1.5, -2.0, 0.0], [4.0, 5.0, -6.5]], np.float32)
+    x = cp.asarray(host)[::-1, 1:].T
+    np.testing.assert_array_equal(x.get(), host[::-1, 1:].T)
+    for got, want in [(x * 2 + 1, host[::-1, 1:].T * 2 + 1), (x != np.float32(5), host[::-1, 1:].T != 5),
+                      (np.float32(3) - x, 3 - host[::-1, 1:].T), (x.astype(np.float64), host[::-1, 1:].T.astype(np.float64))]:
+        assert isinstance(got, cp.ndarray)
+        np.testing.assert_array_equal(got.get(), want)
+        assert got.dtype == want.dtype
+    assert int(cp.count_nonzero(x)) == np.count_nonzero(host[::-1, 1:])
+    y = cp.full((2, 3), 7, np.float16)
+    y[1, ::2] = 1.0
+    assert y.get().tolist() == [[7, 7, 7], [1, 7, 1]]
+
+
+def test_element_wise_work_runs_on_the_arrays_device(cp):
+    with cp.cuda.Device(1):
+        x = cp.asarray(np.ones(4))
+    for work in (lambda: x + 1, lambda: x.fill(2), lambda: x.__setitem__(0, 3.0), lambda: cp.count_nonzero(x)):
+        with pytest.raises(cp.ContractError, match="array on device 1, current device 0"):
+            work()
+    copy = x.copy()  # CuPy copies across devices, to the current one
+    assert copy.device.id == 0 and copy.get().tolist() == [1.0] * 4
+    with cp.cuda.Device(1):
+        assert (x + 1).device.id == 1
+
+
+def test_memory_is_counted_per_device(cp):
+    pool = cp.get_default_memory_pool()
+    free0, total = cp.cuda.runtime.memGetInfo()
+    with cp.cuda.Device(1):
+        kept = cp.empty(1000, np.float64)
+        assert pool.used_bytes() == 8000
+        assert cp.cuda.runtime.memGetInfo() == (total - 8000, total)
+    assert pool.used_bytes() == 0 and cp.cuda.runtime.memGetInfo()[0] == free0
+    del kept
+    with cp.cuda.Device(1):
+        assert pool.used_bytes() == 0
+
+
+
+def test_results_land_on_the_trees_device_not_the_current_one(cp):
+    import gpuflat as gf
+
+    with cp.cuda.Device(1):
+        tree = {"w": cp.asarray(np.arange(5.0)), "b": cp.asarray(np.ones(3))}
+    flat, re = gf.destructure(tree)  # the current device is 0
+    assert flat.device.id == 1 and flat.get().tolist() == [0, 1, 2, 3, 4, 1, 1, 1]
+    rebuilt = re(flat)
+    assert rebuilt["w"].device.id == 1 and rebuilt["w"].get().tolist() == [0, 1, 2, 3, 4]
+    out = gf.flatten(gf.plan(tree), tree)
+    assert out.device.id == 1
+    assert gf.unflatten(gf.plan(tree), flat)["b"].device.id == 1
+    assert float(gf.total("l2", tree).get()) == float(np.linalg.norm(np.arange(5.0)) + np.sqrt(3))
