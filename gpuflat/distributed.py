@@ -77,7 +77,7 @@ def global_norm(tree, ord=2, *, group=None, owned=None, per_leaf=False, backend=
     p = checks.check_ord(ord)
     comm = _Comm(group)
     local = _Local(tree, backend, comm)
-    with comm.stream(local.be.xp):
+    with local.be.on_device(), comm.stream(local.be.xp):
         total, per, _ = _reduce_norm(local, p, comm, owned)
     if per_leaf:
         return local.give_back(total), local.give_back(per)
@@ -108,7 +108,7 @@ def clip_grad_norm_(grads, max_norm, ord=2, *, group=None, owned=None, eps=1e-6,
     comm = _Comm(group)
     local = _Local(grads, backend, comm)
     local.check_in_place()
-    with comm.stream(local.be.xp):
+    with local.be.on_device(), comm.stream(local.be.xp):
         total, _, packet = _reduce_norm(local, p, comm, owned)
         if error_if_nonfinite:
             _raise_if_nonfinite(local, p, comm, total, packet)
