@@ -195,38 +195,24 @@ def may_overlap_itself(a) -> bool:
     return False
 
 
-def check_max_norm(max_norm) -> float:
-    """``max_norm`` as a float: a real number >= 0 (not a string, not NaN).
+def clip_arguments(max_norm, ord, eps) -> tuple[float, float, float]:
+    """(max_norm, p, eps) of a clip, checked: ``max_norm`` and ``eps`` real
+    numbers >= 0, ``ord`` 1, 2, inf or any p > 0 (no strings, no NaN).
 
-    >>> check_max_norm("1.0")
+    >>> clip_arguments(1, 2, 1e-6)
+    (1.0, 2.0, 1e-06)
+    >>> clip_arguments("1.0", 2, 1e-6)
     Traceback (most recent call last):
     ...
     ValueError: max_norm: expected a number >= 0, got '1.0'
-    """
-    return _nonnegative("max_norm", max_norm)
-
-
-def check_eps(eps) -> float:
-    """``eps`` as a float: a real number >= 0.
-
-    >>> check_eps(-1)
+    >>> clip_arguments(1.0, 2, -1)
     Traceback (most recent call last):
     ...
     ValueError: eps: expected a number >= 0, got -1
     """
-    return _nonnegative("eps", eps)
-
-
-def _nonnegative(name, x) -> float:
-    value = math.nan
-    if not isinstance(x, (str, bytes, bool)):
-        try:
-            value = float(x)
-        except (TypeError, ValueError):
-            pass
-    if not value >= 0:
-        raise ValueError(f"{name}: expected a number >= 0, got {x!r}")
-    return value
+    max_norm = _real("max_norm", max_norm, "a number >= 0", lambda v: v >= 0)
+    eps = _real("eps", eps, "a number >= 0", lambda v: v >= 0)
+    return max_norm, check_ord(ord), eps
 
 
 def check_ord(ord) -> float:
@@ -235,13 +221,18 @@ def check_ord(ord) -> float:
     >>> check_ord(2), check_ord(float("inf"))
     (2.0, inf)
     """
-    p = math.nan
-    if not isinstance(ord, (str, bytes, bool)):
+    return _real("ord", ord, "1, 2, inf or a number p > 0", lambda v: v > 0)
+
+
+def _real(name, x, expected, accept) -> float:
+    """``x`` as a float if it is a real number (not a string or bool) that ``accept``s."""
+    value = math.nan
+    if not isinstance(x, (str, bytes, bool)):
         try:
-            p = float(ord)
+            value = float(x)
         except (TypeError, ValueError):
             pass
-    if not p > 0:
-        raise ValueError(f"ord: expected 1, 2, inf or a number p > 0, got {ord!r}")
-    return p
+    if not accept(value):  # NaN fails every comparison
+        raise ValueError(f"{name}: expected {expected}, got {x!r}")
+    return value
 

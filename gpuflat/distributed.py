@@ -102,9 +102,7 @@ def clip_grad_norm_(grads, max_norm, ord=2, *, group=None, owned=None, eps=1e-6,
     >>> g["w"].round(6)
     array([0.6, 0.8])
     """
-    max_norm = checks.check_max_norm(max_norm)
-    eps = checks.check_eps(eps)
-    p = checks.check_ord(ord)
+    max_norm, p, eps = checks.clip_arguments(max_norm, ord, eps)
     comm = _Comm(group)
     local = _Local(grads, backend, comm)
     local.check_in_place()

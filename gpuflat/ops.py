@@ -311,9 +311,7 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, eps: float = 1e-6
     >>> g["w"].round(6)
     array([0.6, 0.8])
     """
-    max_norm = checks.check_max_norm(max_norm)
-    eps = checks.check_eps(eps)
-    p = checks.check_ord(ord)
+    max_norm, p, eps = checks.clip_arguments(max_norm, ord, eps)
     call = Call(grads)
     norm_plan, norm_leaves = _norm_inputs(call, grads, model, backend)
     # The grads' own walk holds each distinct gradient array once.
@@ -344,9 +342,7 @@ def clip_by_global_norm(tree, max_norm: float, ord: float = 2, *, eps: float = 1
     >>> clipped["w"].round(6), float(norm), g["w"]
     (array([0.6, 0.8]), 5.0, array([3., 4.]))
     """
-    max_norm = checks.check_max_norm(max_norm)
-    eps = checks.check_eps(eps)
-    p = checks.check_ord(ord)
+    max_norm, p, eps = checks.clip_arguments(max_norm, ord, eps)
     call = Call(tree)
     be = call.backend(backend)
     with be.on_device():

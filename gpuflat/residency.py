@@ -205,9 +205,7 @@ class Resident:
         ``error_if_nonfinite``, which raises naming the first leaf holding
         NaN or inf and scales nothing.
         """
-        max_norm = checks.check_max_norm(max_norm)
-        eps = checks.check_eps(eps)
-        p = checks.check_ord(ord)
+        max_norm, p, eps = checks.clip_arguments(max_norm, ord, eps)
         self._adopt_rebound_grads()
         buffers = self._require_grads()
         with self._backend.on_device():
