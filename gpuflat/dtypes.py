@@ -47,3 +47,28 @@ def flat_dtype(dtypes) -> np.dtype:
         return unique.pop()
     widened = [np.dtype(np.float32) if d == BFLOAT16 else d for d in unique]
     return np.result_type(*widened)
+
+
+def unsupported_float(dtype) -> str | None:
+    """Why a floating dtype outside the table cannot be a leaf, or None.
+
+    Such an array holds trainable values, so leaving it out of a norm
+    silently would be wrong; it is refused by name instead. Integer, boolean
+    and other non-floating dtypes give None: they are kept as statics.
+
+    >>> unsupported_float(np.dtype(">f4"))
+    "expected a native-byte-order float16, bfloat16, float32, float64, complex64 or complex128 array, got dtype '>f4' (byte-swapped): convert it with a.astype(a.dtype.newbyteorder('='))"
+    >>> unsupported_float(np.dtype(np.int32)) is None
+    True
+    """
+    dtype = np.dtype(dtype)
+    if dtype in TAGS:
+        return None
+    expected = ("expected a native-byte-order float16, bfloat16, float32, float64, complex64 or "
+                "complex128 array")
+    if dtype.kind in "fc" and not dtype.isnative:
+        return (f"{expected}, got dtype '{dtype.str}' (byte-swapped): convert it with "
+                f"a.astype(a.dtype.newbyteorder('='))")
+    if dtype.kind in "fc" or (dtype.kind == "V" and dtype.name.startswith(("float", "bfloat"))):
+        return f"{expected}, got {dtype.name}: cast it to one of these first"
+    return None

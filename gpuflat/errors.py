@@ -29,3 +29,18 @@ class OverlapError(ValueError):
     ...
     gpuflat.errors.OverlapError: leaves ['a'] and ['b'] share memory
     """
+
+
+class StaleResidentError(RuntimeError):
+    """A resident model no longer matches the model it was made from.
+
+    Raised by a resident model's per-step calls when a parameter was changed
+    in a way the flat buffers cannot follow (its dtype or shape, whether it
+    requires grad, a parameter added or removed); the message names the
+    parameter and says what changed. Rebuild with ``gf.resident(model)``.
+
+    >>> raise StaleResidentError("parameter 'fc.weight': dtype changed from float32 to float64")
+    Traceback (most recent call last):
+    ...
+    gpuflat.errors.StaleResidentError: parameter 'fc.weight': dtype changed from float32 to float64
+    """

@@ -3,7 +3,10 @@
 A plan is plain frozen data built once per tree *structure* (containers,
 keys, what each static is, leaf shapes and dtypes, tie pattern) and kept in
 a bounded, thread-safe LRU cache, so a training loop pays the host-side walk
-of its tree once and afterwards only reads the leaves. The operations that
+of its tree once and afterwards only reads the leaves. The cache holds
+structure only, never a value of the user's: the plan ``gf.plan(tree)``
+returns is a copy that carries ``tree``'s non-trainable values, equal to the
+cached plan it was made from. The operations that
 use a plan live in ``gpuflat.ops``; backends read plans and keep their own
 per-plan caches, keyed weakly by the plan.
 """
@@ -11,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, namedtuple
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from operator import attrgetter
 
@@ -47,8 +50,11 @@ class FlatPlan:
     ``leaves`` has one LeafSpec per unique trainable array (a *slot*) in walk
     order; ``slot_of[i]`` is the slot of the i-th trainable occurrence, so a
     tied array appears once in ``leaves`` and several times in ``slot_of``.
-    ``statics`` are the non-trainable values of the tree the plan was first
-    built from: what ``gpuflat.unflatten`` puts back when it is given no tree.
+    ``statics`` are the non-trainable values of the tree the plan was made
+    for (what ``gpuflat.unflatten`` puts back); the cached plans hold none,
+    so the cache never keeps a user's values (a module, a replaced array)
+    alive. A plan with statics equals, and hashes as, the cached plan it was
+    made from, so per-plan caches keyed by plan serve both.
 
     >>> import numpy as np, gpuflat as gf
     >>> a = np.ones(2, np.float32)
@@ -65,6 +71,24 @@ class FlatPlan:
     size: int
     dtype: np.dtype
     statics: tuple = field(repr=False, default=())
+    structure: "FlatPlan | None" = field(repr=False, default=None)
+
+    def with_statics(self, statics) -> "FlatPlan":
+        """This plan carrying ``statics`` (the cached plan itself when there are none).
+
+        >>> import numpy as np, gpuflat as gf
+        >>> p = gf.plan({"w": np.ones(2), "act": "relu"})
+        >>> p.statics, p.with_statics(["gelu"]).statics, p.with_statics(["gelu"]) == p
+        (('relu',), ('gelu',), True)
+        """
+        core = self.structure or self
+        return replace(core, statics=tuple(statics), structure=core) if statics else core
+
+    def __eq__(self, other):
+        return isinstance(other, FlatPlan) and (self.structure or self) is (other.structure or other)
+
+    def __hash__(self):
+        return id(self.structure or self)
 
     @cached_property
     def offsets(self) -> np.ndarray:
@@ -106,11 +130,11 @@ def signature(arrays):
     return slot_of, unique, tuple(map(shape_and_dtype, unique))
 
 
-def build(treedef, slot_of, unique, statics=()) -> FlatPlan:
-    """The plan of a walked tree (uncached; see :func:`cached`).
+def build(treedef, slot_of, unique) -> FlatPlan:
+    """The plan of a walked tree's structure (uncached; see :func:`cached`).
 
     >>> treedef, arrays, statics, _ = _tree.walk({"w": np.ones(3, np.float32), "n": "relu"})
-    >>> build(treedef, (0,), arrays, statics).leaves[0]
+    >>> build(treedef, (0,), arrays).leaves[0]
     LeafSpec(path="['w']", offset=0, size=3, shape=(3,), dtype=dtype('float32'))
     """
     paths = _tree.leaf_paths(treedef)
@@ -122,8 +146,7 @@ def build(treedef, slot_of, unique, statics=()) -> FlatPlan:
         size = int(a.size)
         leaves.append(LeafSpec(first_path[s], offset, size, tuple(a.shape), a.dtype))
         offset += size
-    return FlatPlan(treedef, tuple(leaves), slot_of, offset,
-                    flat_dtype(a.dtype for a in unique), tuple(statics))
+    return FlatPlan(treedef, tuple(leaves), slot_of, offset, flat_dtype(a.dtype for a in unique))
 
 
 class PlanCache:
@@ -179,14 +202,14 @@ CacheInfo = namedtuple("CacheInfo", "hits misses size maxsize")
 cache = PlanCache()
 
 
-def cached(treedef, arrays, statics=()):
+def cached(treedef, arrays):
     """(plan, unique trainable arrays in slot order) of a walked tree, from the cache.
 
     >>> treedef, arrays, statics, _ = _tree.walk([np.ones(2), np.ones(2)])
-    >>> plan, unique = cached(treedef, arrays, statics)
+    >>> plan, unique = cached(treedef, arrays)
     >>> plan.size, len(unique)
     (4, 2)
     """
     slot_of, unique, shapes = signature(arrays)
     key = (treedef, shapes, slot_of)
-    return cache.get(key, lambda: build(treedef, slot_of, unique, statics)), unique
+    return cache.get(key, lambda: build(treedef, slot_of, unique)), unique

@@ -35,7 +35,7 @@ class Call:
     def __init__(self, tree):
         with _tree.collector_paused():
             walked = _tree.walk(tree)
-            self.plan, self.unique = flatplan.cached(walked.treedef, walked.arrays, walked.statics)
+            self.plan, self.unique = flatplan.cached(walked.treedef, walked.arrays)
         self.statics = walked.statics
         self.foreign = walked.foreign
         self.like = next(iter(walked.foreign.values()), None)
@@ -51,7 +51,11 @@ class Call:
 
 
 def plan(tree, *, backend: str | None = None) -> FlatPlan:
-    """The cached FlatPlan of ``tree``'s structure.
+    """The FlatPlan of ``tree``'s structure, carrying ``tree``'s non-trainable values.
+
+    The structure comes from the cache (a same-shaped tree gets an equal
+    plan, and the backends' tables built for it); the cache itself keeps none
+    of ``tree``'s values alive.
 
     ``backend`` is checked against the leaves: a tree mixing NumPy and CuPy
     arrays, or leaves the backend cannot reach, raise here already.
@@ -67,7 +71,7 @@ def plan(tree, *, backend: str | None = None) -> FlatPlan:
     """
     call = Call(tree)
     call.backend(backend)
-    return call.plan
+    return call.plan.with_statics(call.statics)
 
 
 def plan_cache_info() -> flatplan.CacheInfo:
@@ -176,8 +180,8 @@ def unflatten(plan: FlatPlan, flat, *, backend: str | None = None) -> Any:
     """A tree shaped like ``plan``'s whose trainables are rebuilt from ``flat``.
 
     Where ``flat`` has a leaf's dtype, the leaf is a zero-copy view into it;
-    elsewhere a cast copy. Non-trainable values are those of the tree the
-    plan was first built from.
+    elsewhere a cast copy. Non-trainable values are those of the tree
+    ``gf.plan`` was given.
 
     >>> import numpy as np, gpuflat as gf
     >>> p = gf.plan({"w": np.ones(3), "n": "relu"})

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import arrays
-from .dtypes import TAGS
+from .dtypes import TAGS, unsupported_float
 from .errors import TreeMismatchError
 
 # Container kinds in a treedef node: (kind, type, names, children[, statics]).
@@ -217,6 +217,7 @@ def _walk(x, out, side, array_types):
         if x.dtype in TAGS:
             out.append(x)
             return LEAF
+        _refuse_unsupported_float(x, x.dtype)
         statics.append(x)
         return Static.of(x)
     if cls is dict or (isinstance(x, dict) and cls not in _registry):
@@ -269,8 +270,18 @@ def _leaf(x, out, side):
         foreign[id(x)] = (x, adopted)
         out.append(adopted)
         return LEAF
+    if adopted is not None:
+        _refuse_unsupported_float(x, adopted.dtype)
     statics.append(x)
     return Static.of(x)
+
+
+def _refuse_unsupported_float(x, dtype):
+    # A floating array gpuflat cannot compute on holds trainable values: kept
+    # as a static, it would silently drop out of every norm and clip.
+    reason = unsupported_float(dtype)
+    if reason is not None:
+        raise _Refused(x, reason)
 
 
 def _walk_children(values, out, side, array_types):

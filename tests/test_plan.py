@@ -79,7 +79,8 @@ def test_cache_hit_on_same_shaped_tree():
     p1 = gf.plan({"w": np.ones((2, 3), np.float32), "act": "relu"})
     assert info() == (0, 1, 1)
     p2 = gf.plan({"w": np.zeros((2, 3), np.float32), "act": "relu"})
-    assert p2 is p1 and info() == (1, 1, 1)
+    # Equal plans of one cached structure; each carries its own tree's statics.
+    assert p2 == p1 and p2.structure is p1.structure and info() == (1, 1, 1)
     # every public entry point reads the same cache
     gf.global_norm({"w": np.ones((2, 3), np.float32), "act": "relu"})
     gf.trainables({"w": np.ones((2, 3), np.float32), "act": "relu"})
@@ -122,7 +123,7 @@ def test_changed_tree_is_a_miss_and_gets_fresh_offsets(change):
         changed = {"x": a, "y": base["y"], "z": a}
     misses = gf.plan_cache_info().misses
     p2 = gf.plan(changed)
-    assert p2 is not p1
+    assert p2 != p1
     assert gf.plan_cache_info().misses == misses + 1
     # The new plan describes the new tree, never the cached one.
     arrays = [a for a in gf.trainables(changed)]
@@ -241,3 +242,33 @@ def test_signature_helpers_agree():
     a = np.ones(2)
     slot_of, unique, shapes = gplan.signature([a, np.ones(3), a])
     assert slot_of == (0, 1, 0) and unique[0] is a and [s[0] for s in shapes] == [(2,), (3,)]
+
+
+def test_the_cache_keeps_no_user_value_alive():
+    import gc
+    import weakref
+
+    class Net:
+        __trainable__ = ("w",)
+
+        def __init__(self):
+            self.w, self.running = np.ones(3), np.zeros(3)
+
+    refs = []
+    for _ in range(3):  # a static array replaced every step, inside a walked object
+        net = Net()
+        refs.append(weakref.ref(net.running))
+        gf.global_norm(net)
+        plan = gf.plan(net)
+        del net, plan
+    gc.collect()
+    assert gf.plan_cache_info().size == 1
+    assert all(ref() is None for ref in refs)
+
+
+def test_unflatten_rebuilds_with_the_planned_trees_statics():
+    p_relu = gf.plan({"w": np.ones(2), "act": "relu"})
+    p_gelu = gf.plan({"w": np.ones(2), "act": "gelu"})
+    assert p_relu == p_gelu and gf.plan_cache_info().size == 1
+    assert gf.unflatten(p_relu, np.zeros(2))["act"] == "relu"
+    assert gf.unflatten(p_gelu, np.zeros(2))["act"] == "gelu"

@@ -1,0 +1,35 @@
+"""gpuflat.dtypes: every floating array is handled or refused by name, never dropped."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import gpuflat as gf
+from gpuflat.dtypes import TAGS, unsupported_float
+
+UNSUPPORTED = [np.dtype(">f4"), np.dtype(">f8"), np.dtype(">c16"), np.dtype(">f2"), np.dtype(np.longdouble),
+               np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)]
+
+
+@pytest.mark.parametrize("dtype", UNSUPPORTED, ids=str)
+def test_unsupported_floating_leaves_are_refused_by_path(dtype):
+    tree = {"ok": np.ones(3), "bad": {"w": np.ones(2).astype(dtype)}}
+    for call in (gf.global_norm, gf.trainables, gf.plan, lambda t: gf.clip_grad_norm_(t, 1.0)):
+        with pytest.raises(gf.UnwalkableError, match=r"leaf \"\['bad'\]\['w'\]\": expected a native-byte-order"):
+            call(tree)
+    np.testing.assert_array_equal(tree["ok"], np.ones(3))  # the clip changed nothing
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int64, np.uint16, bool, ml_dtypes.int4, np.dtype("<U3")], ids=str)
+def test_non_floating_arrays_stay_statics(dtype):
+    tree = {"w": np.array([3.0, 4.0]), "n": np.zeros(2, dtype)}
+    assert unsupported_float(np.dtype(dtype)) is None
+    assert float(gf.global_norm(tree)) == 5.0
+    assert gf.trainables(tree) == [tree["w"]]
+
+
+def test_every_table_dtype_is_supported():
+    assert all(unsupported_float(dt) is None for dt in TAGS)
+    assert sorted(str(dt) for dt in TAGS) == sorted(
+        ["float16", "bfloat16", "float32", "float64", "complex64", "complex128"])
