@@ -9,8 +9,8 @@ vector load); the padding between leaves is zero and never counted.
 From then on a training step never walks the tree: ``grad_norm``,
 ``clip_grad_norm_``, ``zero_grad`` and ``param_norm`` work on the buffers
 with a fixed number of backend calls per dtype, however many leaves there
-are. The one per-leaf work left is, for PyTorch parameters, an identity check
-of each ``p.grad`` (see :class:`Resident`).
+are. The one per-leaf work left is, for PyTorch parameters, the checks that
+follow what a training loop did to them (``gpuflat.torch_params``).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from .backends.base import select
 from .errors import NonFiniteError
 from .flatplan import FlatPlan, LeafSpec
 from .ops import Call, raise_if_nonfinite
+from .torch_params import Binding
 
 ALIGN_BYTES = 256
 PADDING = "<padding>"
@@ -45,10 +46,16 @@ class Slice:
 
 
 class _Group:
-    """One dtype's buffer pair as the backends see it: a contiguous plan whose
-    slots are the leaves and the zero padding between them."""
+    """One dtype's buffer pair as the backends see it.
 
-    def __init__(self, dtype, slices, xp):
+    ``plan`` covers the whole buffer, its slots the leaves and the zero
+    padding between them, so norms read the buffer in one pass; ``leaf_plan``
+    covers the leaves alone, for writes. Padding is zero and stays zero: no
+    clip or update writes it (0 x NaN would be NaN), so it adds nothing to a
+    norm and is never the first non-finite slot.
+    """
+
+    def __init__(self, dtype, slices):
         self.dtype = dtype
         specs, offset = [], 0
         for s in slices:
@@ -58,12 +65,32 @@ class _Group:
             offset = s.offset + s.size
         self.size = offset
         self.plan = FlatPlan(None, tuple(specs), tuple(range(len(specs))), offset, dtype)
-        self.real = xp.asarray(np.array([i for i, spec in enumerate(specs) if spec.path != PADDING],
-                                        dtype=np.int64))
+        self.real = [i for i, spec in enumerate(specs) if spec.path != PADDING]
+        self.leaf_plan = _contiguous_plan([(specs[i].path, (specs[i].size,)) for i in self.real], dtype)
 
     def pieces(self, buffer) -> list:
         """The buffer cut along the plan's slots: what backends read per slot."""
         return [buffer[spec.offset : spec.offset + spec.size] for spec in self.plan.leaves]
+
+
+class _Buffer:
+    """One flat buffer: in the caller's kind, as a backend array, and cut once
+    into its slots (all of them, and the leaves alone), so a step cuts nothing."""
+
+    def __init__(self, own, array, group):
+        self.own, self.array = own, array
+        self.pieces = group.pieces(array)
+        self.leaves = [self.pieces[i] for i in group.real]
+
+
+def _contiguous_plan(named_shapes, dtype) -> FlatPlan:
+    """A plan of leaves laid end to end, each of ``dtype``."""
+    specs, offset = [], 0
+    for path, shape in named_shapes:
+        size = math.prod(shape)
+        specs.append(LeafSpec(path, offset, size, shape, np.dtype(dtype)))
+        offset += size
+    return FlatPlan(None, tuple(specs), tuple(range(len(specs))), offset, np.dtype(dtype))
 
 
 def layout(unique, paths) -> tuple:
@@ -90,18 +117,29 @@ class Resident:
 
     ``params`` is the tree with every trainable a view into ``param_buffers``
     (for PyTorch parameters, the parameters themselves, whose storage now is
-    the view); ``grads`` the gradient views into ``grad_buffers``, zeroed
-    (for PyTorch, every ``p.grad`` is set to its view, so autograd
-    accumulates into the buffer, and ``grads`` maps each parameter's path to
-    it). ``layout`` gives each trainable's buffer and offset.
+    the view); ``grads`` the gradient views into ``grad_buffers`` (for
+    PyTorch, every ``p.grad`` is set to its view, so autograd accumulates into
+    the buffer, and ``grads`` maps each parameter's path to it; gradients the
+    parameters already had are kept). ``layout`` gives each trainable's
+    buffer and offset.
 
-    Keeping residency: write gradients into the views in place. PyTorch's
-    ``optimizer.zero_grad()`` sets gradients to None by default, after which
-    autograd allocates new ones; every per-step method checks each
-    ``p.grad`` by identity first and, where it was rebound, copies the new
-    gradient into the buffer and rebinds ``p.grad`` to its view (None counts
-    as zero). Nothing is ever computed on a stale buffer; to skip the copy,
-    use ``optimizer.zero_grad(set_to_none=False)`` or ``r.zero_grad()``.
+    What a PyTorch resident model follows, checked first in every per-step
+    call and whenever ``grads`` or ``grad_buffers`` is read:
+
+    - gradients rebound by ``optimizer.zero_grad()`` (set to None, PyTorch's
+      default) and allocated anew by autograd, or assigned by hand: copied
+      into the buffer and ``p.grad`` rebound to its view (None counts as
+      zero); ``optimizer.zero_grad(set_to_none=False)`` or ``r.zero_grad()``
+      avoid the copy;
+    - parameters given new storage of the same dtype, shape and device
+      (``p.data = ...``), or replaced in their module by such a parameter
+      (``load_state_dict(..., assign=True)``): copied in and rebound.
+
+    What makes it raise ``gf.StaleResidentError``, naming the parameter and
+    what changed: a dtype, shape or device change (``model.to(torch.bfloat16)``,
+    ``.double()``), a parameter removed, and a new gradient on a parameter
+    the resident model left out (one frozen when it was made and unfrozen
+    since, or added since). Rebuild with ``gf.resident(model)`` then.
 
     >>> import numpy as np, gpuflat as gf
     >>> r = gf.resident({"w": np.array([3.0, 0.0]), "b": np.array([4.0], np.float32)})
@@ -117,155 +155,185 @@ class Resident:
         unique = call.unique
         paths = call.paths()
         owners = [call.foreign.get(id(a)) for a in unique]
-        self._torch = _torch_parameters(owners, paths)
+        pairs = _torch_parameters(owners, paths)
         self._backend = select(backend, unique, lambda i: paths[i])
         self._like = next((o for o in owners if o is not None), None)
         self.layout = layout(unique, paths)
-        with self._backend.on_device():
-            self._make_buffers(call, unique, tree, grads)
-
-    def _make_buffers(self, call, unique, tree, grads):
-        xp = self._backend.xp
         dtypes = list(dict.fromkeys(a.dtype for a in unique))
-        self._groups = [_Group(dt, [s for s in self.layout if s.buffer == b], xp)
-                        for b, dt in enumerate(dtypes)]
-        # Per-leaf results come out grouped by dtype; this puts them back in plan order.
-        grouped = [i for b in range(len(dtypes)) for i, s in enumerate(self.layout) if s.buffer == b]
-        self._plan_order = xp.asarray(np.argsort(np.array(grouped, dtype=np.int64)))
-        self._params = [self._allocate(g) for g in self._groups]
+        self._groups = [_Group(dt, [s for s in self.layout if s.buffer == b]) for b, dt in enumerate(dtypes)]
+        self._totals_plan = _contiguous_plan([(f"<{dt} buffer>", ()) for dt in dtypes], np.float64)
+        self._per_leaf_plan = _contiguous_plan([(s.path, ()) for s in self.layout], np.float64)
+        with self._backend.on_device():
+            self._params = [self._allocate(g) for g in self._groups]
+            self._grads = [self._allocate(g) for g in self._groups] if grads else None
+            if pairs is None:
+                self._binding = None
+                self._bind_arrays(call, unique)
+            else:
+                modules = [x for x in call.statics if _arrays.is_module(x)]
+                self._binding = Binding(pairs, modules, self._views(self._params, own=True),
+                                        self._views(self._grads, own=True) if grads else None)
+                self.params = tree
+
+    def _bind_arrays(self, call, unique):
+        """NumPy and CuPy trees: the values copied in, and new trees of views."""
         for s, a in zip(self.layout, unique):
-            _view(self._params[s.buffer][1], s)[...] = a
-        self.params = self._bind(call, self._params, "data", tree)
-        self._grads = [self._allocate(g) for g in self._groups] if grads else None
-        self.grads = self._bind(call, self._grads, "grad", None) if grads else None
+            _view(self._params[s.buffer].array, s)[...] = a
+
+        def rebuilt(buffers):
+            views = self._views(buffers, own=False)
+            return _tree.rebuild(call.plan.treedef, [views[slot] for slot in call.plan.slot_of], call.statics)
+
+        self.params = rebuilt(self._params)
+        self._grad_tree = rebuilt(self._grads) if self._grads is not None else None
+
+    def _views(self, buffers, *, own):
+        return [_view(buffers[s.buffer].own if own else buffers[s.buffer].array, s) for s in self.layout]
+
+    def _allocate(self, group) -> _Buffer:
+        """A zeroed buffer for ``group``."""
+        if self._like is not None:
+            torch = sys.modules["torch"]
+            own = torch.zeros(group.size, dtype=_torch_dtype(torch, group.dtype), device=self._like.device)
+            return _Buffer(own, _arrays.adopt(own), group)
+        buf = self._backend.xp.zeros(group.size, group.dtype)
+        return _Buffer(buf, buf, group)
 
     # ---------------------------------------------------------- buffers
 
     @property
+    def grads(self):
+        """The gradient views: a tree like ``params``, or for PyTorch a dict from
+        each parameter's path to its ``p.grad`` (None with ``grads=False``)."""
+        if self._grads is None:
+            return None
+        self._sync()
+        if self._binding is None:
+            return self._grad_tree
+        return dict(zip(self._binding.paths, self._binding.grads))
+
+    @property
     def param_buffers(self) -> tuple:
         """The 1-D parameter buffers, one per dtype, in the caller's kind."""
-        return tuple(own for own, _, _ in self._params)
+        self._sync()
+        return tuple(b.own for b in self._params)
 
     @property
     def grad_buffers(self) -> tuple:
         """The 1-D gradient buffers, one per dtype, in the caller's kind."""
-        return tuple(own for own, _, _ in self._require_grads())
-
-    def _allocate(self, group):
-        """(buffer in the caller's kind, the same memory as a backend array,
-        its slot pieces), zeroed. The pieces are cut once, so a step cuts nothing."""
-        if self._like is not None:
-            torch = sys.modules["torch"]
-            own = torch.zeros(group.size, dtype=_torch_dtype(torch, group.dtype), device=self._like.device)
-            buf = _arrays.adopt(own)
-        else:
-            own = buf = self._backend.xp.zeros(group.size, group.dtype)
-        return own, buf, group.pieces(buf)
-
-    def _bind(self, call, buffers, attribute, tree):
-        """The caller's tree over ``buffers``: PyTorch tensors rebound in place, else a rebuilt tree."""
-        views = [_view(buffers[s.buffer][1], s) for s in self.layout]
-        if self._torch is None:
-            return _tree.rebuild(call.plan.treedef, [views[slot] for slot in call.plan.slot_of], call.statics)
-        bound = {}
-        for (path, param), view, s in zip(self._torch, views, self.layout):
-            tensor = _view(buffers[s.buffer][0], s)
-            setattr(param, attribute, tensor)
-            bound[path] = tensor
-        return tree if attribute == "data" else bound
+        self._sync()
+        return tuple(b.own for b in self._require_grads())
 
     def _require_grads(self):
         if self._grads is None:
             raise ValueError("this Resident was made with grads=False: it holds no gradient buffers")
         return self._grads
 
+    def _sync(self):
+        if self._binding is not None:
+            self._binding.sync()
+
     # ---------------------------------------------------------- per step
 
     def grad_norm(self, ord=2, *, per_leaf: bool = False):
-        """The gradients' norm (``(total, per_leaf)`` with ``per_leaf``), as ``gf.global_norm``."""
+        """The gradients' norm (``(total, per_leaf)`` with ``per_leaf``), as ``gf.global_norm``.
+
+        >>> import numpy as np, gpuflat as gf
+        >>> r = gf.resident({"a": np.zeros(2), "b": np.zeros(1)})
+        >>> r.grads["a"][:] = [3.0, 4.0]; r.grads["b"][:] = 12.0
+        >>> float(r.grad_norm()), r.grad_norm(per_leaf=True)[1]
+        (13.0, array([ 5., 12.]))
+        """
         p = checks.check_ord(ord)
-        self._adopt_rebound_grads()
+        self._sync()
         with self._backend.on_device():
             results = self._norms(self._require_grads(), p, per_leaf)
-            total = self._combine([r.total for r in results], p)
+            total = self._combine(results, p)
             if not per_leaf:
                 return self._result(total)
             return self._result(total), self._result(self._per_leaf(results))
 
     def param_norm(self, ord=2):
-        """The parameters' norm, as ``gf.global_norm`` of the model."""
+        """The parameters' norm, as ``gf.global_norm`` of the model.
+
+        >>> import numpy as np, gpuflat as gf
+        >>> float(gf.resident({"w": np.array([3.0, 4.0])}).param_norm())
+        5.0
+        """
         p = checks.check_ord(ord)
+        self._sync()
         with self._backend.on_device():
-            return self._result(self._combine([r.total for r in self._norms(self._params, p, False)], p))
+            return self._result(self._combine(self._norms(self._params, p, False), p))
 
     def clip_grad_norm_(self, max_norm, ord=2, *, eps=1e-6, error_if_nonfinite: bool = False):
         """Scale the gradients by min(1, max_norm / (norm + eps)) in place; return the norm.
 
         As ``gf.clip_grad_norm_``: no host synchronisation unless
         ``error_if_nonfinite``, which raises naming the first leaf holding
-        NaN or inf and scales nothing.
+        NaN or inf and scales nothing. Only the leaves are scaled: the
+        padding between them stays zero, so a NaN step leaves no trace in
+        the next step's norm.
+
+        >>> import numpy as np, gpuflat as gf
+        >>> r = gf.resident({"w": np.zeros(2)})
+        >>> r.grads["w"][:] = [3.0, 4.0]
+        >>> float(r.clip_grad_norm_(1.0)), r.grads["w"].round(6)
+        (5.0, array([0.6, 0.8]))
         """
         max_norm, p, eps = checks.clip_arguments(max_norm, ord, eps)
-        self._adopt_rebound_grads()
+        self._sync()
         buffers = self._require_grads()
         with self._backend.on_device():
             results = self._norms(buffers, p, False)
-            total = self._combine([r.total for r in results], p)
+            total = self._combine(results, p)
             if error_if_nonfinite:
                 self._raise_if_nonfinite(total, results, p)
             with _arrays.launch_stream(self._like):
-                for group, (_, buf, pieces) in zip(self._groups, buffers):
-                    self._backend.clip_(group.plan, pieces, total, max_norm, eps, flat=buf)
+                for group, buf in zip(self._groups, buffers):
+                    self._backend.clip_(group.leaf_plan, buf.leaves, total, max_norm, eps)
         return self._result(total)
 
     def zero_grad(self) -> None:
-        """Zero every gradient buffer (and rebind PyTorch gradients to their views)."""
+        """Zero every gradient buffer (and rebind PyTorch gradients to their views).
+
+        >>> import numpy as np, gpuflat as gf
+        >>> r = gf.resident({"w": np.zeros(2)})
+        >>> r.grads["w"][:] = 1.0; r.zero_grad(); r.grads["w"]
+        array([0., 0.])
+        """
+        buffers = self._require_grads()
+        if self._binding is not None:
+            self._binding.sync()  # rebinds every p.grad to its view first
         with self._backend.on_device():
-            for _, buf, _ in self._require_grads():
-                buf.fill(0)
-        if self._torch is not None:
-            for (_, param), tensor in zip(self._torch, self.grads.values()):
-                param.grad = tensor
+            for buf in buffers:
+                buf.array.fill(0)
 
     # ---------------------------------------------------------- helpers
 
-    def _adopt_rebound_grads(self):
-        """Copy gradients PyTorch allocated anew into the buffer; rebind them to their views."""
-        if self._torch is None:
-            return
-        for (path, param), tensor in zip(self._torch, self.grads.values()):
-            grad = param.grad
-            if grad is tensor:
-                continue
-            if grad is None:
-                tensor.zero_()
-            else:
-                tensor.copy_(grad)
-            param.grad = tensor
-
     def _norms(self, buffers, p, per_leaf):
         with _arrays.launch_stream(self._like):
-            return [self._backend.norms(g.plan, pieces, p, per_leaf, flat=buf)
-                    for g, (_, buf, pieces) in zip(self._groups, buffers)]
+            return [self._backend.norms(g.plan, buf.pieces, p, per_leaf, flat=buf.array)
+                    for g, buf in zip(self._groups, buffers)]
 
-    def _combine(self, totals, p):
-        """The norm over all buffers from each buffer's norm, on the device."""
-        xp = self._backend.xp
-        if not totals:
-            return xp.zeros((), np.float64)
-        if len(totals) == 1:
-            return totals[0]
-        stacked = xp.stack(totals)
-        if p == math.inf:
-            return xp.max(stacked)
-        return xp.sum(stacked**p) ** (1.0 / p)
+    def _combine(self, results, p):
+        """The norm over all buffers: the norm of the vector of each buffer's
+        norm, by the backend itself, on the device."""
+        if len(results) == 1:
+            return results[0].total
+        if not results:
+            return self._backend.norms(self._totals_plan, [], p, False).total
+        return self._backend.norms(self._totals_plan, [r.total for r in results], p, False).total
 
     def _per_leaf(self, results):
-        xp = self._backend.xp
-        if not results:
-            return xp.zeros(0, np.float64)
-        grouped = xp.concatenate([r.per_leaf[g.real] for r, g in zip(results, self._groups)])
-        return grouped[self._plan_order]
+        """Each leaf's norm in plan order, padding left out (one gather)."""
+        sources = [[r.per_leaf[i : i + 1].reshape(())] for r, g in zip(results, self._groups) for i in g.real]
+        order = [k for b in range(len(self._groups)) for k, s in enumerate(self.layout) if s.buffer == b]
+        in_plan_order = [None] * len(order)
+        for source, k in zip(sources, order):
+            in_plan_order[k] = source
+        out = self._backend.xp.empty(len(order), np.float64)
+        self._backend.gather(self._per_leaf_plan, in_plan_order, out)
+        return out
 
     def _raise_if_nonfinite(self, total, results, p):
         if math.isfinite(float(self._backend.to_host(total))):

@@ -207,10 +207,11 @@ def test_rebound_pytorch_gradients_are_copied_in_and_rebound(one_thread):
     torch.manual_seed(0)
     net = torch.nn.Linear(4, 3)
     r = gf.resident(net)
+    views = r.grads
     net.zero_grad(set_to_none=True)
     net(torch.ones(2, 4)).sum().backward()  # autograd allocates new gradients
     fresh = {n: p.grad.clone() for n, p in net.named_parameters()}
-    assert all(p.grad is not r.grads[n] for n, p in net.named_parameters())
+    assert all(p.grad is not views[n] for n, p in net.named_parameters())
     norm = r.grad_norm()
     want = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in fresh.values()]).double())
     assert float(norm) == pytest.approx(float(want), rel=1e-12)
@@ -223,3 +224,42 @@ def test_rebound_pytorch_gradients_are_copied_in_and_rebound(one_thread):
 def test_mixed_pytorch_and_numpy_leaves_are_refused():
     with pytest.raises(TypeError, match=r"\['b'\].*torch.Tensor"):
         gf.resident({"a": torch.ones(2), "b": np.ones(2)})
+
+
+# ---------------------------------------------------------------- the padding stays zero
+
+
+def test_a_nan_step_leaves_no_trace_in_the_next_norm(backend):
+    r = gf.resident({"w": np.ones(3, np.float32), "b": np.ones(5, np.float32)}, backend=backend)
+    r.grads["w"][:] = np.nan
+    assert math.isnan(float(r.clip_grad_norm_(1.0)))
+    r.grads["w"][:] = 1
+    r.grads["b"][:] = 0
+    assert float(r.grad_norm()) == pytest.approx(math.sqrt(3), rel=1e-12)
+    total, per = r.grad_norm(per_leaf=True)
+    np.testing.assert_allclose(per, [math.sqrt(3), 0.0], rtol=1e-12)
+    (buffer,) = r.grad_buffers
+    padding = np.ones(buffer.size, bool)
+    for s in r.layout:
+        padding[s.offset : s.offset + s.size] = False
+    assert padding.any() and (buffer[padding] == 0).all()
+    with pytest.raises(gf.NonFiniteError, match=r"\['b'\]"):
+        r.grads["b"][2] = np.inf
+        r.clip_grad_norm_(1.0, error_if_nonfinite=True)
+
+
+@pytest.mark.parametrize("ord", [1, 2, math.inf])
+def test_a_mixed_dtype_clip_matches_the_tree_clip(ord, backend):
+    rng = np.random.default_rng(5)
+    r = gf.resident(_mixed_model(rng), backend=backend)
+    _fill_grads(r, rng)
+    copies = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in r.grads.items()}
+    copies["enc"] = {k: v.copy() for k, v in r.grads["enc"].items()}
+    copies["dec"] = copies["enc"]["w"]
+    norm = r.clip_grad_norm_(0.5, ord)
+    ref = gf.clip_grad_norm_(copies, 0.5, ord, backend=backend)
+    assert rel_err(norm, float(ref)) < 1e-12
+    total, per = r.grad_norm(ord, per_leaf=True)
+    assert per.shape == (len(r.layout),)
+    for (path, got), (_, want) in zip(gf.trainables(r.grads, path=True), gf.trainables(copies, path=True)):
+        np.testing.assert_allclose(got.astype(np.complex128), want.astype(np.complex128), rtol=2e-3, err_msg=path)
