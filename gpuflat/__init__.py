@@ -10,7 +10,7 @@ native code or NumPy on the host.
 5.0
 """
 from . import distributed
-from .errors import NonFiniteError, OverlapError, TreeMismatchError
+from .errors import NonFiniteError, OverlapError, StaleResidentError, TreeMismatchError
 from .flatplan import FlatPlan, LeafSpec
 from .ops import (
     clip_by_global_norm,
@@ -35,6 +35,7 @@ __all__ = [
     "NonFiniteError",
     "OverlapError",
     "Resident",
+    "StaleResidentError",
     "TreeMismatchError",
     "UnwalkableError",
     "clip_by_global_norm",

@@ -151,7 +151,10 @@ class Binding:
             self._bind(k, new)
             if self.grads is not None and not had_grad:
                 self.grads[k].zero_()  # a new parameter has no gradient yet, as in PyTorch
+        known = set(map(id, self._other_params))
         self._snapshot()
+        # A parameter added since counts as one without a gradient: any it has is new.
+        self._other_grads = [g if id(p) in known else None for p, g in zip(self._other_params, self._other_grads)]
 
     def _follow_moved_storage(self):
         """New storage of the same dtype and shape is copied in and rebound; else raise."""
