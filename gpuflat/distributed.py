@@ -22,8 +22,11 @@ communicator. GPU arrays go to NCCL or a CUDA-aware MPI as device buffers.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
+import inspect
 import math
+import re
 import sys
 import threading
 import weakref
@@ -34,12 +37,13 @@ import numpy as np
 import gpuflat as gf
 
 from . import checks
-from .arrays import adopt
+from .arrays import adopt, is_module, module_parameters
 from .backends import get_backend
+from .dtypes import BFLOAT16
 from .errors import NonFiniteError
 from .ops import Call
 
-__all__ = ["CollectiveError", "Owned", "all_reduce_", "clip_grad_norm_", "global_norm",
+__all__ = ["PATH_FORMAT", "CollectiveError", "Owned", "all_reduce_", "clip_grad_norm_", "global_norm",
            "replicated", "sharded", "tied"]
 
 # Each rank's row in the one exchanged buffer: its partial, and 1 + the slot
@@ -118,11 +122,18 @@ def clip_grad_norm_(grads, max_norm, ord=2, *, group=None, owned=None, eps=1e-6,
 def all_reduce_(grads, op="mean", *, group=None, bucket_bytes=None):
     """Sum (or average) gradients across ranks in place, through one flat buffer.
 
-    ``grads`` is a tree of gradients, or an object holding its gradients in
-    ``grad_buffers`` (1-D arrays, reduced as they are). A tree is gathered
-    into one buffer of the plan's dtype, reduced, and scattered back: one
-    collective per ``bucket_bytes`` (default: the whole buffer) instead of
-    one per tensor. "mean" sums, then divides by the number of ranks.
+    ``grads`` is a tree of gradients, a ``torch.nn.Module`` (its parameters'
+    ``.grad``), or a resident model (``gf.resident``: its ``grad_buffers``
+    are reduced as they are). A tree is gathered into one buffer of the
+    plan's dtype, reduced, and scattered back: one collective per
+    ``bucket_bytes`` (default: the whole buffer) instead of one per tensor.
+    "mean" sums, then divides by the number of ranks; float16 and bfloat16
+    are summed and divided in float32 and rounded once.
+
+    All or nothing across ranks: each rank checks its gradients first, then
+    one small collective compares every rank's verdict and gradient size; if
+    any rank failed, every rank raises (the others a CollectiveError naming
+    that rank and its error) and no rank changes anything.
 
     >>> import numpy as np
     >>> from gpuflat import distributed as gfd
@@ -131,46 +142,59 @@ def all_reduce_(grads, op="mean", *, group=None, bucket_bytes=None):
     >>> g["w"], g["b"]
     (array([1., 2.], dtype=float32), array([3.], dtype=float32))
     """
-    if op not in ("sum", "mean"):
-        raise ValueError(f"op: expected 'sum' or 'mean', got {op!r}")
-    if bucket_bytes is not None and not bucket_bytes > 0:
-        raise ValueError(f"bucket_bytes: expected a number of bytes > 0 or None, got {bucket_bytes!r}")
+    _check_reduce_arguments(op, bucket_bytes)
     comm = _Comm(group)
-    buffers = getattr(grads, "grad_buffers", None)
-    if buffers is not None:
-        for buf in buffers:
-            _reduce_buffer(comm, buf, op, bucket_bytes)
-        return
-    plan = gf.plan(grads)
-    flat = adopt(gf.flatten(plan, grads))
-    _reduce_buffer(comm, flat, op, bucket_bytes)
-    gf.scatter(plan, flat, grads)
+    try:
+        reduction, failure = _Reduction(grads), None
+    except Exception as err:  # re-raised below on this rank, once every rank knows
+        reduction, failure = None, err
+    _agree(comm, "all_reduce_", failure, reduction)
+    for buf in reduction.moving:
+        _reduce_buffer(comm, buf, bucket_bytes)
+    reduction.finish(op, comm.size)
 
 
 # ---------------------------------------------------------------- ownership
 
+PATH_FORMAT = ("paths are written as gpuflat prints them (\"['enc']['w']\", \"['layers'][0].weight\", "
+               "'encoder.layers.0.weight') or dotted ('enc.w', 'layers.0.weight')")
+_PATHS_SHOWN = 5  # valid paths listed in an error about an unknown one
+
+
 class Owned:
     """A rule saying which leaves this rank counts in the global norm.
 
-    Called as ``rule(path, leaf) -> bool``; rules combine with ``&`` (a leaf
-    counts when every rule counts it). ``owned=`` also takes None (every
-    leaf), a set of leaf paths, or any such callable. The answer is cached
-    per plan, so it must depend on the path, shape or dtype only.
+    Made from an iterable of leaf paths (a set, list, tuple...) or a callable
+    ``(path) -> bool`` or ``(path, leaf) -> bool``; called as
+    ``rule(path, leaf) -> bool``. Rules combine with ``&`` (a leaf counts
+    when every rule counts it), with sets, iterables and callables on either
+    side. ``owned=`` takes any of these, or None (every leaf). A path named
+    in a set must be a trainable leaf of the tree (see ``PATH_FORMAT``). The
+    answer is cached per plan, so it must depend on the path, shape or
+    dtype only.
 
-    >>> rule = Owned(lambda path, leaf: "norm" not in path)
-    >>> both = rule & Owned(lambda path, leaf: leaf.ndim > 1)
-    >>> both("['w']", np.ones((2, 2))), both("['norm']", np.ones((2, 2)))
+    >>> rule = Owned(lambda path: "norm" not in path) & Owned(lambda path, leaf: leaf.ndim > 1)
+    >>> rule("['w']", np.ones((2, 2))), rule("['norm']", np.ones((2, 2)))
+    (True, False)
+    >>> both = {"enc.w", "['b']"} & sharded()
+    >>> both("['enc']['w']", np.ones(2)), both("['enc']['v']", np.ones(2))
     (True, False)
     """
 
     def __init__(self, rule):
-        self.rule = rule
+        self._rule = _as_rule(rule, "owned")
 
-    def __call__(self, path, leaf) -> bool:
-        return bool(self.rule(path, leaf))
+    def __call__(self, path, leaf=None) -> bool:
+        return self._rule.match(path, leaf)
 
     def __and__(self, other):
-        return Owned(lambda path, leaf: self(path, leaf) and bool(other(path, leaf)))
+        return Owned(_Both(self._rule, _as_rule(other, "the right side of &")))
+
+    def __rand__(self, other):
+        return Owned(_Both(_as_rule(other, "the left side of &"), self._rule))
+
+    def _mask(self, paths, leaves) -> np.ndarray:
+        return self._rule.mask(paths, leaves)
 
 
 def sharded():
@@ -179,7 +203,7 @@ def sharded():
     >>> sharded()("['w']", np.ones(2))
     True
     """
-    return Owned(lambda path, leaf: True)
+    return Owned(_Everything())
 
 
 def replicated(group=None, where=None):
@@ -187,14 +211,16 @@ def replicated(group=None, where=None):
 
     For tensor-parallel duplicates (layer norms, biases of row-parallel
     layers: Megatron's ``param_is_not_tensor_parallel_duplicate``).
-    ``where`` picks the replicated leaves (a set of paths or a predicate on
-    the path; None: all of them); the others count everywhere.
+    ``where`` picks the replicated leaves (an iterable of paths, each of
+    which every rank must hold, or a callable ``(path)`` or ``(path, leaf)``
+    -> bool; None: all of them); the others count everywhere.
 
-    >>> rule = replicated(where={"['ln']"})  # a world of one: this is rank 0
+    >>> rule = replicated(where={"ln"})  # a world of one: this is rank 0
     >>> rule("['ln']", np.ones(2)), rule("['w']", np.ones(2))
     (True, True)
     """
-    return tied(0, group=group, where=where)
+    comm = _Comm(group)
+    return Owned(_Tied(comm.rank == 0, _where(where, required=True)))
 
 
 def tied(owner_rank, group=None, where=None):
@@ -202,25 +228,170 @@ def tied(owner_rank, group=None, where=None):
 
     For an embedding tied across pipeline stages (the first and last stage
     each hold a copy): pass the pipeline group, the owning stage, and
-    ``where`` naming the tied leaves; other leaves count everywhere.
+    ``where`` naming the tied leaves (paths the owner must hold, or a
+    callable as in ``replicated``); other leaves count everywhere.
 
-    >>> rule = tied(1, where=lambda path: "embed" in path)  # this process is rank 0
+    >>> rule = tied(0, where=lambda path: "embed" in path)  # a world of one: this is rank 0
     >>> rule("['embed']", np.ones(2)), rule("['w']", np.ones(2))
-    (False, True)
+    (True, True)
+    >>> tied(1, where={"embed"})
+    Traceback (most recent call last):
+    ...
+    ValueError: owner_rank: expected a rank of the group, 0 to 0 (a group of 1 rank), got 1
     """
-    is_owner = _Comm(group).rank == owner_rank
-    selected = _selector(where)
-    return Owned(lambda path, leaf: is_owner or not selected(path))
+    comm = _Comm(group)
+    if isinstance(owner_rank, bool) or not isinstance(owner_rank, int) or not 0 <= owner_rank < comm.size:
+        raise ValueError(f"owner_rank: expected a rank of the group, 0 to {comm.size - 1} "
+                         f"(a group of {comm.size} rank{'s' * (comm.size > 1)}), got {owner_rank!r}")
+    is_owner = comm.rank == owner_rank
+    # Only the owner must hold the tied leaves: stages between hold no copy.
+    return Owned(_Tied(is_owner, _where(where, required=is_owner)))
 
 
-def _selector(where):
+def _where(where, *, required):
     if where is None:
-        return lambda path: True
-    if isinstance(where, (set, frozenset)):
-        return where.__contains__
-    if callable(where):
-        return where
-    raise TypeError(f"where: expected a set of paths, a predicate or None, got {type(where).__name__}")
+        return _Everything()
+    return _as_rule(where, "where", required=required)
+
+
+def _as_rule(rule, name, *, required=True):
+    """``rule`` as one of the rules below; TypeError saying what is accepted."""
+    if isinstance(rule, Owned):
+        return rule._rule
+    if isinstance(rule, _Rule):
+        return rule
+    if callable(rule):
+        return _Predicate(rule, name)
+    if not isinstance(rule, (str, bytes)) and hasattr(rule, "__iter__"):
+        return _Paths(rule, name, required)
+    raise TypeError(f"{name}: expected None, an iterable of leaf paths, or a callable (path) -> bool "
+                    f"or (path, leaf) -> bool, got {type(rule).__name__}"
+                    + (f" {rule!r} (wrap one path in a set: {{{rule!r}}})" if isinstance(rule, str) else ""))
+
+
+class _Rule:
+    """What every rule below has: ``match(path, leaf)``, ``mask(paths, leaves)``
+    (which also checks the paths it names) and a ``key`` to cache masks by."""
+
+
+class _Everything(_Rule):
+    key = "everything"
+
+    def match(self, path, leaf) -> bool:
+        return True
+
+    def mask(self, paths, leaves) -> np.ndarray:
+        return np.ones(len(paths), dtype=bool)
+
+
+class _Predicate(_Rule):
+    """A callable taking ``(path)`` or ``(path, leaf)``, told apart by its signature."""
+
+    def __init__(self, f, name):
+        self.f = self.key = f
+        self.takes_leaf = _takes_leaf(f, name)
+
+    def match(self, path, leaf) -> bool:
+        return bool(self.f(path, leaf) if self.takes_leaf else self.f(path))
+
+    def mask(self, paths, leaves) -> np.ndarray:
+        return np.array([self.match(p, a) for p, a in zip(paths, leaves)], dtype=bool)
+
+
+def _takes_leaf(f, name) -> bool:
+    try:
+        signature = inspect.signature(f)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the documented (path, leaf)
+        return True
+    for args in (("path", "leaf"), ("path",)):
+        with contextlib.suppress(TypeError):
+            signature.bind(*args)
+            return len(args) == 2
+    raise TypeError(f"{name}: expected a callable (path) -> bool or (path, leaf) -> bool, "
+                    f"got {getattr(f, '__qualname__', type(f).__name__)}{signature}")
+
+
+class _Paths(_Rule):
+    """Leaf paths, matched exactly or by their components, so that ``enc.w``,
+    ``['enc'].w`` and ``['enc']['w']`` name the same leaf."""
+
+    def __init__(self, paths, name, required):
+        self.name, self.required = name, required
+        self.paths = frozenset(paths)
+        for p in self.paths:
+            if not isinstance(p, str):
+                raise TypeError(f"{name}: expected leaf paths as strings ({PATH_FORMAT}), got {p!r}")
+        self.components = {_components(p) for p in self.paths}
+        self.key = ("paths", required, self.paths)
+
+    def match(self, path, leaf=None) -> bool:
+        return path in self.paths or _components(path) in self.components
+
+    def mask(self, paths, leaves) -> np.ndarray:
+        found = np.array([self.match(p) for p in paths], dtype=bool)
+        if self.required:
+            held = set(paths) | {_components(p) for p in paths}
+            unknown = sorted(p for p in self.paths if p not in held and _components(p) not in held)
+            if unknown:
+                raise ValueError(_unknown_paths(self.name, unknown, paths))
+        return found
+
+
+def _unknown_paths(name, unknown, paths) -> str:
+    shown = ", ".join(map(repr, paths[:_PATHS_SHOWN])) + (", ..." if len(paths) > _PATHS_SHOWN else "")
+    which = ", ".join(map(repr, unknown))
+    return (f"{name}: path{'s' * (len(unknown) > 1)} {which} not a trainable leaf of this tree; "
+            f"expected one of [{shown}] ({len(paths)} leaves; {PATH_FORMAT})")
+
+
+_SEGMENT = re.compile(r"""\[('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^\]]*)\]|\.?([^.\[]+)""")
+
+
+def _components(path: str) -> tuple:
+    """The keys along ``path``: ``['enc']['layers'][0].weight`` and
+    ``enc.layers.0.weight`` both give ('enc', 'layers', '0', 'weight'); a
+    bracketed key stays whole, dots and all.
+
+    >>> _components("['a.b'][0].w"), _components("a.b.0.w")
+    (('a.b', '0', 'w'), ('a', 'b', '0', 'w'))
+    """
+    parts = []
+    for bracketed, dotted in _SEGMENT.findall(path):
+        if not bracketed:
+            parts.append(dotted)
+            continue
+        try:
+            parts.append(str(ast.literal_eval(bracketed)))
+        except (ValueError, SyntaxError):
+            parts.append(bracketed)
+    return tuple(parts)
+
+
+class _Both(_Rule):
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+        self.key = ("both", first.key, second.key)
+
+    def match(self, path, leaf) -> bool:
+        return self.first.match(path, leaf) and self.second.match(path, leaf)
+
+    def mask(self, paths, leaves) -> np.ndarray:
+        return self.first.mask(paths, leaves) & self.second.mask(paths, leaves)
+
+
+class _Tied(_Rule):
+    """Counts every leaf on the owner; elsewhere only the leaves ``selected`` leaves out."""
+
+    def __init__(self, is_owner, selected):
+        self.is_owner, self.selected = is_owner, selected
+        self.key = ("tied", is_owner, selected.key)
+
+    def match(self, path, leaf) -> bool:
+        return self.is_owner or not self.selected.match(path, leaf)
+
+    def mask(self, paths, leaves) -> np.ndarray:
+        chosen = self.selected.mask(paths, leaves)  # checks the paths on the owner too
+        return np.ones(len(paths), dtype=bool) if self.is_owner else ~chosen
 
 
 _MASKS_KEPT = 8  # ownership masks remembered per plan
@@ -230,31 +401,18 @@ _masks_lock = threading.Lock()
 
 def _owned_mask(plan, arrays, owned, xp):
     """The plan's 0/1 ownership vector on the device of ``xp``, cached weakly per plan."""
-    key = (frozenset(owned) if isinstance(owned, (set, frozenset)) else owned, xp.__name__)
+    rule = Owned(owned)
+    key = (rule._rule.key, xp.__name__)
     with _masks_lock:
         cache = _masks.setdefault(plan, OrderedDict())
         mask = cache.get(key)
     if mask is None:
-        mask = xp.asarray(_ownership(plan, arrays, owned))
+        mask = xp.asarray(rule._mask([leaf.path for leaf in plan.leaves], arrays))
         with _masks_lock:
             cache[key] = mask
             while len(cache) > _MASKS_KEPT:
                 cache.popitem(last=False)
     return mask
-
-
-def _ownership(plan, arrays, owned) -> np.ndarray:
-    paths = [leaf.path for leaf in plan.leaves]
-    if isinstance(owned, (set, frozenset)):
-        unknown = sorted(set(owned) - set(paths))
-        if unknown:
-            raise ValueError(f"owned: path {unknown[0]!r} is not a trainable leaf of this tree; "
-                             f"expected one of {paths}")
-        return np.array([path in owned for path in paths], dtype=bool)
-    if not callable(owned):
-        raise TypeError(f"owned: expected None, a set of leaf paths or a callable (path, leaf) -> bool, "
-                        f"got {type(owned).__name__}")
-    return np.array([bool(owned(path, a)) for path, a in zip(paths, arrays)], dtype=bool)
 
 
 # ---------------------------------------------------------------- the norm
@@ -309,14 +467,110 @@ def _raise_if_nonfinite(local, p, comm, total, packet):
 
 # ---------------------------------------------------------------- all-reduce
 
-def _reduce_buffer(comm, buf, op, bucket_bytes):
+# 16-bit gradients are summed and divided in float32 and rounded back once:
+# float16 sums overflow past 65504 (two ranks of 60000 would give inf), and
+# every addition in 16 bits rounds again. float32 holds float16's range many
+# times over, and gives bfloat16 (whose range it shares) 16 more bits.
+_WIDER = {np.dtype(np.float16): np.dtype(np.float32)}
+if BFLOAT16 is not None:
+    _WIDER[BFLOAT16] = np.dtype(np.float32)
+
+
+def _check_reduce_arguments(op, bucket_bytes):
+    if op not in ("sum", "mean"):
+        raise ValueError(f"op: expected 'sum' or 'mean', got {op!r}")
+    if bucket_bytes is not None and not bucket_bytes > 0:
+        raise ValueError(f"bucket_bytes: expected a number of bytes > 0 or None, got {bucket_bytes!r}")
+
+
+class _Reduction:
+    """What all_reduce_ moves, checked before anything moves: contiguous
+    buffers (16-bit ones as float32 copies), and where their sums go back."""
+
+    def __init__(self, grads):
+        if is_module(grads):
+            grads = _module_grads(grads)
+        buffers = getattr(grads, "grad_buffers", None)
+        self.tree = None
+        if buffers is not None:
+            self.targets = [_checked_buffer(f"grad_buffers[{i}]", b) for i, b in enumerate(buffers)]
+        else:
+            call = Call(grads)
+            checks.check_in_place(call.paths(), call.unique)
+            self.plan, self.tree = call.plan, grads
+            self.targets = [adopt(gf.flatten(call.plan, grads))]
+        self.moving = [b.astype(_WIDER[b.dtype]) if b.dtype in _WIDER else b for b in self.targets]
+
+    def signature(self) -> tuple:
+        """(elements, bytes) moved: every rank must move the same."""
+        return sum(b.size for b in self.moving), sum(b.nbytes for b in self.moving)
+
+    def finish(self, op, size):
+        """Divide for "mean", then write the sums back, each rounded once."""
+        for target, moved in zip(self.targets, self.moving):
+            if op == "mean" and size > 1:
+                moved /= size
+            if self.tree is None and moved is not target:
+                target[...] = moved
+        if self.tree is not None:
+            gf.scatter(self.plan, self.moving[0], self.tree)
+
+
+def _module_grads(module) -> dict:
+    grads = {}
+    for name, param in module_parameters(module):
+        if param.grad is None:
+            raise ValueError(f"leaf {name!r}: expected a gradient tensor, got None (run backward first, "
+                             f"or pass a tree of the gradients to reduce)")
+        grads[name] = param.grad
+    return grads
+
+
+def _checked_buffer(name, buffer):
+    """A resident model's gradient buffer, as a NumPy or CuPy view fit for an in-place reduction."""
+    view = adopt(buffer)
+    if view is None or view.ndim != 1 or not view.flags.c_contiguous:
+        found = (f"shape {tuple(view.shape)} with strides {tuple(view.strides)}" if view is not None
+                 else type(buffer).__name__)
+        raise ValueError(f"{name}: expected a C-contiguous 1-D array, got {found}")
+    checks.check_in_place([name], [view])
+    return view
+
+
+def _agree(comm, caller, failure, reduction):
+    """Every rank's verdict and size, in one small collective before any data moves.
+
+    A failure anywhere makes every rank raise: the failing rank its own
+    error, the others a CollectiveError naming it (its message travels in a
+    second collective, on this error path only). Ranks moving different
+    sizes all raise ValueError.
+    """
+    if comm.size > 1:
+        rows = comm.gather_rows([failure is not None, *(reduction.signature() if reduction else (0, 0))],
+                                caller)
+        failed = np.flatnonzero(rows[:, 0])
+        if failed.size:
+            rank = int(failed[0])
+            told = comm.broadcast_text(f"{type(failure).__name__}: {failure}" if comm.rank == rank else None,
+                                       rank)
+            if failure is None:
+                raise CollectiveError(f"{caller}: rank {rank} of {comm.size} raised before the collective, "
+                                      f"so no rank changed anything: {told}")
+        elif (rows[:, 1:] != rows[0, 1:]).any():
+            sizes = ", ".join(f"rank {r}: {int(n)} elements ({int(b)} bytes)" for r, (n, b) in
+                              enumerate(rows[:, 1:]))
+            raise ValueError(f"{caller}: expected the same gradients on every rank, got {sizes}; "
+                             f"no rank changed anything")
+    if failure is not None:
+        raise failure
+
+
+def _reduce_buffer(comm, buf, bucket_bytes):
     step = buf.size if bucket_bytes is None else max(1, int(bucket_bytes) // buf.dtype.itemsize)
     xp = np if isinstance(buf, np.ndarray) else sys.modules["cupy"]
     with comm.stream(xp):
         for start in range(0, buf.size, max(step, 1)):
             comm.all_reduce(buf[start : start + step], "all_reduce_")
-        if op == "mean" and comm.size > 1:
-            buf /= comm.size
 
 
 class _Comm:
@@ -334,7 +588,7 @@ class _Comm:
             self.rank, self.size = 0, 1
 
     def all_reduce(self, buf, caller):
-        """Sum the contiguous 1-D ``buf`` over the ranks, in place."""
+        """Sum the contiguous 1-D ``buf`` (NumPy, CuPy or a tensor) over the ranks, in place."""
         if self.kind is None or buf.size == 0:
             return
         try:
@@ -358,9 +612,24 @@ class _Comm:
             import torch.distributed as dist
 
             box = [text]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, root), group=self.group)
+            # None names the default group, which torch's rank lookup does not take.
+            source = root if self.group is None else dist.get_global_rank(self.group, root)
+            dist.broadcast_object_list(box, src=source, group=self.group)
             return box[0]
         return text
+
+    def gather_rows(self, row, caller) -> np.ndarray:
+        """Every rank's ``row`` of a few numbers, as a (ranks, len(row)) float64 host array."""
+        packet = np.zeros((self.size, len(row)))
+        packet[self.rank] = row
+        if self.nccl():  # NCCL moves device memory only
+            import torch
+
+            on_device = torch.from_numpy(packet).cuda()
+            self.all_reduce(on_device.view(-1), caller)
+            return on_device.cpu().numpy()
+        self.all_reduce(packet.reshape(-1), caller)
+        return packet
 
     def nccl(self) -> bool:
         """Whether the group runs on NCCL, so even an empty shard's buffer lives on the GPU."""
@@ -395,11 +664,6 @@ def _kind_of(group):
 def _mpi_all_reduce(comm, buf):
     from mpi4py import MPI
 
-    if buf.dtype.name == "bfloat16":  # MPI has no bfloat16: add in float32, round once
-        wide = buf.astype(np.float32)
-        comm.Allreduce(MPI.IN_PLACE, wide, op=MPI.SUM)
-        buf[...] = wide
-        return
     if not isinstance(buf, np.ndarray):
         # A CUDA-aware MPI reads device memory directly, but does not wait for
         # kernels still running on the stream that writes it.
@@ -408,14 +672,12 @@ def _mpi_all_reduce(comm, buf):
 
 
 def _torch_view(buf):
-    """``buf`` as a tensor sharing its memory (bfloat16 travels as its bits)."""
+    """``buf`` as a tensor sharing its memory."""
     import torch
 
-    if isinstance(buf, np.ndarray):
-        if buf.dtype.name == "bfloat16":
-            return torch.from_numpy(buf.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(buf)
-    return torch.from_dlpack(buf)
+    if isinstance(buf, torch.Tensor):
+        return buf
+    return torch.from_numpy(buf) if isinstance(buf, np.ndarray) else torch.from_dlpack(buf)
 
 
 # ---------------------------------------------------------------- local leaves

@@ -28,12 +28,18 @@ from gpuflat import distributed as gfd
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 ORDS = (1, 2, math.inf, 3)
-CASES = []
+CASES = []  # (name, the transports it runs on)
+TORCH_ONLY = ("gloo",)
 
 
-def case(f):
-    CASES.append(f.__name__)
-    return f
+def case(f=None, *, transports=("gloo", "mpi")):
+    """Register a case; ``transports`` limits it to those where it means something,
+    so the test file never counts a case that did nothing as passing."""
+    def register(f):
+        CASES.append((f.__name__, transports))
+        return f
+
+    return register(f) if f is not None else register
 
 
 class Ctx:
@@ -330,10 +336,122 @@ def all_reduce_grad_buffers(ctx):
     np.testing.assert_array_equal(buffers[1], np.arange(3.0) * total)
 
 
+def torch_net(seed, resident=False):
+    """The same small network on every rank, its gradients from rank ``seed``'s
+    batch; with ``resident``, made resident before the backward pass."""
+    import torch
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    r = gf.resident(net) if resident else None
+    x = torch.from_numpy(np.random.default_rng(seed).standard_normal((4, 5)).astype(np.float32))
+    net(x).pow(2).sum().backward()
+    return net, r
+
+
+@case(transports=TORCH_ONLY)
+def all_reduce_torch_modules(ctx):
+    import torch.distributed as dist
+
+    for form in ("a tree of p.grad", "the module", "a resident model"):
+        net, r = torch_net(ctx.rank, resident=form == "a resident model")
+        expected = {n: p.grad.clone() for n, p in net.named_parameters()}
+        for t in expected.values():  # the peers' way: one all-reduce per tensor
+            dist.all_reduce(t, group=ctx.group)
+            t /= ctx.size
+        grads = {"a tree of p.grad": {n: p.grad for n, p in net.named_parameters()},
+                 "the module": net, "a resident model": r}[form]
+        gfd.all_reduce_(grads, "mean", group=ctx.group)
+        for n, p in net.named_parameters():
+            np.testing.assert_allclose(p.grad.numpy(), expected[n].numpy(), rtol=1e-6, atol=1e-7,
+                                       err_msg=f"{form}: {n}")
+        if r is not None:
+            for n, g in r.grads.items():
+                np.testing.assert_array_equal(g.numpy(), net.get_parameter(n).grad.numpy(), err_msg=n)
+
+
 @case
+def a_refusal_on_one_rank_changes_nothing_anywhere(ctx):
+    for problem in ("read-only", "another tree"):
+        grads = float32_grads(ctx.rank)
+        if ctx.rank == 0 and problem == "read-only":
+            grads["g3"].flags.writeable = False
+        if ctx.rank == 0 and problem == "another tree":
+            grads["extra"] = np.ones(3, np.float32)
+        before = {k: v.copy() for k, v in grads.items()}
+        try:
+            gfd.all_reduce_(grads, "mean", group=ctx.group)
+        except (ValueError, gfd.CollectiveError) as err:
+            message = str(err)
+        else:
+            raise AssertionError(f"{problem} on rank 0: rank {ctx.rank} raised nothing")
+        needles = (("['g3']", "writable") + (() if ctx.rank == 0 else ("rank 0",))
+                   if problem == "read-only" else ("rank 0: 685 elements", "rank 1: 682 elements"))
+        for needle in needles:
+            if needle not in message:
+                raise AssertionError(f"{problem}: the error does not name {needle!r}: {message}")
+        for k, v in grads.items():
+            np.testing.assert_array_equal(v, before[k], err_msg=f"{problem}: leaf {k} changed")
+
+
+@case
+def sixteen_bit_means_add_in_float32(ctx):
+    halves = {"h": np.full(5, 60000, np.float16)}  # the sum of two ranks overflows float16
+    gfd.all_reduce_(halves, "mean", group=ctx.group)
+    np.testing.assert_array_equal(halves["h"], np.full(5, 60000, np.float16))
+    # bfloat16 holds 8 bits: 256 + 1 + 1 + 1 rounds to 256 or 258 when added in bfloat16.
+    brain = {"b": np.full(3, 256.0 if ctx.rank == 0 else 1.0).astype(BF16)}
+    gfd.all_reduce_(brain, "mean", group=ctx.group)
+    exact = (256.0 + (ctx.size - 1)) / ctx.size
+    np.testing.assert_array_equal(brain["b"], np.full(3, exact).astype(BF16))
+
+    class Resident:
+        grad_buffers = (np.full(4, 60000, np.float16),)
+
+    gfd.all_reduce_(Resident(), "mean", group=ctx.group)
+    np.testing.assert_array_equal(Resident.grad_buffers[0], np.full(4, 60000, np.float16))
+
+
+@case
+def where_takes_dotted_paths_and_refuses_unknown_ones(ctx):
+    whole = whole_model()
+    layer_norm = np.linspace(-1e4, 2e4, 11).astype(np.float32)
+    expected = ref_norm(list(whole.values()) + [layer_norm, layer_norm], 2)
+    local = dict(shard(whole, ctx.rank, ctx.size), ln=layer_norm, enc={"ln": layer_norm.copy()})
+    for where in ({"ln", "enc.ln"}, ["['ln']", "['enc'].ln"], ("ln", "['enc']['ln']")):
+        rule = gfd.replicated(ctx.group, where=where)
+        assert_close(gfd.global_norm(local, group=ctx.group, owned=rule), expected, 1e-12, f"where={where}")
+    bad = [(lambda: gfd.replicated(ctx.group, where={"enc.lm"}), "'enc.lm'", "expected one of"),
+           (lambda: gfd.tied(ctx.size, ctx.group, where={"ln"}), f"got {ctx.size}", f"a group of {ctx.size}")]
+    for make, *needles in bad:
+        try:  # every rank raises before the collective: nothing hangs
+            gfd.global_norm(local, group=ctx.group, owned=make())
+        except ValueError as err:
+            if not all(n in str(err) for n in needles) or ("path" in needles[0] and "dotted" not in str(err)):
+                raise AssertionError(f"the error does not name {needles}: {err}") from err
+        else:
+            raise AssertionError(f"no error for {needles}")
+
+
+@case(transports=TORCH_ONLY)
+def error_if_nonfinite_with_the_default_group(ctx):
+    local = {k: v.copy() for k, v in shard(whole_model(), ctx.rank, ctx.size).items()}
+    if ctx.rank == 1:
+        local["f64"][0, 0] = np.inf
+    before = {k: v.copy() for k, v in local.items()}
+    try:
+        gfd.clip_grad_norm_(local, 1.0, error_if_nonfinite=True)  # group=None: the default group
+    except gf.NonFiniteError as err:
+        if "['f64']" not in str(err) or "rank 1" not in str(err):
+            raise AssertionError(f"the error names neither the leaf nor the rank: {err}") from err
+    else:
+        raise AssertionError(f"rank {ctx.rank}: no NonFiniteError")
+    for k, v in local.items():
+        np.testing.assert_array_equal(v, before[k], err_msg=f"leaf {k} was scaled")
+
+
+@case(transports=TORCH_ONLY)
 def torch_leaves(ctx):
-    if ctx.transport != "gloo":
-        return
     import torch
 
     grads = {"w": torch.full((3, 2), float(ctx.rank + 1)), "b": torch.ones(4, dtype=torch.float64)}
@@ -348,13 +466,11 @@ def torch_leaves(ctx):
     assert_close(gfd.global_norm(grads, group=ctx.group), 1.0, 1e-5, "torch leaves clipped in place")
 
 
-@case
+@case(transports=TORCH_ONLY)
 def a_rank_that_raises_does_not_hang_the_others(ctx):
     """Last: the group used here is left broken. Rank 1 fails before the collective;
     the others get CollectiveError within the group's timeout (gloo). Under MPI
     the test file checks that mpirun aborts the job instead."""
-    if ctx.transport != "gloo":
-        return
     import torch.distributed as dist
 
     group = dist.new_group(timeout=timedelta(seconds=2))
@@ -390,7 +506,9 @@ def connect(transport, argv):
 def main(out_dir, transport, *argv):
     ctx = connect(transport, argv)
     results = {}
-    for name in CASES:
+    for name, transports in CASES:
+        if transport not in transports:
+            continue
         try:
             globals()[name](ctx)
             results[name] = "ok"
