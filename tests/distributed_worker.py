@@ -370,6 +370,43 @@ def all_reduce_torch_modules(ctx):
                 np.testing.assert_array_equal(g.numpy(), net.get_parameter(n).grad.numpy(), err_msg=n)
 
 
+@case(transports=TORCH_ONLY)
+def ddp_with_a_resident_model(ctx):
+    """gf.resident before or after wrapping in DDP, with and without
+    gradient_as_bucket_view (where DDP rebinds every p.grad to its bucket),
+    trains as plain DDP with torch's clip does."""
+    import copy
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    for order in ("resident, then DDP", "DDP, then resident"):
+        for bucket_view in (False, True):
+            torch.manual_seed(0)
+            net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+            plain = copy.deepcopy(net)
+            r = gf.resident(net) if order.startswith("resident") else None
+            model = DDP(net, gradient_as_bucket_view=bucket_view, process_group=ctx.group)
+            r = r or gf.resident(model)
+            plain_model = DDP(plain, gradient_as_bucket_view=bucket_view, process_group=ctx.group)
+            opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+            opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+            for step in range(3):
+                rng = np.random.default_rng(10 * step + ctx.rank)
+                x = torch.from_numpy(rng.standard_normal((4, 5)).astype(np.float32))
+                for m in (model, plain_model):
+                    m(x).pow(2).sum().backward()
+                got = r.clip_grad_norm_(0.5)
+                want = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+                assert_close(float(got), float(want), 1e-5, f"{order}, bucket view {bucket_view}, step {step}")
+                for o in (opt, opt_plain):
+                    o.step()
+                    o.zero_grad()
+            for (n, a), b in zip(net.named_parameters(), plain.parameters()):
+                np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{order}, bucket view {bucket_view}: {n}")
+
+
 @case
 def a_refusal_on_one_rank_changes_nothing_anywhere(ctx):
     for problem in ("read-only", "another tree"):
