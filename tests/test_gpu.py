@@ -397,6 +397,33 @@ def test_clip_resident_model_matches_the_emulated_device():
         assert_same(a, b, f"clipped resident {path}")
 
 
+def test_a_mixed_dtype_resident_model_matches_the_emulated_device():
+    rng = np.random.default_rng(8)
+    shapes = {"a": ((300,), np.float32), "b": ((5, 7), np.float64), "c": ((9,), np.float16), "d": ((4,), np.float32)}
+    host = {k: random_array(rng, shape, dtype) for k, (shape, dtype) in shapes.items()}
+    r_d = gf.resident({k: cp.asarray(v) for k, v in host.items()})
+    r_e = gf.resident(host, backend="emulated")
+    for k, (shape, dtype) in shapes.items():
+        g = random_array(rng, shape, dtype)
+        r_d.grads[k][...] = cp.asarray(g)
+        r_e.grads[k][...] = g
+    r_d.grads["c"][3] = cp.asarray(np.float16(np.nan))  # a NaN step first
+    r_e.grads["c"][3] = np.float16(np.nan)
+    for r in (r_d, r_e):
+        assert math.isnan(float(r.clip_grad_norm_(0.5)))
+    for k, (shape, dtype) in shapes.items():
+        g = random_array(rng, shape, dtype)
+        r_d.grads[k][...] = cp.asarray(g)
+        r_e.grads[k][...] = g
+    for ord in (1, 2, math.inf):
+        (t_d, per_d), (t_e, per_e) = r_d.grad_norm(ord, per_leaf=True), r_e.grad_norm(ord, per_leaf=True)
+        assert_same(t_d, t_e, f"resident total, ord {ord}")
+        assert_same(per_d, per_e, f"resident per leaf, ord {ord}")
+    assert_same(r_d.clip_grad_norm_(0.5), r_e.clip_grad_norm_(0.5), "resident clip norm")
+    for k in shapes:
+        assert_same(r_d.grads[k], r_e.grads[k], f"clipped resident {k}")
+
+
 def test_launch_sync_and_upload_counts():
     dev, _, _ = twins(8, leaves_for(np.float32))
     be = cuda_backend()
