@@ -272,3 +272,20 @@ def test_unflatten_rebuilds_with_the_planned_trees_statics():
     assert p_relu == p_gelu and gf.plan_cache_info().size == 1
     assert gf.unflatten(p_relu, np.zeros(2))["act"] == "relu"
     assert gf.unflatten(p_gelu, np.zeros(2))["act"] == "gelu"
+
+
+def test_the_cache_keeps_no_module_alive():
+    import gc
+    import weakref
+
+    torch = pytest.importorskip("torch")
+    refs = []
+    for _ in range(3):
+        net = torch.nn.Linear(3, 2)
+        refs += [weakref.ref(net), weakref.ref(net.weight)]
+        gf.global_norm(net)
+        gf.plan(net)
+        del net
+    gc.collect()
+    assert gf.plan_cache_info().size == 1
+    assert all(ref() is None for ref in refs)
