@@ -16,8 +16,9 @@ from . import checks
 from . import flatplan
 from . import tree as _tree
 from .backends.base import select
-from .errors import NonFiniteError, TreeMismatchError
+from .errors import NonFiniteError, OverlapError, TreeMismatchError
 from .flatplan import FlatPlan
+from .overlap import find_overlap
 
 _NAMED_TOTALS = ("sumsq", "l1", "l2", "count")
 _in_place_checked = checks.InPlaceChecked()
@@ -143,8 +144,13 @@ def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None) -> An
     ``tree`` is the model itself or a gradient tree shaped like it: gradients
     of a tied array, found at several places, are added into its one slot;
     the same gradient object found twice counts once; None counts as zero
-    (Optimisers.jl's destructure contract). ``out``, if given, must be a
-    C-contiguous buffer of exactly ``plan.size`` elements of ``plan.dtype``.
+    (Optimisers.jl's destructure contract).
+
+    ``out``, if given, must be a writable, C-contiguous buffer of exactly
+    ``plan.size`` elements of ``plan.dtype`` sharing no memory with a leaf
+    (a JAX array, immutable, is refused); the result is then ``out`` itself,
+    the caller's object. Without it the result is a new buffer in the kind
+    of the tree's first PyTorch or JAX leaf, if any.
 
     >>> import numpy as np, gpuflat as gf
     >>> a, b = np.zeros(2, np.float32), np.zeros(2, np.float32)
@@ -152,6 +158,9 @@ def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None) -> An
     >>> g = {"x": np.full(2, 3, np.float32), "y": None, "z": np.full(2, 13, np.float32)}
     >>> gf.flatten(p, g)
     array([16., 16.,  0.,  0.], dtype=float32)
+    >>> out = np.empty(4, np.float32)
+    >>> gf.flatten(p, g, out=out) is out
+    True
     """
     sources, like = _slot_sources(plan, tree)
     present = [(leaf.path, s[0]) for leaf, s in zip(plan.leaves, sources) if s]
@@ -159,12 +168,13 @@ def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None) -> An
     # tied weight's NumPy and CuPy gradients must meet the mixed-kinds error.
     present += [(plan.leaves[slot].path, a) for slot, s in enumerate(sources) for a in s[1:]]
     if out is not None:
-        out = _view(out, "out")
-        checks.check_flat(plan, out, "out")
-        present.append(("<out>", out))
+        target = _writable_flat(plan, out, "out")
+        _refuse_aliases([(plan.leaves[slot].path, a) for slot, s in enumerate(sources) for a in s],
+                        target, "out")
+        present.append(("<out>", target))
     be = select(backend, [a for _, a in present], lambda i: present[i][0])
     if out is not None:
-        be.gather(plan, sources, out)
+        be.gather(plan, sources, target)
         return out
     with be.on_device():
         out = be.xp.empty(plan.size, plan.dtype)
@@ -224,6 +234,7 @@ def scatter(plan: FlatPlan, flat, tree, *, backend: str | None = None) -> None:
             written.append(value)
             paths.append(path)
     _in_place_checked.check(plan, paths, written)
+    _refuse_aliases(list(zip(paths, written)), flat, "flat")
     with be.on_device():
         be.scatter(plan, _as_plan_dtype(plan, flat), targets)
         for slot, value in zip(plan.slot_of, values):
@@ -418,6 +429,29 @@ def _view(x, name):
     if adopted is None:
         raise TreeMismatchError(f"{name}: expected a 1-D array, got {type(x).__name__}")
     return adopted
+
+
+def _writable_flat(plan, x, name):
+    """The NumPy or CuPy view of a flat buffer about to be written, checked:
+    JAX arrays (immutable) and read-only arrays are refused, naming ``name``."""
+    if _arrays.kind(x) == "jax":
+        raise TreeMismatchError(f"{name}: expected a writable array, got a JAX array, which is "
+                                f"immutable; leave {name} out to get a new array")
+    view = _view(x, name)
+    checks.check_flat(plan, view, name)
+    # CuPy arrays have no writeable flag: device memory is always writable.
+    if not getattr(view.flags, "writeable", True):
+        raise TreeMismatchError(f"{name}: expected a writable array, got a read-only one")
+    return view
+
+
+def _refuse_aliases(named_arrays, buffer, name):
+    """OverlapError naming the first (path, array) sharing memory with ``buffer``:
+    the kernels would read it after writing over it."""
+    for path, a in named_arrays:
+        if find_overlap([a, buffer]) is not None:
+            raise OverlapError(f"leaf {path!r} and {name} share memory; expected {name} apart from "
+                               f"every leaf, found them overlapping (pass a separate buffer)")
 
 
 def _as_plan_dtype(plan, flat):
