@@ -4,7 +4,11 @@ Each function walks its tree once (the plan comes from the cache), checks
 everything (``gpuflat.checks``), and only then hands a backend the plan and
 arrays; in-place operations therefore change nothing when they raise.
 Leaves may be NumPy, CuPy, PyTorch or JAX arrays: PyTorch and JAX leaves are
-read through zero-copy views, and results come back in the caller's kind.
+read through zero-copy views. Results come back in the caller's kinds: a
+rebuilt tree (``re``, ``clip_by_global_norm``) has each leaf in the kind and
+on the device of the leaf it replaces; a result standing for the whole tree
+(a norm, a flat buffer) takes the kind of the tree's first PyTorch or JAX
+leaf, and is NumPy or CuPy where there is none.
 """
 from __future__ import annotations
 
@@ -45,7 +49,13 @@ class Call:
         return select(backend, self.unique, lambda i: self.plan.leaves[i].path)
 
     def result(self, x):
+        """A result standing for the whole tree (a norm, a flat buffer), in the
+        kind of its first PyTorch or JAX leaf; NumPy or CuPy if it has none."""
         return x if self.like is None else _arrays.to_caller(x, self.like)
+
+    def owners(self) -> list:
+        """Per slot, the caller's own leaf behind it (None for NumPy and CuPy)."""
+        return [self.foreign.get(id(a)) for a in self.unique]
 
     def paths(self):
         return [leaf.path for leaf in self.plan.leaves]
@@ -114,8 +124,10 @@ def destructure(tree, *, backend: str | None = None) -> tuple[Any, Callable[[Any
 
     ``re(flat2)`` returns a new tree with every trainable rebuilt from
     ``flat2`` (any real or complex floating dtype), cast back to its dtype
-    and shape; tied arrays come back as one shared array; everything else is
-    kept as it was in ``tree``.
+    and shape, in the kind of the leaf it replaces (a NumPy leaf as NumPy, a
+    tensor as a tensor on its device); tied arrays come back as one shared
+    array; everything else is kept as it was in ``tree``. ``flat`` is in the
+    kind of the tree's first PyTorch or JAX leaf.
 
     >>> import numpy as np, gpuflat as gf
     >>> a = np.array([1.0, 2.0])
@@ -132,8 +144,10 @@ def destructure(tree, *, backend: str | None = None) -> tuple[Any, Callable[[Any
         flat = be.xp.empty(call.plan.size, call.plan.dtype)
         be.gather(call.plan, [[a] for a in call.unique], flat)
 
+    owners = call.owners()
+
     def re(flat2):
-        return _rebuild(call.plan, flat2, call.statics, call.like, backend)
+        return _rebuild(call.plan, flat2, call.statics, owners, backend)
 
     return call.result(flat), re
 
@@ -345,7 +359,9 @@ def clip_by_global_norm(tree, max_norm: float, ord: float = 2, *, eps: float = 1
 
     The functional form of :func:`clip_grad_norm_`, for arrays that cannot
     be written in place (JAX's) or when the original must be kept. Ties stay
-    ties; non-trainable values are kept as they are.
+    ties; each clipped leaf is of its input leaf's kind; non-trainable values
+    are kept as they are. The norm is in the kind of the first PyTorch or JAX
+    leaf.
 
     >>> import numpy as np, gpuflat as gf
     >>> g = {"w": np.array([3.0, 4.0]), "step": 7}
@@ -360,7 +376,7 @@ def clip_by_global_norm(tree, max_norm: float, ord: float = 2, *, eps: float = 1
         result = be.norms(call.plan, call.unique, p, per_leaf=False)
         copies = [be.xp.array(a, copy=True, order="C") for a in call.unique]
         be.clip_(call.plan, copies, result.total, max_norm, eps)
-    leaves = [call.result(c) for c in copies]
+    leaves = _in_kinds(copies, call.owners())
     clipped = _tree.rebuild(call.plan.treedef, [leaves[s] for s in call.plan.slot_of], call.statics)
     return clipped, call.result(result.total)
 
@@ -394,15 +410,19 @@ def raise_if_nonfinite(be, plan, result, p, where="") -> None:
 
 # ---------------------------------------------------------------- helpers
 
-def _rebuild(plan, flat, statics, like, backend):
+def _in_kinds(arrays, owners) -> list:
+    """Each array in the kind (and on the device) of its slot's caller leaf."""
+    return [a if own is None else _arrays.to_caller(a, own) for a, own in zip(arrays, owners)]
+
+
+def _rebuild(plan, flat, statics, owners, backend):
     flat = _view(flat, "flat")
     checks.check_flat(plan, flat, exact_dtype=False)
     be = select(backend, [flat], lambda i: "<flat>")
     with be.on_device():
         leaves = [be.xp.empty(leaf.shape, leaf.dtype) for leaf in plan.leaves]
         be.scatter(plan, _as_plan_dtype(plan, flat), leaves)
-    if like is not None:
-        leaves = [_arrays.to_caller(a, like) for a in leaves]
+    leaves = _in_kinds(leaves, owners)
     return _tree.rebuild(plan.treedef, [leaves[s] for s in plan.slot_of], statics)
 
 
