@@ -263,7 +263,12 @@ def total(f: str | Callable[[Any], Any], tree, *, model=None, backend: str | Non
     squares), "l1" (sum of absolute values), "l2" (the sum of each leaf's
     2-norm, as Optimisers.jl's ``total(norm, model)``) and "count" (the
     number of trainable elements). With ``model=``, ``tree`` is a gradient
-    tree read through the model's plan (tied gradients added first).
+    tree read through the model's plan, one term per model slot: a slot's
+    gradients (a tied weight may have several) are added in float64 first,
+    and a slot whose gradient is None counts as zeros. A callable ``f`` then
+    receives, per slot, the gradient itself where the slot has exactly one,
+    else that sum (or zeros) cast once to the leaf's dtype, as a new array in
+    the kind of the gradient tree's first PyTorch or JAX leaf.
 
     >>> import numpy as np, gpuflat as gf
     >>> model = {"x": np.array([3.0, 4.0]), "y": (np.sin, np.array([5.0])), "z": (6, 7)}
@@ -271,13 +276,17 @@ def total(f: str | Callable[[Any], Any], tree, *, model=None, backend: str | Non
     (10.0, 3)
     >>> float(gf.total(np.sum, model))
     12.0
+    >>> model = {"a": np.ones(1), "b": np.ones(1), "c": np.ones(1)}
+    >>> grads = {"a": np.array([3.0]), "b": np.array([4.0]), "c": None}
+    >>> float(gf.total("l2", grads, model=model)), gf.total(len, grads, model=model)
+    (7.0, 3)
     """
     if not callable(f) and f not in _NAMED_TOTALS:
         raise ValueError(f"total: expected a callable or one of {_NAMED_TOTALS}, got {f!r}")
     call = Call(tree)
-    plan, leaves = _norm_inputs(call, tree, model, backend)
     if callable(f):
-        return sum((f(call.foreign.get(id(a), a)) for a in leaves), 0)
+        return sum((f(x) for x in _callable_inputs(call, tree, model, backend)), 0)
+    plan, leaves = _norm_inputs(call, tree, model, backend)
     if f == "count":
         return plan.size
     be = select(backend, leaves, lambda i: plan.leaves[i].path)
@@ -418,12 +427,17 @@ def _in_kinds(arrays, owners) -> list:
 def _rebuild(plan, flat, statics, owners, backend):
     flat = _view(flat, "flat")
     checks.check_flat(plan, flat, exact_dtype=False)
+    leaves = _in_kinds(_new_leaves(plan, flat, backend), owners)
+    return _tree.rebuild(plan.treedef, [leaves[s] for s in plan.slot_of], statics)
+
+
+def _new_leaves(plan, flat, backend) -> list:
+    """New arrays shaped like ``plan``'s slots, holding ``flat`` cast to their dtypes."""
     be = select(backend, [flat], lambda i: "<flat>")
     with be.on_device():
         leaves = [be.xp.empty(leaf.shape, leaf.dtype) for leaf in plan.leaves]
         be.scatter(plan, _as_plan_dtype(plan, flat), leaves)
-    leaves = _in_kinds(leaves, owners)
-    return _tree.rebuild(plan.treedef, [leaves[s] for s in plan.slot_of], statics)
+    return leaves
 
 
 def _views_of(plan, flat) -> list:
@@ -497,14 +511,41 @@ def _slot_sources(plan, tree):
 
 
 def _norm_inputs(call, grads, model, backend):
-    """(plan, one array per slot) whose norm is the gradients' norm."""
+    """(plan, one array per slot) whose norms are the gradients' norms, slot by
+    slot in the plan's order (the model's plan with ``model``)."""
     if model is None:
         return call.plan, list(call.unique)
-    model_plan = Call(model).plan
-    sources, _ = _slot_sources(model_plan, grads)
+    plan = Call(model).plan
+    sources, _ = _slot_sources(plan, grads)
     if all(len(s) == 1 for s in sources):
-        return model_plan, [s[0] for s in sources]
-    # Tied weights with separate gradients (or missing ones): the norm is that
-    # of the summed gradients, gathered as flatten gathers them.
-    summed = _view(flatten(model_plan, grads, backend=backend), "flat")
-    return Call([summed]).plan, [summed]
+        return plan, [s[0] for s in sources]
+    # A tied weight's several gradients, or a None: each slot's gradients are
+    # added in float64 (zeros for none), so every slot keeps its own norm and
+    # nothing is rounded before the norm accumulates.
+    wide = _summed_wide(plan, sources, backend)
+    return plan, [wide[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape) for leaf in plan.leaves]
+
+
+def _summed_wide(plan, sources, backend):
+    """Each slot's sources added into one float64 (complex128) flat buffer."""
+    arrays = [(plan.leaves[slot].path, a) for slot, s in enumerate(sources) for a in s]
+    be = select(backend, [a for _, a in arrays], lambda i: arrays[i][0])
+    with be.on_device():
+        wide = be.xp.empty(plan.size, be.xp.complex128 if plan.dtype.kind == "c" else be.xp.float64)
+        be.gather(plan, sources, wide)
+    return wide
+
+
+def _callable_inputs(call, grads, model, backend) -> list:
+    """What a callable ``f`` of ``total`` receives, one value per slot."""
+    if model is None:
+        return [call.foreign.get(id(a), a) for a in call.unique]
+    plan = Call(model).plan
+    sources, _ = _slot_sources(plan, grads)
+    owners = [None] * len(plan.leaves)
+    for slot, value in zip(plan.slot_of, _tree.arrays_like(plan.treedef, grads)):
+        owners[slot] = value if owners[slot] is None else owners[slot]
+    if all(len(s) == 1 for s in sources):
+        return owners
+    summed = _new_leaves(plan, _summed_wide(plan, sources, backend), backend)
+    return [owner if len(s) == 1 else call.result(new) for owner, s, new in zip(owners, sources, summed)]
