@@ -344,8 +344,19 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, eps: float = 1e-6
     5.0
     >>> g["w"].round(6)
     array([0.6, 0.8])
+
+    A ``torch.nn.Module``, or a tree of tensors that require grad (a list of
+    parameters), stands for its parameters' ``.grad``, as in
+    ``torch.nn.utils.clip_grad_norm_``: the gradients are clipped (None ones
+    skipped) and their norm returned; the weights are never touched.
+
+    >>> import torch
+    >>> w = torch.nn.Parameter(torch.ones(2)); w.grad = torch.tensor([3.0, 4.0])
+    >>> float(gf.clip_grad_norm_([w], 1.0)), w.tolist()
+    (5.0, [1.0, 1.0])
     """
     max_norm, p, eps = checks.clip_arguments(max_norm, ord, eps)
+    grads = _gradients_if_parameters(grads)
     call = Call(grads)
     norm_plan, norm_leaves = _norm_inputs(call, grads, model, backend)
     # The grads' own walk holds each distinct gradient array once.
@@ -508,6 +519,25 @@ def _slot_sources(plan, tree):
         if value is not None and all(value is not seen for seen in sources[slot]):
             sources[slot].append(value)
     return sources, like
+
+
+def _gradients_if_parameters(tree):
+    """The ``.grad`` of each parameter (None ones left out) if ``tree`` is a
+    PyTorch module or holds tensors that require grad, else ``tree``: clipping
+    a model's parameters in place would silently ruin its weights."""
+    if _arrays.is_module(tree):
+        return [p.grad for _, p in _arrays.module_parameters(tree) if p.grad is not None]
+    call = Call(tree)
+    owners = call.owners()
+    if not any(getattr(own, "requires_grad", False) for own in owners):
+        return tree
+    for path, own, view in zip(call.paths(), owners, call.unique):
+        if _arrays.kind(own) != "torch":
+            found = type(view if own is None else own).__name__
+            raise TreeMismatchError(
+                f"leaf {path!r}: expected a PyTorch tensor, as the tree holds parameters (tensors "
+                f"that require grad, whose .grad is clipped), got a {found}")
+    return [own.grad for own in owners if own.grad is not None]
 
 
 def _norm_inputs(call, grads, model, backend):

@@ -70,3 +70,57 @@ def test_clip_with_model_scales_each_occurrence_by_the_per_slot_norm(backend):
     for k, v in before.items():
         if v is not None:
             np.testing.assert_allclose(np.asarray(grads[k], np.float64), v * coef, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- PyTorch parameters
+
+def _tied_net(torch):
+    """A small module with a weight tied between two layers and a frozen parameter, after backward."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4),
+                              torch.nn.Linear(4, 2))
+    net[2].weight = net[0].weight
+    net[3].bias.requires_grad_(False)
+    net(torch.randn(3, 4)).pow(2).sum().backward()
+    return net
+
+
+def _copies(tensors):
+    return [None if t is None else t.detach().clone() for t in tensors]
+
+
+@pytest.mark.parametrize("as_tree", [lambda net: net, lambda net: list(net.parameters()),
+                                     lambda net: dict(net.named_parameters())],
+                         ids=["module", "parameter-list", "parameter-dict"])
+def test_clip_grad_norm_of_a_module_clips_its_gradients_as_torch_does(as_tree, backend):
+    torch = pytest.importorskip("torch")
+    ours, theirs = _tied_net(torch), _tied_net(torch)
+    weights = _copies(ours.parameters())
+    grads64 = [p.grad.double().numpy() for p in ours.parameters() if p.grad is not None]
+    norm = gf.clip_grad_norm_(as_tree(ours), 0.1, backend=backend)
+    ref_norm = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.1)
+    # An independent float64 reference of the norm, and torch's own clip.
+    assert math.isclose(float(norm), exact_norm(grads64), rel_tol=1e-12)
+    assert math.isclose(float(norm), float(ref_norm), rel_tol=1e-6)
+    for p, q, w in zip(ours.parameters(), theirs.parameters(), weights):
+        assert torch.equal(p.detach(), w)  # the weights are untouched
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+
+
+def test_global_norm_of_a_module_stays_the_parameters_norm(backend):
+    torch = pytest.importorskip("torch")
+    net = _tied_net(torch)
+    weights = [p.detach().double().numpy() for _, p in net.named_parameters() if p.requires_grad]
+    assert math.isclose(float(gf.global_norm(net, backend=backend)), exact_norm(weights), rel_tol=1e-12)
+
+
+def test_a_tree_mixing_parameters_and_plain_arrays_is_refused_naming_the_leaf(backend):
+    torch = pytest.importorskip("torch")
+    w = torch.nn.Parameter(torch.ones(2))
+    w.grad = torch.ones(2)
+    tree = {"w": w, "g": np.ones(2)}
+    with pytest.raises(gf.TreeMismatchError, match=r"leaf \"\['g'\]\": expected a PyTorch tensor, as the tree holds parameters"):
+        gf.clip_grad_norm_(tree, 0.1, backend=backend)
+    assert tree["g"].tolist() == [1, 1] and w.grad.tolist() == [1, 1]
