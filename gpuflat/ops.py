@@ -250,7 +250,10 @@ def scatter(plan: FlatPlan, flat, tree, *, backend: str | None = None) -> None:
     _in_place_checked.check(plan, paths, written)
     _refuse_aliases(list(zip(paths, written)), flat, "flat")
     with be.on_device():
-        be.scatter(plan, _as_plan_dtype(plan, flat), targets)
+        # The flat goes in its own dtype: the backends round each value once,
+        # straight into the leaf's dtype (through the plan's dtype, float64 to
+        # float16 would round twice).
+        be.scatter(plan, flat, targets)
         for slot, value in zip(plan.slot_of, values):
             if value is not targets[slot]:
                 value[...] = targets[slot]
@@ -356,8 +359,10 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, eps: float = 1e-6
     (5.0, [1.0, 1.0])
     """
     max_norm, p, eps = checks.clip_arguments(max_norm, ord, eps)
-    grads = _gradients_if_parameters(grads)
     call = Call(grads)
+    if any(getattr(own, "requires_grad", False) for own in call.foreign.values()):
+        grads = _gradients_of(call)
+        call = Call(grads)
     norm_plan, norm_leaves = _norm_inputs(call, grads, model, backend)
     # The grads' own walk holds each distinct gradient array once.
     scale_plan, scale_leaves, scale_paths = call.plan, list(call.unique), call.paths()
@@ -447,7 +452,7 @@ def _new_leaves(plan, flat, backend) -> list:
     be = select(backend, [flat], lambda i: "<flat>")
     with be.on_device():
         leaves = [be.xp.empty(leaf.shape, leaf.dtype) for leaf in plan.leaves]
-        be.scatter(plan, _as_plan_dtype(plan, flat), leaves)
+        be.scatter(plan, flat, leaves)
     return leaves
 
 
@@ -499,14 +504,6 @@ def _refuse_aliases(named_arrays, buffer, name):
                                f"every leaf, found them overlapping (pass a separate buffer)")
 
 
-def _as_plan_dtype(plan, flat):
-    if flat.dtype == plan.dtype:
-        return flat
-    if flat.dtype.kind == "c" and plan.dtype.kind != "c":
-        flat = flat.real  # complex to real keeps the real part, as the kernels do
-    return flat.astype(plan.dtype)
-
-
 def _slot_sources(plan, tree):
     """(per slot, the distinct arrays ``tree`` holds there (tied gradients: several);
     one of the caller's own objects behind them, or None for NumPy/CuPy)."""
@@ -521,17 +518,12 @@ def _slot_sources(plan, tree):
     return sources, like
 
 
-def _gradients_if_parameters(tree):
-    """The ``.grad`` of each parameter (None ones left out) if ``tree`` is a
-    PyTorch module or holds tensors that require grad, else ``tree``: clipping
-    a model's parameters in place would silently ruin its weights."""
-    if _arrays.is_module(tree):
-        return [p.grad for _, p in _arrays.module_parameters(tree) if p.grad is not None]
-    call = Call(tree)
-    owners = call.owners()
-    if not any(getattr(own, "requires_grad", False) for own in owners):
-        return tree
-    for path, own, view in zip(call.paths(), owners, call.unique):
+def _gradients_of(parameters) -> list:
+    """The ``.grad`` of each parameter of a walked module or tree (None ones
+    left out), as torch's clip_grad_norm_ takes them: clipping the parameters
+    themselves in place would silently ruin the weights."""
+    owners = parameters.owners()
+    for path, own, view in zip(parameters.paths(), owners, parameters.unique):
         if _arrays.kind(own) != "torch":
             found = type(view if own is None else own).__name__
             raise TreeMismatchError(
