@@ -4,7 +4,11 @@ Each function walks its tree once (the plan comes from the cache), checks
 everything (``gpuflat.checks``), and only then hands a backend the plan and
 arrays; in-place operations therefore change nothing when they raise.
 Leaves may be NumPy, CuPy, PyTorch or JAX arrays: PyTorch and JAX leaves are
-read through zero-copy views, and results come back in the caller's kind.
+read through zero-copy views. Results come back in the caller's kinds: a
+rebuilt tree (``re``, ``clip_by_global_norm``) has each leaf in the kind and
+on the device of the leaf it replaces; a result standing for the whole tree
+(a norm, a flat buffer) takes the kind of the tree's first PyTorch or JAX
+leaf, and is NumPy or CuPy where there is none.
 """
 from __future__ import annotations
 
@@ -16,8 +20,9 @@ from . import checks
 from . import flatplan
 from . import tree as _tree
 from .backends.base import select
-from .errors import NonFiniteError, TreeMismatchError
+from .errors import NonFiniteError, OverlapError, TreeMismatchError
 from .flatplan import FlatPlan
+from .overlap import find_overlap
 
 _NAMED_TOTALS = ("sumsq", "l1", "l2", "count")
 _in_place_checked = checks.InPlaceChecked()
@@ -44,7 +49,13 @@ class Call:
         return select(backend, self.unique, lambda i: self.plan.leaves[i].path)
 
     def result(self, x):
+        """A result standing for the whole tree (a norm, a flat buffer), in the
+        kind of its first PyTorch or JAX leaf; NumPy or CuPy if it has none."""
         return x if self.like is None else _arrays.to_caller(x, self.like)
+
+    def owners(self) -> list:
+        """Per slot, the caller's own leaf behind it (None for NumPy and CuPy)."""
+        return [self.foreign.get(id(a)) for a in self.unique]
 
     def paths(self):
         return [leaf.path for leaf in self.plan.leaves]
@@ -117,8 +128,10 @@ def destructure(tree, *, backend: str | None = None) -> tuple[Any, Callable[[Any
 
     ``re(flat2)`` returns a new tree with every trainable rebuilt from
     ``flat2`` (any real or complex floating dtype), cast back to its dtype
-    and shape; tied arrays come back as one shared array; everything else is
-    kept as it was in ``tree``.
+    and shape, in the kind of the leaf it replaces (a NumPy leaf as NumPy, a
+    tensor as a tensor on its device); tied arrays come back as one shared
+    array; everything else is kept as it was in ``tree``. ``flat`` is in the
+    kind of the tree's first PyTorch or JAX leaf.
 
     >>> import numpy as np, gpuflat as gf
     >>> a = np.array([1.0, 2.0])
@@ -135,8 +148,10 @@ def destructure(tree, *, backend: str | None = None) -> tuple[Any, Callable[[Any
         flat = be.xp.empty(call.plan.size, call.plan.dtype)
         be.gather(call.plan, [[a] for a in call.unique], flat)
 
+    owners = call.owners()
+
     def re(flat2):
-        return _rebuild(call.plan, flat2, call.statics, call.like, backend)
+        return _rebuild(call.plan, flat2, call.statics, owners, backend)
 
     return call.result(flat), re
 
@@ -147,8 +162,13 @@ def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None) -> An
     ``tree`` is the model itself or a gradient tree shaped like it: gradients
     of a tied array, found at several places, are added into its one slot;
     the same gradient object found twice counts once; None counts as zero
-    (Optimisers.jl's destructure contract). ``out``, if given, must be a
-    C-contiguous buffer of exactly ``plan.size`` elements of ``plan.dtype``.
+    (Optimisers.jl's destructure contract).
+
+    ``out``, if given, must be a writable, C-contiguous buffer of exactly
+    ``plan.size`` elements of ``plan.dtype`` sharing no memory with a leaf
+    (a JAX array, immutable, is refused); the result is then ``out`` itself,
+    the caller's object. Without it the result is a new buffer in the kind
+    of the tree's first PyTorch or JAX leaf, if any.
 
     >>> import numpy as np, gpuflat as gf
     >>> a, b = np.zeros(2, np.float32), np.zeros(2, np.float32)
@@ -156,6 +176,9 @@ def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None) -> An
     >>> g = {"x": np.full(2, 3, np.float32), "y": None, "z": np.full(2, 13, np.float32)}
     >>> gf.flatten(p, g)
     array([16., 16.,  0.,  0.], dtype=float32)
+    >>> out = np.empty(4, np.float32)
+    >>> gf.flatten(p, g, out=out) is out
+    True
     """
     sources, like = _slot_sources(plan, tree)
     present = [(leaf.path, s[0]) for leaf, s in zip(plan.leaves, sources) if s]
@@ -163,12 +186,13 @@ def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None) -> An
     # tied weight's NumPy and CuPy gradients must meet the mixed-kinds error.
     present += [(plan.leaves[slot].path, a) for slot, s in enumerate(sources) for a in s[1:]]
     if out is not None:
-        out = _view(out, "out")
-        checks.check_flat(plan, out, "out")
-        present.append(("<out>", out))
+        target = _writable_flat(plan, out, "out")
+        _refuse_aliases([(plan.leaves[slot].path, a) for slot, s in enumerate(sources) for a in s],
+                        target, "out")
+        present.append(("<out>", target))
     be = select(backend, [a for _, a in present], lambda i: present[i][0])
     if out is not None:
-        be.gather(plan, sources, out)
+        be.gather(plan, sources, target)
         return out
     with be.on_device():
         out = be.xp.empty(plan.size, plan.dtype)
@@ -228,8 +252,12 @@ def scatter(plan: FlatPlan, flat, tree, *, backend: str | None = None) -> None:
             written.append(value)
             paths.append(path)
     _in_place_checked.check(plan, paths, written)
+    _refuse_aliases(list(zip(paths, written)), flat, "flat")
     with be.on_device():
-        be.scatter(plan, _as_plan_dtype(plan, flat), targets)
+        # The flat goes in its own dtype: the backends round each value once,
+        # straight into the leaf's dtype (through the plan's dtype, float64 to
+        # float16 would round twice).
+        be.scatter(plan, flat, targets)
         for slot, value in zip(plan.slot_of, values):
             if value is not targets[slot]:
                 value[...] = targets[slot]
@@ -242,7 +270,12 @@ def total(f: str | Callable[[Any], Any], tree, *, model=None, backend: str | Non
     squares), "l1" (sum of absolute values), "l2" (the sum of each leaf's
     2-norm, as Optimisers.jl's ``total(norm, model)``) and "count" (the
     number of trainable elements). With ``model=``, ``tree`` is a gradient
-    tree read through the model's plan (tied gradients added first).
+    tree read through the model's plan, one term per model slot: a slot's
+    gradients (a tied weight may have several) are added in float64 first,
+    and a slot whose gradient is None counts as zeros. A callable ``f`` then
+    receives, per slot, the gradient itself where the slot has exactly one,
+    else that sum (or zeros) cast once to the leaf's dtype, as a new array in
+    the kind of the gradient tree's first PyTorch or JAX leaf.
 
     >>> import numpy as np, gpuflat as gf
     >>> model = {"x": np.array([3.0, 4.0]), "y": (np.sin, np.array([5.0])), "z": (6, 7)}
@@ -250,13 +283,17 @@ def total(f: str | Callable[[Any], Any], tree, *, model=None, backend: str | Non
     (10.0, 3)
     >>> float(gf.total(np.sum, model))
     12.0
+    >>> model = {"a": np.ones(1), "b": np.ones(1), "c": np.ones(1)}
+    >>> grads = {"a": np.array([3.0]), "b": np.array([4.0]), "c": None}
+    >>> float(gf.total("l2", grads, model=model)), gf.total(len, grads, model=model)
+    (7.0, 3)
     """
     if not callable(f) and f not in _NAMED_TOTALS:
         raise ValueError(f"total: expected a callable or one of {_NAMED_TOTALS}, got {f!r}")
     call = Call(tree)
-    plan, leaves = _norm_inputs(call, tree, model, backend)
     if callable(f):
-        return sum((f(call.foreign.get(id(a), a)) for a in leaves), 0)
+        return sum((f(x) for x in _callable_inputs(call, tree, model, backend)), 0)
+    plan, leaves = _norm_inputs(call, tree, model, backend)
     if f == "count":
         return plan.size
     be = select(backend, leaves, lambda i: plan.leaves[i].path)
@@ -314,9 +351,22 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, eps: float = 1e-6
     5.0
     >>> g["w"].round(6)
     array([0.6, 0.8])
+
+    A ``torch.nn.Module``, or a tree of tensors that require grad (a list of
+    parameters), stands for its parameters' ``.grad``, as in
+    ``torch.nn.utils.clip_grad_norm_``: the gradients are clipped (None ones
+    skipped) and their norm returned; the weights are never touched.
+
+    >>> import torch
+    >>> w = torch.nn.Parameter(torch.ones(2)); w.grad = torch.tensor([3.0, 4.0])
+    >>> float(gf.clip_grad_norm_([w], 1.0)), w.tolist()
+    (5.0, [1.0, 1.0])
     """
     max_norm, p, eps = checks.clip_arguments(max_norm, ord, eps)
     call = Call(grads)
+    if any(getattr(own, "requires_grad", False) for own in call.foreign.values()):
+        grads = _gradients_of(call)
+        call = Call(grads)
     norm_plan, norm_leaves = _norm_inputs(call, grads, model, backend)
     # The grads' own walk holds each distinct gradient array once.
     scale_plan, scale_leaves, scale_paths = call.plan, list(call.unique), call.paths()
@@ -338,7 +388,9 @@ def clip_by_global_norm(tree, max_norm: float, ord: float = 2, *, eps: float = 1
 
     The functional form of :func:`clip_grad_norm_`, for arrays that cannot
     be written in place (JAX's) or when the original must be kept. Ties stay
-    ties; non-trainable values are kept as they are.
+    ties; each clipped leaf is of its input leaf's kind; non-trainable values
+    are kept as they are. The norm is in the kind of the first PyTorch or JAX
+    leaf.
 
     >>> import numpy as np, gpuflat as gf
     >>> g = {"w": np.array([3.0, 4.0]), "step": 7}
@@ -353,7 +405,7 @@ def clip_by_global_norm(tree, max_norm: float, ord: float = 2, *, eps: float = 1
         result = be.norms(call.plan, call.unique, p, per_leaf=False)
         copies = [be.xp.array(a, copy=True, order="C") for a in call.unique]
         be.clip_(call.plan, copies, result.total, max_norm, eps)
-    leaves = [call.result(c) for c in copies]
+    leaves = _in_kinds(copies, call.owners())
     clipped = _tree.rebuild(call.plan.treedef, [leaves[s] for s in call.plan.slot_of], call.statics)
     return clipped, call.result(result.total)
 
@@ -387,16 +439,25 @@ def raise_if_nonfinite(be, plan, result, p, where="") -> None:
 
 # ---------------------------------------------------------------- helpers
 
-def _rebuild(plan, flat, statics, like, backend):
+def _in_kinds(arrays, owners) -> list:
+    """Each array in the kind (and on the device) of its slot's caller leaf."""
+    return [a if own is None else _arrays.to_caller(a, own) for a, own in zip(arrays, owners)]
+
+
+def _rebuild(plan, flat, statics, owners, backend):
     flat = _view(flat, "flat")
     checks.check_flat(plan, flat, exact_dtype=False)
+    leaves = _in_kinds(_new_leaves(plan, flat, backend), owners)
+    return _tree.rebuild(plan.treedef, [leaves[s] for s in plan.slot_of], statics)
+
+
+def _new_leaves(plan, flat, backend) -> list:
+    """New arrays shaped like ``plan``'s slots, holding ``flat`` cast to their dtypes."""
     be = select(backend, [flat], lambda i: "<flat>")
     with be.on_device():
         leaves = [be.xp.empty(leaf.shape, leaf.dtype) for leaf in plan.leaves]
-        be.scatter(plan, _as_plan_dtype(plan, flat), leaves)
-    if like is not None:
-        leaves = [_arrays.to_caller(a, like) for a in leaves]
-    return _tree.rebuild(plan.treedef, [leaves[s] for s in plan.slot_of], statics)
+        be.scatter(plan, flat, leaves)
+    return leaves
 
 
 def _views_of(plan, flat) -> list:
@@ -424,12 +485,27 @@ def _view(x, name):
     return adopted
 
 
-def _as_plan_dtype(plan, flat):
-    if flat.dtype == plan.dtype:
-        return flat
-    if flat.dtype.kind == "c" and plan.dtype.kind != "c":
-        flat = flat.real  # complex to real keeps the real part, as the kernels do
-    return flat.astype(plan.dtype)
+def _writable_flat(plan, x, name):
+    """The NumPy or CuPy view of a flat buffer about to be written, checked:
+    JAX arrays (immutable) and read-only arrays are refused, naming ``name``."""
+    if _arrays.kind(x) == "jax":
+        raise TreeMismatchError(f"{name}: expected a writable array, got a JAX array, which is "
+                                f"immutable; leave {name} out to get a new array")
+    view = _view(x, name)
+    checks.check_flat(plan, view, name)
+    # CuPy arrays have no writeable flag: device memory is always writable.
+    if not getattr(view.flags, "writeable", True):
+        raise TreeMismatchError(f"{name}: expected a writable array, got a read-only one")
+    return view
+
+
+def _refuse_aliases(named_arrays, buffer, name):
+    """OverlapError naming the first (path, array) sharing memory with ``buffer``:
+    the kernels would read it after writing over it."""
+    for path, a in named_arrays:
+        if find_overlap([a, buffer]) is not None:
+            raise OverlapError(f"leaf {path!r} and {name} share memory; expected {name} apart from "
+                               f"every leaf, found them overlapping (pass a separate buffer)")
 
 
 def _slot_sources(plan, tree):
@@ -446,15 +522,56 @@ def _slot_sources(plan, tree):
     return sources, like
 
 
+def _gradients_of(parameters) -> list:
+    """The ``.grad`` of each parameter of a walked module or tree (None ones
+    left out), as torch's clip_grad_norm_ takes them: clipping the parameters
+    themselves in place would silently ruin the weights."""
+    owners = parameters.owners()
+    for path, own, view in zip(parameters.paths(), owners, parameters.unique):
+        if _arrays.kind(own) != "torch":
+            found = type(view if own is None else own).__name__
+            raise TreeMismatchError(
+                f"leaf {path!r}: expected a PyTorch tensor, as the tree holds parameters (tensors "
+                f"that require grad, whose .grad is clipped), got a {found}")
+    return [own.grad for own in owners if own.grad is not None]
+
+
 def _norm_inputs(call, grads, model, backend):
-    """(plan, one array per slot) whose norm is the gradients' norm."""
+    """(plan, one array per slot) whose norms are the gradients' norms, slot by
+    slot in the plan's order (the model's plan with ``model``)."""
     if model is None:
         return call.plan, list(call.unique)
-    model_plan = Call(model).plan
-    sources, _ = _slot_sources(model_plan, grads)
+    plan = Call(model).plan
+    sources, _ = _slot_sources(plan, grads)
     if all(len(s) == 1 for s in sources):
-        return model_plan, [s[0] for s in sources]
-    # Tied weights with separate gradients (or missing ones): the norm is that
-    # of the summed gradients, gathered as flatten gathers them.
-    summed = _view(flatten(model_plan, grads, backend=backend), "flat")
-    return Call([summed]).plan, [summed]
+        return plan, [s[0] for s in sources]
+    # A tied weight's several gradients, or a None: each slot's gradients are
+    # added in float64 (zeros for none), so every slot keeps its own norm and
+    # nothing is rounded before the norm accumulates.
+    wide = _summed_wide(plan, sources, backend)
+    return plan, [wide[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape) for leaf in plan.leaves]
+
+
+def _summed_wide(plan, sources, backend):
+    """Each slot's sources added into one float64 (complex128) flat buffer."""
+    arrays = [(plan.leaves[slot].path, a) for slot, s in enumerate(sources) for a in s]
+    be = select(backend, [a for _, a in arrays], lambda i: arrays[i][0])
+    with be.on_device():
+        wide = be.xp.empty(plan.size, be.xp.complex128 if plan.dtype.kind == "c" else be.xp.float64)
+        be.gather(plan, sources, wide)
+    return wide
+
+
+def _callable_inputs(call, grads, model, backend) -> list:
+    """What a callable ``f`` of ``total`` receives, one value per slot."""
+    if model is None:
+        return [call.foreign.get(id(a), a) for a in call.unique]
+    plan = Call(model).plan
+    sources, _ = _slot_sources(plan, grads)
+    owners = [None] * len(plan.leaves)
+    for slot, value in zip(plan.slot_of, _tree.arrays_like(plan.treedef, grads)):
+        owners[slot] = value if owners[slot] is None else owners[slot]
+    if all(len(s) == 1 for s in sources):
+        return owners
+    summed = _new_leaves(plan, _summed_wide(plan, sources, backend), backend)
+    return [owner if len(s) == 1 else call.result(new) for owner, s, new in zip(owners, sources, summed)]

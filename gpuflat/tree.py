@@ -146,6 +146,24 @@ class _Refused(Exception):
         self.value, self.reason = value, reason
 
 
+class _MissingField(_Refused):
+    """Raised inside the walk at an object lacking one of its class's fields."""
+
+
+def _field_values(x, names):
+    """``x``'s attributes ``names``; _MissingField naming the first one it lacks."""
+    try:
+        return [getattr(x, n) for n in names]
+    except AttributeError:
+        missing = next(n for n in names if not hasattr(x, n))
+        raise _MissingField(x, _missing_reason(x, missing, names)) from None
+
+
+def _missing_reason(x, missing, names):
+    return (f"expected a {type(x).__name__} with field {missing!r} (fields {list(names)}), "
+            f"found none: it has no attribute {missing!r}")
+
+
 # One-shot iterables cannot be rebuilt (and model.parameters() is a
 # generator): taken as statics they would hide every array inside.
 _ONE_SHOT = (Iterator, Set, type({}.keys()), type({}.values()), type({}.items()))
@@ -202,6 +220,8 @@ def walk(tree, array_types=None) -> Walked:
     foreign: dict = {}
     try:
         treedef = _walk(tree, arrays, (statics, foreign), array_types or _array_types())
+    except _MissingField as missing:
+        raise TreeMismatchError(f"leaf {_path_of(tree, missing.value)!r}: {missing.reason}") from None
     except _Refused as refused:
         raise UnwalkableError(f"leaf {_path_of(tree, refused.value)!r}: {refused.reason}") from None
     except RecursionError:
@@ -234,8 +254,8 @@ def _walk(x, out, side, array_types):
     if fields is None:
         return _leaf(x, out, side)
     trainable, others = fields
-    children = _walk_children([getattr(x, n) for n in trainable], out, side, array_types)
-    values = [getattr(x, n) for n in others]
+    children = _walk_children(_field_values(x, trainable), out, side, array_types)
+    values = _field_values(x, others)
     statics.extend(values)
     return (OBJECT, cls, (trainable, others), children, tuple(map(Static.of, values)))
 
@@ -311,7 +331,8 @@ def _children_with_paths(x, prefix):
     fields = _object_fields(x) if not isinstance(x, (np.ndarray, str, bytes)) else None
     if fields is None:
         return []
-    return [(f"{prefix}.{n}", getattr(x, n)) for n in fields[0] + fields[1]]
+    # A field the object lacks is skipped: this search only words an error.
+    return [(f"{prefix}.{n}", getattr(x, n)) for n in fields[0] + fields[1] if hasattr(x, n)]
 
 
 def _path_of(tree, target) -> str:
@@ -419,7 +440,10 @@ def _match(node, x, out, path):
             _raise_keys(path, names, tuple(n for n, _ in named))
         values = [p for _, p in named]
     elif kind == OBJECT:
-        values = [getattr(x, n, None) for n in names[0]]
+        try:
+            values = _field_values(x, names[0])
+        except _MissingField as missing:
+            raise TreeMismatchError(f"leaf {display(path)!r}: {missing.reason}") from None
     else:
         if len(x) != len(children):
             raise TreeMismatchError(

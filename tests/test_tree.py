@@ -268,3 +268,30 @@ def test_unknown_array_likes_are_refused_not_static():
 
     with pytest.raises(gf.UnwalkableError, match=r"\['x'\].*Frame"):
         gf.global_norm({"x": Frame(), "w": np.ones(2)})
+
+
+def _without_bias():
+    grad = Linear(np.ones((2, 3)), np.zeros(3))
+    del grad.bias
+    return grad
+
+
+@pytest.mark.parametrize("call", [
+    lambda m, g: gf.flatten(gf.plan(m), g),
+    lambda m, g: gf.global_norm(g, model=m),
+    lambda m, g: gf.clip_grad_norm_(g, 1.0),
+    lambda m, g: gf.total("l2", g),
+], ids=["flatten", "global_norm-model", "clip", "total"])
+def test_a_gradient_dataclass_missing_a_field_names_the_path_and_the_field(call):
+    model = {"enc": [Linear(np.ones((2, 3)), np.zeros(3))]}
+    grads = {"enc": [_without_bias()]}
+    kept = grads["enc"][0].weight.copy()
+    with pytest.raises(gf.TreeMismatchError, match=r"leaf \"\['enc'\]\[0\]\": expected a Linear with field 'bias'"):
+        call(model, grads)
+    assert np.array_equal(grads["enc"][0].weight, kept)
+
+
+def test_arrays_like_names_a_missing_field_too():
+    treedef = gf.tree.walk({"l": Linear(np.ones(2), np.ones(1))}).treedef
+    with pytest.raises(gf.TreeMismatchError, match=r"leaf \"\['l'\]\": expected a Linear with field 'bias'"):
+        gf.tree.arrays_like(treedef, {"l": _without_bias()})

@@ -96,7 +96,8 @@ class CudaBackend:
     # ------------------------------------------------------------ operations
 
     def gather(self, plan, sources, out) -> None:
-        """out[offset:offset+size] = sum of each slot's sources, cast to plan.dtype (1 launch)."""
+        """out[offset:offset+size] = sum of each slot's sources, cast to out's dtype
+        (any of gpuflat.dtypes.TAGS: the kernel is instantiated for each) (1 launch)."""
         st = _static_tables(plan, self.runtime)
         counts = [len(s) for s in sources]
         arrays = [a for s in sources for a in s]
@@ -109,13 +110,14 @@ class CudaBackend:
             buf = st.table(arrays, tuple(counts), lambda: np.concatenate(
                 [_leaf_rows(st, plan, arrays, slots, self.runtime).ravel(), extra]))
             table, csr = buf[: len(arrays) * LEAF_ROW_WORDS], buf[len(arrays) * LEAF_ROW_WORDS :]
-        self._launch(kl.gather_name(plan.dtype), st, [st.items, np.int64(st.n_items), table, csr, out])
+        self._launch(kl.gather_name(out.dtype), st, [st.items, np.int64(st.n_items), table, csr, out])
 
     def scatter(self, plan, flat, leaves) -> None:
-        """leaves[i][...] = flat slice i cast to the leaf's dtype, in place (1 launch)."""
+        """leaves[i][...] = flat slice i cast to the leaf's dtype, in place, rounded
+        once whatever flat's dtype (any of gpuflat.dtypes.TAGS) (1 launch)."""
         st = _static_tables(plan, self.runtime)
         table = self._leaf_table(st, plan, leaves, None)
-        self._launch(kl.scatter_name(plan.dtype), st, [st.items, np.int64(st.n_items), table, flat])
+        self._launch(kl.scatter_name(flat.dtype), st, [st.items, np.int64(st.n_items), table, flat])
 
     def norms(self, plan, leaves, ord, per_leaf, flat=None) -> NormResult:
         """Total and per-leaf norms and the first non-finite slot (2 launches).
