@@ -54,4 +54,4 @@ __all__ = [
     "trainables",
     "unflatten",
 ]
-__version__ = "0.2.0"
+__version__ = "0.3.0"
