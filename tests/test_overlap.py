@@ -158,6 +158,16 @@ def test_find_overlap_accepts_disjoint_torch_views():
     assert find_overlap([x.view(3, 4)[:, 0].numpy(), x.view(3, 4)[:, 1].numpy()]) is None
 
 
+
+def test_find_overlap_reads_numpy_views_of_a_tensors_array_at_their_own_offset():
+    import torch
+
+    x = torch.arange(12.0)
+    assert find_overlap([x.numpy()[6:], x[:6].numpy()]) is None
+    assert find_overlap([x.numpy()[5:], x[:6].numpy()]) == (0, 1)
+    assert find_overlap([x.numpy().view(np.int32)[12:], x[:6].numpy()]) is None
+
+
 def test_find_overlap_whatever_the_base_chain():
     base = np.arange(20.0)
     a, b = _foreign_view(base[:8]), _foreign_view(base[5:])
