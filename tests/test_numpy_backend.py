@@ -145,6 +145,10 @@ def _edge_trees():
     }
 
 
+EDGE_CASES = ["a root past float64", "huge complex", "inf beside nan", "np.matrix"]  # built per test:
+# np.matrix warns on creation, which a collection-time build would report
+
+
 def _reference_norm(arrays, ord):
     """sum(|x|**p)**(1/p) in float64: |x| by np.abs (a hypot for complex), the
     sum by math.fsum; a power or root past float64 is inf, as the backends promise."""
@@ -169,7 +173,7 @@ MATRIX_WARNING = pytest.mark.filterwarnings("ignore:the matrix subclass:PendingD
 
 @MATRIX_WARNING
 @pytest.mark.parametrize("ord", EDGE_ORDS, ids=str)
-@pytest.mark.parametrize("case", list(_edge_trees()))
+@pytest.mark.parametrize("case", EDGE_CASES)
 def test_numpy_norms_at_the_edges_match_a_float64_reference(case, ord):
     tree = _edge_trees()[case]
     ref = _reference_norm(tree.values(), ord)
@@ -182,7 +186,7 @@ def test_numpy_norms_at_the_edges_match_a_float64_reference(case, ord):
 
 @MATRIX_WARNING
 @pytest.mark.parametrize("ord", EDGE_ORDS, ids=str)
-@pytest.mark.parametrize("case", list(_edge_trees()))
+@pytest.mark.parametrize("case", EDGE_CASES)
 def test_numpy_and_host_norms_agree_at_the_edges(case, ord, request):
     from gpuflat.backends.host import available
 
