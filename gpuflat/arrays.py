@@ -252,13 +252,49 @@ def _to_torch(result, like, torch):
     return tensor if tensor.device == like.device else tensor.to(like.device)
 
 
+class Float32OverflowError(OverflowError):
+    """A finite 64-bit result does not fit the 32-bit dtype JAX would hold it in.
+
+    With ``jax_enable_x64`` off (JAX's default) JAX arrays are at most 32-bit,
+    and JAX itself would turn such a value into inf with only a warning.
+
+    >>> raise Float32OverflowError("expected a result that fits float32, found 6e+38")
+    Traceback (most recent call last):
+    ...
+    gpuflat.arrays.Float32OverflowError: expected a result that fits float32, found 6e+38
+    """
+
+
 def _to_jax(result, like, jax):
+    result = _in_jax_precision(result, jax)
     if isinstance(result, (np.ndarray, np.generic)):
         return jax.device_put(result, like.device)
     if result.dtype == BFLOAT16:
         bits = jax.dlpack.from_dlpack(result.view(np.int16))
         return jax.device_put(jax.lax.bitcast_convert_type(bits, BFLOAT16), like.device)
     return jax.device_put(jax.dlpack.from_dlpack(result), like.device)
+
+
+def _in_jax_precision(result, jax):
+    """``result`` in the dtype JAX holds it in: float64 stays float64 with
+    ``jax_enable_x64`` on, and becomes float32 with it off, unless a finite
+    value would become inf (Float32OverflowError)."""
+    held = jax.dtypes.canonicalize_dtype(result.dtype)
+    if held == result.dtype:
+        return result
+    xp = np if isinstance(result, (np.ndarray, np.generic)) else sys.modules["cupy"]
+    result = xp.asarray(result)
+    with np.errstate(over="ignore"):
+        narrowed = result.astype(held)
+    overflowed = xp.isinf(narrowed) & xp.isfinite(result)
+    if bool(overflowed.any()):
+        found = result[overflowed].ravel()[0].item()
+        raise Float32OverflowError(
+            f"expected a result that fits {held} (JAX's dtype for {result.dtype} with "
+            f"jax_enable_x64 off), found {found!r}; enable it with "
+            f"jax.config.update('jax_enable_x64', True) to get the {result.dtype} result"
+        )
+    return narrowed
 
 
 # ---------------------------------------------------------------- streams

@@ -18,8 +18,13 @@ Differences that remain, on purpose:
 - ``error_if_nonfinite`` reads the float64 norm, so a float16 norm that only
   overflows the returned dtype (above 65504) does not raise, and the clip
   factor stays finite where PyTorch's would scale by 0;
-- ``norm_type`` must be a number p > 0 or inf; ``foreach`` is accepted and
-  ignored (gpuflat always uses its fused pass).
+- ``norm_type`` must be a number p > 0 or inf, and ``max_norm`` a number
+  >= 0 (ValueError otherwise); ``foreach`` is accepted and ignored (gpuflat
+  always uses its fused pass);
+- the clips refuse, before writing anything, gradients that share memory
+  with each other (OverlapError) or within themselves (an expanded tensor,
+  ValueError), which PyTorch would scale twice; integer and bool tensors
+  raise NonFloatingTensorError, a RuntimeError, as PyTorch's norms do.
 """
 from __future__ import annotations
 
@@ -32,10 +37,11 @@ import gpuflat as _gf
 
 from .arrays import adopt, launch_stream, to_caller
 from .backends.base import select
-from .checks import check_ord
-from .errors import NonFiniteError
+from .checks import check_in_place, check_ord, clip_arguments
+from .errors import NonFiniteError, TreeMismatchError
 
-__all__ = ["NonFiniteNormError", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
+__all__ = ["NonFloatingTensorError", "NonFiniteNormError", "clip_grad_norm_", "clip_grads_with_norm_",
+           "get_total_norm"]
 
 _EPS = 1e-6  # PyTorch's: coef = max_norm / (total_norm + 1e-6)
 
@@ -47,6 +53,19 @@ class NonFiniteNormError(NonFiniteError, RuntimeError):
 
     >>> issubclass(NonFiniteNormError, RuntimeError), issubclass(NonFiniteNormError, _gf.NonFiniteError)
     (True, True)
+    """
+
+
+class NonFloatingTensorError(TreeMismatchError, RuntimeError):
+    """A tensor is neither floating point nor complex (an integer or bool tensor); nothing was changed.
+
+    A RuntimeError, as PyTorch's norms raise for such tensors, and a gpuflat TreeMismatchError.
+
+    >>> import torch
+    >>> get_total_norm([torch.ones(2), torch.arange(3)])
+    Traceback (most recent call last):
+    ...
+    gpuflat.torch.NonFloatingTensorError: leaf 'tensors[1]': expected a floating point or complex tensor, found dtype torch.int64
     """
 
 
@@ -62,7 +81,7 @@ def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=Non
     """
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     tensors, names = _unique((t, f"tensors[{i}]") for i, t in enumerate(tensors))
-    p = float(norm_type)
+    p = check_ord(norm_type)
     if not tensors:
         return torch.tensor(0.0)
     total = _total_norm(_device_groups(tensors, names), p)
@@ -86,9 +105,9 @@ def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
     tensor([0.6000, 0.8000])
     """
     grads, names = _gradients(_parameter_list(parameters, warn_empty=False))
-    max_norm = float(max_norm)
+    max_norm, _, _ = clip_arguments(max_norm, 2, _EPS)  # the norm comes given: any order passes
     if grads:
-        _scale(_device_groups(grads, names), max_norm, total_norm)
+        _scale(_device_groups(grads, names, in_place=True), max_norm, total_norm)
 
 
 @torch.no_grad()
@@ -108,11 +127,11 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     1.0
     """
     grads, names = _gradients(_parameter_list(parameters, warn_empty=True))
-    max_norm = float(max_norm)
-    p = float(norm_type)
+    max_norm, p, _ = clip_arguments(max_norm, norm_type, _EPS)
     if not grads:
         return torch.tensor(0.0)
-    groups = _device_groups(grads, names)  # each gradient viewed once, for the norm and the scale
+    # Each gradient is viewed once, for the norm and the scale, and checked before either.
+    groups = _device_groups(grads, names, in_place=True)
     total = _total_norm(groups, p)
     if error_if_nonfinite:
         _check_finite(total, p, grads, names)
@@ -176,11 +195,27 @@ class _DeviceGroup:
         self.backend = select(None, self.views, lambda i: self.names[i])
 
 
-def _device_groups(tensors, names) -> list:
+def _device_groups(tensors, names, in_place=False) -> list:
+    """The tensors grouped by device, checked; with ``in_place``, also fit to be scaled in place."""
+    _check_floating(tensors, names)
     groups: dict = {}
     for t, name in zip(tensors, names):
         groups.setdefault(t.device, []).append((t, name))
-    return [_DeviceGroup(pairs) for pairs in groups.values()]
+    groups = [_DeviceGroup(pairs) for pairs in groups.values()]
+    if in_place:
+        # Tensors on different devices cannot share memory: each group is checked on its own.
+        for g in groups:
+            check_in_place(g.names, g.views)
+    return groups
+
+
+def _check_floating(tensors, names):
+    # An integer or bool tensor has no trainable values: gpuflat's plan would
+    # leave it out, and PyTorch's vector_norm refuses it.
+    for t, name in zip(tensors, names):
+        if not (t.is_floating_point() or t.is_complex()):
+            raise NonFloatingTensorError(
+                f"leaf {name!r}: expected a floating point or complex tensor, found dtype {t.dtype}")
 
 
 def _total_norm(groups, p):
@@ -188,7 +223,7 @@ def _total_norm(groups, p):
     norms = []
     for g in groups:
         with launch_stream(g.like):
-            result = g.backend.norms(g.plan, g.views, check_ord(p), per_leaf=False)
+            result = g.backend.norms(g.plan, g.views, p, per_leaf=False)
             norms.append(to_caller(result.total, g.like))
     if len(norms) == 1:
         return norms[0]

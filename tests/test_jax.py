@@ -123,3 +123,46 @@ def test_calls_inside_jit_are_refused_clearly():
 
     with pytest.raises(TypeError, match=r"\['x'\].*jax.jit"):
         step(jnp.ones(3))
+
+
+# ---------------------------------------------------------------- result dtypes with jax_enable_x64 off
+
+from gpuflat.arrays import Float32OverflowError  # noqa: E402
+
+
+def test_x64_off_a_norm_past_float32_raises_instead_of_becoming_inf():
+    with jax.enable_x64(False):
+        tree = {"w": jnp.full(4, 3e38, jnp.float32)}
+        with pytest.raises(Float32OverflowError, match="jax_enable_x64") as info:
+            gf.global_norm(tree)
+        assert isinstance(info.value, OverflowError)
+        with pytest.raises(Float32OverflowError):
+            gf.global_norm(tree, per_leaf=True)
+    with jax.enable_x64(True):
+        norm = gf.global_norm(tree)
+    assert norm.dtype == jnp.float64 and rel_err(norm, exact_norm([np.full(4, np.float32(3e38))])) < 1e-15
+
+
+@pytest.mark.parametrize("values, expected", [
+    ([3.0, 4.0], 5.0),
+    ([3e38], 3e38),  # the float64 norm rounds to float32's largest finite values: no error
+    ([np.inf, 1.0], np.inf),  # a norm that is inf in float64 stays inf
+], ids=["small", "at the edge", "inf"])
+def test_x64_off_norms_are_float32_jax_arrays(values, expected):
+    with jax.enable_x64(False):
+        norm, per = gf.global_norm({"w": jnp.asarray(values, jnp.float32)}, per_leaf=True)
+    assert isinstance(norm, jax.Array) and norm.dtype == per.dtype == jnp.float32
+    ref = np.float32(np.linalg.norm(np.asarray(values, np.float64)))
+    assert np.asarray(norm) == ref == np.float32(expected) and np.asarray(per)[0] == ref
+
+
+def test_x64_off_any_64_bit_result_that_overflows_float32_is_refused():
+    with jax.enable_x64(False):
+        like = jnp.zeros(1)
+        with pytest.raises(Float32OverflowError, match="complex64"):
+            to_caller(np.array([1.0, 1e39 + 0j]), like)
+        back = to_caller(np.array([1.5, -2.0]), like)
+        assert back.dtype == jnp.float32 and np.asarray(back).tolist() == [1.5, -2.0]
+        tree = {"w": jnp.ones(2, jnp.float32), "big": np.array([1e300])}
+        with pytest.raises(Float32OverflowError, match="1e\\+300"):
+            gf.flatten(gf.plan(tree), tree)

@@ -117,3 +117,87 @@ def test_scatter_broken_tie_overlapping_another_leaf_is_refused(backend):
     with pytest.raises(gf.OverlapError, match=r"\['y'\].*\['z'\]"):
         gf.scatter(p, np.arange(6.0), tree, backend=backend)
     assert snapshot(tree) == before
+
+
+# ---------------------------------------------------------------- views whose bases differ
+
+class _Pointer:
+    """An array interface onto memory it does not own: its arrays' base chains end here."""
+
+    def __init__(self, a):
+        self.__array_interface__ = dict(a.__array_interface__)
+
+
+def _foreign_view(a):
+    return np.asarray(_Pointer(a))
+
+
+def _torch_pairs():
+    import torch
+
+    x = torch.arange(12.0)
+    return {
+        "overlapping slices": (x[:6], x[4:]),
+        "a view and a transposed view": (x[:6].view(2, 3), x[:6].view(3, 2).t()),
+        "as_strided": (x.as_strided((3,), (2,), 1), x.as_strided((2,), (3,), 2)),  # both hold x[5]
+        "a row and a column": (x.view(3, 4)[1], x.view(3, 4)[:, 2]),
+    }
+
+
+def test_find_overlap_detects_torch_views_of_one_storage():
+    for name, (a, b) in _torch_pairs().items():
+        assert find_overlap([np.ones(2), a.numpy(), b.numpy()]) == (1, 2), name
+
+
+def test_find_overlap_accepts_disjoint_torch_views():
+    import torch
+
+    x = torch.arange(12.0)
+    assert find_overlap([x[:6].numpy(), x[6:].numpy()]) is None
+    assert find_overlap([x[::2].numpy(), x[1::2].numpy()]) is None
+    assert find_overlap([x.view(3, 4)[:, 0].numpy(), x.view(3, 4)[:, 1].numpy()]) is None
+
+
+
+def test_find_overlap_reads_numpy_views_of_a_tensors_array_at_their_own_offset():
+    import torch
+
+    x = torch.arange(12.0)
+    assert find_overlap([x.numpy()[6:], x[:6].numpy()]) is None
+    assert find_overlap([x.numpy()[5:], x[:6].numpy()]) == (0, 1)
+    assert find_overlap([x.numpy().view(np.int32)[12:], x[:6].numpy()]) is None
+
+
+def test_find_overlap_whatever_the_base_chain():
+    base = np.arange(20.0)
+    a, b = _foreign_view(base[:8]), _foreign_view(base[5:])
+    assert a.base is not b.base and find_overlap([a, b]) == (0, 1)
+    c = as_strided(_foreign_view(base[1:]), (4,), (16,))
+    assert find_overlap([c, base[::2]]) is None  # c reads odd elements only
+    assert find_overlap([c, base[3:4]]) == (0, 1)
+
+
+def test_find_overlap_among_ten_thousand_leaves():
+    import torch
+
+    storage = torch.zeros(20_000)
+    tensors = [torch.zeros(1) for _ in range(5_000)] + list(storage.split(3)[:5_000])
+    views = [t.numpy() for t in tensors]
+    assert len(views) == 10_000 and find_overlap(views) is None
+    assert find_overlap(views + [storage[2:4].numpy()]) == (5_000, 10_000)  # splits 0 and 1
+    owned = [np.ones(1) for _ in range(10_000)]
+    assert find_overlap(owned) is None
+    assert find_overlap(owned + [owned[7][:]]) == (7, 10_000)
+
+
+@pytest.mark.parametrize("name", list(_torch_pairs()))
+def test_in_place_ops_refuse_overlapping_torch_views(name, backend):
+    a, b = _torch_pairs()[name]
+    storage = a._base if a._base is not None else a
+    before = storage.clone()
+    with pytest.raises(gf.OverlapError, match=r"\['a'\].*\['b'\]"):
+        gf.clip_grad_norm_({"a": a, "b": b}, 1e-3, backend=backend)
+    p = gf.plan({"a": a, "b": b})
+    with pytest.raises(gf.OverlapError, match=r"\['a'\].*\['b'\]"):
+        gf.scatter(p, np.full(p.size, 7.0), {"a": a, "b": b}, backend=backend)
+    assert storage.equal(before)

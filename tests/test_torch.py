@@ -243,6 +243,86 @@ def test_bad_norm_type_raises(norm_type):
         gft.get_total_norm([torch.ones(2)], norm_type)
 
 
+
+def with_grads(*grads):
+    params = []
+    for g in grads:
+        p = nn.Parameter(torch.zeros(g.shape, dtype=g.dtype))
+        p.grad = g
+        params.append(p)
+    return params
+
+
+@pytest.mark.parametrize("bad", [torch.arange(4), torch.tensor([True, False])], ids=["int64", "bool"])
+@pytest.mark.parametrize("position", [0, 1])
+def test_integer_and_bool_tensors_are_refused_by_name_as_pytorch_refuses_them(bad, position):
+    tensors = [torch.ones(2)]
+    tensors.insert(position, bad)
+    with pytest.raises(RuntimeError):
+        nn.utils.get_total_norm(tensors)
+    with pytest.raises(gft.NonFloatingTensorError) as info:
+        gft.get_total_norm(tensors)
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value, gf.TreeMismatchError)
+    assert str(info.value) == (f"leaf 'tensors[{position}]': expected a floating point or complex "
+                               f"tensor, found dtype {bad.dtype}")
+    with pytest.raises(gft.NonFloatingTensorError, match="tensors\\[0\\]"):
+        gft.get_total_norm(bad)
+
+
+def test_clips_refuse_integer_gradients_by_name_and_scale_nothing():
+    class Holder:  # PyTorch refuses an integer .grad on a Parameter; any object with .grad is accepted
+        grad = torch.arange(3)
+
+    params = with_grads(torch.full((2,), 4.0)) + [Holder()]
+    for clip in (lambda: gft.clip_grad_norm_(params, 1.0),
+                 lambda: gft.clip_grads_with_norm_(params, 1.0, torch.tensor(8.0))):
+        with pytest.raises(gft.NonFloatingTensorError, match="'parameters\\[1\\].grad'.*torch.int64"):
+            clip()
+        assert params[0].grad.tolist() == [4.0, 4.0] and Holder.grad.tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("max_norm", [-1.0, math.nan, "1.0", None])
+def test_bad_max_norm_is_a_value_error_and_scales_nothing(max_norm):
+    params = with_grads(torch.full((2,), 4.0))
+    with pytest.raises(ValueError, match="max_norm: expected a number >= 0"):
+        gft.clip_grad_norm_(params, max_norm)
+    with pytest.raises(ValueError, match="max_norm: expected a number >= 0"):
+        gft.clip_grads_with_norm_(params, max_norm, torch.tensor(8.0))
+    assert params[0].grad.tolist() == [4.0, 4.0]
+
+
+def _overlapping_gradients():
+    x = torch.arange(10.0)
+    return x, {"slices": (x[:6], x[4:]), "views": (x[:6].view(2, 3), x[:6].view(3, 2).t()),
+               "the same storage twice": (x, x.view(2, 5))}
+
+
+@pytest.mark.parametrize("case", list(_overlapping_gradients()[1]))
+def test_clips_refuse_overlapping_gradients_and_scale_nothing(case):
+    x, cases = _overlapping_gradients()
+    params = with_grads(*cases[case])
+    for clip in (lambda: gft.clip_grad_norm_(params, 1.0),
+                 lambda: gft.clip_grads_with_norm_(params, 1.0, torch.tensor(100.0))):
+        with pytest.raises(gf.OverlapError, match=r"'parameters\[0\].grad' and 'parameters\[1\].grad'"):
+            clip()
+        assert x.equal(torch.arange(10.0))
+
+
+def test_clips_refuse_a_broadcast_gradient_and_scale_nothing():
+    shared = torch.ones(1)
+    params = with_grads(torch.full((2,), 3.0), shared.expand(3))
+    with pytest.raises(ValueError, match="'parameters\\[1\\].grad'.*distinct memory"):
+        gft.clip_grad_norm_(params, 1.0)
+    assert params[0].grad.tolist() == [3.0, 3.0] and shared.item() == 1.0
+
+
+def test_disjoint_views_of_one_storage_are_clipped_as_pytorch():
+    x, y = torch.arange(10.0), torch.arange(10.0)
+    total = gft.clip_grad_norm_(with_grads(x[:4], x[4:]), 1.0)
+    torch.testing.assert_close(total, nn.utils.clip_grad_norm_(with_grads(y[:4], y[4:]), 1.0))
+    torch.testing.assert_close(x, y)
+
+
 # ---------------------------------------------------------------- non-finite gradients
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])

@@ -50,17 +50,30 @@ def _layout(plan):
 
 
 def _contributions(values, p):
-    """Per element |x|**p as float64 (|x| for p = inf), computed in place where possible."""
+    """Per element |x|**p as float64 (|x| for p = inf), computed in place where possible.
+
+    A complex magnitude is np.abs (a hypot): finite wherever |z| is, and inf
+    when one part is inf even if the other is NaN, as C99 cabs defines.
+    """
     if values.dtype.kind == "c":
-        mag2 = np.square(values.real)
-        mag2 += np.square(values.imag)
         if p == 2:
-            return mag2
-        return np.sqrt(mag2, out=mag2) if p in (1, math.inf) else np.power(mag2, p / 2, out=mag2)
+            return _squared_magnitudes(values)
+        magnitudes = np.abs(values)
+        return magnitudes if p in (1, math.inf) else np.power(magnitudes, p, out=magnitudes)
     if p == 2:
         return np.square(values, out=values)
     np.abs(values, out=values)
     return values if p in (1, math.inf) else np.power(values, p, out=values)
+
+
+def _squared_magnitudes(z):
+    # re**2 + im**2 rounds once where |z|**2 rounds twice; it is only wrong
+    # (NaN) for an infinite part beside a NaN one, whose |z|**2 is inf.
+    squares = np.square(z.real)
+    squares += np.square(z.imag)
+    if np.isnan(squares).any():
+        squares[np.isinf(z)] = math.inf
+    return squares
 
 
 class NumpyBackend:
@@ -93,7 +106,11 @@ class NumpyBackend:
 
     def norms(self, plan, leaves, ord, per_leaf, flat=None):
         """Fused norms; with ``flat`` (a resident model) pieces are read from it directly."""
-        p = float(ord)
+        # Past float64, powers and roots give inf silently, as the kernels do.
+        with np.errstate(over="ignore"):
+            return self._norms(plan, leaves, float(ord), per_leaf, flat)
+
+    def _norms(self, plan, leaves, p, per_leaf, flat):
         sums = np.zeros(len(plan.leaves))
         partials = []
         for first, end, count, is_complex in _layout(plan):
@@ -161,7 +178,8 @@ def _chunks(plan, leaves, flat, first, end, count, acc_dtype):
     if flat is not None:
         values = flat[plan.leaves[first].offset :][:count]
     elif end - first == 1:
-        values = leaves[first].reshape(-1)
+        # np.asarray: an ndarray subclass such as np.matrix stays 2-D under reshape(-1).
+        values = np.asarray(leaves[first]).reshape(-1)
     else:
         buf = np.empty(count, acc_dtype)
         np.concatenate(leaves[first:end], axis=None, out=buf, casting="unsafe")
@@ -212,7 +230,8 @@ def _combine(sums, p):
 
 
 def _root(x, p):
-    return x if p == 1 else x ** (1.0 / p)
+    # np.power, not **: a float root past float64 is inf, where Python raises OverflowError.
+    return x if p == 1 else np.power(x, 1.0 / p)
 
 
 def _first_nonfinite(leaves) -> int:
