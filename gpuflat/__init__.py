@@ -10,6 +10,7 @@ native code or NumPy on the host.
 5.0
 """
 from . import distributed
+from .arrays import Float32OverflowError
 from .errors import NonFiniteError, OverlapError, StaleResidentError, TreeMismatchError
 from .flatplan import FlatPlan, LeafSpec
 from .ops import (
@@ -31,6 +32,7 @@ from .tree import UnwalkableError, register
 
 __all__ = [
     "FlatPlan",
+    "Float32OverflowError",
     "LeafSpec",
     "NonFiniteError",
     "OverlapError",

@@ -15,11 +15,14 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+import numpy as np
+
 from . import arrays as _arrays
 from . import checks
 from . import flatplan
 from . import tree as _tree
 from .backends.base import select
+from .backends.numpy_backend import cast_copy
 from .errors import NonFiniteError, OverlapError, TreeMismatchError
 from .flatplan import FlatPlan
 from .overlap import find_overlap
@@ -468,8 +471,17 @@ def _views_of(plan, flat) -> list:
         if leaf.dtype != flat.dtype and leaf.dtype.kind != "c" and flat.dtype.kind == "c":
             piece = piece.real  # complex to real keeps the real part, without NumPy's warning
         views.append(piece.reshape(leaf.shape) if leaf.dtype == flat.dtype else
-                     piece.astype(leaf.dtype).reshape(leaf.shape))
+                     _cast(piece, leaf.dtype).reshape(leaf.shape))
     return views
+
+
+def _cast(piece, dtype):
+    """A copy of ``piece`` as ``dtype``, rounded once as the backends round."""
+    if not isinstance(piece, np.ndarray):
+        return piece.astype(dtype)  # CuPy casts on the device, in one rounding
+    out = np.empty(piece.shape, dtype)
+    cast_copy(out, piece)  # ml_dtypes' astype rounds float64 to bfloat16 twice
+    return out
 
 
 def _view(x, name):

@@ -16,7 +16,7 @@ def _write_both_ways(leaf_dtype, values, backend):
     flat = np.array(list(values) + [0.0])
     gf.scatter(gf.plan(tree), flat, tree, backend=backend)
     _, re = gf.destructure(tree, backend=backend)
-    return tree["w"], re(flat)["w"]
+    return tree["w"], re(flat)["w"], gf.unflatten(gf.plan(tree), flat, backend=backend)["w"]
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=["float16", "bfloat16"])
@@ -31,9 +31,10 @@ def test_scatter_and_re_round_float64_once(dtype, backend):
     specials = np.array([1e300, -1e300, -1e-300, np.nan, np.inf])
     values = np.concatenate([values, specials])
     ref = np.concatenate([ref, np.array([np.inf, -np.inf, -0.0, np.nan, np.inf], dtype)])
-    scattered, rebuilt = _write_both_ways(dtype, values, backend)
+    scattered, rebuilt, unflattened = _write_both_ways(dtype, values, backend)
     assert_bits_equal(scattered, ref)
     assert_bits_equal(rebuilt, ref)
+    assert_bits_equal(unflattened, ref)
 
 
 def _nearest_bf16(x):

@@ -93,16 +93,16 @@ class NumpyBackend:
         for leaf, srcs in zip(plan.leaves, sources):
             target = out[leaf.offset : leaf.offset + leaf.size]
             if len(srcs) == 1:
-                _cast_copy(target, srcs[0].reshape(-1))
+                cast_copy(target, srcs[0].reshape(-1))
                 continue
             acc = np.zeros(leaf.size, acc_dtype)
             for src in srcs:  # added in occurrence order, as the kernel does
                 acc += src.reshape(-1)
-            _cast_copy(target, acc)
+            cast_copy(target, acc)
 
     def scatter(self, plan, flat, leaves):
         for leaf, target in zip(plan.leaves, leaves):
-            _cast_copy(target, flat[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape))
+            cast_copy(target, flat[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape))
 
     def norms(self, plan, leaves, ord, per_leaf, flat=None):
         """Fused norms; with ``flat`` (a resident model) pieces are read from it directly."""
@@ -241,7 +241,14 @@ def _first_nonfinite(leaves) -> int:
     return -1
 
 
-def _cast_copy(target, source):
+def cast_copy(target, source):
+    """target[...] = source, rounded once into ``target``'s dtype (as the kernels round).
+
+    >>> import ml_dtypes
+    >>> out = np.empty(1, ml_dtypes.bfloat16)
+    >>> cast_copy(out, np.array([1 + 2.0**-8 + 2.0**-40])); float(out[0])
+    1.0078125
+    """
     # Complex to real keeps the real part, as the kernels do (and without NumPy's warning).
     if source.dtype.kind == "c" and target.dtype.kind != "c":
         source = source.real
