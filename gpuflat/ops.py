@@ -515,7 +515,7 @@ def _refuse_aliases(named_arrays, buffer, name):
     """OverlapError naming the first (path, array) sharing memory with ``buffer``:
     the kernels would read it after writing over it."""
     for path, a in named_arrays:
-        if find_overlap([a, buffer]) is not None:
+        if a is buffer or find_overlap([a, buffer]) is not None:
             raise OverlapError(f"leaf {path!r} and {name} share memory; expected {name} apart from "
                                f"every leaf, found them overlapping (pass a separate buffer)")
 
