@@ -1,5 +1,5 @@
-"""NormResult.power_sum, the unrooted total of a norm pass, on every backend
-that runs without a GPU."""
+"""total("sumsq") is the norm pass's own float64 sum of squares, not the
+square of the rounded 2-norm, on every backend that runs without a GPU."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,42 @@ import pytest
 import gpuflat as gf
 from gpuflat.backends import get_backend
 
-from conftest import exact_norm, rel_err, random_array
+from conftest import DTYPES, DTYPE_IDS, exact_norm, exact_sumsq, ref_unique, rel_err, random_array, strided_variant
+
+
+def test_sumsq_of_three_ones_is_exactly_three(backend):
+    # sqrt(3) ** 2 rounds to 2.9999999999999996: the sum must not pass through the root.
+    assert float(gf.total("sumsq", {"w": np.ones(3)}, backend=backend)) == 3.0
+    assert float(gf.total("sumsq", [np.ones(2, np.float32), np.ones((1, 1), np.float16)],
+                          backend=backend)) == 3.0
+
+
+def test_sumsq_through_a_model_adds_tied_gradients_first(backend):
+    w = np.ones(3)
+    model = {"a": w, "b": w, "c": np.ones(2, np.float32)}
+    grads = {"a": np.full(3, 2.0), "b": np.full(3, 1.0), "c": np.ones(1, np.float32)[[0, 0]]}
+    # (2 + 1)**2 * 3 + 1 + 1, exact: the tie's gradients are added before squaring.
+    assert float(gf.total("sumsq", grads, model=model, backend=backend)) == 29.0
+
+
+def _tree(rng, dtype):
+    t = strided_variant(rng, (3, 4), dtype, "transposed")
+    return {
+        "t": t, "tie": t, "r": strided_variant(rng, (5,), dtype, "reversed"),
+        "c": random_array(rng, (7, 3), dtype), "s": random_array(rng, (), dtype),
+        "e": random_array(rng, (0, 2), dtype), "step": 4,
+    }
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_sumsq_against_an_exact_sum_of_squares(dtype, seed, backend):
+    rng = np.random.default_rng(seed)
+    tree = _tree(rng, dtype)
+    leaves = [a for _, a in ref_unique(tree)]
+    got = gf.total("sumsq", tree, backend=backend)
+    assert np.asarray(got).dtype == np.float64
+    assert rel_err(got, exact_sumsq(leaves)) < 1e-15
 
 
 @pytest.mark.parametrize("ord", [1.0, 2.0, 3.0, math.inf])
