@@ -305,7 +305,9 @@ def total(f: str | Callable[[Any], Any], tree, *, model=None, backend: str | Non
             result = be.norms(plan, leaves, 2.0, per_leaf=True)
             return call.result(be.xp.sum(result.per_leaf))
     result = be.norms(plan, leaves, 1.0 if f == "l1" else 2.0, per_leaf=False)
-    return call.result(result.total if f == "l1" else result.total * result.total)
+    # "sumsq" is the pass's own float64 sum of squares: squaring the rounded
+    # 2-norm would round twice (three ones gave 2.9999999999999996).
+    return call.result(result.total if f == "l1" else result.power_sum)
 
 
 def global_norm(tree, ord: float = 2, *, per_leaf: bool = False, model=None,

@@ -107,7 +107,9 @@ __device__ __forceinline__ double gf_block_reduce(double* red, double v) {
 //
 // slot_items[s] .. slot_items[s + 1] are slot s's items (items are sorted by
 // slot); big_slots lists, ascending, the slots with more than
-// GF_SMALL_SLOT_ITEMS items. Writes per_leaf[s] (the leaf's norm), total[0],
+// GF_SMALL_SLOT_ITEMS items. Writes per_leaf[s] (the leaf's norm), total[0]
+// (the norm), total[1] (the unrooted total it is the root of: sum |x|**p, or
+// the max for inf, so a sum of squares needs no squaring of a rounded root),
 // and turns first_bad[0] from kernel 1's record into the slot of the first
 // item holding a NaN or inf, or -1. Slot s is owned by thread
 // s % GF_FINISH_THREADS in every phase, so a thread only reads back what it
@@ -151,6 +153,7 @@ gpuflat_norm_finish(const Item* __restrict__ items, long long n_items, const dou
     v = gf_block_reduce<K>(red, v);
     if (t == 0) {
         total[0] = gf_root<K>(v, p);
+        total[1] = v;
         const long long m = first_bad[0];
         first_bad[0] = m > 0 ? items[n_items - m].slot : -1;
     }

@@ -319,7 +319,13 @@ def test_norms_every_dtype(dtype):
     # The fused totals follow the norms.
     assert_same(gf.total("l1", dev), gf.global_norm(dev, 1), "total l1")
     assert rel_err(host(gf.total("sumsq", dev)), exact_norm(leaves_of(emu)) ** 2) < 1e-12
+    assert_same(gf.total("sumsq", dev), gf.total("sumsq", emu, backend="emulated"), "total sumsq")
     assert gf.total("count", dev) == sum(a.size for a in leaves_of(emu))
+
+
+def test_sumsq_is_the_sum_of_squares_not_the_squared_norm():
+    # sqrt(3) ** 2 rounds to 2.9999999999999996.
+    assert float(host(gf.total("sumsq", [cp.asarray(np.ones(3))]))) == 3.0
 
 
 def test_squares_that_overflow_the_input_dtype():

@@ -131,7 +131,9 @@ class CudaBackend:
         table = self._leaf_table(st, plan, leaves, flat)
         n_slots = len(plan.leaves)
         per = rt.empty(n_slots, np.float64)
-        total = rt.empty((), np.float64)
+        # totals[0] the norm (the clip kernel reads it), totals[1] the unrooted
+        # total it is the root of; one allocation, exposed as two 0-d views.
+        totals = rt.empty(2, np.float64)
         # Zero: the first kernel records the first non-finite item in it with
         # an atomic max, the finisher turns that into a slot.
         first = rt.zeros((), np.int64)
@@ -143,8 +145,8 @@ class CudaBackend:
         rt.launch(kl.norm_finish_name(kind), 1, FINISH_THREADS,
                   [st.items, np.int64(st.n_items), partial, st.slot_items,
                    np.int64(n_slots), st.big_slots, np.int64(st.n_big), np.float64(p),
-                   per, total, first])
-        return NormResult(total, per, first)
+                   per, totals, first])
+        return NormResult(totals[:1].reshape(()), per, first, totals[1:].reshape(()))
 
     def clip_(self, plan, leaves, total, max_norm, eps, flat=None) -> None:
         """Every leaf *= min(1, max_norm / (total + eps)), the factor computed on

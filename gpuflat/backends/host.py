@@ -183,11 +183,12 @@ class HostBackend:
         if lib is None:
             return self._numpy.norms(plan, leaves, ord, per_leaf, flat=flat)
         p = float(ord)
-        per, total, first = np.empty(len(plan.leaves)), np.empty(()), np.empty((), np.int64)
-        args = (plan.offsets, NORM_KINDS.get(p, NORM_P), p, self.threads, per, total, first)
+        # totals[0] the norm, totals[1] the unrooted total it is the root of.
+        per, totals, first = np.empty(len(plan.leaves)), np.empty(2), np.empty((), np.int64)
+        args = (plan.offsets, NORM_KINDS.get(p, NORM_P), p, self.threads, per, totals, first)
         if flat is None or lib.gf_host_norms_flat(flat, *args) >= 0:
             _check(plan, leaves, lib.gf_host_norms(leaves, *args))
-        return NormResult(total, per, first)
+        return NormResult(totals[:1].reshape(()), per, first, totals[1:].reshape(()))
 
     def clip_(self, plan, leaves, total, max_norm, eps, flat=None) -> None:
         """Every leaf *= min(1, max_norm / (total + eps)); with ``flat`` (the buffer

@@ -125,10 +125,11 @@ class NumpyBackend:
                     _per_slot(plan, first, end, contrib, p, sums)
                 elif per_leaf:
                     sums[first] = _reduce(sums[first], part, p)
-        total = _combine(np.asarray(partials, np.float64), p)
+        raw = _combine(np.asarray(partials, np.float64), p)
+        total = raw if p == math.inf else math.sqrt(raw) if p == 2 else _root(raw, p)
         per = (sums if p in (1, math.inf) else _root(sums, p)) if per_leaf else None
         bad = -1 if math.isfinite(total) else _first_nonfinite(leaves)
-        return NormResult(np.asarray(total), per, np.asarray(bad, np.int64))
+        return NormResult(np.asarray(total), per, np.asarray(bad, np.int64), np.asarray(raw))
 
     def clip_(self, plan, leaves, total, max_norm, eps, flat=None):
         # A NaN or inf norm scales to NaN, PyTorch's semantics, without
@@ -222,11 +223,11 @@ def _reduce(acc, value, p):
 
 
 def _combine(sums, p):
+    # The unrooted total: sum |x|**p, or the max for ord inf.
     if p == math.inf:
         return float(sums.max()) if len(sums) else 0.0
     # math.fsum: the slot sums are combined exactly, in any order.
-    total = math.fsum(sums) if np.isfinite(sums).all() else float(sums.sum())
-    return math.sqrt(total) if p == 2 else _root(total, p)
+    return math.fsum(sums) if np.isfinite(sums).all() else float(sums.sum())
 
 
 def _root(x, p):

@@ -19,17 +19,21 @@ class NormResult:
     ``total`` is a 0-d float64 array; ``per_leaf`` a float64 array with one
     norm per slot (None where the backend was not asked for it and skipped
     it); ``first_nonfinite`` a 0-d int64 array: the first slot holding a NaN
-    or inf, or -1.
+    or inf, or -1; ``power_sum`` a 0-d float64 array: the raw accumulated
+    value the total is the root of, sum |x|**p (for ord 2 the sum of
+    squares, exactly as accumulated, not the total squared), or for ord inf
+    the max |x| itself (then equal to ``total``, as for ord 1).
 
     >>> import numpy as np
-    >>> r = NormResult(np.asarray(5.0), None, np.asarray(-1))
-    >>> float(r.total), int(r.first_nonfinite)
-    (5.0, -1)
+    >>> r = NormResult(np.asarray(5.0), None, np.asarray(-1), np.asarray(25.0))
+    >>> float(r.total), int(r.first_nonfinite), float(r.power_sum)
+    (5.0, -1, 25.0)
     """
 
     total: Any
     per_leaf: Any
     first_nonfinite: Any
+    power_sum: Any
 
 
 @runtime_checkable

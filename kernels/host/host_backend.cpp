@@ -625,7 +625,8 @@ double block_tree(double* red) {
 }
 
 // gpuflat_norm_finish on one thread: each slot from its items, the total from
-// the slots' raw sums, in the finishing block's order.
+// the slots' raw sums, in the finishing block's order. Returns the unrooted
+// total (sum |x|**p, or the max for inf); the caller takes its root.
 template <int K>
 double finish(const std::vector<Item>& items, const double* partial, long long n_slots, double p, double* per_leaf) {
     const long long T = GF_FINISH_THREADS;
@@ -654,7 +655,7 @@ double finish(const std::vector<Item>& items, const double* partial, long long n
         red[t] = v;
     }
     for (long long s = 0; s < n_slots; ++s) per_leaf[s] = gf_root<K>(per_leaf[s], p);
-    return gf_root<K>(block_tree<K>(red), p);
+    return block_tree<K>(red);
 }
 
 template <int K>
@@ -664,7 +665,10 @@ void norms(const LeafSet& set, const std::vector<Item>& items, std::vector<doubl
     parallel_items(items, threads, [&](long long first, long long end) {
         item_partials<K>(set, items, first, end, p, partial.data());
     });
-    *total = finish<K>(items, partial.data(), n_slots, p, per_leaf);
+    // total[0] the norm, total[1] the unrooted total, as gpuflat_norm_finish.
+    const double raw = finish<K>(items, partial.data(), n_slots, p, per_leaf);
+    total[0] = gf_root<K>(raw, p);
+    total[1] = raw;
     *first_bad = first_nonfinite_slot(set, items, partial.data());
 }
 
