@@ -25,7 +25,7 @@ from .backends.base import select
 from .backends.numpy_backend import cast_copy
 from .errors import NonFiniteError, OverlapError, TreeMismatchError
 from .flatplan import FlatPlan
-from .overlap import find_overlap
+from .overlap import first_sharing
 
 _NAMED_TOTALS = ("sumsq", "l1", "l2", "count")
 _in_place_checked = checks.InPlaceChecked()
@@ -190,8 +190,8 @@ def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None) -> An
     present += [(plan.leaves[slot].path, a) for slot, s in enumerate(sources) for a in s[1:]]
     if out is not None:
         target = _writable_flat(plan, out, "out")
-        _refuse_aliases([(plan.leaves[slot].path, a) for slot, s in enumerate(sources) for a in s],
-                        target, "out")
+        _refuse_aliases([a for s in sources for a in s], target, "out",
+                        lambda k: plan.leaves[[slot for slot, s in enumerate(sources) for _ in s][k]].path)
         present.append(("<out>", target))
     be = select(backend, [a for _, a in present], lambda i: present[i][0])
     if out is not None:
@@ -255,7 +255,7 @@ def scatter(plan: FlatPlan, flat, tree, *, backend: str | None = None) -> None:
             written.append(value)
             paths.append(path)
     _in_place_checked.check(plan, paths, written)
-    _refuse_aliases(list(zip(paths, written)), flat, "flat")
+    _refuse_aliases(written, flat, "flat", paths.__getitem__)
     with be.on_device():
         # The flat goes in its own dtype: the backends round each value once,
         # straight into the leaf's dtype (through the plan's dtype, float64 to
@@ -513,13 +513,13 @@ def _writable_flat(plan, x, name):
     return view
 
 
-def _refuse_aliases(named_arrays, buffer, name):
-    """OverlapError naming the first (path, array) sharing memory with ``buffer``:
-    the kernels would read it after writing over it."""
-    for path, a in named_arrays:
-        if a is buffer or find_overlap([a, buffer]) is not None:
-            raise OverlapError(f"leaf {path!r} and {name} share memory; expected {name} apart from "
-                               f"every leaf, found them overlapping (pass a separate buffer)")
+def _refuse_aliases(arrays, buffer, name, path_of):
+    """OverlapError naming the first array (``path_of(i)``, only on error)
+    sharing memory with ``buffer``: the kernels would read it after writing over it."""
+    shared = first_sharing(arrays, buffer)
+    if shared is not None:
+        raise OverlapError(f"leaf {path_of(shared)!r} and {name} share memory; expected {name} "
+                           f"apart from every leaf, found them overlapping (pass a separate buffer)")
 
 
 def _slot_sources(plan, tree):

@@ -94,3 +94,33 @@ def find_overlap(arrays):
             if _really_overlap(arrays[i], arrays[j]):
                 return i, j
     return None
+
+
+def first_sharing(arrays, buffer):
+    """The index of the first array sharing memory with ``buffer``, or None.
+
+    For a buffer about to be written while ``arrays`` are read (or the other
+    way round); ``buffer`` itself among the arrays counts as sharing. One
+    sweep for all arrays: an array that owns its memory (``base`` None)
+    shares none with another such array, so only views are compared by byte
+    range.
+
+    >>> base = np.zeros(10)
+    >>> first_sharing([np.ones(3), base[::-1]], base), first_sharing([base[:5]], base[5:])
+    (1, None)
+    """
+    if buffer.base is None:  # it owns its memory: only itself and views can share it
+        index = [i for i, a in enumerate(arrays) if a is buffer or a.base is not None]
+    else:
+        index = list(range(len(arrays)))
+    index = [i for i in index if arrays[i] is buffer or arrays[i].size]
+    if not index or buffer.size == 0:
+        return index[0] if index and arrays[index[0]] is buffer else None
+    lo, hi = _byte_ranges(arrays, index)
+    (blo,), (bhi,) = _byte_ranges([buffer], [0])
+    for k in np.flatnonzero((lo < bhi) & (hi > blo)):
+        i = index[k]
+        if arrays[i] is buffer or _really_overlap(arrays[i], buffer):
+            return i
+    return None
+

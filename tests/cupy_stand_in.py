@@ -203,9 +203,10 @@ class _StandIn:
             # NumPy defers its operators to this class instead of converting it.
             __array_ufunc__ = None
 
-            def __init__(self, host: np.ndarray, memory: _Memory):
+            def __init__(self, host: np.ndarray, memory: _Memory, base=None):
                 self._host = host
                 self._memory = memory
+                self.base = base  # as CuPy's: the array owning the memory of a view, else None
 
             shape = property(lambda self: self._host.shape)
             strides = property(lambda self: self._host.strides)
@@ -218,10 +219,11 @@ class _StandIn:
             device = property(lambda self: Device(self._memory.device))
             T = property(lambda self: self._view(self._host.T))
             flags = property(lambda self: types.SimpleNamespace(
-                c_contiguous=self._host.flags.c_contiguous, f_contiguous=self._host.flags.f_contiguous))
+                c_contiguous=self._host.flags.c_contiguous, f_contiguous=self._host.flags.f_contiguous,
+                owndata=self.base is None))
 
             def _view(self, host):
-                return ndarray(host, self._memory)
+                return ndarray(host, self._memory, self if self.base is None else self.base)
 
             def __getitem__(self, key):
                 return self._view(self._host[key])

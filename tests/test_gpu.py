@@ -680,3 +680,17 @@ def test_tables_serve_launches_on_other_streams():
     for r in (first, again, third):
         assert_near_exact(r.total, want)
         assert_same(r.per_leaf, first.per_leaf)
+
+
+def test_flatten_and_scatter_refuse_a_device_buffer_sharing_a_leaf():
+    s = cp.asarray(np.arange(6.0))
+    tree = {"a": s[:3], "b": cp.asarray(np.ones(3))}
+    plan = gf.plan(tree)
+    with pytest.raises(gf.OverlapError, match=r"leaf \"\['a'\]\" and out share memory"):
+        gf.flatten(plan, tree, out=s)
+    with pytest.raises(gf.OverlapError, match=r"leaf \"\['a'\]\" and flat share memory"):
+        gf.scatter(plan, s, tree)
+    np.testing.assert_array_equal(host(s), np.arange(6.0))
+    out = cp.asarray(np.zeros(6))
+    assert gf.flatten(plan, tree, out=out) is out
+    np.testing.assert_array_equal(host(out), [0, 1, 2, 1, 1, 1])
