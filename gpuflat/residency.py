@@ -163,6 +163,9 @@ class Resident:
         self._groups = [_Group(dt, [s for s in self.layout if s.buffer == b]) for b, dt in enumerate(dtypes)]
         self._totals_plan = _contiguous_plan([(f"<{dt} buffer>", ()) for dt in dtypes], np.float64)
         self._per_leaf_plan = _contiguous_plan([(s.path, ()) for s in self.layout], np.float64)
+        # Per-leaf norms come out grouped by buffer; leaf k of the plan is grouped[_grouped_index[k]].
+        grouped = [k for b in range(len(dtypes)) for k, s in enumerate(self.layout) if s.buffer == b]
+        self._grouped_index = np.argsort(grouped).tolist()
         with self._backend.on_device():
             self._params = [self._allocate(g) for g in self._groups]
             self._grads = [self._allocate(g) for g in self._groups] if grads else None
@@ -290,7 +293,7 @@ class Resident:
                 self._raise_if_nonfinite(total, results, p)
             with _arrays.launch_stream(self._like):
                 for group, buf in zip(self._groups, buffers):
-                    self._backend.clip_(group.leaf_plan, buf.leaves, total, max_norm, eps)
+                    self._backend.clip_(group.leaf_plan, buf.leaves, total, max_norm, eps, flat=buf.array)
         return self._result(total)
 
     def zero_grad(self) -> None:
@@ -320,19 +323,13 @@ class Resident:
         norm, by the backend itself, on the device."""
         if len(results) == 1:
             return results[0].total
-        if not results:
-            return self._backend.norms(self._totals_plan, [], p, False).total
         return self._backend.norms(self._totals_plan, [r.total for r in results], p, False).total
 
     def _per_leaf(self, results):
         """Each leaf's norm in plan order, padding left out (one gather)."""
-        sources = [[r.per_leaf[i : i + 1].reshape(())] for r, g in zip(results, self._groups) for i in g.real]
-        order = [k for b in range(len(self._groups)) for k, s in enumerate(self.layout) if s.buffer == b]
-        in_plan_order = [None] * len(order)
-        for source, k in zip(sources, order):
-            in_plan_order[k] = source
-        out = self._backend.xp.empty(len(order), np.float64)
-        self._backend.gather(self._per_leaf_plan, in_plan_order, out)
+        grouped = [r.per_leaf[i : i + 1].reshape(()) for r, g in zip(results, self._groups) for i in g.real]
+        out = self._backend.xp.empty(len(grouped), np.float64)
+        self._backend.gather(self._per_leaf_plan, [[grouped[k]] for k in self._grouped_index], out)
         return out
 
     def _raise_if_nonfinite(self, total, results, p):

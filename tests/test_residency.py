@@ -263,3 +263,16 @@ def test_a_mixed_dtype_clip_matches_the_tree_clip(ord, backend):
     assert per.shape == (len(r.layout),)
     for (path, got), (_, want) in zip(gf.trainables(r.grads, path=True), gf.trainables(copies, path=True)):
         np.testing.assert_allclose(got.astype(np.complex128), want.astype(np.complex128), rtol=2e-3, err_msg=path)
+
+
+def test_per_step_table_lookups_do_not_look_at_each_leaf(monkeypatch):
+    from gpuflat.backends import cuda
+
+    r = gf.resident({f"w{i}": np.ones(10, np.float32) for i in range(300)}, backend="emulated")
+    looked_at = []
+    table = cuda._StaticTables.table
+    monkeypatch.setattr(cuda._StaticTables, "table",
+                        lambda self, arrays, key, build: looked_at.append(len(arrays)) or table(self, arrays, key, build))
+    r.grad_norm()
+    r.clip_grad_norm_(1.0)
+    assert looked_at and all(n == 0 for n in looked_at)  # found by the buffer's address alone

@@ -159,11 +159,14 @@ class CudaBackend:
     # ------------------------------------------------------------ helpers
 
     def _leaf_table(self, st, plan, leaves, flat):
+        def build():
+            return _leaf_rows(st, plan, leaves, range(len(leaves)), self.runtime)
+
         if flat is not None:
-            # A resident model's table depends on the buffer's address alone.
-            pointer = self.runtime.pointer(flat)
-            return st.table((), ("flat", pointer), lambda: _flat_rows(st, plan, pointer))
-        return st.table(leaves, None, lambda: _leaf_rows(st, plan, leaves, range(len(leaves)), self.runtime))
+            # The leaves are fixed views of ``flat`` (a resident model's): their
+            # table depends on its address alone, found without a per-leaf look.
+            return st.table((), ("flat", self.runtime.pointer(flat)), build)
+        return st.table(leaves, None, build)
 
     def _launch(self, name, st, args):
         grid = self.grid or self.runtime.grid_for(st.n_items)
@@ -255,7 +258,6 @@ class _StaticTables:
         self.lock = threading.Lock()
         self.entries: list = []  # _TableEntry, most recently used last
         self.rows: OrderedDict = OrderedDict()  # host rows by array signature
-        self.flat_template = None
 
     def table(self, arrays, key, build):
         """The device table for ``arrays`` (and ``key``): found by identity,
@@ -355,16 +357,4 @@ def _leaf_rows(st, plan, arrays, slots, runtime) -> np.ndarray:
                 st.rows.popitem(last=False)
     table = template.copy()
     table[:, 0] = np.fromiter(map(runtime.pointer, arrays), np.int64, count=len(arrays))
-    return table
-
-
-def _flat_rows(st, plan, flat_pointer) -> np.ndarray:
-    """Rows of a resident model: slot i is the contiguous slice at its offset."""
-    if st.flat_template is None:
-        template = np.zeros((len(plan.leaves), LEAF_ROW_WORDS), np.int64)
-        template[:, 1] = TAGS[plan.dtype]
-        template[:, 3] = [leaf.size for leaf in plan.leaves]
-        st.flat_template = template
-    table = st.flat_template.copy()
-    table[:, 0] = flat_pointer + np.asarray(plan.offsets[:-1], np.int64) * plan.dtype.itemsize
     return table

@@ -191,24 +191,21 @@ class HostBackend:
         return NormResult(totals[:1].reshape(()), per, first, totals[1:].reshape(()))
 
     def clip_(self, plan, leaves, total, max_norm, eps, flat=None) -> None:
-        """Every leaf *= min(1, max_norm / (total + eps)); with ``flat`` (the buffer
-        the leaves are views of) one pass over it.
+        """Every leaf *= min(1, max_norm / (total + eps)); ``flat`` is not needed
+        (the native loop reads each leaf's address itself) and never written
+        outside the leaves.
 
         >>> import numpy as np, gpuflat as gf
-        >>> flat = np.array([3.0, 4.0, 12.0])
-        >>> leaves = [flat[:2], flat[2:]]
+        >>> flat = np.array([3.0, 4.0, 0.0, 12.0])
+        >>> leaves = [flat[:2], flat[3:]]
         >>> HostBackend().clip_(gf.plan(leaves), leaves, np.float64(13.0), 1.0, 0.0, flat=flat)
         >>> flat * 13
-        array([ 3.,  4., 12.])
+        array([ 3.,  4.,  0., 12.])
         """
         lib = _library()
         if lib is None:
-            return self._numpy.clip_(plan, leaves, total, max_norm, eps, flat=flat)
-        if flat is not None:
-            leaves, offsets = [flat], np.array([0, flat.size], np.int64)
-        else:
-            offsets = plan.offsets
-        _check(plan, leaves, lib.gf_host_clip(leaves, offsets, float(total), float(max_norm), float(eps),
+            return self._numpy.clip_(plan, leaves, total, max_norm, eps)
+        _check(plan, leaves, lib.gf_host_clip(leaves, plan.offsets, float(total), float(max_norm), float(eps),
                                               self.threads))
 
     def on_device(self):

@@ -136,8 +136,7 @@ class NumpyBackend:
         # NumPy's warnings: the caller asked for exactly that.
         with np.errstate(invalid="ignore", over="ignore"):
             coef = _clip_coef(total, max_norm, eps)
-            # A resident model is clipped with one multiply over its buffer.
-            for target in [flat] if flat is not None else leaves:
+            for target in leaves:  # never all of ``flat``: a resident model's padding stays zero
                 _scale(target, coef)
 
     def on_device(self):

@@ -43,9 +43,11 @@ class Backend(Protocol):
     ``leaves`` holds one array per slot of ``plan`` (its unique trainables in
     plan order); ``sources`` one list of arrays per slot (tied gradients are
     added); ``flat`` is a C-contiguous 1-D array of ``plan.size`` elements of
-    ``plan.dtype``. ``flat=`` on ``norms`` and ``clip_`` is the buffer the
-    leaves are contiguous views of, when the caller knows one: the same
-    results, found faster.
+    ``plan.dtype``. ``flat=`` on ``norms`` and ``clip_`` is a buffer the
+    leaves are fixed views of, when the caller knows one (a resident model's),
+    so a backend may find them from its address alone: the same results,
+    found faster. For ``norms`` the leaves tile ``flat`` at the plan's
+    offsets; ``clip_`` writes the leaves only, never the rest of ``flat``.
 
     >>> from gpuflat.backends import get_backend
     >>> isinstance(get_backend("numpy"), Backend)
