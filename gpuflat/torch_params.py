@@ -64,8 +64,9 @@ class Binding:
         self.paths = [path for path, _ in pairs]
         self.params = [param for _, param in pairs]
         self.data, self.grads = list(data), None if grads is None else list(grads)
-        self._tables = [table for m in modules for sub in m.modules()
-                        for table in (sub._parameters, sub._modules)]
+        named = [(prefix, sub) for m in modules for prefix, sub in m.named_modules()]
+        self._tables = [table for _, sub in named for table in (sub._parameters, sub._modules)]
+        self._prefixes = [prefix for prefix, _ in named for _ in range(2)]
         self._bind_all()
         self._snapshot()
 
@@ -111,11 +112,11 @@ class Binding:
     def _named_in_tables(self):
         """(name, parameter) of every parameter in the watched modules, each once."""
         seen, named = set(), []
-        for table in self._tables:
+        for prefix, table in zip(self._prefixes, self._tables):
             for name, p in table.items():
                 if p is not None and hasattr(p, "requires_grad") and id(p) not in seen:
                     seen.add(id(p))
-                    named.append((name, p))
+                    named.append((f"{prefix}.{name}" if prefix else name, p))
         return named
 
     # ------------------------------------------------------------ per step
@@ -140,6 +141,7 @@ class Binding:
         if _all_same(self._table_contents(), self._table_values):
             self._registrations_seen = _registrations[0]  # registered on other modules
             return
+        replaced = []
         for k, place in enumerate(self._places):
             new = None if place is None else place[0].get(place[1], None)
             if place is None or new is self.params[k]:
@@ -147,6 +149,8 @@ class Binding:
             if new is None:
                 raise StaleResidentError(f"parameter {self.paths[k]!r} was removed from its module{_REBUILD}")
             self._check_fits(k, new, "was replaced by one with")
+            replaced.append((k, new))
+        for k, new in replaced:  # every one checked before the first is rebound
             had_grad = new.grad is not None
             self._bind(k, new)
             if self.grads is not None and not had_grad:
@@ -158,10 +162,11 @@ class Binding:
 
     def _follow_moved_storage(self):
         """New storage of the same dtype and shape is copied in and rebound; else raise."""
-        for k, param in enumerate(self.params):
-            if param.data_ptr() != self._data_ptrs[k]:
-                self._check_fits(k, param, "now has")
-                self._bind(k, param)
+        moved = [k for k, param in enumerate(self.params) if param.data_ptr() != self._data_ptrs[k]]
+        for k in moved:  # every one checked before the first is rebound
+            self._check_fits(k, self.params[k], "now has")
+        for k in moved:
+            self._bind(k, self.params[k])
         self._data_ptrs = list(map(self._data_ptr, self.params))
 
     def _check_fits(self, k, param, verb):

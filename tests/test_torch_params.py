@@ -182,7 +182,7 @@ def test_an_unfrozen_parameter_raises_once_it_has_a_gradient():
     net.body[0].bias.requires_grad_(True)
     r.grad_norm()  # no gradient yet: the norm is still PyTorch's
     _backward(net, *_batches(1)[0])
-    with pytest.raises(gf.StaleResidentError, match=r"parameter 'bias' is not part of the resident model"):
+    with pytest.raises(gf.StaleResidentError, match=r"parameter 'body.0.bias' is not part of the resident model"):
         r.clip_grad_norm_(1.0)
 
 
@@ -226,3 +226,15 @@ def test_the_per_step_checks_stay_cheap():
     # The bound is loose (a shared, noisy machine) but catches a check that
     # grows into a walk of the modules.
     assert seconds < 1e-3, f"{seconds * 1e6:.0f} us per step for 1,000 parameters"
+
+
+def test_a_refused_change_rebinds_nothing():
+    net, _ = _twins()
+    r = gf.resident(net)
+    before = r.param_buffers[0].clone()
+    net.embed.weight.data = torch.zeros(11, 8)  # would be followed alone
+    net.norm.weight.data = torch.ones(8, dtype=torch.float64)  # cannot be
+    with pytest.raises(gf.StaleResidentError, match=r"'norm.weight' now has dtype torch.float64"):
+        r.grad_norm()
+    assert torch.equal(r._binding.data[0], before[: 11 * 8].reshape(11, 8))  # nothing copied in
+    assert not torch.equal(net.embed.weight, r._binding.data[0])  # and not rebound
