@@ -369,7 +369,9 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, eps: float = 1e-6
     """
     max_norm, p, eps = checks.clip_arguments(max_norm, ord, eps)
     call = Call(grads)
-    if any(getattr(own, "requires_grad", False) for own in call.foreign.values()):
+    # Parameters are leaf tensors that require grad; gradients made with
+    # create_graph=True require grad too but are not leaves, and stay gradients.
+    if any(getattr(own, "requires_grad", False) and own.is_leaf for own in call.foreign.values()):
         grads = _gradients_of(call)
         call = Call(grads)
     norm_plan, norm_leaves = _norm_inputs(call, grads, model, backend)

@@ -648,3 +648,13 @@ def test_clip_keeps_no_gradient_alive_after_it_returns(backend):
     del g
     gc.collect()
     assert ref() is None  # set_to_none gradients must be freed, not held by a cache
+
+
+def test_gradients_made_with_create_graph_are_clipped_as_gradients():
+    torch = pytest.importorskip("torch")
+    w = torch.nn.Parameter(torch.tensor([3.0, 4.0]))
+    (g,) = torch.autograd.grad((w**2).sum() / 2, w, create_graph=True)  # requires grad, not a leaf
+    assert g.requires_grad and not g.is_leaf
+    with torch.no_grad():
+        assert float(gf.clip_grad_norm_([g], 1.0)) == 5.0
+    np.testing.assert_allclose(g.detach().numpy(), [0.6, 0.8], rtol=1e-6)
