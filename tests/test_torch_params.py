@@ -10,7 +10,6 @@ import copy
 import math
 import timeit
 
-import numpy as np
 import pytest
 
 import gpuflat as gf
