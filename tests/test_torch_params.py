@@ -237,3 +237,22 @@ def test_a_refused_change_rebinds_nothing():
         r.grad_norm()
     assert torch.equal(r._binding.data[0], before[: 11 * 8].reshape(11, 8))  # nothing copied in
     assert not torch.equal(net.embed.weight, r._binding.data[0])  # and not rebound
+
+
+def test_a_layer_frozen_mid_training_matches_pytorch():
+    net, plain = _twins()
+    r = gf.resident(net)
+    opt, opt_plain = torch.optim.SGD(_trainable(net), lr=0.1), torch.optim.SGD(_trainable(plain), lr=0.1)
+    for step, (x, y) in enumerate(_batches(4)):
+        if step == 2:  # frozen after two steps: no new gradient, and set_to_none drops the old one
+            net.body[2].weight.requires_grad_(False)
+            plain.body[2].weight.requires_grad_(False)
+        for model in (net, plain):
+            _backward(model, x, y)
+        got = r.clip_grad_norm_(0.5)
+        want = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)  # counts every .grad present
+        assert float(got) == pytest.approx(float(want), rel=1e-5)
+        for o in (opt, opt_plain):
+            o.step()
+            o.zero_grad()
+    _assert_same_model(net, plain)
