@@ -177,6 +177,7 @@ class Resident:
                 self._binding = Binding(pairs, modules, self._views(self._params, own=True),
                                         self._views(self._grads, own=True) if grads else None)
                 self.params = tree
+                self._grad_tree = dict(zip(self._binding.paths, self._binding.grads)) if grads else None
 
     def _bind_arrays(self, call, unique):
         """NumPy and CuPy trees: the values copied in, and new trees of views."""
@@ -211,9 +212,7 @@ class Resident:
         if self._grads is None:
             return None
         self._sync()
-        if self._binding is None:
-            return self._grad_tree
-        return dict(zip(self._binding.paths, self._binding.grads))
+        return self._grad_tree
 
     @property
     def param_buffers(self) -> tuple:
