@@ -154,7 +154,7 @@ class Resident:
         call = Call(tree)
         unique = call.unique
         paths = call.paths()
-        owners = [call.foreign.get(id(a)) for a in unique]
+        owners = call.owners()
         pairs = _torch_parameters(owners, paths)
         self._backend = select(backend, unique, lambda i: paths[i])
         self._like = next((o for o in owners if o is not None), None)
