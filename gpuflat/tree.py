@@ -32,13 +32,6 @@ from . import arrays
 from .dtypes import TAGS, unsupported_float
 from .errors import TreeMismatchError
 
-# Container kinds in a treedef node: (kind, type, names, children[, statics]).
-DICT, SEQ, NAMEDTUPLE, OBJECT, MODULE = "dict", "seq", "namedtuple", "object", "module"
-
-_registry: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
-_registry_lock = threading.Lock()
-
-
 class _Leaf:
     """Marks the place of a trainable array in a treedef."""
 
@@ -80,6 +73,190 @@ class Static:
         return f"Static({self.kind[0].__name__})"
 
 
+def _array_types():
+    # CuPy is never imported by gpuflat itself: a CuPy leaf can only exist if
+    # the caller imported it already.
+    cupy = sys.modules.get("cupy")
+    return (np.ndarray, cupy.ndarray) if cupy is not None else (np.ndarray,)
+
+
+# ---------------------------------------------------------------- node kinds
+#
+# One table says how each kind of container is opened and rebuilt, as optree's
+# registry and JAX's tree_util do (https://github.com/metaopt/optree,
+# https://docs.jax.dev/en/latest/pytrees.html). A treedef node is
+# (kind, type, names, children[, static kinds]); the walk, the matching of a
+# gradient tree, the paths and the rebuild all ask the node's kind.
+
+
+class _Kind:
+    """How one kind of container is opened and rebuilt.
+
+    ``open(x)`` returns (names, children, kept): what the treedef records,
+    the values to walk, and the values kept by reference (statics). ``kept``
+    values are consumed ``kept_first`` (before the children) or after them.
+    """
+
+    kept_first = True
+    holds_parameters = False  # children are all PyTorch parameters: no container among them
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return self.name
+
+    def open(self, x):
+        return None, x, ()
+
+    def children_like(self, x, names, count, path):
+        """The values of ``x`` at the node's child places (``x`` is of the node's type)."""
+        if len(x) != count:
+            raise TreeMismatchError(f"leaf {display(path)!r}: expected {count} items, got {len(x)}")
+        return x
+
+    def kept_count(self, cls, names):
+        """How many statics a node of this kind took."""
+        return 0
+
+    def keys(self, names, count):
+        """The path step of each child."""
+        return [f"[{i}]" for i in range(count)]
+
+    def build(self, cls, names, children, kept):
+        return cls(children)
+
+
+class _Dict(_Kind):
+    def open(self, x):
+        kept = (x.default_factory,) if isinstance(x, defaultdict) else ()
+        return tuple(x), x.values(), kept
+
+    def children_like(self, x, names, count, path):
+        if tuple(x) != names:
+            _raise_keys(path, names, tuple(x))
+        return x.values()
+
+    def kept_count(self, cls, names):
+        return 1 if issubclass(cls, defaultdict) else 0
+
+    def keys(self, names, count):
+        return [f"[{k!r}]" for k in names]
+
+    def build(self, cls, names, children, kept):
+        if kept:
+            return cls(kept[0], zip(names, children))
+        return cls(zip(names, children))
+
+
+class _NamedTuple(_Kind):
+    def open(self, x):
+        return type(x)._fields, x, ()
+
+    def keys(self, names, count):
+        return [f".{n}" for n in names]
+
+    def build(self, cls, names, children, kept):
+        return cls._make(children)
+
+
+class _Module(_Kind):
+    """A PyTorch module: its trainable parameters under their qualified names.
+
+    The module itself is kept among the statics: rebuilding copies it with
+    new parameter values.
+    """
+
+    holds_parameters = True
+
+    def open(self, x):
+        named = arrays.module_parameters(x)
+        return tuple(n for n, _ in named), [p for _, p in named], (x,)
+
+    def children_like(self, x, names, count, path):
+        named = arrays.module_parameters(x)
+        found = tuple(n for n, _ in named)
+        if found != names:
+            _raise_keys(path, names, found)
+        return [p for _, p in named]
+
+    def kept_count(self, cls, names):
+        return 1
+
+    keys = _NamedTuple.keys
+
+    def build(self, cls, names, children, kept):
+        return _build_module(kept[0], names, children)
+
+
+class _Object(_Kind):
+    """An object opened by its fields: registered, a dataclass, or declaring
+    ``__trainable__``. The trainable fields are children, the others statics."""
+
+    kept_first = False
+
+    def __init__(self, name, fields=None):
+        super().__init__(name)
+        self.fields = fields  # (trainable, others) of a registered class
+
+    def fields_of(self, x):
+        return self.fields or _declared_fields(x)
+
+    def open(self, x):
+        trainable, others = self.fields_of(x)
+        return (trainable, others), _field_values(x, trainable), _field_values(x, others)
+
+    def kept_count(self, cls, names):
+        return len(names[1])
+
+    def children_like(self, x, names, count, path):
+        try:
+            return _field_values(x, names[0])
+        except _MissingField as missing:
+            raise TreeMismatchError(f"leaf {display(path)!r}: {missing.reason}") from None
+
+    def keys(self, names, count):
+        return [f".{n}" for n in names[0]]
+
+    def build(self, cls, names, children, kept):
+        # Objects are rebuilt without calling __init__, as copy.copy does, so a
+        # model class needs no special constructor. A subclass of a built-in
+        # (a dict, say) must be made by its own __new__.
+        new = object.__new__(cls) if cls.__new__ is object.__new__ else cls.__new__(cls)
+        for name, value in zip(names[0] + names[1], list(children) + list(kept)):
+            object.__setattr__(new, name, value)
+        return new
+
+
+DICT, SEQUENCE, NAMEDTUPLE = _Dict("dict"), _Kind("sequence"), _NamedTuple("namedtuple")
+MODULE, OBJECT = _Module("module"), _Object("object")
+
+# Exact types -> kind: the walk's first and only lookup for the common
+# containers; ``register`` adds its classes here.
+_kinds: dict[type, _Kind] = {dict: DICT, defaultdict: DICT, list: SEQUENCE, tuple: SEQUENCE}
+_kinds_lock = threading.Lock()
+
+
+def kind_of(x):
+    """The kind of container ``x`` is, or None for a value the walk does not open.
+
+    >>> kind_of({}), kind_of([1]), kind_of(np.ones(2))
+    (dict, sequence, None)
+    """
+    kind = _kinds.get(type(x))
+    if kind is not None:
+        return kind
+    if isinstance(x, dict):
+        return DICT
+    if isinstance(x, tuple) and hasattr(type(x), "_fields"):
+        return NAMEDTUPLE
+    if arrays.is_module(x):
+        return MODULE
+    if isinstance(x, (np.ndarray, type)) or _declared_fields(x) is None:
+        return None
+    return OBJECT
+
+
 def register(cls, fields, trainable=None):
     """Open instances of ``cls`` during walks.
 
@@ -105,23 +282,15 @@ def register(cls, fields, trainable=None):
         raise ValueError(
             f"register({cls.__name__}): trainable names {unknown} are not in fields {fields}"
         )
-    with _registry_lock:
-        _registry[cls] = (fields, trainable)
+    others = tuple(f for f in fields if f not in trainable)
+    with _kinds_lock:
+        _kinds[cls] = _Object(f"registered {cls.__name__}", (trainable, others))
 
 
-def _array_types():
-    # CuPy is never imported by gpuflat itself: a CuPy leaf can only exist if
-    # the caller imported it already.
-    cupy = sys.modules.get("cupy")
-    return (np.ndarray, cupy.ndarray) if cupy is not None else (np.ndarray,)
-
-
-def _object_fields(x):
-    """(trainable names, other names) of an object the walk opens, or None."""
+def _declared_fields(x):
+    """(trainable names, other names) of a dataclass or an object declaring
+    ``__trainable__``, or None."""
     cls = type(x)
-    if cls in _registry:
-        fields, trainable = _registry[cls]
-        return trainable, tuple(f for f in fields if f not in trainable)
     declared = getattr(cls, "__trainable__", None)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         names = tuple(f.name for f in dataclasses.fields(x))
@@ -231,45 +400,28 @@ def walk(tree, array_types=None) -> Walked:
 
 
 def _walk(x, out, side, array_types):
-    statics = side[0]
-    cls = type(x)
     if isinstance(x, array_types):
         if x.dtype in TAGS:
             out.append(x)
             return LEAF
         _refuse_unsupported_float(x, x.dtype)
-        statics.append(x)
+        side[0].append(x)
         return Static.of(x)
-    if cls is dict or (isinstance(x, dict) and cls not in _registry):
-        if isinstance(x, defaultdict):
-            statics.append(x.default_factory)
-        return (DICT, cls, tuple(x), _walk_children(x.values(), out, side, array_types))
-    if cls is list or cls is tuple:
-        return (SEQ, cls, None, _walk_children(x, out, side, array_types))
-    if isinstance(x, tuple) and hasattr(cls, "_fields"):
-        return (NAMEDTUPLE, cls, cls._fields, _walk_children(x, out, side, array_types))
-    if arrays.is_module(x):
-        return _walk_module(x, out, side)
-    fields = _object_fields(x)
-    if fields is None:
+    kind = _kinds.get(type(x)) or kind_of(x)
+    if kind is None:
         return _leaf(x, out, side)
-    trainable, others = fields
-    children = _walk_children(_field_values(x, trainable), out, side, array_types)
-    values = _field_values(x, others)
-    statics.extend(values)
-    return (OBJECT, cls, (trainable, others), children, tuple(map(Static.of, values)))
-
-
-def _walk_module(module, out, side):
-    """A PyTorch module: its trainable parameters under their qualified names.
-
-    The module itself is kept among the statics: rebuilding copies it with
-    new parameter values.
-    """
-    side[0].append(module)
-    named = arrays.module_parameters(module)
-    children = tuple(_leaf(p, out, side) for _, p in named)
-    return (MODULE, type(module), tuple(name for name, _ in named), children)
+    names, values, kept = kind.open(x)
+    if not kept:  # the common containers: no statics of their own
+        return (kind, type(x), names, _walk_children(values, out, side, array_types), ())
+    if kind.kept_first:
+        side[0].extend(kept)
+    if kind.holds_parameters:
+        children = tuple([_leaf(p, out, side) for p in values])
+    else:
+        children = _walk_children(values, out, side, array_types)
+    if not kind.kept_first:
+        side[0].extend(kept)
+    return (kind, type(x), names, children, tuple(map(Static.of, kept)))
 
 
 def _leaf(x, out, side):
@@ -319,20 +471,16 @@ def _walk_children(values, out, side, array_types):
 
 def _children_with_paths(x, prefix):
     """(path, child) of a container the walk opens; [] for anything else."""
-    cls = type(x)
-    if isinstance(x, dict):
-        return [(f"{prefix}[{k!r}]", v) for k, v in x.items()]
-    if cls is list or cls is tuple:
-        return [(f"{prefix}[{i}]", v) for i, v in enumerate(x)]
-    if isinstance(x, tuple) and hasattr(cls, "_fields"):
-        return [(f"{prefix}.{n}", v) for n, v in zip(cls._fields, x)]
-    if arrays.is_module(x):
-        return [(f"{prefix}.{n}", p) for n, p in arrays.module_parameters(x)]
-    fields = _object_fields(x) if not isinstance(x, (np.ndarray, str, bytes)) else None
-    if fields is None:
+    kind = kind_of(x)
+    if kind is None:
         return []
-    # A field the object lacks is skipped: this search only words an error.
-    return [(f"{prefix}.{n}", getattr(x, n)) for n in fields[0] + fields[1] if hasattr(x, n)]
+    if isinstance(kind, _Object):
+        # A field the object lacks is skipped: this search only words an error.
+        names = [n for n in sum(kind.fields_of(x), ()) if hasattr(x, n)]
+        return [(f"{prefix}.{n}", getattr(x, n)) for n in names]
+    names, values, _ = kind.open(x)
+    values = list(values)
+    return [(prefix + key, v) for key, v in zip(kind.keys(names, len(values)), values)]
 
 
 def _path_of(tree, target) -> str:
@@ -367,14 +515,8 @@ def _cycle_path(tree) -> str:
 # ---------------------------------------------------------------- paths
 
 def _child_paths(node, prefix):
-    kind, cls, names, children = node[:4]
-    if kind == DICT:
-        return [(f"{prefix}[{k!r}]", c) for k, c in zip(names, children)]
-    if kind == SEQ:
-        return [(f"{prefix}[{i}]", c) for i, c in enumerate(children)]
-    if kind in (NAMEDTUPLE, MODULE):
-        return [(f"{prefix}.{n}", c) for n, c in zip(names, children)]
-    return [(f"{prefix}.{n}", c) for n, c in zip(names[0], children)]
+    kind, _, names, children = node[:4]
+    return [(prefix + key, c) for key, c in zip(kind.keys(names, len(children)), children)]
 
 
 def leaf_paths(treedef) -> list[str]:
@@ -430,26 +572,7 @@ def _match(node, x, out, path):
         raise TreeMismatchError(
             f"leaf {display(path)!r}: expected {cls.__name__}, got {type(x).__name__}"
         )
-    if kind == DICT:
-        if tuple(x) != names:
-            _raise_keys(path, names, tuple(x))
-        values = x.values()
-    elif kind == MODULE:
-        named = arrays.module_parameters(x)
-        if tuple(n for n, _ in named) != names:
-            _raise_keys(path, names, tuple(n for n, _ in named))
-        values = [p for _, p in named]
-    elif kind == OBJECT:
-        try:
-            values = _field_values(x, names[0])
-        except _MissingField as missing:
-            raise TreeMismatchError(f"leaf {display(path)!r}: {missing.reason}") from None
-    else:
-        if len(x) != len(children):
-            raise TreeMismatchError(
-                f"leaf {display(path)!r}: expected {len(children)} items, got {len(x)}"
-            )
-        values = x
+    values = kind.children_like(x, names, len(children), path)
     for (child_path, child), v in zip(_child_paths(node, path), values):
         _match(child, v, out, child_path)
 
@@ -485,27 +608,12 @@ def _build(node, values, statics):
     if type(node) is Static:
         return next(statics)
     kind, cls, names, children = node[:4]
-    if kind == MODULE:
-        return _build_module(next(statics), names, [_build(c, values, statics) for c in children])
-    if kind == DICT and issubclass(cls, defaultdict):
-        factory = next(statics)
-        return cls(factory, zip(names, [_build(c, values, statics) for c in children]))
+    count = kind.kept_count(cls, names)
+    kept = [next(statics) for _ in range(count)] if kind.kept_first else ()
     built = [_build(c, values, statics) for c in children]
-    if kind == DICT:
-        return cls(zip(names, built))
-    if kind == SEQ:
-        return cls(built)
-    if kind == NAMEDTUPLE:
-        return cls._make(built)
-    # Objects are rebuilt without calling __init__, as copy.copy does, so a
-    # model class needs no special constructor.
-    new = object.__new__(cls)
-    trainable, others = names
-    for name, value in zip(trainable, built):
-        object.__setattr__(new, name, value)
-    for name in others:
-        object.__setattr__(new, name, next(statics))
-    return new
+    if not kind.kept_first:
+        kept = [next(statics) for _ in range(count)]
+    return kind.build(cls, names, built, kept)
 
 
 def _build_module(module, names, values):

@@ -295,3 +295,37 @@ def test_arrays_like_names_a_missing_field_too():
     treedef = gf.tree.walk({"l": Linear(np.ones(2), np.ones(1))}).treedef
     with pytest.raises(gf.TreeMismatchError, match=r"leaf \"\['l'\]\": expected a Linear with field 'bias'"):
         gf.tree.arrays_like(treedef, {"l": _without_bias()})
+
+
+def test_register_enters_the_one_kind_table_and_wins_over_dict():
+    # A registered dict subclass is opened by its registered fields, not as a
+    # dict: registration and the built-in kinds are one table.
+    from gpuflat import tree as _tree
+
+    class Params(dict):
+        def __init__(self, w, scale):
+            super().__init__()
+            self.w, self.scale = w, scale
+
+    assert _tree.kind_of(Params(np.ones(1), 2.0)) is _tree.DICT
+    gf.register(Params, fields=("w", "scale"), trainable=("w",))
+    p = Params(np.ones(2), 2.0)
+    assert _tree.kind_of(p) is not _tree.DICT
+    assert paths(p) == ["w"]
+    flat, re = gf.destructure(p)
+    q = re(flat * 3)
+    assert type(q) is Params and q.w.tolist() == [3, 3] and q.scale == 2.0
+
+
+def test_mismatch_messages_per_kind_name_the_path():
+    from collections import defaultdict
+
+    cases = [
+        ({"a": [np.ones(1)]}, {"a": [np.ones(1), np.ones(1)]}, r"\['a'\]\": expected 1 items, got 2"),
+        ({"a": np.ones(1)}, {"b": np.ones(1)}, r"missing keys \['a'\], extra keys \['b'\]"),
+        (defaultdict(list, a=np.ones(1)), {"a": np.ones(1)}, "expected defaultdict, got dict"),
+        (Pair(np.ones(1), [np.ones(1)]), Pair(np.ones(1), []), r"second': expected 1 items, got 0"),
+    ]
+    for model, grads, message in cases:
+        with pytest.raises(gf.TreeMismatchError, match=message):
+            gf.flatten(gf.plan(model), grads)
