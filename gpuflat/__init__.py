@@ -14,6 +14,7 @@ from .arrays import Float32OverflowError
 from .errors import NonFiniteError, OverlapError, StaleResidentError, TreeMismatchError
 from .flatplan import FlatPlan, LeafSpec
 from .ops import (
+    Restructure,
     clip_by_global_norm,
     clip_grad_norm_,
     destructure,
@@ -37,6 +38,7 @@ __all__ = [
     "NonFiniteError",
     "OverlapError",
     "Resident",
+    "Restructure",
     "StaleResidentError",
     "TreeMismatchError",
     "UnwalkableError",

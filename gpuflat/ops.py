@@ -126,8 +126,8 @@ def trainables(tree, *, path: bool = False, backend: str | None = None) -> list:
     return list(zip(call.paths(), own)) if path else own
 
 
-def destructure(tree, *, backend: str | None = None) -> tuple[Any, Callable[[Any], Any]]:
-    """``(flat, re)``: the trainables in one 1-D buffer, and a function rebuilding the tree.
+def destructure(tree, *, backend: str | None = None) -> tuple[Any, "Restructure"]:
+    """``(flat, re)``: the trainables in one 1-D buffer, and a Restructure rebuilding the tree.
 
     ``re(flat2)`` returns a new tree with every trainable rebuilt from
     ``flat2`` (any real or complex floating dtype), cast back to its dtype
@@ -139,8 +139,8 @@ def destructure(tree, *, backend: str | None = None) -> tuple[Any, Callable[[Any
     >>> import numpy as np, gpuflat as gf
     >>> a = np.array([1.0, 2.0])
     >>> flat, re = gf.destructure({"x": a, "y": (np.sin, np.float32([3])), "z": a})
-    >>> flat
-    array([1., 2., 3.])
+    >>> flat, re
+    (array([1., 2., 3.]), Restructure(dict, ..., 3))
     >>> m = re(flat * 10)
     >>> m["x"], m["x"] is m["z"], m["y"][0] is np.sin
     (array([10., 20.]), True, True)
@@ -150,13 +150,36 @@ def destructure(tree, *, backend: str | None = None) -> tuple[Any, Callable[[Any
     with be.on_device():
         flat = be.xp.empty(call.plan.size, call.plan.dtype)
         be.gather(call.plan, [[a] for a in call.unique], flat)
+    return call.result(flat), Restructure(call.plan.with_statics(call.statics), call.owners(), backend)
 
-    owners = call.owners()
 
-    def re(flat2):
-        return _rebuild(call.plan, flat2, call.statics, owners, backend)
+class Restructure:
+    """The second result of ``destructure``: called with a flat vector, it
+    rebuilds the tree (as Optimisers.jl's ``Restructure`` and JAX's
+    ``ravel_pytree`` unravel function do).
 
-    return call.result(flat), re
+    It keeps the plan, which carries the destructured tree's non-trainable
+    values, exactly as ``gf.unflatten`` takes them from a plan, and the
+    caller's leaves only to give new leaves their kind and device.
+
+    >>> import numpy as np, gpuflat as gf
+    >>> flat, re = gf.destructure([np.ones(2, np.float32), "relu"])
+    >>> re.plan.size, re(np.arange(2.0))
+    (2, [array([0., 1.], dtype=float32), 'relu'])
+    """
+
+    __slots__ = ("plan", "_owners", "_backend")
+
+    def __init__(self, plan: FlatPlan, owners: list, backend: str | None):
+        self.plan, self._owners, self._backend = plan, owners, backend
+
+    def __call__(self, flat) -> Any:
+        return _rebuild(self.plan, flat, self._owners, self._backend)
+
+    def __repr__(self):
+        root = self.plan.treedef
+        name = root[1].__name__ if type(root) is tuple else "array"
+        return f"Restructure({name}, ..., {self.plan.size})"
 
 
 def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None) -> Any:
@@ -451,11 +474,11 @@ def _in_kinds(arrays, owners) -> list:
     return [a if own is None else _arrays.to_caller(a, own) for a, own in zip(arrays, owners)]
 
 
-def _rebuild(plan, flat, statics, owners, backend):
+def _rebuild(plan, flat, owners, backend):
     flat = _view(flat, "flat")
     checks.check_flat(plan, flat, exact_dtype=False)
     leaves = _in_kinds(_new_leaves(plan, flat, backend), owners)
-    return _tree.rebuild(plan.treedef, [leaves[s] for s in plan.slot_of], statics)
+    return _tree.rebuild(plan.treedef, [leaves[s] for s in plan.slot_of], plan.statics)
 
 
 def _new_leaves(plan, flat, backend) -> list:

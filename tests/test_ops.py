@@ -658,3 +658,18 @@ def test_gradients_made_with_create_graph_are_clipped_as_gradients():
     with torch.no_grad():
         assert float(gf.clip_grad_norm_([g], 1.0)) == 5.0
     np.testing.assert_allclose(g.detach().numpy(), [0.6, 0.8], rtol=1e-6)
+
+
+def test_restructure_prints_and_rebuilds_with_the_same_statics_rule_as_unflatten():
+    tree = {"w": np.ones((2, 3), np.float32), "act": "relu", "b": np.zeros(3)}
+    flat, re = gf.destructure(tree)
+    assert repr(re) == "Restructure(dict, ..., 9)"
+    assert isinstance(re, gf.Restructure)
+    via_re = re(np.arange(9.0))
+    via_unflatten = gf.unflatten(gf.plan(tree), np.arange(9.0))
+    assert via_re["act"] is via_unflatten["act"] is tree["act"]
+    for k in ("w", "b"):
+        np.testing.assert_array_equal(via_re[k], via_unflatten[k])
+        assert via_re[k].dtype == tree[k].dtype
+    # A bare array's Restructure names it as such.
+    assert repr(gf.destructure(np.ones(4))[1]) == "Restructure(array, ..., 4)"
