@@ -112,12 +112,12 @@ def check_in_place(paths, arrays) -> None:
     >>> check_in_place(["['w']"], [np.lib.stride_tricks.as_strided(np.ones(1), (3,), (0,))])
     Traceback (most recent call last):
     ...
-    ValueError: leaf "['w']": expected an array whose elements are distinct memory, got shape (3,) with strides (0,) (a broadcast or self-overlapping view); an in-place write would race. Pass a copy
+    gpuflat.errors.OverlapError: leaf "['w']": expected an array whose elements are distinct memory, got shape (3,) with strides (0,) (a broadcast or self-overlapping view); an in-place write would race. Pass a copy
     """
     _check_writable(paths, arrays)
     for path, a in zip(paths, arrays):
         if may_overlap_itself(a):
-            raise ValueError(
+            raise OverlapError(
                 f"leaf {path!r}: expected an array whose elements are distinct memory, got shape "
                 f"{tuple(a.shape)} with strides {tuple(a.strides)} (a broadcast or self-overlapping "
                 f"view); an in-place write would race. Pass a copy"
@@ -168,7 +168,7 @@ def _check_writable(paths, arrays):
     for path, a in zip(paths, arrays):
         # CuPy arrays have no writeable flag: device memory is always writable.
         if not getattr(getattr(a, "flags", None), "writeable", True):
-            raise ValueError(f"leaf {path!r}: expected a writable array, got a read-only one")
+            raise TreeMismatchError(f"leaf {path!r}: expected a writable array, got a read-only one")
 
 
 def may_overlap_itself(a) -> bool:
