@@ -11,7 +11,13 @@ native code or NumPy on the host.
 """
 from . import distributed
 from .arrays import Float32OverflowError
-from .errors import NonFiniteError, OverlapError, StaleResidentError, TreeMismatchError
+from .errors import (
+    NonFiniteError,
+    OverlapError,
+    StaleResidentError,
+    TreeMismatchError,
+    UnwalkableError,
+)
 from .flatplan import FlatPlan, LeafSpec
 from .ops import (
     Restructure,
@@ -29,7 +35,7 @@ from .ops import (
     unflatten,
 )
 from .residency import Resident, resident
-from .tree import UnwalkableError, register
+from .tree import register
 
 __all__ = [
     "FlatPlan",

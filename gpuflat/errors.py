@@ -11,6 +11,18 @@ class TreeMismatchError(ValueError):
     """
 
 
+class UnwalkableError(TypeError):
+    """A value inside a tree that gpuflat cannot take (a generator, a float8
+    array, a container that contains itself); raised naming its path.
+
+    >>> import gpuflat as gf
+    >>> gf.trainables({"w": iter([1.0])})
+    Traceback (most recent call last):
+    ...
+    gpuflat.errors.UnwalkableError: leaf "['w']": expected an array or a container, got a list_iterator, which cannot be walked twice or rebuilt; pass a list
+    """
+
+
 class NonFiniteError(FloatingPointError):
     """A norm is NaN or infinite where the caller asked for finite values.
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from . import arrays
 from .dtypes import TAGS, unsupported_float
-from .errors import TreeMismatchError
+from .errors import TreeMismatchError, UnwalkableError
 
 class _Leaf:
     """Marks the place of a trainable array in a treedef."""
@@ -301,10 +301,6 @@ def _declared_fields(x):
         others = tuple(n for n in getattr(x, "__dict__", ()) if n not in trainable)
         return trainable, others
     return None
-
-
-class UnwalkableError(TypeError):
-    """A value inside a tree that gpuflat cannot take; raised naming its path."""
 
 
 class _Refused(Exception):
