@@ -17,7 +17,7 @@ from .errors import OverlapError, TreeMismatchError
 from .flatplan import shape_and_dtype
 from .overlap import find_overlap
 
-def occurrences(plan, tree, *, allow_none):
+def occurrences(plan, tree, *, allow_none, walked=None):
     """(values, exact, like): what ``tree`` holds at each trainable place of
     ``plan``, checked, as NumPy or CuPy arrays.
 
@@ -26,7 +26,7 @@ def occurrences(plan, tree, *, allow_none):
     every value is an array of the expected shape and dtype (no None). A tree
     shaped exactly like the plan's costs one walk and one tuple comparison;
     anything else takes the slow path that finds and names the first
-    difference.
+    difference. ``walked`` is ``tree``'s walk, where the caller has it.
 
     >>> import numpy as np, gpuflat as gf
     >>> p = gf.plan({"w": np.ones(2)})
@@ -36,7 +36,7 @@ def occurrences(plan, tree, *, allow_none):
     gpuflat.errors.TreeMismatchError: leaf "['w']": expected shape (2,), got (3,)
     """
     with _tree.collector_paused():
-        walked = _tree.walk(tree)
+        walked = walked if walked is not None else _tree.walk(tree)
         arrays = walked.arrays
         like = next(iter(walked.foreign.values()), None)
         if walked.treedef == plan.treedef and tuple(map(shape_and_dtype, arrays)) == plan.occurrence_signature:

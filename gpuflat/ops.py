@@ -1,8 +1,8 @@
 """The public whole-tree operations.
 
-Each function walks its tree once (the plan comes from the cache), checks
-everything (``gpuflat.checks``), and only then hands a backend the plan and
-arrays; in-place operations therefore change nothing when they raise.
+Each function binds its trees (``gpuflat.binding``: one walk, the plan from
+the cache), checks everything (``gpuflat.checks``), and only then hands a
+backend the plan and arrays; in-place operations therefore change nothing when they raise.
 Leaves may be NumPy, CuPy, PyTorch or JAX arrays: PyTorch and JAX leaves are
 read through zero-copy views. Results come back in the caller's kinds: a
 rebuilt tree (``re``, ``clip_by_global_norm``) has each leaf in the kind and
@@ -12,7 +12,6 @@ leaf, and is NumPy or CuPy where there is none.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import numpy as np
@@ -23,45 +22,12 @@ from . import flatplan
 from . import tree as _tree
 from .backends.base import select
 from .backends.numpy_backend import cast_copy
-from .errors import NonFiniteError, OverlapError, TreeMismatchError
+from .binding import Call, gradients_of, in_place, norm_inputs, raise_if_nonfinite, slot_sources, summed_wide
+from .errors import OverlapError, TreeMismatchError
 from .flatplan import FlatPlan
 from .overlap import first_sharing
 
 _NAMED_TOTALS = ("sumsq", "l1", "l2", "count")
-_in_place_checked = checks.InPlaceChecked()
-
-
-class Call:
-    """One call's walk of a tree: its plan, unique arrays and the caller's kind.
-
-    The modules of this package that take trees (``residency``, ``distributed``)
-    start from it too, so every entry point walks a tree the same way, once.
-    """
-
-    __slots__ = ("plan", "unique", "statics", "like", "foreign")
-
-    def __init__(self, tree):
-        with _tree.collector_paused():
-            walked = _tree.walk(tree)
-            self.plan, self.unique = flatplan.cached(walked.treedef, walked.arrays)
-        self.statics = walked.statics
-        self.foreign = walked.foreign
-        self.like = next(iter(walked.foreign.values()), None)
-
-    def backend(self, backend):
-        return select(backend, self.unique, lambda i: self.plan.leaves[i].path)
-
-    def result(self, x):
-        """A result standing for the whole tree (a norm, a flat buffer), in the
-        kind of its first PyTorch or JAX leaf; NumPy or CuPy if it has none."""
-        return x if self.like is None else _arrays.to_caller(x, self.like)
-
-    def owners(self) -> list:
-        """Per slot, the caller's own leaf behind it (None for NumPy and CuPy)."""
-        return [self.foreign.get(id(a)) for a in self.unique]
-
-    def paths(self):
-        return [leaf.path for leaf in self.plan.leaves]
 
 
 def plan(tree, *, backend: str | None = None) -> FlatPlan:
@@ -206,7 +172,7 @@ def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None) -> An
     >>> gf.flatten(p, g, out=out) is out
     True
     """
-    sources, like = _slot_sources(plan, tree)
+    sources, like = slot_sources(plan, tree)
     present = [(leaf.path, s[0]) for leaf, s in zip(plan.leaves, sources) if s]
     # Every gradient chooses the backend, not only the first of each slot: a
     # tied weight's NumPy and CuPy gradients must meet the mixed-kinds error.
@@ -277,7 +243,7 @@ def scatter(plan: FlatPlan, flat, tree, *, backend: str | None = None) -> None:
             seen.add(id(value))
             written.append(value)
             paths.append(path)
-    _in_place_checked.check(plan, paths, written)
+    in_place.check(plan, paths, written)
     _refuse_aliases(written, flat, "flat", paths.__getitem__)
     with be.on_device():
         # The flat goes in its own dtype: the backends round each value once,
@@ -319,7 +285,7 @@ def total(f: str | Callable[[Any], Any], tree, *, model=None, backend: str | Non
     call = Call(tree)
     if callable(f):
         return sum((f(x) for x in _callable_inputs(call, tree, model, backend)), 0)
-    plan, leaves = _norm_inputs(call, tree, model, backend)
+    plan, leaves = norm_inputs(call, tree, model, backend)
     if f == "count":
         return plan.size
     be = select(backend, leaves, lambda i: plan.leaves[i].path)
@@ -354,7 +320,7 @@ def global_norm(tree, ord: float = 2, *, per_leaf: bool = False, model=None,
     """
     p = checks.check_ord(ord)
     call = Call(tree)
-    plan, leaves = _norm_inputs(call, tree, model, backend)
+    plan, leaves = norm_inputs(call, tree, model, backend)
     be = select(backend, leaves, lambda i: plan.leaves[i].path)
     result = be.norms(plan, leaves, p, per_leaf)
     if per_leaf:
@@ -395,15 +361,15 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, eps: float = 1e-6
     # Parameters are leaf tensors that require grad; gradients made with
     # create_graph=True require grad too but are not leaves, and stay gradients.
     if any(getattr(own, "requires_grad", False) and own.is_leaf for own in call.foreign.values()):
-        grads = _gradients_of(call)
+        grads = gradients_of(call)
         call = Call(grads)
-    norm_plan, norm_leaves = _norm_inputs(call, grads, model, backend)
+    norm_plan, norm_leaves = norm_inputs(call, grads, model, backend)
     # The grads' own walk holds each distinct gradient array once.
     scale_plan, scale_leaves, scale_paths = call.plan, list(call.unique), call.paths()
     be = select(backend, norm_leaves + scale_leaves,
                 lambda i: (norm_plan.leaves[i].path if i < len(norm_leaves)
                            else scale_paths[i - len(norm_leaves)]))
-    _in_place_checked.check(scale_plan, scale_paths, scale_leaves)
+    in_place.check(scale_plan, scale_paths, scale_leaves)
     result = be.norms(norm_plan, norm_leaves, p, per_leaf=False)
     if error_if_nonfinite:
         raise_if_nonfinite(be, norm_plan, result, p)
@@ -438,33 +404,6 @@ def clip_by_global_norm(tree, max_norm: float, ord: float = 2, *, eps: float = 1
     leaves = _in_kinds(copies, call.owners())
     clipped = _tree.rebuild(call.plan.treedef, [leaves[s] for s in call.plan.slot_of], call.statics)
     return clipped, call.result(result.total)
-
-
-def raise_if_nonfinite(be, plan, result, p, where="") -> None:
-    """NonFiniteError naming the first leaf holding NaN or inf, if the norm is
-    not finite (the one host synchronisation of a checked clip).
-
-    >>> import numpy as np, gpuflat as gf
-    >>> from gpuflat.backends import get_backend
-    >>> g = [np.ones(2), np.array([np.nan])]
-    >>> be, p = get_backend("numpy"), gf.plan(g)
-    >>> raise_if_nonfinite(be, p, be.norms(p, g, 2.0, False), 2.0)
-    Traceback (most recent call last):
-    ...
-    gpuflat.errors.NonFiniteError: leaf '[1]' holds NaN or inf; the total 2-norm is non-finite, so no gradient was scaled (error_if_nonfinite=True)
-    """
-    # The norm itself is read: finite leaves whose sum overflows float64 give
-    # an inf norm too, and PyTorch raises on that. Only a non-finite norm costs
-    # a second read, to name the leaf.
-    if math.isfinite(float(be.to_host(result.total))):
-        return
-    bad = int(be.to_host(result.first_nonfinite))
-    what = (f"leaf {plan.leaves[bad].path!r} holds NaN or inf" if bad >= 0 else
-            "no leaf holds NaN or inf, but the sum overflowed float64")
-    raise NonFiniteError(
-        f"{what}{where}; the total {p:g}-norm is non-finite, so no gradient was scaled "
-        f"(error_if_nonfinite=True)"
-    )
 
 
 # ---------------------------------------------------------------- helpers
@@ -547,70 +486,16 @@ def _refuse_aliases(arrays, buffer, name, path_of):
                            f"apart from every leaf, found them overlapping (pass a separate buffer)")
 
 
-def _slot_sources(plan, tree):
-    """(per slot, the distinct arrays ``tree`` holds there (tied gradients: several);
-    one of the caller's own objects behind them, or None for NumPy/CuPy)."""
-    values, exact, like = checks.occurrences(plan, tree, allow_none=True)
-    if exact and len(plan.slot_of) == len(plan.leaves):
-        return [[v] for v in values], like  # no ties, no None: the common case
-    sources: list = [[] for _ in plan.leaves]
-    for slot, value in zip(plan.slot_of, values):
-        # The same gradient object met twice counts once (Optimisers.jl).
-        if value is not None and all(value is not seen for seen in sources[slot]):
-            sources[slot].append(value)
-    return sources, like
-
-
-def _gradients_of(parameters) -> list:
-    """The ``.grad`` of each parameter of a walked module or tree (None ones
-    left out), as torch's clip_grad_norm_ takes them: clipping the parameters
-    themselves in place would silently ruin the weights."""
-    owners = parameters.owners()
-    for path, own, view in zip(parameters.paths(), owners, parameters.unique):
-        if _arrays.kind(own) != "torch":
-            found = type(view if own is None else own).__name__
-            raise TreeMismatchError(
-                f"leaf {path!r}: expected a PyTorch tensor, as the tree holds parameters (tensors "
-                f"that require grad, whose .grad is clipped), got a {found}")
-    return [own.grad for own in owners if own.grad is not None]
-
-
-def _norm_inputs(call, grads, model, backend):
-    """(plan, one array per slot) whose norms are the gradients' norms, slot by
-    slot in the plan's order (the model's plan with ``model``)."""
-    if model is None:
-        return call.plan, list(call.unique)
-    plan = Call(model).plan
-    sources, _ = _slot_sources(plan, grads)
-    if all(len(s) == 1 for s in sources):
-        return plan, [s[0] for s in sources]
-    # A tied weight's several gradients, or a None: each slot's gradients are
-    # added in float64 (zeros for none), so every slot keeps its own norm and
-    # nothing is rounded before the norm accumulates.
-    wide = _summed_wide(plan, sources, backend)
-    return plan, [wide[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape) for leaf in plan.leaves]
-
-
-def _summed_wide(plan, sources, backend):
-    """Each slot's sources added into one float64 (complex128) flat buffer."""
-    arrays = [(plan.leaves[slot].path, a) for slot, s in enumerate(sources) for a in s]
-    be = select(backend, [a for _, a in arrays], lambda i: arrays[i][0])
-    with be.on_device():
-        wide = be.xp.empty(plan.size, be.xp.complex128 if plan.dtype.kind == "c" else be.xp.float64)
-        be.gather(plan, sources, wide)
-    return wide
-
-
 def _callable_inputs(call, grads, model, backend) -> list:
     """What a callable ``f`` of ``total`` receives, one value per slot."""
     if model is None:
         return [call.foreign.get(id(a), a) for a in call.unique]
     plan = Call(model).plan
-    sources, _ = _slot_sources(plan, grads)
+    sources, _ = slot_sources(plan, grads)
     owners = [None] * len(plan.leaves)
     for slot, value in zip(plan.slot_of, _tree.arrays_like(plan.treedef, grads)):
         owners[slot] = value if owners[slot] is None else owners[slot]
     if all(len(s) == 1 for s in sources):
         return owners
-    summed = _new_leaves(plan, _summed_wide(plan, sources, backend), backend)
+    summed = _new_leaves(plan, summed_wide(plan, sources, backend), backend)
     return [owner if len(s) == 1 else call.result(new) for owner, s, new in zip(owners, sources, summed)]

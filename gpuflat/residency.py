@@ -26,7 +26,7 @@ from . import tree as _tree
 from .backends.base import select
 from .errors import NonFiniteError
 from .flatplan import FlatPlan, LeafSpec
-from .ops import Call, raise_if_nonfinite
+from .binding import Call, raise_if_nonfinite
 from .torch_params import Binding
 
 ALIGN_BYTES = 256

@@ -1,0 +1,178 @@
+"""Binding a call to its trees: what every front end does before a backend runs.
+
+A front end (``gpuflat.ops``, ``gpuflat.residency``, ``gpuflat.distributed``,
+``gpuflat.torch``) binds each call here: the walk of the call's tree (once),
+its plan from the cache, the caller's own objects behind adopted views, the
+backend the leaves choose, the gradients of a ``model=`` slot by slot (ties
+added), the in-place checks, results in the caller's kind, and the one
+error naming the first non-finite leaf. Backends never walk or check.
+"""
+from __future__ import annotations
+
+import math
+
+from . import arrays as _arrays
+from . import checks
+from . import flatplan
+from . import tree as _tree
+from .backends.base import select
+from .errors import NonFiniteError, TreeMismatchError
+
+# Arrays last found fit for an in-place write, per plan (see InPlaceChecked).
+in_place = checks.InPlaceChecked()
+
+
+class Call:
+    """One call's walk of a tree: its plan, arrays and the caller's kind.
+
+    Every front end starts from it, so every entry point walks a tree the
+    same way, once; ``walked`` is kept so that matching this tree against
+    another plan (a gradient tree read through its model's plan) needs no
+    second walk.
+
+    >>> import numpy as np
+    >>> a = np.ones(2)
+    >>> call = Call({"w": a, "tied": a, "act": "relu"})
+    >>> call.paths(), len(call.unique), call.statics, call.backend("numpy").name
+    (["['w']"], 1, ['relu'], 'numpy')
+    """
+
+    __slots__ = ("plan", "unique", "statics", "like", "foreign", "walked")
+
+    def __init__(self, tree):
+        with _tree.collector_paused():
+            self.walked = _tree.walk(tree)
+            self.plan, self.unique = flatplan.cached(self.walked.treedef, self.walked.arrays)
+        self.statics = self.walked.statics
+        self.foreign = self.walked.foreign
+        self.like = next(iter(self.foreign.values()), None)
+
+    def backend(self, backend):
+        """The backend named ``backend`` (None: the one the leaves choose), checked
+        against the leaves."""
+        return select(backend, self.unique, lambda i: self.plan.leaves[i].path)
+
+    def result(self, x):
+        """A result standing for the whole tree (a norm, a flat buffer), in the
+        kind of its first PyTorch or JAX leaf; NumPy or CuPy if it has none."""
+        return x if self.like is None else _arrays.to_caller(x, self.like)
+
+    def owners(self) -> list:
+        """Per slot, the caller's own leaf behind it (None for NumPy and CuPy)."""
+        return [self.foreign.get(id(a)) for a in self.unique]
+
+    def paths(self):
+        return [leaf.path for leaf in self.plan.leaves]
+
+
+def gradients_of(parameters) -> list:
+    """The ``.grad`` of each parameter of a walked module or tree (None ones
+    left out), as torch's clip_grad_norm_ takes them: clipping the parameters
+    themselves in place would silently ruin the weights.
+
+    >>> import torch
+    >>> w, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(1))
+    >>> w.grad = torch.full((2,), 3.0)
+    >>> gradients_of(Call([w, b]))
+    [tensor([3., 3.])]
+    """
+    owners = parameters.owners()
+    for path, own, view in zip(parameters.paths(), owners, parameters.unique):
+        if _arrays.kind(own) != "torch":
+            found = type(view if own is None else own).__name__
+            raise TreeMismatchError(
+                f"leaf {path!r}: expected a PyTorch tensor, as the tree holds parameters (tensors "
+                f"that require grad, whose .grad is clipped), got a {found}")
+    return [own.grad for own in owners if own.grad is not None]
+
+
+def slot_sources(plan, tree, walked=None):
+    """(per slot, the distinct arrays ``tree`` holds there (tied gradients: several);
+    one of the caller's own objects behind them, or None for NumPy/CuPy).
+
+    ``walked`` is ``tree``'s walk where the caller has it already.
+
+    >>> import numpy as np, gpuflat as gf
+    >>> w = np.ones(2)
+    >>> plan = gf.plan({"a": w, "b": w, "c": np.ones(1)})
+    >>> sources, like = slot_sources(plan, {"a": np.ones(2), "b": np.ones(2), "c": None})
+    >>> [len(s) for s in sources], like
+    ([2, 0], None)
+    """
+    values, exact, like = checks.occurrences(plan, tree, allow_none=True, walked=walked)
+    if exact and len(plan.slot_of) == len(plan.leaves):
+        return [[v] for v in values], like  # no ties, no None: the common case
+    sources: list = [[] for _ in plan.leaves]
+    for slot, value in zip(plan.slot_of, values):
+        # The same gradient object met twice counts once (Optimisers.jl).
+        if value is not None and all(value is not seen for seen in sources[slot]):
+            sources[slot].append(value)
+    return sources, like
+
+
+def norm_inputs(call, grads, model, backend):
+    """(plan, one array per slot) whose norms are the gradients' norms, slot by
+    slot in the plan's order (the model's plan with ``model``); ``call`` is
+    the walk of ``grads``.
+
+    >>> import numpy as np
+    >>> w = np.ones(2)
+    >>> grads = {"a": np.ones(2), "b": np.ones(2)}
+    >>> plan, arrays = norm_inputs(Call(grads), grads, {"a": w, "b": w}, None)
+    >>> plan.size, arrays
+    (2, [array([2., 2.])])
+    """
+    if model is None:
+        return call.plan, list(call.unique)
+    plan = Call(model).plan
+    sources, _ = slot_sources(plan, grads, call.walked)
+    if all(len(s) == 1 for s in sources):
+        return plan, [s[0] for s in sources]
+    # A tied weight's several gradients, or a None: each slot's gradients are
+    # added in float64 (zeros for none), so every slot keeps its own norm and
+    # nothing is rounded before the norm accumulates.
+    wide = summed_wide(plan, sources, backend)
+    return plan, [wide[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape) for leaf in plan.leaves]
+
+
+def summed_wide(plan, sources, backend):
+    """Each slot's sources added into one float64 (complex128) flat buffer.
+
+    >>> import numpy as np, gpuflat as gf
+    >>> plan = gf.plan([np.ones(1, np.float32)])
+    >>> summed_wide(plan, [[np.ones(1, np.float32), np.full(1, 2, np.float32)]], None)
+    array([3.])
+    """
+    arrays = [(plan.leaves[slot].path, a) for slot, s in enumerate(sources) for a in s]
+    be = select(backend, [a for _, a in arrays], lambda i: arrays[i][0])
+    with be.on_device():
+        wide = be.xp.empty(plan.size, be.xp.complex128 if plan.dtype.kind == "c" else be.xp.float64)
+        be.gather(plan, sources, wide)
+    return wide
+
+
+def raise_if_nonfinite(be, plan, result, p, where="") -> None:
+    """NonFiniteError naming the first leaf holding NaN or inf, if the norm is
+    not finite (the one host synchronisation of a checked clip).
+
+    >>> import numpy as np, gpuflat as gf
+    >>> from gpuflat.backends import get_backend
+    >>> g = [np.ones(2), np.array([np.nan])]
+    >>> be, p = get_backend("numpy"), gf.plan(g)
+    >>> raise_if_nonfinite(be, p, be.norms(p, g, 2.0, False), 2.0)
+    Traceback (most recent call last):
+    ...
+    gpuflat.errors.NonFiniteError: leaf '[1]' holds NaN or inf; the total 2-norm is non-finite, so no gradient was scaled (error_if_nonfinite=True)
+    """
+    # The norm itself is read: finite leaves whose sum overflows float64 give
+    # an inf norm too, and PyTorch raises on that. Only a non-finite norm costs
+    # a second read, to name the leaf.
+    if math.isfinite(float(be.to_host(result.total))):
+        return
+    bad = int(be.to_host(result.first_nonfinite))
+    what = (f"leaf {plan.leaves[bad].path!r} holds NaN or inf" if bad >= 0 else
+            "no leaf holds NaN or inf, but the sum overflowed float64")
+    raise NonFiniteError(
+        f"{what}{where}; the total {p:g}-norm is non-finite, so no gradient was scaled "
+        f"(error_if_nonfinite=True)"
+    )
