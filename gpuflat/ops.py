@@ -491,7 +491,7 @@ def _callable_inputs(call, grads, model, backend) -> list:
     if model is None:
         return [call.foreign.get(id(a), a) for a in call.unique]
     plan = Call(model).plan
-    sources, _ = slot_sources(plan, grads)
+    sources, _ = slot_sources(plan, grads, call.walked)
     owners = [None] * len(plan.leaves)
     for slot, value in zip(plan.slot_of, _tree.arrays_like(plan.treedef, grads)):
         owners[slot] = value if owners[slot] is None else owners[slot]

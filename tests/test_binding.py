@@ -33,7 +33,8 @@ def _tied():
     lambda g, m: gf.clip_grad_norm_(g, 1.0, model=m),
     lambda g, m: gf.global_norm(g, model=m),
     lambda g, m: gf.total("sumsq", g, model=m),
-], ids=["clip_grad_norm_", "global_norm", "total"])
+    lambda g, m: gf.total(np.sum, g, model=m),
+], ids=["clip_grad_norm_", "global_norm", "total", "total of a callable"])
 def test_model_calls_walk_the_gradients_and_the_model_once_each(walks, call):
     model, grads = _tied()
     call(grads, model)
