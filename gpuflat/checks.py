@@ -7,7 +7,6 @@ Backends never validate: what reaches them fits the plan.
 from __future__ import annotations
 
 import math
-import operator
 import weakref
 
 
@@ -15,6 +14,7 @@ from . import tree as _tree
 from .dtypes import TAGS
 from .errors import OverlapError, TreeMismatchError
 from .flatplan import shape_and_dtype
+from .identity import SameArrays
 from .overlap import find_overlap
 
 def occurrences(plan, tree, *, allow_none, walked=None):
@@ -22,8 +22,9 @@ def occurrences(plan, tree, *, allow_none, walked=None):
     ``plan``, checked, as NumPy or CuPy arrays.
 
     ``like`` is one of the caller's own objects behind them (a PyTorch
-    tensor, say), or None when they are NumPy or CuPy arrays. ``exact`` is True when the tree is shaped exactly like the plan's, so
-    every value is an array of the expected shape and dtype (no None). A tree
+    tensor, say), or None when they are NumPy or CuPy arrays. ``exact`` is
+    True when the tree is shaped exactly like the plan's, so every value is
+    an array of the expected shape and dtype (no None). A tree
     shaped exactly like the plan's costs one walk and one tuple comparison;
     anything else takes the slow path that finds and names the first
     difference. ``walked`` is ``tree``'s walk, where the caller has it.
@@ -150,18 +151,12 @@ class InPlaceChecked:
         self._last = weakref.WeakKeyDictionary()
 
     def check(self, plan, paths, arrays) -> None:
-        refs = self._last.get(plan)
-        if refs is not None and len(refs) == len(arrays) and all(map(operator.is_, map(_deref, refs), arrays)):
+        last = self._last.get(plan)
+        if last is not None and last.holds(arrays):
             _check_writable(paths, arrays)
             return
         check_in_place(paths, arrays)
-        try:
-            self._last[plan] = list(map(weakref.ref, arrays))
-        except TypeError:  # an array kind without weak references is checked every time
-            self._last.pop(plan, None)
-
-
-_deref = weakref.ref.__call__
+        self._last[plan] = SameArrays(arrays)
 
 
 def _check_writable(paths, arrays):
