@@ -12,6 +12,7 @@ native code or NumPy on the host.
 from . import distributed
 from .arrays import Float32OverflowError
 from .errors import (
+    CaptureError,
     NonFiniteError,
     OverlapError,
     StaleResidentError,
@@ -38,6 +39,7 @@ from .residency import Resident, resident
 from .tree import register
 
 __all__ = [
+    "CaptureError",
     "FlatPlan",
     "Float32OverflowError",
     "LeafSpec",

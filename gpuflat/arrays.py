@@ -5,7 +5,8 @@ also be a PyTorch tensor or a JAX array; this module is the one place that
 knows them. ``adopt`` views a leaf's memory as a NumPy or CuPy array without
 copying; ``to_caller`` turns a result back into the caller's kind, on the
 caller's device; ``launch_stream`` is where kernels on a PyTorch CUDA tensor
-run. Neither torch nor JAX nor CuPy is imported here at module import: a
+run, and ``device_scope`` the context every entry point does its device
+work in. Neither torch nor JAX nor CuPy is imported here at module import: a
 tensor can only exist if the caller imported its library already.
 
 Array-likes gpuflat does not know (anything with ``__dlpack__``,
@@ -310,15 +311,55 @@ def launch_stream(like):
     >>> with launch_stream(np.ones(2)):
     ...     pass
     """
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(like, torch.Tensor) and like.is_cuda:
-        return _torch_stream(like.device, torch, _cupy())
+    if _is_torch_cuda(like):
+        return _torch_stream(like.device, sys.modules["torch"], _cupy())
     return contextlib.nullcontext()
 
 
 def _torch_stream(device, torch, cupy):
     stream = torch.cuda.current_stream(device)
     return cupy.cuda.ExternalStream(stream.cuda_stream, device.index)
+
+
+@contextlib.contextmanager
+def device_scope(backend, like):
+    """The context a call's device work runs in: ``backend``'s device and, when
+    ``like`` is a PyTorch CUDA tensor, its device, PyTorch's current stream
+    there (:func:`launch_stream`) and PyTorch's caching allocator for every
+    CuPy allocation, so that each launch, allocation, fill and element-wise
+    operation is ordered with PyTorch's own work, and a CUDA graph that
+    PyTorch captures keeps the scratch in its private pool. ``backend`` may
+    be None: then only ``like`` says where the work runs.
+
+    >>> import numpy as np
+    >>> from gpuflat.backends import get_backend
+    >>> with device_scope(get_backend("numpy"), np.ones(2)):
+    ...     pass
+    """
+    if not _is_torch_cuda(like):
+        with backend.on_device() if backend is not None else contextlib.nullcontext():
+            yield
+        return
+    cupy = sys.modules["cupy"]
+    stream = launch_stream(like)
+    allocator = _torch_allocator(cupy, stream.ptr)
+    with cupy.cuda.Device(like.device.index), stream, cupy.cuda.using_allocator(allocator.malloc):
+        yield
+
+
+def _is_torch_cuda(x):
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor) and x.is_cuda
+
+
+def _torch_allocator(cupy, stream_ptr):
+    """A CuPy allocator taking blocks from PyTorch's caching allocator for the
+    stream ``stream_ptr``; while PyTorch captures a graph on it, from the
+    graph's private pool."""
+    cuda = sys.modules["torch"].cuda
+    alloc, delete = cuda.caching_allocator_alloc, cuda.caching_allocator_delete
+    return cupy.cuda.memory.PythonFunctionAllocator(
+        lambda nbytes, device_id: alloc(nbytes, device_id, stream_ptr), lambda ptr, device_id: delete(ptr))
 
 
 # ---------------------------------------------------------------- PyTorch modules

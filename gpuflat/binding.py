@@ -131,12 +131,13 @@ def norm_inputs(call, grads, model, backend):
     # A tied weight's several gradients, or a None: each slot's gradients are
     # added in float64 (zeros for none), so every slot keeps its own norm and
     # nothing is rounded before the norm accumulates.
-    wide = summed_wide(plan, sources, backend)
+    wide = summed_wide(plan, sources, backend, call.like)
     return plan, [wide[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape) for leaf in plan.leaves]
 
 
-def summed_wide(plan, sources, backend):
-    """Each slot's sources added into one float64 (complex128) flat buffer.
+def summed_wide(plan, sources, backend, like=None):
+    """Each slot's sources added into one float64 (complex128) flat buffer,
+    made where ``like`` (one of the caller's tensors, or None) says.
 
     >>> import numpy as np, gpuflat as gf
     >>> plan = gf.plan([np.ones(1, np.float32)])
@@ -145,7 +146,7 @@ def summed_wide(plan, sources, backend):
     """
     arrays = [(plan.leaves[slot].path, a) for slot, s in enumerate(sources) for a in s]
     be = select(backend, [a for _, a in arrays], lambda i: arrays[i][0])
-    with be.on_device():
+    with _arrays.device_scope(be, like):
         wide = be.xp.empty(plan.size, be.xp.complex128 if plan.dtype.kind == "c" else be.xp.float64)
         be.gather(plan, sources, wide)
     return wide

@@ -37,7 +37,7 @@ import numpy as np
 import gpuflat as gf
 
 from . import checks
-from .arrays import adopt, is_module, module_parameters
+from .arrays import adopt, device_scope, is_module, module_parameters
 from .backends import get_backend
 from .dtypes import BFLOAT16
 from .errors import NonFiniteError
@@ -81,11 +81,11 @@ def global_norm(tree, ord=2, *, group=None, owned=None, per_leaf=False, backend=
     p = checks.check_ord(ord)
     comm = _Comm(group)
     local = _Local(tree, backend, comm)
-    with local.be.on_device(), comm.stream(local.be.xp):
+    with device_scope(local.be, local.call.like), comm.stream(local.be.xp):
         total, per, _ = _reduce_norm(local, p, comm, owned)
-    if per_leaf:
-        return local.give_back(total), local.give_back(per)
-    return local.give_back(total)
+        if per_leaf:
+            return local.give_back(total), local.give_back(per)
+        return local.give_back(total)
 
 
 def clip_grad_norm_(grads, max_norm, ord=2, *, group=None, owned=None, eps=1e-6,
@@ -110,13 +110,13 @@ def clip_grad_norm_(grads, max_norm, ord=2, *, group=None, owned=None, eps=1e-6,
     comm = _Comm(group)
     local = _Local(grads, backend, comm)
     local.check_in_place()
-    with local.be.on_device(), comm.stream(local.be.xp):
+    with device_scope(local.be, local.call.like), comm.stream(local.be.xp):
         total, _, packet = _reduce_norm(local, p, comm, owned)
         if error_if_nonfinite:
             _raise_if_nonfinite(local, p, comm, total, packet)
         if local.arrays:
             local.be.clip_(local.plan, local.arrays, total, max_norm, eps)
-    return local.give_back(total)
+        return local.give_back(total)
 
 
 def all_reduce_(grads, op="mean", *, group=None, bucket_bytes=None):
@@ -494,12 +494,14 @@ class _Reduction:
         self.tree = None
         if buffers is not None:
             self.targets = [_checked_buffer(f"grad_buffers[{i}]", b) for i, b in enumerate(buffers)]
+            self.like = buffers[0] if buffers else None
         else:
             call = Call(grads)
             checks.check_in_place(call.paths(), call.unique)
-            self.plan, self.tree = call.plan, grads
+            self.plan, self.tree, self.like = call.plan, grads, call.like
             self.targets = [adopt(gf.flatten(call.plan, grads))]
-        self.moving = [b.astype(_WIDER[b.dtype]) if b.dtype in _WIDER else b for b in self.targets]
+        with device_scope(None, self.like):
+            self.moving = [b.astype(_WIDER[b.dtype]) if b.dtype in _WIDER else b for b in self.targets]
 
     def signature(self) -> tuple:
         """(elements, bytes) moved: every rank must move the same."""
@@ -507,11 +509,12 @@ class _Reduction:
 
     def finish(self, op, size):
         """Divide for "mean", then write the sums back, each rounded once."""
-        for target, moved in zip(self.targets, self.moving):
-            if op == "mean" and size > 1:
-                moved /= size
-            if self.tree is None and moved is not target:
-                target[...] = moved
+        with device_scope(None, self.like):
+            for target, moved in zip(self.targets, self.moving):
+                if op == "mean" and size > 1:
+                    moved /= size
+                if self.tree is None and moved is not target:
+                    target[...] = moved
         if self.tree is not None:
             gf.scatter(self.plan, self.moving[0], self.tree)
 

@@ -56,3 +56,17 @@ class StaleResidentError(RuntimeError):
     ...
     gpuflat.errors.StaleResidentError: parameter 'fc.weight': dtype changed from float32 to float64
     """
+
+
+class CaptureError(RuntimeError):
+    """A call needs work that a CUDA graph cannot capture (a table upload, a
+    synchronisation) while its stream is capturing one.
+
+    The message names the call and the warm-up it is missing: the same call
+    once before capturing, so its tables are uploaded and kept.
+
+    >>> raise CaptureError("norms of leaf ['w']: make the same call once before capturing")
+    Traceback (most recent call last):
+    ...
+    gpuflat.errors.CaptureError: norms of leaf ['w']: make the same call once before capturing
+    """

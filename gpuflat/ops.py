@@ -113,10 +113,11 @@ def destructure(tree, *, backend: str | None = None) -> tuple[Any, "Restructure"
     """
     call = Call(tree)
     be = call.backend(backend)
-    with be.on_device():
+    with _arrays.device_scope(be, call.like):
         flat = be.xp.empty(call.plan.size, call.plan.dtype)
         be.gather(call.plan, [[a] for a in call.unique], flat)
-    return call.result(flat), Restructure(call.plan.with_statics(call.statics), call.owners(), backend)
+        flat = call.result(flat)
+    return flat, Restructure(call.plan.with_statics(call.statics), call.owners(), backend)
 
 
 class Restructure:
@@ -183,13 +184,13 @@ def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None) -> An
                         lambda k: plan.leaves[[slot for slot, s in enumerate(sources) for _ in s][k]].path)
         present.append(("<out>", target))
     be = select(backend, [a for _, a in present], lambda i: present[i][0])
-    if out is not None:
-        be.gather(plan, sources, target)
-        return out
-    with be.on_device():
-        out = be.xp.empty(plan.size, plan.dtype)
-        be.gather(plan, sources, out)
-    return out if like is None else _arrays.to_caller(out, like)
+    with _arrays.device_scope(be, like if like is not None else out):
+        if out is not None:
+            be.gather(plan, sources, target)
+            return out
+        flat = be.xp.empty(plan.size, plan.dtype)
+        be.gather(plan, sources, flat)
+        return flat if like is None else _arrays.to_caller(flat, like)
 
 
 def unflatten(plan: FlatPlan, flat, *, backend: str | None = None) -> Any:
@@ -206,10 +207,10 @@ def unflatten(plan: FlatPlan, flat, *, backend: str | None = None) -> Any:
     >>> m["w"].base is flat, m["n"]
     (True, 'relu')
     """
-    flat = _view(flat, "flat")
+    given, flat = flat, _view(flat, "flat")
     checks.check_flat(plan, flat, exact_dtype=False)
     be = select(backend, [flat], lambda i: "<flat>")
-    with be.on_device():
+    with _arrays.device_scope(be, given):
         views = _views_of(plan, flat)
     return _tree.rebuild(plan.treedef, [views[s] for s in plan.slot_of], plan.statics)
 
@@ -227,11 +228,11 @@ def scatter(plan: FlatPlan, flat, tree, *, backend: str | None = None) -> None:
     >>> m["w"], m["b"]
     (array([1., 2.], dtype=float32), array([3.]))
     """
-    values, _, _ = checks.occurrences(plan, tree, allow_none=False)
+    values, _, like = checks.occurrences(plan, tree, allow_none=False)
     targets = [None] * len(plan.leaves)
     for slot, value in zip(plan.slot_of, values):
         targets[slot] = value if targets[slot] is None else targets[slot]
-    flat = _view(flat, "flat")
+    given, flat = flat, _view(flat, "flat")
     checks.check_flat(plan, flat, exact_dtype=False)
     be = select(backend, targets + [flat],
                 lambda i: plan.leaves[i].path if i < len(plan.leaves) else "<flat>")
@@ -245,7 +246,7 @@ def scatter(plan: FlatPlan, flat, tree, *, backend: str | None = None) -> None:
             paths.append(path)
     in_place.check(plan, paths, written)
     _refuse_aliases(written, flat, "flat", paths.__getitem__)
-    with be.on_device():
+    with _arrays.device_scope(be, like if like is not None else given):
         # The flat goes in its own dtype: the backends round each value once,
         # straight into the leaf's dtype (through the plan's dtype, float64 to
         # float16 would round twice).
@@ -289,14 +290,14 @@ def total(f: str | Callable[[Any], Any], tree, *, model=None, backend: str | Non
     if f == "count":
         return plan.size
     be = select(backend, leaves, lambda i: plan.leaves[i].path)
-    if f == "l2":
-        with be.on_device():
+    with _arrays.device_scope(be, call.like):
+        if f == "l2":
             result = be.norms(plan, leaves, 2.0, per_leaf=True)
             return call.result(be.xp.sum(result.per_leaf))
-    result = be.norms(plan, leaves, 1.0 if f == "l1" else 2.0, per_leaf=False)
-    # "sumsq" is the pass's own float64 sum of squares: squaring the rounded
-    # 2-norm would round twice (three ones gave 2.9999999999999996).
-    return call.result(result.total if f == "l1" else result.power_sum)
+        result = be.norms(plan, leaves, 1.0 if f == "l1" else 2.0, per_leaf=False)
+        # "sumsq" is the pass's own float64 sum of squares: squaring the rounded
+        # 2-norm would round twice (three ones gave 2.9999999999999996).
+        return call.result(result.total if f == "l1" else result.power_sum)
 
 
 def global_norm(tree, ord: float = 2, *, per_leaf: bool = False, model=None,
@@ -322,10 +323,11 @@ def global_norm(tree, ord: float = 2, *, per_leaf: bool = False, model=None,
     call = Call(tree)
     plan, leaves = norm_inputs(call, tree, model, backend)
     be = select(backend, leaves, lambda i: plan.leaves[i].path)
-    result = be.norms(plan, leaves, p, per_leaf)
-    if per_leaf:
-        return call.result(result.total), call.result(result.per_leaf)
-    return call.result(result.total)
+    with _arrays.device_scope(be, call.like):
+        result = be.norms(plan, leaves, p, per_leaf)
+        if per_leaf:
+            return call.result(result.total), call.result(result.per_leaf)
+        return call.result(result.total)
 
 
 def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, eps: float = 1e-6,
@@ -370,11 +372,12 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, eps: float = 1e-6
                 lambda i: (norm_plan.leaves[i].path if i < len(norm_leaves)
                            else scale_paths[i - len(norm_leaves)]))
     in_place.check(scale_plan, scale_paths, scale_leaves)
-    result = be.norms(norm_plan, norm_leaves, p, per_leaf=False)
-    if error_if_nonfinite:
-        raise_if_nonfinite(be, norm_plan, result, p)
-    be.clip_(scale_plan, scale_leaves, result.total, max_norm, eps)
-    return call.result(result.total)
+    with _arrays.device_scope(be, call.like):
+        result = be.norms(norm_plan, norm_leaves, p, per_leaf=False)
+        if error_if_nonfinite:
+            raise_if_nonfinite(be, norm_plan, result, p)
+        be.clip_(scale_plan, scale_leaves, result.total, max_norm, eps)
+        return call.result(result.total)
 
 
 def clip_by_global_norm(tree, max_norm: float, ord: float = 2, *, eps: float = 1e-6,
@@ -397,13 +400,14 @@ def clip_by_global_norm(tree, max_norm: float, ord: float = 2, *, eps: float = 1
     max_norm, p, eps = checks.clip_arguments(max_norm, ord, eps)
     call = Call(tree)
     be = call.backend(backend)
-    with be.on_device():
+    with _arrays.device_scope(be, call.like):
         result = be.norms(call.plan, call.unique, p, per_leaf=False)
         copies = [be.xp.array(a, copy=True, order="C") for a in call.unique]
         be.clip_(call.plan, copies, result.total, max_norm, eps)
-    leaves = _in_kinds(copies, call.owners())
+        leaves = _in_kinds(copies, call.owners())
+        norm = call.result(result.total)
     clipped = _tree.rebuild(call.plan.treedef, [leaves[s] for s in call.plan.slot_of], call.statics)
-    return clipped, call.result(result.total)
+    return clipped, norm
 
 
 # ---------------------------------------------------------------- helpers
@@ -416,17 +420,18 @@ def _in_kinds(arrays, owners) -> list:
 def _rebuild(plan, flat, owners, backend):
     flat = _view(flat, "flat")
     checks.check_flat(plan, flat, exact_dtype=False)
-    leaves = _in_kinds(_new_leaves(plan, flat, backend), owners)
+    leaves = _new_leaves(plan, flat, backend, owners)
     return _tree.rebuild(plan.treedef, [leaves[s] for s in plan.slot_of], plan.statics)
 
 
-def _new_leaves(plan, flat, backend) -> list:
-    """New arrays shaped like ``plan``'s slots, holding ``flat`` cast to their dtypes."""
+def _new_leaves(plan, flat, backend, owners) -> list:
+    """New arrays shaped like ``plan``'s slots, holding ``flat`` cast to their
+    dtypes, each in the kind of its slot's owner (see ``_in_kinds``)."""
     be = select(backend, [flat], lambda i: "<flat>")
-    with be.on_device():
+    with _arrays.device_scope(be, next((own for own in owners if own is not None), None)):
         leaves = [be.xp.empty(leaf.shape, leaf.dtype) for leaf in plan.leaves]
         be.scatter(plan, flat, leaves)
-    return leaves
+        return _in_kinds(leaves, owners)
 
 
 def _views_of(plan, flat) -> list:
@@ -497,5 +502,6 @@ def _callable_inputs(call, grads, model, backend) -> list:
         owners[slot] = value if owners[slot] is None else owners[slot]
     if all(len(s) == 1 for s in sources):
         return owners
-    summed = _new_leaves(plan, summed_wide(plan, sources, backend), backend)
-    return [owner if len(s) == 1 else call.result(new) for owner, s, new in zip(owners, sources, summed)]
+    summed = _new_leaves(plan, summed_wide(plan, sources, backend, call.like), backend,
+                         [call.like] * len(plan.leaves))
+    return [owner if len(s) == 1 else new for owner, s, new in zip(owners, sources, summed)]

@@ -166,9 +166,14 @@ class Resident:
         # Per-leaf norms come out grouped by buffer; leaf k of the plan is grouped[_grouped_index[k]].
         grouped = [k for b in range(len(dtypes)) for k, s in enumerate(self.layout) if s.buffer == b]
         self._grouped_index = np.argsort(grouped).tolist()
-        with self._backend.on_device():
+        with self._scope():
             self._params = [self._allocate(g) for g in self._groups]
             self._grads = [self._allocate(g) for g in self._groups] if grads else None
+            # Each buffer's norm lands here before they are combined: fixed
+            # addresses, so the combine's table is found again on every call
+            # (and under CUDA-graph capture, where it cannot be uploaded).
+            totals = self._zeros(len(dtypes), np.float64)[1]
+            self._group_totals = [totals[b : b + 1].reshape(()) for b in range(len(dtypes))]
             if pairs is None:
                 self._binding = None
                 self._bind_arrays(call, unique)
@@ -196,12 +201,17 @@ class Resident:
 
     def _allocate(self, group) -> _Buffer:
         """A zeroed buffer for ``group``."""
+        return _Buffer(*self._zeros(group.size, group.dtype), group)
+
+    def _zeros(self, size, dtype) -> tuple:
+        """(in the caller's kind, as a backend array): a zeroed 1-D array,
+        PyTorch's own for PyTorch parameters."""
         if self._like is not None:
             torch = sys.modules["torch"]
-            own = torch.zeros(group.size, dtype=_torch_dtype(torch, group.dtype), device=self._like.device)
-            return _Buffer(own, _arrays.adopt(own), group)
-        buf = self._backend.xp.zeros(group.size, group.dtype)
-        return _Buffer(buf, buf, group)
+            own = torch.zeros(size, dtype=_torch_dtype(torch, dtype), device=self._like.device)
+            return own, _arrays.adopt(own)
+        buf = self._backend.xp.zeros(size, dtype)
+        return buf, buf
 
     # ---------------------------------------------------------- buffers
 
@@ -248,7 +258,7 @@ class Resident:
         """
         p = checks.check_ord(ord)
         self._sync()
-        with self._backend.on_device():
+        with self._scope():
             results = self._norms(self._require_grads(), p, per_leaf)
             total = self._combine(results, p)
             if not per_leaf:
@@ -264,7 +274,7 @@ class Resident:
         """
         p = checks.check_ord(ord)
         self._sync()
-        with self._backend.on_device():
+        with self._scope():
             return self._result(self._combine(self._norms(self._params, p, False), p))
 
     def clip_grad_norm_(self, max_norm, ord=2, *, eps=1e-6, error_if_nonfinite: bool = False):
@@ -285,15 +295,14 @@ class Resident:
         max_norm, p, eps = checks.clip_arguments(max_norm, ord, eps)
         self._sync()
         buffers = self._require_grads()
-        with self._backend.on_device():
+        with self._scope():
             results = self._norms(buffers, p, False)
             total = self._combine(results, p)
             if error_if_nonfinite:
                 self._raise_if_nonfinite(total, results, p)
-            with _arrays.launch_stream(self._like):
-                for group, buf in zip(self._groups, buffers):
-                    self._backend.clip_(group.leaf_plan, buf.leaves, total, max_norm, eps, flat=buf.array)
-        return self._result(total)
+            for group, buf in zip(self._groups, buffers):
+                self._backend.clip_(group.leaf_plan, buf.leaves, total, max_norm, eps, flat=buf.array)
+            return self._result(total)
 
     def zero_grad(self) -> None:
         """Zero every gradient buffer (and rebind PyTorch gradients to their views).
@@ -306,23 +315,31 @@ class Resident:
         buffers = self._require_grads()
         if self._binding is not None:
             self._binding.sync()  # rebinds every p.grad to its view first
-        with self._backend.on_device():
+        with self._scope():
             for buf in buffers:
                 buf.array.fill(0)
 
     # ---------------------------------------------------------- helpers
 
+    def _scope(self):
+        """Where the per-step device work runs: the buffers' device and, for
+        PyTorch, its current stream and allocator (``arrays.device_scope``)."""
+        return _arrays.device_scope(self._backend, self._like)
+
     def _norms(self, buffers, p, per_leaf):
-        with _arrays.launch_stream(self._like):
-            return [self._backend.norms(g.plan, buf.pieces, p, per_leaf, flat=buf.array)
-                    for g, buf in zip(self._groups, buffers)]
+        return [self._backend.norms(g.plan, buf.pieces, p, per_leaf, flat=buf.array)
+                for g, buf in zip(self._groups, buffers)]
 
     def _combine(self, results, p):
         """The norm over all buffers: the norm of the vector of each buffer's
         norm, by the backend itself, on the device."""
         if len(results) == 1:
             return results[0].total
-        return self._backend.norms(self._totals_plan, [r.total for r in results], p, False).total
+        # Copied into fixed places, the same values: the same bits as norming
+        # the results themselves. One call at a time per resident model uses them.
+        for place, r in zip(self._group_totals, results):
+            place[...] = r.total
+        return self._backend.norms(self._totals_plan, self._group_totals, p, False).total
 
     def _per_leaf(self, results):
         """Each leaf's norm in plan order, padding left out (one gather)."""

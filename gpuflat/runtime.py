@@ -5,7 +5,15 @@ Both runtimes take the same launches (a kernel name expression, a grid, a
 block, and arguments that are device arrays or NumPy scalars), so
 ``gpuflat.backends.cuda`` builds every table, grid and argument list once
 for both. Both count what a test wants to pin down: kernel launches, host
-synchronisations (every device-to-host read) and table uploads.
+synchronisations (every device-to-host read) and table uploads (none of
+which makes the host wait).
+
+Tables (:class:`DeviceTable`) are uploaded once and read by launches on any
+stream. On a GPU the upload goes through pinned staging on the current
+stream with no host wait; a launch on another stream first waits for it on
+the device (an event); a table is freed only once every other stream that
+read it is done with it (an event per stream), and never if a CUDA graph
+captured a launch reading it.
 
 >>> rt = EmulatedRuntime()
 >>> table = rt.upload(np.arange(3, dtype=np.int64))
@@ -23,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpuflat import kernel_loader
+from gpuflat.errors import CaptureError
 
 WARP = 32
 MAX_BLOCK = 1024
@@ -67,13 +76,37 @@ def check_launch(name: str, grid: int, block: int) -> None:
         raise ValueError(f"kernel {name!r}: grid of {grid} blocks; expected 1..2**31-1")
 
 
+class DeviceTable:
+    """A host table copied to the device once, and what its lifetime needs:
+    the stream it was uploaded on, an event marking the copy (``ready``), the
+    streams that waited for it, the last use by each other stream, the
+    pinned staging the copy reads until it lands, and whether a CUDA graph
+    captured a launch reading it. Only ``array`` matters to a launch.
+
+    >>> DeviceTable(np.arange(2)).array.tolist()
+    [0, 1]
+    """
+
+    __slots__ = ("array", "stream", "ready", "staging", "waited", "last_use", "captured")
+
+    def __init__(self, array, stream=None, ready=None, staging=None):
+        self.array = array
+        self.stream = stream
+        self.ready = ready
+        self.staging = staging
+        self.waited = set()
+        self.last_use = {}
+        self.captured = False
+
+
 class Runtime:
     """The launch path shared by the real and the emulated device.
 
     Subclasses set ``name`` (the backend name they serve), ``xp`` (the array
     module), ``block`` (threads per block of the grid-stride kernels) and
     ``max_grid``, and implement ``_empty``, ``_pointer``, ``_launch``,
-    ``_upload`` and ``_to_host``.
+    ``_upload`` and ``_to_host``; a device with streams also overrides the
+    stream hooks ``_before_launch``, ``_after_launch`` and ``release``.
     """
 
     name = "runtime"
@@ -103,11 +136,23 @@ class Runtime:
         """A zeroed device array (a memset on the device, no upload)."""
         return self._zeros(shape, dtype)
 
-    def upload(self, host: np.ndarray):
-        """Copy a host table to the device; counted in ``stats.uploads``."""
+    def upload(self, host: np.ndarray, purpose: str = "an upload"):
+        """Copy a host table to the device, with no host wait; counted in
+        ``stats.uploads``. The copy is ordered on the current stream only: a
+        table read on any stream comes from :meth:`upload_table`."""
+        return self.upload_table(host, purpose).array
+
+    def upload_table(self, host: np.ndarray, purpose: str = "an upload") -> DeviceTable:
+        """``host`` copied to the device as a :class:`DeviceTable`, which
+        launches on any stream may read (pass it in ``tables``). ``purpose``
+        names the call needing it, for the CaptureError raised when the
+        current stream is capturing a CUDA graph (an upload cannot be captured)."""
         with self._lock:
             self.stats.uploads += 1
-        return self._upload(np.ascontiguousarray(host))
+        return self._upload(np.ascontiguousarray(host), purpose)
+
+    def release(self, table: DeviceTable) -> None:
+        """Let ``table`` go once no stream can still read it (see the device's override)."""
 
     def to_host(self, array) -> np.ndarray:
         """Read a device array back; counted in ``stats.syncs`` (it waits for the device)."""
@@ -124,15 +169,21 @@ class Runtime:
         per_block = self.block // WARP
         return int(max(1, min(self.max_grid, -(-n_warps // per_block))))
 
-    def launch(self, name: str, grid: int, block: int, args) -> None:
+    def launch(self, name: str, grid: int, block: int, args, tables=()) -> None:
         """Launch kernel ``name`` (a name expression); ``args`` are device arrays
-        (passed as pointers) and NumPy scalars (passed by value). Raises
+        (passed as pointers) and NumPy scalars (passed by value); ``tables``
+        the DeviceTables whose arrays ``args`` read, ordered after their
+        uploads and noted as used by the current stream. Raises
         ``ValueError`` for a block that is not whole warps (see :func:`check_launch`)."""
         grid, block = int(grid), int(block)
         check_launch(name, grid, block)
         with self._lock:
             self.stats.launches += 1
+        for table in tables:
+            self._before_launch(table)
         self._launch(name, grid, block, args)
+        for table in tables:
+            self._after_launch(table)
 
     # Implementation hooks.
     def _empty(self, shape, dtype):
@@ -144,7 +195,7 @@ class Runtime:
     def _pointer(self, array) -> int:
         raise NotImplementedError
 
-    def _upload(self, host):
+    def _upload(self, host, purpose) -> DeviceTable:
         raise NotImplementedError
 
     def _to_host(self, array):
@@ -152,6 +203,12 @@ class Runtime:
 
     def _launch(self, name, grid, block, args):
         raise NotImplementedError
+
+    def _before_launch(self, table):
+        """Order the current stream after ``table``'s upload (nothing: one stream)."""
+
+    def _after_launch(self, table):
+        """Note that the current stream read ``table`` (nothing: one stream)."""
 
 
 class EmulatedRuntime(Runtime):
@@ -189,8 +246,8 @@ class EmulatedRuntime(Runtime):
     def _pointer(self, array) -> int:
         return array.ctypes.data
 
-    def _upload(self, host):
-        return np.array(host, copy=True)
+    def _upload(self, host, purpose):
+        return DeviceTable(np.array(host, copy=True))
 
     def _to_host(self, array):
         return np.array(array, copy=True)
@@ -206,9 +263,19 @@ class CupyRuntime(Runtime):
     Every allocation, upload, launch and read-back runs inside ``with
     device:``, so a runtime for device 1 never touches the current device.
     Launches and uploads go on CuPy's current stream: to launch on PyTorch's,
-    wrap the calls in ``with cupy.cuda.ExternalStream(ptr):``. The kernels are
+    wrap the calls in ``gpuflat.arrays.device_scope``. The kernels are
     the cubin of ``kernel_loader.device_cubin`` for the device's compute
     capability, the binary the compile checks build.
+
+    Tables are shared by every stream (another thread's, an ExternalStream,
+    a graph's capture stream): each upload is asynchronous from pinned
+    staging and marked with an event, which a launch on another stream
+    waits for on the device; a released table is kept until the events
+    recorded after its last use on every other stream are done, since CuPy's
+    pool and PyTorch's allocator hand freed memory to the next allocation on
+    the stream that allocated it, which nothing orders after the other
+    streams' reads. A table a captured graph reads is kept for good: the
+    graph may be replayed at any time.
     """
 
     name = "cuda"
@@ -224,6 +291,8 @@ class CupyRuntime(Runtime):
         self.max_grid = self.device.attributes["MultiProcessorCount"] * blocks_per_sm
         self._kernels: dict = {}
         self._module = None
+        self._retired: list = []  # released tables other streams may still read
+        self._kept: list = []  # tables read by captured graphs
 
     @property
     def device_key(self):
@@ -246,15 +315,62 @@ class CupyRuntime(Runtime):
                              f"device {self.device.id}")
         return array.data.ptr
 
-    def _upload(self, host):
-        # The tables are cached and reused by later launches, which may run on
-        # another stream (another thread's, or an ExternalStream): one that is
-        # not ordered after this copy could read the table before it lands.
-        # Uploads are rare, so the copy is made synchronous instead.
+    def _upload(self, host, purpose):
+        cuda = self.xp.cuda
         with self.device:
-            table = self.xp.asarray(host)
-            self.xp.cuda.get_current_stream().synchronize()
-            return table
+            stream = cuda.get_current_stream()
+            if stream.is_capturing():
+                raise CaptureError(
+                    f"{purpose} needs a table uploaded while stream {stream.ptr:#x} captures a CUDA "
+                    f"graph, and an upload cannot be captured: make the same call once before "
+                    f"capturing (a warm-up call on the same arrays), so its tables are uploaded and kept")
+            self._free_finished()
+            table = self.xp.empty(host.shape, host.dtype)
+            staging = cuda.alloc_pinned_memory(max(host.nbytes, 1))
+            np.frombuffer(staging, host.dtype, host.size)[...] = host.ravel()
+            # From pinned memory the copy is asynchronous: the host does not wait.
+            table.set(np.frombuffer(staging, host.dtype, host.size).reshape(host.shape), stream=stream)
+            ready = cuda.Event(disable_timing=True)
+            ready.record(stream)
+            return DeviceTable(table, stream.ptr, ready, staging)
+
+    def _before_launch(self, table):
+        stream = self.xp.cuda.get_current_stream()
+        if stream.ptr == table.stream or stream.ptr in table.waited:
+            return
+        if not table.ready.done:
+            if stream.is_capturing():
+                raise CaptureError(f"a table uploaded on stream {table.stream:#x} is still in flight while "
+                                   f"stream {stream.ptr:#x} captures a CUDA graph: synchronise before "
+                                   f"capturing (torch.cuda.graph does)")
+            stream.wait_event(table.ready)  # on the device: the host does not wait
+        table.waited.add(stream.ptr)
+
+    def _after_launch(self, table):
+        stream = self.xp.cuda.get_current_stream()
+        if stream.is_capturing():
+            table.captured = True
+        elif stream.ptr != table.stream:
+            event = table.last_use.get(stream.ptr)
+            if event is None:
+                event = table.last_use[stream.ptr] = self.xp.cuda.Event(disable_timing=True)
+            event.record(stream)
+
+    def release(self, table: DeviceTable) -> None:
+        """Free ``table`` once every other stream that read it is done with it;
+        never if a captured graph reads it."""
+        with self._lock:
+            if table.captured:
+                self._kept.append(table)
+            else:
+                self._retired.append(table)
+        self._free_finished()
+
+    def _free_finished(self):
+        """Drop the released tables no stream can still read (event queries, no wait)."""
+        with self.device, self._lock:
+            self._retired = [t for t in self._retired
+                             if not (t.ready.done and all(e.done for e in t.last_use.values()))]
 
     def _to_host(self, array):
         with self.device:

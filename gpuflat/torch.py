@@ -35,7 +35,7 @@ import torch
 
 import gpuflat as _gf
 
-from .arrays import adopt, launch_stream, to_caller
+from .arrays import adopt, device_scope, to_caller
 from .backends.base import select
 from .checks import check_in_place, check_ord, clip_arguments
 from .errors import NonFiniteError, TreeMismatchError
@@ -186,11 +186,12 @@ class _DeviceGroup:
         self.like = pairs[0][0]
         self.names = [name for _, name in pairs]
         self.views = []
-        for t, name in pairs:
-            try:
-                self.views.append(adopt(t))
-            except TypeError as err:
-                raise type(err)(f"leaf {name!r}: {err}") from None
+        with device_scope(None, self.like):  # DLPack's exchange on PyTorch's stream: no cross-stream wait
+            for t, name in pairs:
+                try:
+                    self.views.append(adopt(t))
+                except TypeError as err:
+                    raise type(err)(f"leaf {name!r}: {err}") from None
         self.plan = _gf.plan(self.views)
         self.backend = select(None, self.views, lambda i: self.names[i])
 
@@ -222,7 +223,7 @@ def _total_norm(groups, p):
     """The float64 norm of all tensors, as a 0-d tensor on the first group's device."""
     norms = []
     for g in groups:
-        with launch_stream(g.like):
+        with device_scope(g.backend, g.like):
             result = g.backend.norms(g.plan, g.views, p, per_leaf=False)
             norms.append(to_caller(result.total, g.like))
     if len(norms) == 1:
@@ -248,6 +249,6 @@ def _check_finite(total, p, tensors, names):
 
 def _scale(groups, max_norm, total_norm):
     for g in groups:
-        total = torch.as_tensor(total_norm, dtype=torch.float64).to(g.like.device)
-        with launch_stream(g.like):
+        with device_scope(g.backend, g.like):
+            total = torch.as_tensor(total_norm, dtype=torch.float64).to(g.like.device)
             g.backend.clip_(g.plan, g.views, adopt(total), max_norm, _EPS)

@@ -17,20 +17,35 @@ is CuPy's calling contract, enforced on every call (a breach raises
   current device, ``long long`` is ``np.int64``, ``int`` ``np.int32``,
   ``double`` ``np.float64``; a Python number, whose width CuPy would guess,
   is refused;
-- a launch or read-back on one stream never uses an upload still in flight
-  on another stream (an upload lands when its stream is synchronised);
+- a launch, element-wise operation or read-back on one stream never uses an
+  upload still in flight on another stream: an upload lands for another
+  stream when its own stream is synchronised, or when the other stream waited
+  on an event recorded after it (``Stream.wait_event``);
 - an array is never converted to NumPy implicitly (``np.asarray(x)`` raises
   TypeError, as CuPy's does: read it with ``.get()`` or ``cupy.asnumpy``);
 - element-wise work (arithmetic, comparisons, ``astype``, ``fill``, item
   assignment, ``count_nonzero``) runs on the current device, which must be
   the array's (no peer access is assumed); ``copy()`` copies to the current
-  device, as CuPy's does; memory is counted per device.
+  device, as CuPy's does; memory is counted per device;
+- while a stream captures a graph (``Stream.begin_capture``, CUDA's global
+  capture mode, the one ``torch.cuda.graph`` uses): an allocation from the
+  memory pool (one through ``cuda.using_allocator`` is allowed), a host
+  synchronisation, an upload and a read-back raise; launches and element-wise
+  work on the capturing stream are recorded, not run, and run when the graph
+  is launched.
 
-Every allocation, upload, module load and launch is recorded in ``events``
-with the current device and stream, for tests to check.
+Every allocation, upload, module load, launch, fill and element-wise
+operation is recorded in ``events`` with the current device and stream, for
+tests to check. The stand-in also remembers which streams used each
+allocation: one freed while a stream other than the one it was allocated on
+may still read it (no synchronisation and no event wait orders the read
+before the free), or while a graph that uses it is alive, is listed in
+``freed_in_flight``: CuPy's pool would hand that memory to the next
+allocation on its own stream while the other stream still reads it.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 import threading
@@ -62,7 +77,8 @@ class ContractError(AssertionError):
 
 @dataclass
 class Event:
-    kind: str  # "empty", "zeros", "upload", "load", "launch", "to_host"
+    # "empty", "zeros", "upload", "load", "launch", "to_host", "fill", "elementwise", "sync"
+    kind: str
     device: int
     stream: object
     detail: object = None
@@ -73,13 +89,48 @@ def make_cupy(compute_capabilities=("90", "80"), sms: int = 2) -> types.ModuleTy
     return _StandIn(tuple(compute_capabilities), sms).module
 
 
-class _Memory:
-    """One allocation: its device, its size and the stream of an upload still in flight."""
+class _StreamState:
+    """What one stream (a device and a pointer) has had enqueued and what is known done.
 
-    def __init__(self, device: int, nbytes: int, pending=None):
+    ``enqueued`` counts the work given to it; ``done`` how much of it the
+    host knows finished (after a synchronisation); ``waited[key]`` how much
+    of stream ``key``'s work it waited for through events.
+    """
+
+    def __init__(self):
+        self.enqueued = 0
+        self.done = 0
+        self.waited: dict = {}
+
+
+class _Memory:
+    """One allocation: its device, size, the stream it was allocated on, the
+    upload still in flight (stream key and its work count), and which streams
+    used it (stream key -> work count of the last use)."""
+
+    def __init__(self, device: int, nbytes: int, stream_key=None, pending=None, owner=None, graph_pool=False):
         self.device = device
         self.nbytes = nbytes
+        self.stream_key = stream_key
         self.pending = pending
+        self.owner = owner  # what an allocator handed out, kept until the memory goes
+        # Allocated through an allocator while capturing: PyTorch's allocator
+        # gives such blocks from the graph's private pool, which nothing else reuses.
+        self.graph_pool = graph_pool
+        self.uses: dict = {}
+        self.graphs = weakref.WeakSet()
+
+
+class _Graph:
+    """Work recorded on a capturing stream; ``launch`` runs it."""
+
+    def __init__(self):
+        self.work = []
+        self.pool = []  # the memory of its private pool, kept while the graph lives
+
+    def launch(self, stream=None):
+        for work in self.work:
+            work()
 
 
 class _StandIn:
@@ -87,10 +138,14 @@ class _StandIn:
         self.capabilities = capabilities
         self.sms = sms
         self.events: list[Event] = []
+        self.freed_in_flight: list[str] = []
         self.local = threading.local()
         self.null_streams = {}
         self.stream_ids = itertools.count(1)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
+        self.states: dict = {}  # stream key -> _StreamState
+        self.captures: dict = {}  # stream key -> _Graph being captured
+        self.exported: dict = {}  # arrays kept alive by a DLPack consumer
         # Weakly: an allocation is freed when its last array goes, as in CuPy's pool.
         self.live_memories = weakref.WeakSet()
         self.module = self._module()
@@ -109,22 +164,93 @@ class _StandIn:
                 self.null_streams[device] = self.Stream._null(device)
             return self.null_streams[device]
 
+    def here(self):
+        """(device, stream) of the calling thread."""
+        device = self.current_device()
+        return device, self.current_stream(device)
+
+    def state(self, key) -> _StreamState:
+        with self.lock:
+            return self.states.setdefault(key, _StreamState())
+
+    def enqueue(self, stream) -> int:
+        """Count one piece of work on ``stream``; its number."""
+        state = self.state(stream.key)
+        with self.lock:
+            state.enqueued += 1
+            return state.enqueued
+
+    def ordered(self, key, count, stream) -> bool:
+        """Whether work ``count`` of stream ``key`` is done before what ``stream`` runs next."""
+        if key is None or key == stream.key:
+            return True
+        return self.state(key).done >= count or self.state(stream.key).waited.get(key, 0) >= count
+
     def record(self, kind, device, stream, detail=None):
         with self.lock:
             self.events.append(Event(kind, device, stream, detail))
 
+    def capturing(self, stream=None) -> bool:
+        """Whether ``stream`` (None: any stream) is capturing a graph."""
+        with self.lock:
+            return bool(self.captures) if stream is None else stream.key in self.captures
+
+    def refuse_in_capture(self, what):
+        if self.capturing():
+            raise ContractError(f"{what} while a CUDA graph is being captured (global capture mode)")
+
+    def host_wait(self, what):
+        """A host synchronisation: refused while capturing, recorded otherwise."""
+        self.refuse_in_capture(what)
+        device, stream = self.here()
+        self.record("sync", device, stream, what)
+
     def check_landed(self, array, stream, what):
         pending = array._memory.pending
-        if pending is not None and pending is not stream:
+        if pending is not None and not self.ordered(*pending, stream):
             raise ContractError(f"{what} on stream {stream.ptr} uses an upload still in flight on stream "
-                                f"{pending.ptr}: nothing orders the copy before it")
+                                f"{pending[0][1]}: nothing orders the copy before it")
 
-    def check_here(self, array, what):
-        """An element-wise operation on ``array``: on its device, after its upload landed."""
-        device = self.current_device()
-        if array._memory.device != device:
-            raise ContractError(f"{what}: array on device {array._memory.device}, current device {device}")
-        self.check_landed(array, self.current_stream(device), what)
+    def use(self, memory, stream, count):
+        memory.uses[stream.key] = count
+        graph = self.captures.get(stream.key)
+        if graph is not None:
+            memory.graphs.add(graph)
+
+    def run(self, kind, detail, arrays, work, writes=False):
+        """Element-wise work on the current device and stream over ``arrays``
+        (each checked to be there and landed): run now, or recorded into the
+        graph the stream is capturing. ``writes``: it writes into an existing
+        array, so it must not run at capture time."""
+        device, stream = self.here()
+        for a in arrays:
+            if a._memory.device != device:
+                raise ContractError(f"{detail}: array on device {a._memory.device}, current device {device}")
+            self.check_landed(a, stream, detail)
+        count = self.enqueue(stream)
+        for a in arrays:
+            self.use(a._memory, stream, count)
+        self.record(kind, device, stream, detail)
+        graph = self.captures.get(stream.key)
+        if graph is not None:
+            graph.work.append(work)
+            if writes:
+                return None
+        return work()
+
+    def freed(self, memory_state, label):
+        """An allocation was freed: list it if another stream or a live graph may still use it."""
+        stream_key, uses, graphs, graph_pool = memory_state
+        if not graph_pool and any(True for _ in graphs):
+            self.freed_in_flight.append(f"{label}: freed while a captured graph that uses it is alive")
+            return
+        for key, count in uses.items():
+            if key == stream_key or stream_key is None:
+                continue
+            done = self.state(key).done >= count or self.state(stream_key).waited.get(key, 0) >= count
+            if not done:
+                self.freed_in_flight.append(f"{label}: freed (allocated on stream {stream_key[1]}) while "
+                                            f"stream {key[1]} may still use it")
 
     def used_bytes(self, device):
         return sum(m.nbytes for m in list(self.live_memories) if m.device == device)
@@ -150,6 +276,13 @@ class _StandIn:
             def compute_capability(self):
                 return standin.capabilities[self.id]
 
+            def synchronize(self):
+                standin.host_wait("Device.synchronize")
+                with standin.lock:
+                    for (device, _), state in standin.states.items():
+                        if device == self.id:
+                            state.done = state.enqueued
+
             def __enter__(self):
                 standin.local.__dict__.setdefault("devices", []).append(self.id)
                 return self
@@ -174,6 +307,10 @@ class _StandIn:
                 stream.device_id, stream.ptr = device, 0
                 return stream
 
+            @property
+            def key(self):
+                return (self.device_id, self.ptr)
+
             def __enter__(self):
                 streams = standin.local.__dict__.setdefault("streams", {})
                 saved = standin.local.__dict__.setdefault("saved", [])
@@ -189,15 +326,71 @@ class _StandIn:
                     standin.local.streams[device] = previous
 
             def synchronize(self):
-                for memory in list(standin.live_memories):
-                    if memory.pending is self:
-                        memory.pending = None
+                standin.host_wait(f"Stream.synchronize (stream {self.ptr})")
+                state = standin.state(self.key)
+                with standin.lock:
+                    state.done = state.enqueued
+
+            def wait_event(self, event):
+                if event.mark is not None:
+                    key, count = event.mark
+                    waited = standin.state(self.key).waited
+                    with standin.lock:
+                        waited[key] = max(waited.get(key, 0), count)
+                standin.enqueue(self)
+
+            def record(self, event=None):
+                event = event if event is not None else CudaEvent()
+                event.record(self)
+                return event
+
+            def is_capturing(self):
+                return standin.capturing(self)
+
+            def begin_capture(self, mode=None):
+                with standin.lock:
+                    if self.key in standin.captures:
+                        raise ContractError(f"stream {self.ptr} is capturing already")
+                    standin.captures[self.key] = _Graph()
+
+            def end_capture(self):
+                with standin.lock:
+                    if self.key not in standin.captures:
+                        raise ContractError(f"stream {self.ptr} is not capturing")
+                    return standin.captures.pop(self.key)
 
         class ExternalStream(Stream):
             def __init__(self, ptr, device_id=-1):
                 super().__init__(ptr=int(ptr))
                 if device_id >= 0:
                     self.device_id = device_id
+
+        class CudaEvent:
+            """cupy.cuda.Event: a point in a stream's work."""
+
+            def __init__(self, block=False, disable_timing=False, interprocess=False):
+                self.mark = None
+
+            def record(self, stream=None):
+                stream = stream if stream is not None else standin.current_stream(standin.current_device())
+                if standin.capturing(stream):
+                    raise ContractError("an event recorded while capturing cannot be queried afterwards")
+                self.mark = (stream.key, standin.state(stream.key).enqueued)
+
+            @property
+            def done(self):
+                if self.mark is None:
+                    return True
+                key, count = self.mark
+                return standin.state(key).done >= count
+
+            def synchronize(self):
+                standin.host_wait("Event.synchronize")
+                if self.mark is not None:
+                    key, count = self.mark
+                    state = standin.state(key)
+                    with standin.lock:
+                        state.done = max(state.done, count)
 
         class ndarray:
             # NumPy defers its operators to this class instead of converting it.
@@ -229,37 +422,53 @@ class _StandIn:
                 return self._view(self._host[key])
 
             def __setitem__(self, key, value):
-                standin.check_here(self, "__setitem__")
-                self._host[key] = operand(value, "__setitem__")
+                arrays = [self] + ([value] if isinstance(value, ndarray) else [])
+                operand(value)
+
+                def work():
+                    self._host[key] = value._host if isinstance(value, ndarray) else value
+                standin.run("elementwise", "__setitem__", arrays, work, writes=True)
 
             def reshape(self, *shape):
                 view = self._host.reshape(*shape)
                 if not np.shares_memory(view, self._host) and view.size:
-                    standin.check_here(self, "reshape (a copy)")
-                    return fresh(view)
+                    return computed("reshape (a copy)", [self], lambda: self._host.reshape(*shape))
                 return self._view(view)
 
             def astype(self, dtype, copy=True):
-                standin.check_here(self, "astype")
                 if not copy and np.dtype(dtype) == self.dtype:
+                    standin.run("elementwise", "astype", [self], lambda: None)
                     return self
-                return fresh(self._host.astype(dtype))
+                return computed("astype", [self], lambda: self._host.astype(dtype))
 
             def copy(self):
                 # CuPy copies to the current device, from any device.
                 standin.check_landed(self, standin.current_stream(self._memory.device), "copy")
-                return fresh(self._host.copy())
+                return computed("copy", [], lambda: self._host.copy())
 
             def fill(self, value):
-                standin.check_here(self, "fill")
-                self._host.fill(value)
+                standin.run("fill", value, [self], lambda: self._host.fill(value), writes=True)
 
             def get(self):
                 return asnumpy(self)
 
+            def set(self, arr, stream=None):
+                upload_into(self, arr, stream)
+
             def __array__(self, *args, **kwargs):
                 raise TypeError("Implicit conversion to a NumPy array is not allowed. "
                                 "Please use `.get()` to construct a NumPy array explicitly.")
+
+            def __dlpack__(self, stream=None):
+                # The bytes live in host memory here: a consumer sees a CPU tensor,
+                # which keeps this array alive, as CuPy's capsule does.
+                view = self._host.view()
+                standin.exported[id(view)] = self
+                weakref.finalize(view, standin.exported.pop, id(view), None)
+                return view.__dlpack__()
+
+            def __dlpack_device__(self):
+                return self._host.__dlpack_device__()
 
             def __int__(self):
                 return int(self.get())
@@ -268,8 +477,22 @@ class _StandIn:
                 return float(self.get())
 
             def __neg__(self):
-                standin.check_here(self, "negative")
-                return fresh(-self._host)
+                return computed("negative", [self], lambda: -self._host)
+
+            def __invert__(self):
+                return computed("invert", [self], lambda: ~self._host)
+
+            def sum(self):
+                return computed("sum", [self], lambda: np.asarray(self._host.sum()))
+
+            def max(self):
+                return computed("max", [self], lambda: np.asarray(self._host.max()))
+
+            def any(self):
+                return computed("any", [self], lambda: np.asarray(self._host.any()))
+
+            def argmax(self):
+                return computed("argmax", [self], lambda: np.asarray(self._host.argmax()))
 
             def __len__(self):
                 return len(self._host)
@@ -279,9 +502,13 @@ class _StandIn:
 
         def binary(op, reflected=False):
             def method(self, other):
-                standin.check_here(self, op.__name__)
-                a, b = self._host, operand(other, op.__name__)
-                return fresh(np.asarray(op(b, a) if reflected else op(a, b)))
+                operand(other)
+                arrays = [self] + ([other] if isinstance(other, ndarray) else [])
+
+                def value():
+                    a, b = self._host, other._host if isinstance(other, ndarray) else other
+                    return np.asarray(op(b, a) if reflected else op(a, b))
+                return computed(op.__name__, arrays, value)
             return method
 
         for name, op in _OPERATORS.items():
@@ -291,22 +518,40 @@ class _StandIn:
             setattr(ndarray, f"__{name}__", binary(op))
         ndarray.__hash__ = None
 
-        def operand(value, what):
-            """The host value of an operand: CuPy takes its own arrays and scalars, never a NumPy array."""
-            if isinstance(value, ndarray):
-                standin.check_here(value, what)
-                return value._host
-            if isinstance(value, (bool, int, float, complex, np.generic)):
-                return value
-            raise TypeError(f"Unsupported type {type(value)}")
+        def operand(value):
+            """CuPy takes its own arrays and scalars as operands, never a NumPy array."""
+            if not isinstance(value, (ndarray, bool, int, float, complex, np.generic)):
+                raise TypeError(f"Unsupported type {type(value)}")
+
+        def computed(what, arrays, value):
+            """A new array holding ``value()``: element-wise work over ``arrays``,
+            recomputed into the same memory when a captured graph runs."""
+            out = fresh(value())
+
+            def work():
+                np.copyto(out._host, value())
+            standin.run("elementwise", what, arrays, work)
+            return out
 
         def allocate(host: np.ndarray, kind=None, pending=None):
             """``host`` as a new allocation on the current device; ``kind``: the event to record."""
-            device = standin.current_device()
+            device, stream = standin.here()
+            allocator = getattr(standin.local, "allocator", None)
+            if allocator is None and standin.capturing(stream):
+                raise ContractError(f"a memory-pool allocation of {host.nbytes} bytes while stream "
+                                    f"{stream.ptr} captures a graph: the graph would keep memory the "
+                                    f"pool hands out again")
+            owner = allocator(host.nbytes) if allocator is not None else None
             if kind is not None:
-                standin.record(kind, device, standin.current_stream(device), (host.shape, host.dtype))
-            memory = _Memory(device, host.nbytes, pending)
+                standin.record(kind, device, stream, (host.shape, host.dtype, "pool" if owner is None else "allocator"))
+            graph = standin.captures.get(stream.key)
+            if graph is not None:
+                graph.pool.append(host)
+            memory = _Memory(device, host.nbytes, stream.key, pending, owner, graph is not None)
             standin.live_memories.add(memory)
+            weakref.finalize(memory, standin.freed, (memory.stream_key, memory.uses, memory.graphs,
+                                                     memory.graph_pool),
+                             f"{host.nbytes}-byte allocation {host.shape} {host.dtype}")
             return ndarray(host, memory)
 
         def fresh(host):
@@ -316,39 +561,140 @@ class _StandIn:
             return allocate(np.empty(shape, dtype), "empty")
 
         def zeros(shape, dtype=np.float64):
-            return allocate(np.zeros(shape, dtype), "zeros")
+            out = allocate(np.zeros(shape, dtype), "zeros")
+            # A memset on the current stream: recorded into a graph being captured.
+            standin.run("fill", 0, [out], lambda: out._host.fill(0), writes=True)
+            return out
 
         def full(shape, fill_value, dtype=None):
-            return allocate(np.full(shape, fill_value, dtype), "empty")
+            out = allocate(np.empty(shape, dtype if dtype is not None else np.asarray(fill_value).dtype), "empty")
+            standin.run("fill", fill_value, [out], lambda: out._host.fill(fill_value))
+            return out
+
+        def upload_into(array, host, stream):
+            """A host-to-device copy into ``array``: asynchronous on ``stream`` from
+            pinned memory; otherwise the host waits for it (CuPy's synchronous copy)."""
+            device, current = standin.here()
+            standin.refuse_in_capture("a host-to-device copy")
+            host_array = np.asarray(host)
+            base = host_array
+            while isinstance(base, np.ndarray) and base.base is not None:
+                base = base.base
+            pinned = isinstance(getattr(base, "obj", base), _Pinned)  # np.frombuffer keeps a memoryview
+            on = stream if stream is not None else current
+            standin.record("upload", device, on, {"nbytes": host_array.nbytes, "pinned": pinned,
+                                                  "waits": stream is None or not pinned})
+            array._host[...] = host_array.reshape(array.shape)
+            count = standin.enqueue(on)
+            standin.use(array._memory, on, count)
+            if stream is None or not pinned:
+                standin.host_wait("a synchronous host-to-device copy")
+                with standin.lock:
+                    standin.state(on.key).done = max(standin.state(on.key).done, count)
+            else:
+                array._memory.pending = (on.key, count)
 
         def asarray(a, dtype=None):
             if isinstance(a, ndarray):
                 return a if dtype is None else a.astype(dtype, copy=False)
-            device = standin.current_device()
-            stream = standin.current_stream(device)
+            device, stream = standin.here()
+            standin.refuse_in_capture("an upload (cupy.asarray of host memory)")
             standin.record("upload", device, stream, np.asarray(a).nbytes)
-            return allocate(np.array(a, dtype=dtype, copy=True), pending=stream)
+            out = allocate(np.array(a, dtype=dtype, copy=True))
+            out._memory.pending = (stream.key, standin.enqueue(stream))
+            return out
+
+        def array(a, dtype=None, copy=True, order="K"):
+            if not isinstance(a, ndarray):
+                return asarray(np.array(a, dtype=dtype, order="C"))
+            return computed("array (a copy)", [a], lambda: np.array(a._host, dtype=dtype, order="C"))
 
         def asnumpy(a):
             stream = standin.current_stream(a._memory.device)
             standin.check_landed(a, stream, "asnumpy")
+            standin.refuse_in_capture("a device-to-host read")
             standin.record("to_host", a._memory.device, stream)
             stream.synchronize()  # ndarray.get() on the current stream waits for it
             return np.array(a._host, copy=True)
 
+        def host_of(x):
+            return x._host if isinstance(x, ndarray) else x
+
+        def where(condition, x, y):
+            arrays = [a for a in (condition, x, y) if isinstance(a, ndarray)]
+            return computed("where", arrays, lambda: np.asarray(np.where(*map(host_of, (condition, x, y)))))
+
+        def isfinite(a):
+            return computed("isfinite", [a], lambda: np.isfinite(a._host))
+
+        def sqrt(a):
+            return computed("sqrt", [a], lambda: np.asarray(np.sqrt(a._host)))
+
         def count_nonzero(a):
-            standin.check_here(a, "count_nonzero")
-            return fresh(np.asarray(np.count_nonzero(a._host), np.int64))
+            return computed("count_nonzero", [a], lambda: np.asarray(np.count_nonzero(a._host), np.int64))
 
         def sum_(a):
-            standin.check_here(a, "sum")
-            return fresh(np.asarray(np.sum(a._host)))
+            return computed("sum", [a], lambda: np.asarray(np.sum(a._host)))
+
+        def from_dlpack(x):
+            """A PyTorch tensor's memory (host memory here) as a device array, on the
+            device it says it is on; imported on the current stream."""
+            import torch
+
+            with torch._C.DisableTorchFunction():
+                host = x.detach().numpy()
+            device, stream = standin.here()
+            index = x.device.index or 0
+            standin.record("from_dlpack", index, stream, (host.shape, host.dtype))
+            return on_device(host, index)
 
         def on_device(host: np.ndarray, device: int):
             """Test helper, not CuPy: a device array sharing ``host``'s memory."""
             memory = _Memory(device, host.nbytes)
             standin.live_memories.add(memory)
             return ndarray(host, memory)
+
+        def add_to_capture(stream, work):
+            """Test helper, not CuPy: ``work`` recorded into the graph ``stream``
+            captures (True), or nothing when it captures none (False)."""
+            graph = standin.captures.get(stream.key)
+            if graph is not None:
+                graph.work.append(work)
+            return graph is not None
+
+        class _Pinned(bytearray):
+            """Page-locked host memory (cupy.cuda.alloc_pinned_memory)."""
+
+        def alloc_pinned_memory(nbytes):
+            standin.refuse_in_capture("a pinned host allocation")
+            return _Pinned(nbytes)
+
+        class PythonFunctionAllocator:
+            """cupy.cuda.memory.PythonFunctionAllocator: allocations through two Python functions."""
+
+            def __init__(self, malloc_func, free_func):
+                self.malloc_func, self.free_func = malloc_func, free_func
+
+            def malloc(self, nbytes):
+                device = standin.current_device()
+                ptr = self.malloc_func(nbytes, device)
+                return _Owned(ptr, device, self.free_func)
+
+        class _Owned:
+            """Memory an allocator handed out, given back when the last array using it goes."""
+
+            def __init__(self, ptr, device, free_func):
+                self.ptr = ptr
+                weakref.finalize(self, free_func, ptr, device)
+
+        @contextlib.contextmanager
+        def using_allocator(allocator=None):
+            saved = getattr(standin.local, "allocator", None)
+            standin.local.allocator = allocator
+            try:
+                yield
+            finally:
+                standin.local.allocator = saved
 
         class MemoryPool:
             """The current device's live allocations; nothing is cached, so nothing is freed."""
@@ -393,8 +739,19 @@ class _StandIn:
                     raise ContractError(f"{self.expression}: grid {grid_x}, block {block_x}: blocks must be "
                                         f"whole warps, 32..1024 threads")
                 values = standin.check_args(self.expression, args, device, stream)
+                count = standin.enqueue(stream)
+                for arg in args:
+                    if isinstance(arg, ndarray):
+                        standin.use(arg._memory, stream, count)
                 standin.record("launch", device, stream, (self.expression, grid_x, block_x))
-                kernel_loader.emulator_library().launch(self.expression, grid_x, block_x, values)
+
+                def work():
+                    kernel_loader.emulator_library().launch(self.expression, grid_x, block_x, values)
+                graph = standin.captures.get(stream.key)
+                if graph is not None:
+                    graph.work.append(work)
+                else:
+                    work()
 
         class runtime:
             @staticmethod
@@ -409,23 +766,34 @@ class _StandIn:
         cuda.Device = Device
         cuda.Stream = Stream
         cuda.ExternalStream = ExternalStream
+        cuda.Event = CudaEvent
         cuda.get_current_stream = lambda device_id=None: standin.current_stream(
             standin.current_device() if device_id is None else device_id)
         cuda.function = types.SimpleNamespace(Module=Module)
         cuda.runtime = runtime
+        cuda.alloc_pinned_memory = alloc_pinned_memory
+        cuda.using_allocator = using_allocator
+        cuda.memory = types.SimpleNamespace(PythonFunctionAllocator=PythonFunctionAllocator)
         mod.cuda = cuda
         mod.ndarray = ndarray
         mod.empty = empty
         mod.zeros = zeros
         mod.full = full
         mod.asarray = asarray
+        mod.array = array
         mod.asnumpy = asnumpy
         mod.count_nonzero = count_nonzero
+        mod.where, mod.isfinite, mod.sqrt = where, isfinite, sqrt
+        for name in ("float16", "float32", "float64", "complex64", "complex128", "int64"):
+            setattr(mod, name, getattr(np, name))
         mod.sum = sum_
+        mod.from_dlpack = from_dlpack
         pool = MemoryPool()
         mod.get_default_memory_pool = lambda: pool
         mod.on_device = on_device
+        mod.add_to_capture = add_to_capture
         mod.events = standin.events
+        mod.freed_in_flight = standin.freed_in_flight
         mod.ContractError = ContractError
         self.ndarray = ndarray
         self.Stream = Stream

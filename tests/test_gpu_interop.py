@@ -78,3 +78,69 @@ def test_jax_gpu_arrays_are_read_zero_copy():
     x = jax.device_put(np.arange(6.0, dtype=np.float32), jax.devices("gpu")[0])
     norm = gf.global_norm({"x": x})
     assert float(norm) == pytest.approx(math.sqrt(55.0))
+
+
+def _two_dtype_module(seed):
+    """A float32 and a float64 parameter (a resident model with two buffers), gradients set by hand."""
+    gen = torch.Generator("cuda").manual_seed(seed)
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(torch.randn(300, 7, device="cuda", generator=gen))
+    module.d = torch.nn.Parameter(torch.randn(50, device="cuda", dtype=torch.float64, generator=gen))
+    return module
+
+
+def _set_grads(parameters, step):
+    gen = torch.Generator("cuda").manual_seed(100 + step)
+    for p in parameters:
+        g = torch.randn(p.shape, device="cuda", dtype=p.dtype, generator=gen) * (step + 1)
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.copy_(g)  # in place: the captured graph reads the same memory
+
+
+def _captured(call):
+    """(graph, what ``call()`` returned): warmed up on a side stream, then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
+
+
+def test_torch_cuda_graph_replays_a_resident_clip_like_eager_calls():
+    model, twin = _two_dtype_module(0), _two_dtype_module(0)
+    r, eager = gf.resident(model), gf.resident(twin)
+    _set_grads(model.parameters(), 0)
+    graph, (clipped, after) = _captured(lambda: (r.clip_grad_norm_(0.5), r.grad_norm()))
+    for step in range(1, 4):
+        _set_grads(model.parameters(), step)
+        _set_grads(twin.parameters(), step)
+        graph.replay()
+        want_clipped, want_after = eager.clip_grad_norm_(0.5), eager.grad_norm()
+        torch.cuda.synchronize()
+        assert float(want_clipped) > 0.5  # the clip really scales
+        assert torch.equal(clipped, want_clipped) and torch.equal(after, want_after)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad)
+
+
+def test_torch_cuda_graph_replays_the_drop_in_clip_like_eager_calls():
+    import gpuflat.torch as gft
+
+    params, twins = list(_two_dtype_module(1).parameters()), list(_two_dtype_module(1).parameters())
+    _set_grads(params, 0)
+    graph, norm = _captured(lambda: gft.clip_grad_norm_(params, 0.5))
+    for step in range(1, 4):
+        _set_grads(params, step)
+        _set_grads(twins, step)
+        graph.replay()
+        want = gft.clip_grad_norm_(twins, 0.5)
+        torch.cuda.synchronize()
+        assert float(want) > 0.5 and torch.equal(norm, want)
+        for p, q in zip(params, twins):
+            assert torch.equal(p.grad, q.grad)

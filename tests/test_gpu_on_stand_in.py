@@ -86,3 +86,39 @@ def test_results_land_on_the_trees_device_not_the_current_one(cp):
     assert out.device.id == 1
     assert gf.unflatten(gf.plan(tree), flat)["b"].device.id == 1
     assert float(gf.total("l2", tree).get()) == float(np.linalg.norm(np.arange(5.0)) + np.sqrt(3))
+
+
+def test_a_capture_refuses_pool_allocations_synchronisations_uploads_and_reads(cp):
+    x = cp.zeros(3)
+    stream = cp.cuda.Stream()
+    stream.begin_capture()
+    with stream:
+        for work, what in [(lambda: cp.empty(3), "memory-pool allocation"),
+                           (lambda: stream.synchronize(), "Stream.synchronize"),
+                           (lambda: cp.cuda.Device(0).synchronize(), "Device.synchronize"),
+                           (lambda: cp.asarray(np.ones(2)), "upload"),
+                           (lambda: x.get(), "device-to-host read")]:
+            with pytest.raises(cp.ContractError, match=what):
+                work()
+    stream.end_capture()
+    cp.empty(3)  # allowed again once the capture ended
+    stream.synchronize()
+
+
+def test_captured_work_runs_when_the_graph_is_launched_not_before(cp):
+    x = cp.asarray(np.arange(3.0))
+    cp.cuda.get_current_stream().synchronize()  # the upload lands for every stream
+    stream = cp.cuda.Stream()
+    blocks = []
+    allocator = cp.cuda.memory.PythonFunctionAllocator(lambda n, device: blocks.append(n) or 0x100,
+                                                       lambda ptr, device: None)
+    stream.begin_capture()
+    with stream, cp.cuda.using_allocator(allocator.malloc):
+        y = x * 2  # allocated through the allocator, computed when the graph runs
+        x.fill(1.0)
+    graph = stream.end_capture()
+    assert blocks == [24] and x.get().tolist() == [0.0, 1.0, 2.0]
+    graph.launch()
+    assert x.get().tolist() == [1.0, 1.0, 1.0] and y.get().tolist() == [0.0, 2.0, 4.0]
+    graph.launch()
+    assert y.get().tolist() == [2.0, 2.0, 2.0]

@@ -102,22 +102,23 @@ class CudaBackend:
         counts = [len(s) for s in sources]
         arrays = [a for s in sources for a in s]
         if all(c == 1 for c in counts):
-            table = st.table(arrays, None, lambda: _leaf_rows(st, plan, arrays, range(len(arrays)), self.runtime))
-            csr = st.identity_csr
+            uploaded = st.table(arrays, None, lambda: _leaf_rows(st, plan, arrays, range(len(arrays)), self.runtime))
+            table, csr = uploaded.array, st.identity_csr
         else:
             extra = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
             slots = [slot for slot, s in enumerate(sources) for _ in s]
-            buf = st.table(arrays, tuple(counts), lambda: np.concatenate(
+            uploaded = st.table(arrays, tuple(counts), lambda: np.concatenate(
                 [_leaf_rows(st, plan, arrays, slots, self.runtime).ravel(), extra]))
+            buf = uploaded.array
             table, csr = buf[: len(arrays) * LEAF_ROW_WORDS], buf[len(arrays) * LEAF_ROW_WORDS :]
-        self._launch(kl.gather_name(out.dtype), st, [st.items, np.int64(st.n_items), table, csr, out])
+        self._launch(kl.gather_name(out.dtype), st, [st.items, np.int64(st.n_items), table, csr, out], uploaded)
 
     def scatter(self, plan, flat, leaves) -> None:
         """leaves[i][...] = flat slice i cast to the leaf's dtype, in place, rounded
         once whatever flat's dtype (any of gpuflat.dtypes.TAGS) (1 launch)."""
         st = _static_tables(plan, self.runtime)
         table = self._leaf_table(st, plan, leaves, None)
-        self._launch(kl.scatter_name(flat.dtype), st, [st.items, np.int64(st.n_items), table, flat])
+        self._launch(kl.scatter_name(flat.dtype), st, [st.items, np.int64(st.n_items), table.array, flat], table)
 
     def norms(self, plan, leaves, ord, per_leaf, flat=None) -> NormResult:
         """Total and per-leaf norms and the first non-finite slot (2 launches).
@@ -141,11 +142,11 @@ class CudaBackend:
         # trees share the plan, and their launches may interleave.
         partial = rt.empty(st.n_items, np.float64)
         self._launch(kl.norm_partial_name(kind), st,
-                     [st.items, np.int64(st.n_items), table, np.float64(p), partial, first])
+                     [st.items, np.int64(st.n_items), table.array, np.float64(p), partial, first], table)
         rt.launch(kl.norm_finish_name(kind), 1, FINISH_THREADS,
                   [st.items, np.int64(st.n_items), partial, st.slot_items,
                    np.int64(n_slots), st.big_slots, np.int64(st.n_big), np.float64(p),
-                   per, totals, first])
+                   per, totals, first], (st.uploaded,))
         return NormResult(totals[:1].reshape(()), per, first, totals[1:].reshape(()))
 
     def clip_(self, plan, leaves, total, max_norm, eps, flat=None) -> None:
@@ -153,8 +154,8 @@ class CudaBackend:
         the device from ``total`` (1 launch, no synchronisation)."""
         st = _static_tables(plan, self.runtime)
         table = self._leaf_table(st, plan, leaves, flat)
-        self._launch(kl.SCALE_NAME, st, [st.items, np.int64(st.n_items), table, total,
-                                         np.float64(max_norm), np.float64(eps)])
+        self._launch(kl.SCALE_NAME, st, [st.items, np.int64(st.n_items), table.array, total,
+                                         np.float64(max_norm), np.float64(eps)], table)
 
     # ------------------------------------------------------------ helpers
 
@@ -168,9 +169,9 @@ class CudaBackend:
             return st.table((), ("flat", self.runtime.pointer(flat)), build)
         return st.table(leaves, None, build)
 
-    def _launch(self, name, st, args):
+    def _launch(self, name, st, args, table):
         grid = self.grid or self.runtime.grid_for(st.n_items)
-        self.runtime.launch(name, grid, min(self.runtime.block, BLOCK_THREADS), args)
+        self.runtime.launch(name, grid, min(self.runtime.block, BLOCK_THREADS), args, (st.uploaded, table))
 
 
 def _norm_kind(ord):
@@ -214,11 +215,11 @@ class _TableEntry:
     recycled array never matches) and a hashable ``key`` (tie counts, or a
     resident buffer's address)."""
 
-    def __init__(self, arrays, key, host, device):
+    def __init__(self, arrays, key, host, uploaded):
         self.refs = _weak_refs(arrays)
         self.key = key
         self.host = host
-        self.device = device
+        self.uploaded = uploaded  # a runtime.DeviceTable
 
     def holds(self, arrays, key) -> bool:
         return (self.refs is not None and len(self.refs) == len(arrays) and self.key == key
@@ -237,7 +238,9 @@ _deref = weakref.ref.__call__
 
 class _StaticTables:
     """Device tables of one plan on one device, uploaded as one buffer, and
-    the plan's last few per-call tables."""
+    the plan's last few per-call tables. Every table it lets go (evicted, or
+    all of them when the plan is collected) goes back through
+    ``runtime.release``, which keeps it while another stream may still read it."""
 
     def __init__(self, plan, runtime):
         items = plan_items(plan)
@@ -248,7 +251,10 @@ class _StaticTables:
         identity = np.arange(n_slots + 1, dtype=np.int64)
         parts = [items.ravel(), slot_items, big, identity]
         self.runtime = runtime
-        self.buffer = runtime.upload(np.concatenate(parts).astype(np.int64))
+        self.plan_paths = [leaf.path for leaf in plan.leaves[:3]] + ["..."] * (len(plan.leaves) > 3)
+        self.uploaded = runtime.upload_table(np.concatenate(parts).astype(np.int64),
+                                             _purpose(self.plan_paths, "static"))
+        self.buffer = self.uploaded.array
         bounds = np.cumsum([0] + [p.size for p in parts])
         views = [self.buffer[bounds[i] : bounds[i + 1]] for i in range(len(parts))]
         self.items, self.slot_items, self.big_slots, self.identity_csr = views
@@ -258,28 +264,52 @@ class _StaticTables:
         self.lock = threading.Lock()
         self.entries: list = []  # _TableEntry, most recently used last
         self.rows: OrderedDict = OrderedDict()  # host rows by array signature
+        # Every table alive, released when the plan (and so this object) goes;
+        # not at exit, when the device may be gone already.
+        self.alive = [self.uploaded]
+        weakref.finalize(self, _release_all, runtime, self.alive).atexit = False
 
     def table(self, arrays, key, build):
-        """The device table for ``arrays`` (and ``key``): found by identity,
+        """The DeviceTable for ``arrays`` (and ``key``): found by identity,
         else built with ``build()`` and uploaded unless a kept table has the
         same words (new array objects at the same addresses)."""
         with self.lock:
             for entry in reversed(self.entries):
                 if entry.holds(arrays, key):
-                    return self._touch(entry).device
+                    return self._touch(entry).uploaded
         host = np.ascontiguousarray(build(), np.int64).ravel()
         with self.lock:
             same = next((e for e in self.entries if np.array_equal(e.host, host)), None)
-            device = same.device if same is not None else self.runtime.upload(host)
-            self.entries.append(_TableEntry(arrays, key, host, device))
+            if same is not None:
+                uploaded = same.uploaded
+            else:
+                uploaded = self.runtime.upload_table(host, _purpose(self.plan_paths, "per-call"))
+                self.alive.append(uploaded)
+            self.entries.append(_TableEntry(arrays, key, host, uploaded))
             while len(self.entries) > TABLES_KEPT:
-                self.entries.pop(0)
-            return device
+                self._evict(self.entries.pop(0).uploaded)
+            return uploaded
+
+    def _evict(self, uploaded):
+        """Release a table no kept entry holds any more."""
+        if all(e.uploaded is not uploaded for e in self.entries):
+            self.alive.remove(uploaded)
+            self.runtime.release(uploaded)
 
     def _touch(self, entry):
         self.entries.remove(entry)
         self.entries.append(entry)
         return entry
+
+
+def _release_all(runtime, tables):
+    for uploaded in tables:
+        runtime.release(uploaded)
+
+
+def _purpose(paths, which):
+    """What a table upload is for, as a CaptureError names it."""
+    return f"a call over the leaves {', '.join(paths)} (its {which} table)"
 
 
 # Static tables per plan (weakly: they go when the plan goes) and device.

@@ -1,0 +1,125 @@
+"""CUDA-graph capture on the stand-ins (tests/cupy_stand_in.py,
+tests/torch_cuda_stand_in.py): after one warm call, a resident model's
+``clip_grad_norm_`` and ``grad_norm`` and ``gpuflat.torch.clip_grad_norm_``
+capture with no pool allocation, synchronisation, upload or host read (the
+stand-ins raise on each), and replaying the graph gives the bits of eager
+calls; a call that would need an upload raises CaptureError naming the
+missing warm-up. tests/test_gpu_interop.py replays ``torch.cuda.graph`` on
+a real GPU.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import gpuflat as gf
+import gpuflat.torch as gft
+from gpuflat.backends import base as backends_base
+
+import cupy_stand_in
+import torch_cuda_stand_in as tcs
+
+
+@pytest.fixture
+def cp(monkeypatch):
+    module = cupy_stand_in.make_cupy(("90", "80"))
+    monkeypatch.setitem(sys.modules, "cupy", module)
+    monkeypatch.setattr(backends_base, "_backends", {})
+    return module
+
+
+@pytest.fixture
+def tc(cp, monkeypatch):
+    stand_in = tcs.install(monkeypatch, cp)
+    with stand_in:
+        yield stand_in
+
+
+def net(seed):
+    """Parameters of two dtypes (the resident model combines two buffers' norms)."""
+    rng = np.random.default_rng(seed)
+    model = torch.nn.Module()
+    model.w = tcs.parameter(torch.from_numpy(rng.standard_normal((40, 3))).float())
+    model.b = tcs.parameter(torch.from_numpy(rng.standard_normal(7)).float())
+    model.d = tcs.parameter(torch.from_numpy(rng.standard_normal(5)))
+    return model
+
+
+def set_grads(parameters, step):
+    rng = np.random.default_rng(100 + step)
+    for p in parameters:
+        g = torch.from_numpy(rng.standard_normal(tuple(p.shape)) * (step + 1)).to(p.dtype)
+        if p.grad is None:
+            p.grad = tcs.cuda(g)
+        else:
+            p.grad.copy_(g)
+
+
+def bits(t):
+    with torch._C.DisableTorchFunction():
+        return t.detach().numpy().tobytes()
+
+
+def test_a_resident_training_loop_captures_and_replays_like_eager_calls(cp, tc):
+    model, twin = net(0), net(0)
+    r, eager = gf.resident(model), gf.resident(twin)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        set_grads(model.parameters(), 0)
+        r.clip_grad_norm_(0.5)  # the warm-up: uploads every table
+        r.grad_norm()
+        graph, (clipped_norm, norm_after) = tc.capture(lambda: (r.clip_grad_norm_(0.5), r.grad_norm()))
+    for step in range(1, 4):
+        set_grads(model.parameters(), step)
+        set_grads(twin.parameters(), step)
+        allocations = len(tc.allocations)
+        graph.replay()
+        assert len(tc.allocations) == allocations  # a replay allocates nothing
+        want_clipped, want_after = eager.clip_grad_norm_(0.5), eager.grad_norm()
+        assert bits(clipped_norm) == bits(want_clipped) and bits(norm_after) == bits(want_after)
+        assert float(want_clipped) > 0.5  # the clip really scales
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert bits(p.grad) == bits(q.grad)
+    assert cp.freed_in_flight == []
+
+
+def test_gpuflat_torch_clip_captures_and_replays_like_eager_calls(cp, tc):
+    # float32 gradients: the float64 norm is returned as float32, a PyTorch
+    # operation the graph captures too.
+    params, twins = list(net(1).parameters())[:2], list(net(1).parameters())[:2]
+    with torch.cuda.stream(torch.cuda.Stream()):
+        set_grads(params, 0)
+        gft.clip_grad_norm_(params, 0.5)
+        graph, norm = tc.capture(lambda: gft.clip_grad_norm_(params, 0.5))
+    for step in range(1, 4):
+        set_grads(params, step)
+        set_grads(twins, step)
+        graph.replay()
+        want = gft.clip_grad_norm_(twins, 0.5)
+        assert norm.dtype == want.dtype == torch.float32 and bits(norm) == bits(want)
+        assert float(want) > 0.5  # the clip really scales
+        for p, q in zip(params, twins):
+            assert bits(p.grad) == bits(q.grad)
+
+
+def test_capturing_without_the_warm_up_call_names_it(cp, tc):
+    model = net(2)
+    r = gf.resident(model)
+    set_grads(model.parameters(), 0)
+    before = [bits(p.grad) for p in model.parameters()]
+    with pytest.raises(gf.CaptureError, match=r"make the same call once before capturing \(a warm-up call"):
+        tc.capture(lambda: r.clip_grad_norm_(0.5))
+    assert [bits(p.grad) for p in model.parameters()] == before
+    r.clip_grad_norm_(0.5)  # the warm-up, then the capture works
+    tc.capture(lambda: r.clip_grad_norm_(0.5))
+
+
+def test_error_if_nonfinite_is_a_host_read_the_capture_refuses(cp, tc):
+    model = net(3)
+    r = gf.resident(model)
+    set_grads(model.parameters(), 0)
+    r.clip_grad_norm_(0.5, error_if_nonfinite=True)
+    with pytest.raises(cp.ContractError, match="device-to-host read while a CUDA graph is being captured"):
+        tc.capture(lambda: r.clip_grad_norm_(0.5, error_if_nonfinite=True))
