@@ -10,13 +10,17 @@ native code or NumPy on the host.
 5.0
 """
 from . import distributed
-from .arrays import Float32OverflowError
 from .errors import (
     CaptureError,
+    CollectiveError,
+    Float32OverflowError,
     NonFiniteError,
+    NonFiniteNormError,
+    NonFloatingTensorError,
     OverlapError,
     StaleResidentError,
     TreeMismatchError,
+    UnsupportedLeafError,
     UnwalkableError,
 )
 from .flatplan import FlatPlan, LeafSpec
@@ -40,20 +44,24 @@ from .tree import register
 
 __all__ = [
     "CaptureError",
+    "CollectiveError",
     "FlatPlan",
     "Float32OverflowError",
     "LeafSpec",
     "NonFiniteError",
+    "NonFiniteNormError",
+    "NonFloatingTensorError",
     "OverlapError",
     "Resident",
     "Restructure",
     "StaleResidentError",
     "TreeMismatchError",
+    "UnsupportedLeafError",
     "UnwalkableError",
     "clip_by_global_norm",
-    "distributed",
     "clip_grad_norm_",
     "destructure",
+    "distributed",
     "flatten",
     "global_norm",
     "plan",

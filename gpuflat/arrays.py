@@ -26,19 +26,10 @@ import sys
 import numpy as np
 
 from .dtypes import BFLOAT16
+from .errors import Float32OverflowError, UnsupportedLeafError
 
 _ARRAY_PROTOCOLS = ("__dlpack__", "__array__", "__array_interface__", "__cuda_array_interface__")
 _BUFFERS = (memoryview, _array.array)
-
-
-class UnsupportedLeafError(TypeError):
-    """A leaf is an array gpuflat cannot view zero-copy; the walk prefixes its path.
-
-    >>> raise UnsupportedLeafError("expected a NumPy, CuPy, PyTorch or JAX array, found Series")
-    Traceback (most recent call last):
-    ...
-    gpuflat.arrays.UnsupportedLeafError: expected a NumPy, CuPy, PyTorch or JAX array, found Series
-    """
 
 
 # ---------------------------------------------------------------- kinds
@@ -76,7 +67,7 @@ def adopt(x):
     >>> adopt(memoryview(b"ab"))
     Traceback (most recent call last):
     ...
-    gpuflat.arrays.UnsupportedLeafError: expected a NumPy, CuPy, PyTorch or JAX array, found memoryview (wrap it with np.asarray to use it as a leaf)
+    gpuflat.errors.UnsupportedLeafError: expected a NumPy, CuPy, PyTorch or JAX array, found memoryview (wrap it with np.asarray to use it as a leaf)
     """
     if isinstance(x, np.ndarray):
         return x
@@ -251,19 +242,6 @@ def _to_torch(result, like, torch):
     else:
         tensor = torch.from_dlpack(result)
     return tensor if tensor.device == like.device else tensor.to(like.device)
-
-
-class Float32OverflowError(OverflowError):
-    """A finite 64-bit result does not fit the 32-bit dtype JAX would hold it in.
-
-    With ``jax_enable_x64`` off (JAX's default) JAX arrays are at most 32-bit,
-    and JAX itself would turn such a value into inf with only a warning.
-
-    >>> raise Float32OverflowError("expected a result that fits float32, found 6e+38")
-    Traceback (most recent call last):
-    ...
-    gpuflat.arrays.Float32OverflowError: expected a result that fits float32, found 6e+38
-    """
 
 
 def _to_jax(result, like, jax):

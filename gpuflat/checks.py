@@ -12,7 +12,7 @@ import weakref
 
 from . import tree as _tree
 from .dtypes import TAGS
-from .errors import OverlapError, TreeMismatchError
+from .errors import OverlapError, TreeMismatchError, UnsupportedLeafError
 from .flatplan import shape_and_dtype
 from .identity import SameArrays
 from .overlap import find_overlap
@@ -75,7 +75,7 @@ def _adopt(path, value):
 
     try:
         return arrays.adopt(value)
-    except arrays.UnsupportedLeafError as e:
+    except UnsupportedLeafError as e:
         raise TreeMismatchError(f"leaf {path!r}: {e}") from None
 
 

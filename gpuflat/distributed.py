@@ -34,14 +34,12 @@ from collections import OrderedDict
 
 import numpy as np
 
-import gpuflat as gf
-
-from . import checks
+from . import checks, ops
 from .arrays import adopt, device_scope, is_module, module_parameters
 from .backends import get_backend
 from .dtypes import BFLOAT16
-from .errors import NonFiniteError
-from .ops import Call
+from .binding import Call
+from .errors import CollectiveError, NonFiniteError
 
 __all__ = ["PATH_FORMAT", "CollectiveError", "Owned", "all_reduce_", "clip_grad_norm_", "global_norm",
            "replicated", "sharded", "tied"]
@@ -49,16 +47,6 @@ __all__ = ["PATH_FORMAT", "CollectiveError", "Owned", "all_reduce_", "clip_grad_
 # Each rank's row in the one exchanged buffer: its partial, and 1 + the slot
 # of its first owned leaf with a non-finite norm (0: none).
 _ROW = 2
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed: typically another rank raised before reaching it, or left.
-
-    >>> raise CollectiveError("rank 0 of 2: the all-reduce failed")
-    Traceback (most recent call last):
-    ...
-    gpuflat.distributed.CollectiveError: rank 0 of 2: the all-reduce failed
-    """
 
 
 # ---------------------------------------------------------------- public API
@@ -499,7 +487,7 @@ class _Reduction:
             call = Call(grads)
             checks.check_in_place(call.paths(), call.unique)
             self.plan, self.tree, self.like = call.plan, grads, call.like
-            self.targets = [adopt(gf.flatten(call.plan, grads))]
+            self.targets = [adopt(ops.flatten(call.plan, grads))]
         with device_scope(None, self.like):
             self.moving = [b.astype(_WIDER[b.dtype]) if b.dtype in _WIDER else b for b in self.targets]
 
@@ -516,7 +504,7 @@ class _Reduction:
                 if self.tree is None and moved is not target:
                     target[...] = moved
         if self.tree is not None:
-            gf.scatter(self.plan, self.moving[0], self.tree)
+            ops.scatter(self.plan, self.moving[0], self.tree)
 
 
 def _module_grads(module) -> dict:

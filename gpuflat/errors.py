@@ -70,3 +70,60 @@ class CaptureError(RuntimeError):
     ...
     gpuflat.errors.CaptureError: norms of leaf ['w']: make the same call once before capturing
     """
+
+
+class UnsupportedLeafError(TypeError):
+    """A leaf is an array gpuflat cannot view zero-copy; the walk prefixes its path.
+
+    >>> raise UnsupportedLeafError("expected a NumPy, CuPy, PyTorch or JAX array, found Series")
+    Traceback (most recent call last):
+    ...
+    gpuflat.errors.UnsupportedLeafError: expected a NumPy, CuPy, PyTorch or JAX array, found Series
+    """
+
+
+class Float32OverflowError(OverflowError):
+    """A finite 64-bit result does not fit the 32-bit dtype JAX would hold it in.
+
+    With ``jax_enable_x64`` off (JAX's default) JAX arrays are at most 32-bit,
+    and JAX itself would turn such a value into inf with only a warning.
+
+    >>> raise Float32OverflowError("expected a result that fits float32, found 6e+38")
+    Traceback (most recent call last):
+    ...
+    gpuflat.errors.Float32OverflowError: expected a result that fits float32, found 6e+38
+    """
+
+
+class NonFiniteNormError(NonFiniteError, RuntimeError):
+    """The total norm is NaN or inf and ``error_if_nonfinite`` was set; nothing was scaled.
+
+    A RuntimeError, as PyTorch raises, and a gpuflat NonFiniteError.
+
+    >>> issubclass(NonFiniteNormError, RuntimeError), issubclass(NonFiniteNormError, NonFiniteError)
+    (True, True)
+    """
+
+
+class NonFloatingTensorError(TreeMismatchError, RuntimeError):
+    """A tensor is neither floating point nor complex (an integer or bool tensor); nothing was changed.
+
+    A RuntimeError, as PyTorch's norms raise for such tensors, and a gpuflat TreeMismatchError.
+
+    >>> import torch
+    >>> from gpuflat.torch import get_total_norm
+    >>> get_total_norm([torch.ones(2), torch.arange(3)])
+    Traceback (most recent call last):
+    ...
+    gpuflat.errors.NonFloatingTensorError: leaf 'tensors[1]': expected a floating point or complex tensor, found dtype torch.int64
+    """
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: typically another rank raised before reaching it, or left.
+
+    >>> raise CollectiveError("rank 0 of 2: the all-reduce failed")
+    Traceback (most recent call last):
+    ...
+    gpuflat.errors.CollectiveError: rank 0 of 2: the all-reduce failed
+    """

@@ -23,7 +23,7 @@ from . import tree as _tree
 from .backends.base import select
 from .backends.numpy_backend import cast_copy
 from .binding import Call, gradients_of, in_place, norm_inputs, raise_if_nonfinite, slot_sources, summed_wide
-from .errors import OverlapError, TreeMismatchError
+from .errors import OverlapError, TreeMismatchError, UnsupportedLeafError
 from .flatplan import FlatPlan
 from .overlap import first_sharing
 
@@ -461,7 +461,7 @@ def _view(x, name):
         return x
     try:
         adopted = _arrays.adopt(x)
-    except _arrays.UnsupportedLeafError as e:
+    except UnsupportedLeafError as e:
         raise TreeMismatchError(f"{name}: {e}") from None
     if adopted is None:
         raise TreeMismatchError(f"{name}: expected a 1-D array, got {type(x).__name__}")

@@ -33,40 +33,16 @@ import warnings
 
 import torch
 
-import gpuflat as _gf
-
 from .arrays import adopt, device_scope, to_caller
 from .backends.base import select
 from .checks import check_in_place, check_ord, clip_arguments
-from .errors import NonFiniteError, TreeMismatchError
+from .errors import NonFiniteNormError, NonFloatingTensorError
+from .ops import plan
 
 __all__ = ["NonFloatingTensorError", "NonFiniteNormError", "clip_grad_norm_", "clip_grads_with_norm_",
            "get_total_norm"]
 
 _EPS = 1e-6  # PyTorch's: coef = max_norm / (total_norm + 1e-6)
-
-
-class NonFiniteNormError(NonFiniteError, RuntimeError):
-    """The total norm is NaN or inf and ``error_if_nonfinite`` was set; nothing was scaled.
-
-    A RuntimeError, as PyTorch raises, and a gpuflat NonFiniteError.
-
-    >>> issubclass(NonFiniteNormError, RuntimeError), issubclass(NonFiniteNormError, _gf.NonFiniteError)
-    (True, True)
-    """
-
-
-class NonFloatingTensorError(TreeMismatchError, RuntimeError):
-    """A tensor is neither floating point nor complex (an integer or bool tensor); nothing was changed.
-
-    A RuntimeError, as PyTorch's norms raise for such tensors, and a gpuflat TreeMismatchError.
-
-    >>> import torch
-    >>> get_total_norm([torch.ones(2), torch.arange(3)])
-    Traceback (most recent call last):
-    ...
-    gpuflat.torch.NonFloatingTensorError: leaf 'tensors[1]': expected a floating point or complex tensor, found dtype torch.int64
-    """
 
 
 @torch.no_grad()
@@ -192,7 +168,7 @@ class _DeviceGroup:
                     self.views.append(adopt(t))
                 except TypeError as err:
                     raise type(err)(f"leaf {name!r}: {err}") from None
-        self.plan = _gf.plan(self.views)
+        self.plan = plan(self.views)
         self.backend = select(None, self.views, lambda i: self.names[i])
 
 

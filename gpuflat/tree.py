@@ -30,7 +30,7 @@ import numpy as np
 
 from . import arrays
 from .dtypes import TAGS, unsupported_float
-from .errors import TreeMismatchError, UnwalkableError
+from .errors import TreeMismatchError, UnsupportedLeafError, UnwalkableError
 
 class _Leaf:
     """Marks the place of a trainable array in a treedef."""
@@ -432,7 +432,7 @@ def _leaf(x, out, side):
                           "cannot be walked twice or rebuilt; pass a list")
     try:
         adopted = arrays.adopt(x)
-    except arrays.UnsupportedLeafError as e:
+    except UnsupportedLeafError as e:
         raise _Refused(x, str(e)) from None
     if adopted is not None and adopted.dtype in TAGS:
         foreign[id(x)] = (x, adopted)
