@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from . import arrays as _arrays
 from . import checks
 from . import flatplan
@@ -147,7 +149,7 @@ def summed_wide(plan, sources, backend, like=None):
     arrays = [(plan.leaves[slot].path, a) for slot, s in enumerate(sources) for a in s]
     be = select(backend, [a for _, a in arrays], lambda i: arrays[i][0])
     with _arrays.device_scope(be, like):
-        wide = be.xp.empty(plan.size, be.xp.complex128 if plan.dtype.kind == "c" else be.xp.float64)
+        wide = be.empty(plan.size, np.complex128 if plan.dtype.kind == "c" else np.float64)
         be.gather(plan, sources, wide)
     return wide
 

@@ -114,7 +114,7 @@ def destructure(tree, *, backend: str | None = None) -> tuple[Any, "Restructure"
     call = Call(tree)
     be = call.backend(backend)
     with _arrays.device_scope(be, call.like):
-        flat = be.xp.empty(call.plan.size, call.plan.dtype)
+        flat = be.empty(call.plan.size, call.plan.dtype)
         be.gather(call.plan, [[a] for a in call.unique], flat)
         flat = call.result(flat)
     return flat, Restructure(call.plan.with_statics(call.statics), call.owners(), backend)
@@ -188,7 +188,7 @@ def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None) -> An
         if out is not None:
             be.gather(plan, sources, target)
             return out
-        flat = be.xp.empty(plan.size, plan.dtype)
+        flat = be.empty(plan.size, plan.dtype)
         be.gather(plan, sources, flat)
         return flat if like is None else _arrays.to_caller(flat, like)
 
@@ -293,7 +293,7 @@ def total(f: str | Callable[[Any], Any], tree, *, model=None, backend: str | Non
     with _arrays.device_scope(be, call.like):
         if f == "l2":
             result = be.norms(plan, leaves, 2.0, per_leaf=True)
-            return call.result(be.xp.sum(result.per_leaf))
+            return call.result(be.sum(result.per_leaf))
         result = be.norms(plan, leaves, 1.0 if f == "l1" else 2.0, per_leaf=False)
         # "sumsq" is the pass's own float64 sum of squares: squaring the rounded
         # 2-norm would round twice (three ones gave 2.9999999999999996).
@@ -402,7 +402,7 @@ def clip_by_global_norm(tree, max_norm: float, ord: float = 2, *, eps: float = 1
     be = call.backend(backend)
     with _arrays.device_scope(be, call.like):
         result = be.norms(call.plan, call.unique, p, per_leaf=False)
-        copies = [be.xp.array(a, copy=True, order="C") for a in call.unique]
+        copies = [be.copy(a) for a in call.unique]
         be.clip_(call.plan, copies, result.total, max_norm, eps)
         leaves = _in_kinds(copies, call.owners())
         norm = call.result(result.total)
@@ -429,7 +429,7 @@ def _new_leaves(plan, flat, backend, owners) -> list:
     dtypes, each in the kind of its slot's owner (see ``_in_kinds``)."""
     be = select(backend, [flat], lambda i: "<flat>")
     with _arrays.device_scope(be, next((own for own in owners if own is not None), None)):
-        leaves = [be.xp.empty(leaf.shape, leaf.dtype) for leaf in plan.leaves]
+        leaves = [be.empty(leaf.shape, leaf.dtype) for leaf in plan.leaves]
         be.scatter(plan, flat, leaves)
         return _in_kinds(leaves, owners)
 

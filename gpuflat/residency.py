@@ -210,7 +210,7 @@ class Resident:
             torch = sys.modules["torch"]
             own = torch.zeros(size, dtype=_torch_dtype(torch, dtype), device=self._like.device)
             return own, _arrays.adopt(own)
-        buf = self._backend.xp.zeros(size, dtype)
+        buf = self._backend.zeros(size, dtype)
         return buf, buf
 
     # ---------------------------------------------------------- buffers
@@ -344,7 +344,7 @@ class Resident:
     def _per_leaf(self, results):
         """Each leaf's norm in plan order, padding left out (one gather)."""
         grouped = [r.per_leaf[i : i + 1].reshape(()) for r, g in zip(results, self._groups) for i in g.real]
-        out = self._backend.xp.empty(len(grouped), np.float64)
+        out = self._backend.empty(len(grouped), np.float64)
         self._backend.gather(self._per_leaf_plan, [[grouped[k]] for k in self._grouped_index], out)
         return out
 

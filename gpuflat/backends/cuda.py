@@ -93,6 +93,24 @@ class CudaBackend:
         """Read a device array on the host (one synchronisation)."""
         return self.runtime.to_host(x)
 
+    def empty(self, shape, dtype):
+        """An uninitialised device array, from the allocator of the current scope."""
+        return self.runtime.empty(shape, dtype)
+
+    def zeros(self, shape, dtype):
+        """A zeroed device array (a fill on the current stream)."""
+        return self.runtime.zeros(shape, dtype)
+
+    def copy(self, x):
+        """A C-contiguous device copy of ``x``, on the current stream."""
+        with self.runtime.on_device():
+            return self.xp.array(x, copy=True, order="C")
+
+    def sum(self, x):
+        """The sum of ``x``'s elements as a 0-d device array (no host read)."""
+        with self.runtime.on_device():
+            return self.xp.sum(x)
+
     # ------------------------------------------------------------ operations
 
     def gather(self, plan, sources, out) -> None:

@@ -38,7 +38,7 @@ from gpuflat import host_compiler
 from gpuflat.dtypes import BFLOAT16
 from gpuflat.kernel_loader import kernel_dir
 
-from .numpy_backend import NumpyBackend
+from .numpy_backend import HostMemory, NumpyBackend
 from .protocol import NormResult
 
 # The arithmetic must stay the kernels': no fast-math, and no contraction of
@@ -118,7 +118,7 @@ def _cpu_identity() -> str:
         return platform.machine() + platform.processor()
 
 
-class HostBackend:
+class HostBackend(HostMemory):
     """Whole-tree operations on NumPy arrays in native code on ``threads`` threads.
 
     ``threads`` defaults to the CPUs this process may run on; results never

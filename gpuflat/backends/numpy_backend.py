@@ -76,7 +76,27 @@ def _squared_magnitudes(z):
     return squares
 
 
-class NumpyBackend:
+class HostMemory:
+    """Allocation and the small array operations of the backends whose memory is the host's.
+
+    >>> HostMemory().copy(np.arange(6.0).reshape(2, 3).T).flags.c_contiguous
+    True
+    """
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def zeros(self, shape, dtype):
+        return np.zeros(shape, dtype)
+
+    def copy(self, x):
+        return np.array(x, copy=True, order="C")
+
+    def sum(self, x):
+        return np.sum(x)
+
+
+class NumpyBackend(HostMemory):
     """Whole-tree operations on NumPy arrays (the default for NumPy trees)."""
 
     name = "numpy"

@@ -72,6 +72,18 @@ class Backend(Protocol):
     def to_host(self, x):
         """``x`` as a NumPy array (one synchronisation on a device)."""
 
+    def empty(self, shape, dtype):
+        """An uninitialised array of this backend's memory (inside ``on_device``)."""
+
+    def zeros(self, shape, dtype):
+        """A zeroed array of this backend's memory (a fill, no upload)."""
+
+    def copy(self, x):
+        """A C-contiguous copy of ``x`` in this backend's memory."""
+
+    def sum(self, x):
+        """The sum of ``x``'s elements, a 0-d array where ``x`` lives (no host read)."""
+
     def on_device(self):
         """A context in which new arrays land on this backend's device (and
         array-module calls run there): callers allocate inside it."""
