@@ -19,7 +19,7 @@ import numpy as np
 
 import gpuflat as gf
 from gpuflat.backends import get_backend
-from gpuflat.runtime import EmulatedRuntime
+from gpuflat.backends.cuda_runtime import EmulatedRuntime
 
 from . import timing, workloads
 

@@ -17,7 +17,7 @@ from . import arrays as _arrays
 from . import checks
 from . import flatplan
 from . import tree as _tree
-from .backends.base import select
+from .backends.selection import select
 from .errors import NonFiniteError, TreeMismatchError
 
 # Arrays last found fit for an in-place write, per plan (see InPlaceChecked).

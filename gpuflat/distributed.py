@@ -31,6 +31,7 @@ import sys
 import threading
 import weakref
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +52,8 @@ _ROW = 2
 
 # ---------------------------------------------------------------- public API
 
-def global_norm(tree, ord=2, *, group=None, owned=None, per_leaf=False, backend=None):
+def global_norm(tree, ord: float = 2, *, group=None, owned: Owned | None = None, per_leaf: bool = False,
+                backend: str | None = None) -> Any:
     """The norm of a model spread over the ranks of ``group``; every rank gets the same value.
 
     Each rank passes its local leaves; ``owned`` says which of them this rank
@@ -76,8 +78,8 @@ def global_norm(tree, ord=2, *, group=None, owned=None, per_leaf=False, backend=
         return local.give_back(total)
 
 
-def clip_grad_norm_(grads, max_norm, ord=2, *, group=None, owned=None, eps=1e-6,
-                    error_if_nonfinite=False, backend=None):
+def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, group=None, owned: Owned | None = None,
+                    eps: float = 1e-6, error_if_nonfinite: bool = False, backend: str | None = None) -> Any:
     """Scale every rank's gradients by the same min(1, max_norm / (norm + eps)); return the norm.
 
     PyTorch's ``clip_grad_norm_`` over a model spread across ranks: the norm
@@ -107,7 +109,7 @@ def clip_grad_norm_(grads, max_norm, ord=2, *, group=None, owned=None, eps=1e-6,
         return local.give_back(total)
 
 
-def all_reduce_(grads, op="mean", *, group=None, bucket_bytes=None):
+def all_reduce_(grads, op: str = "mean", *, group=None, bucket_bytes: int | None = None) -> None:
     """Sum (or average) gradients across ranks in place, through one flat buffer.
 
     ``grads`` is a tree of gradients, a ``torch.nn.Module`` (its parameters'
@@ -185,7 +187,7 @@ class Owned:
         return self._rule.mask(paths, leaves)
 
 
-def sharded():
+def sharded() -> Owned:
     """Every leaf counts on every rank: tensor-parallel shards, ZeRO/FSDP shards.
 
     >>> sharded()("['w']", np.ones(2))
@@ -194,7 +196,7 @@ def sharded():
     return Owned(_Everything())
 
 
-def replicated(group=None, where=None):
+def replicated(group=None, where=None) -> Owned:
     """Leaves held whole on every rank of ``group`` count on its rank 0 only.
 
     For tensor-parallel duplicates (layer norms, biases of row-parallel
@@ -211,7 +213,7 @@ def replicated(group=None, where=None):
     return Owned(_Tied(comm.rank == 0, _where(where, required=True)))
 
 
-def tied(owner_rank, group=None, where=None):
+def tied(owner_rank: int, group=None, where=None) -> Owned:
     """Copies of one parameter on several ranks count on ``owner_rank`` of ``group`` only.
 
     For an embedding tied across pipeline stages (the first and last stage

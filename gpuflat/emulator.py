@@ -113,6 +113,16 @@ def load_library(sources: dict[str, str], name_expressions: list[str], name: str
     return host_compiler.load(path, EmulatorLibrary)
 
 
+
+def kernels_library() -> "EmulatorLibrary":
+    """gpuflat's own kernels built for the host: the device of the ``emulated`` backend.
+
+    >>> isinstance(kernels_library(), EmulatorLibrary)
+    True
+    """
+    return load_library(kernel_loader.sources(), kernel_loader.name_expressions(), "gpuflat-kernels")
+
+
 # NumPy dtype kind and size a kernel parameter accepts, by the signature code
 # (p: pointer, i/u: integer, f: float, b: bool, s: struct).
 def _describe(code: str) -> str:

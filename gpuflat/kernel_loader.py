@@ -404,13 +404,3 @@ def cupy_module(device):
     with device:
         module.load(compiled.cubin)
     return module, compiled.lowered
-
-
-# ---------------------------------------------------------------- emulator
-
-
-def emulator_library():
-    """The kernels built for the host emulator (``gpuflat.emulator``)."""
-    from gpuflat import emulator
-
-    return emulator.load_library(sources(), name_expressions(), "gpuflat-kernels")

@@ -20,7 +20,7 @@ from . import arrays as _arrays
 from . import checks
 from . import flatplan
 from . import tree as _tree
-from .backends.base import select
+from .backends.selection import select
 from .backends.numpy_backend import cast_copy
 from .binding import Call, gradients_of, in_place, norm_inputs, raise_if_nonfinite, slot_sources, summed_wide
 from .errors import OverlapError, TreeMismatchError, UnsupportedLeafError

@@ -17,13 +17,14 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from . import arrays as _arrays
 from . import checks
 from . import tree as _tree
-from .backends.base import select
+from .backends.selection import select
 from .errors import NonFiniteError
 from .flatplan import FlatPlan, LeafSpec
 from .binding import Call, raise_if_nonfinite
@@ -247,7 +248,7 @@ class Resident:
 
     # ---------------------------------------------------------- per step
 
-    def grad_norm(self, ord=2, *, per_leaf: bool = False):
+    def grad_norm(self, ord: float = 2, *, per_leaf: bool = False) -> Any:
         """The gradients' norm (``(total, per_leaf)`` with ``per_leaf``), as ``gf.global_norm``.
 
         >>> import numpy as np, gpuflat as gf
@@ -265,7 +266,7 @@ class Resident:
                 return self._result(total)
             return self._result(total), self._result(self._per_leaf(results))
 
-    def param_norm(self, ord=2):
+    def param_norm(self, ord: float = 2) -> Any:
         """The parameters' norm, as ``gf.global_norm`` of the model.
 
         >>> import numpy as np, gpuflat as gf
@@ -277,7 +278,8 @@ class Resident:
         with self._scope():
             return self._result(self._combine(self._norms(self._params, p, False), p))
 
-    def clip_grad_norm_(self, max_norm, ord=2, *, eps=1e-6, error_if_nonfinite: bool = False):
+    def clip_grad_norm_(self, max_norm: float, ord: float = 2, *, eps: float = 1e-6,
+                        error_if_nonfinite: bool = False) -> Any:
         """Scale the gradients by min(1, max_norm / (norm + eps)) in place; return the norm.
 
         As ``gf.clip_grad_norm_``: no host synchronisation unless

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import types
 import warnings
+from collections.abc import Iterable
 
 import torch
 
 from .arrays import adopt, device_scope, to_caller
-from .backends.base import select
+from .backends.selection import select
 from .checks import check_in_place, check_ord, clip_arguments
 from .errors import NonFiniteNormError, NonFloatingTensorError
 from .ops import plan
@@ -46,7 +47,8 @@ _EPS = 1e-6  # PyTorch's: coef = max_norm / (total_norm + 1e-6)
 
 
 @torch.no_grad()
-def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: float | str = 2.0,
+                   error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
     """The norm of all ``tensors`` taken as one vector, as ``torch.nn.utils.get_total_norm``.
 
     >>> import torch
@@ -67,7 +69,8 @@ def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=Non
 
 
 @torch.no_grad()
-def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
+def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
+                          total_norm: torch.Tensor, foreach: bool | None = None) -> None:
     """Scale the parameters' gradients in place by min(1, max_norm / (total_norm + 1e-6)).
 
     As ``torch.nn.utils.clip_grads_with_norm_``: ``total_norm`` may come from
@@ -87,7 +90,9 @@ def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
+                    norm_type: float | str = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None) -> torch.Tensor:
     """Clip the gradient norm of ``parameters`` in place; return the total norm before clipping.
 
     As ``torch.nn.utils.clip_grad_norm_``; parameters without a gradient are

@@ -22,7 +22,7 @@ import gc
 import sys
 import threading
 from collections import defaultdict
-from collections.abc import Iterator, Set
+from collections.abc import Iterator, Sequence, Set
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -257,7 +257,7 @@ def kind_of(x):
     return OBJECT
 
 
-def register(cls, fields, trainable=None):
+def register(cls: type, fields: Sequence[str], trainable: Sequence[str] | None = None) -> None:
     """Open instances of ``cls`` during walks.
 
     ``fields`` names the attributes that hold the children; ``trainable``

@@ -1,5 +1,5 @@
 """A contract check of CuPy, standing in for the few CuPy entry points that
-``gpuflat.runtime.CupyRuntime`` calls. It is not a GPU.
+``gpuflat.backends.cuda_runtime.CupyRuntime`` calls. It is not a GPU.
 
 ``make_cupy()`` returns a module to put in ``sys.modules["cupy"]``. Its
 arrays are NumPy arrays tagged with a device, and its launches run the real
@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpuflat import kernel_loader
+from gpuflat import emulator, kernel_loader
 
 _WARP = 32
 _MAX_BLOCK = 1024
@@ -746,7 +746,7 @@ class _StandIn:
                 standin.record("launch", device, stream, (self.expression, grid_x, block_x))
 
                 def work():
-                    kernel_loader.emulator_library().launch(self.expression, grid_x, block_x, values)
+                    emulator.kernels_library().launch(self.expression, grid_x, block_x, values)
                 graph = standin.captures.get(stream.key)
                 if graph is not None:
                     graph.work.append(work)
@@ -801,7 +801,7 @@ class _StandIn:
 
     def check_args(self, expression, args, device, stream):
         """The emulator's arguments for a launch, once every argument passes CuPy's contract."""
-        codes = kernel_loader.emulator_library().signature(expression)
+        codes = emulator.kernels_library().signature(expression)
         if not isinstance(args, tuple) or len(args) != len(codes):
             raise ContractError(f"{expression}: takes a tuple of {len(codes)} arguments, got {args!r:.80}")
         values = []

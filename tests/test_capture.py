@@ -17,7 +17,7 @@ import torch
 
 import gpuflat as gf
 import gpuflat.torch as gft
-from gpuflat.backends import base as backends_base
+from gpuflat.backends import selection as backends_selection
 
 import cupy_stand_in
 import torch_cuda_stand_in as tcs
@@ -27,7 +27,7 @@ import torch_cuda_stand_in as tcs
 def cp(monkeypatch):
     module = cupy_stand_in.make_cupy(("90", "80"))
     monkeypatch.setitem(sys.modules, "cupy", module)
-    monkeypatch.setattr(backends_base, "_backends", {})
+    monkeypatch.setattr(backends_selection, "_backends", {})
     return module
 
 

@@ -16,7 +16,7 @@ import pytest
 import gpuflat as gf
 from gpuflat.backends import cuda, get_backend
 from gpuflat.backends.cuda import ITEM, CudaBackend
-from gpuflat.runtime import EmulatedRuntime
+from gpuflat.backends.cuda_runtime import EmulatedRuntime
 
 from conftest import cupy_with_device, nonfinite_cases, torch_scaled
 
@@ -529,7 +529,7 @@ gpu = pytest.mark.skipif(_cp is None, reason="needs CuPy and a CUDA device")
 def test_gpu_gives_the_emulated_bits():
     """The same tables and launches on a GPU: the same bits as the emulator
     (both compile a*b+c as two roundings), except ulps in pow and hypot."""
-    from gpuflat.runtime import CupyRuntime
+    from gpuflat.backends.cuda_runtime import CupyRuntime
 
     cp = _cp
     gbe, ebe = CudaBackend(CupyRuntime()), CudaBackend(_RUNTIME)

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 import gpuflat as gf
-from gpuflat.backends import base as backends_base
+from gpuflat.backends import selection as backends_selection
 from gpuflat.backends import get_backend
 from gpuflat.backends.cuda import ITEM, CudaBackend
 
@@ -60,7 +60,7 @@ def cupy_variant(request):
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "cupy", module)
         # The "cuda" backends hold the CuPy they were made with: start from none.
-        mp.setattr(backends_base, "_backends", {})
+        mp.setattr(backends_selection, "_backends", {})
         cp, ON_STAND_IN = module, request.param == "stand-in"
         yield request.param
         cp, ON_STAND_IN = None, False
@@ -505,7 +505,7 @@ def test_tied_gradients_follow_the_contract(dtype):
 # ---------------------------------------------------------------- determinism
 
 def test_same_bits_on_every_repeat_and_any_grid():
-    from gpuflat.runtime import CupyRuntime
+    from gpuflat.backends.cuda_runtime import CupyRuntime
 
     specs = [((ITEM * 20 + 11,), np.float32, "c"), ((ITEM * 3,), np.float16, "reversed"),
              ((999,), np.complex64, "c"), ((64, 70), np.float64, "negative")]
@@ -660,7 +660,7 @@ def test_subnormals_give_the_emulated_bits(dtype):
 
 
 def test_tables_serve_launches_on_other_streams():
-    from gpuflat.runtime import CupyRuntime
+    from gpuflat.backends.cuda_runtime import CupyRuntime
 
     rng = np.random.default_rng(11)
     host_leaves = [random_array(rng, (n,), np.float32) for n in (5, 70_000, 1)]

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from gpuflat.backends import base as backends_base
+from gpuflat.backends import selection as backends_selection
 
 import cupy_stand_in
 
@@ -19,7 +19,7 @@ def cp(monkeypatch):
     """The stand-in as ``cupy``: device 0 is sm_90, device 1 sm_80."""
     module = cupy_stand_in.make_cupy(("90", "80"))
     monkeypatch.setitem(sys.modules, "cupy", module)
-    monkeypatch.setattr(backends_base, "_backends", {})
+    monkeypatch.setattr(backends_selection, "_backends", {})
     return module
 
 

@@ -16,7 +16,7 @@ import pytest
 import gpuflat as gf
 from gpuflat import kernel_loader as kl
 from gpuflat.backends.cuda import CudaBackend
-from gpuflat.runtime import CupyRuntime, EmulatedRuntime
+from gpuflat.backends.cuda_runtime import CupyRuntime, EmulatedRuntime
 
 import cupy_stand_in
 from conftest import BF16, DTYPES, assert_bits_equal, cast, exact_norm, random_array, ref_flatten, torch_scaled

@@ -19,9 +19,9 @@ import torch
 import gpuflat as gf
 import gpuflat.distributed as gfd
 import gpuflat.torch as gft
-from gpuflat.backends import base as backends_base
+from gpuflat.backends import selection as backends_selection
 from gpuflat.backends.cuda import TABLES_KEPT, CudaBackend
-from gpuflat.runtime import CupyRuntime
+from gpuflat.backends.cuda_runtime import CupyRuntime
 
 import cupy_stand_in
 import torch_cuda_stand_in as tcs
@@ -33,7 +33,7 @@ DEVICE_WORK = ("empty", "zeros", "upload", "launch", "fill", "elementwise", "to_
 def cp(monkeypatch):
     module = cupy_stand_in.make_cupy(("90", "80"))
     monkeypatch.setitem(sys.modules, "cupy", module)
-    monkeypatch.setattr(backends_base, "_backends", {})
+    monkeypatch.setattr(backends_selection, "_backends", {})
     return module
 
 

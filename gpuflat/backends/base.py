@@ -1,107 +1,13 @@
-"""Which backend serves a call: by name, and by the arrays' kind and device."""
-from __future__ import annotations
+"""Deprecated alias: ``gpuflat.backends.base`` was renamed ``gpuflat.backends.selection`` in 0.4.0.
 
-import sys
-import threading
+Importing it warns; its names are the new module's.
+"""
+import warnings
 
-BACKEND_NAMES = ("numpy", "host", "cuda", "emulated")
+from . import selection as _moved
 
-_backends: dict = {}
-_lock = threading.Lock()
-
-
-def get_backend(name: str, device: int | None = None):
-    """The backend instance called ``name`` ("numpy", "host", "cuda" or "emulated").
-
-    "cuda" has one backend per device (``device``: the CUDA device id;
-    default: CuPy's current device), each launching on its own device.
-
-    >>> get_backend("numpy").name
-    'numpy'
-    """
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"backend: expected one of {BACKEND_NAMES}, got {name!r}")
-    if name == "cuda" and device is None:
-        device = sys.modules["cupy"].cuda.Device().id if "cupy" in sys.modules else 0
-    key = (name, device if name == "cuda" else None)
-    with _lock:
-        if key not in _backends:
-            _backends[key] = _make(name, device)
-        return _backends[key]
+warnings.warn("gpuflat.backends.base is deprecated; import gpuflat.backends.selection", DeprecationWarning, stacklevel=2)
 
 
-def _make(name, device):
-    if name == "numpy":
-        from .numpy_backend import NumpyBackend
-
-        return NumpyBackend()
-    if name == "host":
-        from .host import HostBackend
-
-        return HostBackend()
-    from .cuda import CudaBackend
-    from ..runtime import CupyRuntime, EmulatedRuntime
-
-    return CudaBackend(EmulatedRuntime() if name == "emulated" else CupyRuntime(device))
-
-
-def _is_cupy(x) -> bool:
-    cupy = sys.modules.get("cupy")
-    return cupy is not None and isinstance(x, cupy.ndarray)
-
-
-def select(backend, arrays, path_of):
-    """The backend for a call on ``arrays``; ``path_of(i)`` names the i-th (only on error).
-
-    The default follows the arrays: NumPy arrays take "host" (the native
-    path) where it builds, else "numpy"; CuPy arrays "cuda" on their device. A mix of kinds or of devices raises, naming one
-    leaf of each; so does a backend that cannot reach the arrays' memory.
-
-    >>> import numpy as np
-    >>> select(None, [np.ones(2)], lambda i: "['w']").name in ("host", "numpy")
-    True
-    >>> select("cuda", [np.ones(2)], lambda i: "['w']")
-    Traceback (most recent call last):
-    ...
-    TypeError: backend 'cuda' works on CuPy arrays; leaf "['w']" is a numpy.ndarray
-    """
-    on_gpu = list(map(_is_cupy, arrays)) if "cupy" in sys.modules else [False] * len(arrays)
-    first_cupy = on_gpu.index(True) if True in on_gpu else None
-    first_numpy = on_gpu.index(False) if False in on_gpu else None
-    if first_numpy is not None and first_cupy is not None:
-        raise TypeError(
-            f"tree mixes NumPy and CuPy arrays: leaf {path_of(first_numpy)!r} is a NumPy array, "
-            f"leaf {path_of(first_cupy)!r} is a CuPy array"
-        )
-    name = backend or ("cuda" if first_cupy is not None else _host_default())
-    wants_cupy = name == "cuda"
-    wrong = first_numpy if wants_cupy else first_cupy
-    if wrong is not None:
-        kind = "CuPy" if wants_cupy else "NumPy"
-        raise TypeError(
-            f"backend {name!r} works on {kind} arrays; leaf {path_of(wrong)!r} is a "
-            f"{type(arrays[wrong]).__module__}.{type(arrays[wrong]).__name__}"
-        )
-    if not wants_cupy:
-        return get_backend(name)
-    return get_backend(name, _one_device(arrays, path_of))
-
-
-def _host_default() -> str:
-    from .host import available
-
-    return "host" if available() else "numpy"
-
-
-def _one_device(arrays, path_of):
-    """The CUDA device all ``arrays`` live on; TypeError naming a leaf on each of two."""
-    if not arrays:
-        return None
-    device = arrays[0].device.id
-    for i, a in enumerate(arrays):
-        if a.device.id != device:
-            raise TypeError(
-                f"tree spans two GPUs: leaf {path_of(0)!r} is on device {device}, "
-                f"leaf {path_of(i)!r} on device {a.device.id}; expected one device"
-            )
-    return device
+def __getattr__(name):
+    return getattr(_moved, name)

@@ -21,7 +21,7 @@ The same code drives the GPU (``CupyRuntime``) and the host emulator
 (``EmulatedRuntime``); only the runtime differs.
 
 >>> import numpy as np, gpuflat as gf
->>> from gpuflat.runtime import EmulatedRuntime
+>>> from gpuflat.backends.cuda_runtime import EmulatedRuntime
 >>> be = CudaBackend(EmulatedRuntime())
 >>> tree = {"w": np.ones((2, 3), np.float32), "b": np.full(2, 2.0)}
 >>> plan, leaves = gf.plan(tree), gf.trainables(tree)
@@ -34,7 +34,6 @@ The same code drives the GPU (``CupyRuntime``) and the host emulator
 from __future__ import annotations
 
 import math
-import operator
 import threading
 import weakref
 from collections import OrderedDict
@@ -45,6 +44,7 @@ import numpy as np
 
 from gpuflat import kernel_loader as kl
 from gpuflat.dtypes import TAGS
+from gpuflat.identity import SameArrays
 
 from .protocol import NormResult
 
@@ -234,24 +234,13 @@ class _TableEntry:
     resident buffer's address)."""
 
     def __init__(self, arrays, key, host, uploaded):
-        self.refs = _weak_refs(arrays)
+        self.arrays = SameArrays(arrays)
         self.key = key
         self.host = host
         self.uploaded = uploaded  # a runtime.DeviceTable
 
     def holds(self, arrays, key) -> bool:
-        return (self.refs is not None and len(self.refs) == len(arrays) and self.key == key
-                and all(map(operator.is_, map(_deref, self.refs), arrays)))
-
-
-def _weak_refs(arrays):
-    try:
-        return list(map(weakref.ref, arrays))
-    except TypeError:  # an array type without weak references: found by content only
-        return None
-
-
-_deref = weakref.ref.__call__
+        return self.key == key and self.arrays.holds(arrays)
 
 
 class _StaticTables:

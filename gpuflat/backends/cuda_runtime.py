@@ -1,0 +1,393 @@
+"""Where the CUDA backend's kernels run: a real GPU through CuPy, or the host
+emulator.
+
+Both runtimes take the same launches (a kernel name expression, a grid, a
+block, and arguments that are device arrays or NumPy scalars), so
+``gpuflat.backends.cuda`` builds every table, grid and argument list once
+for both. Both count what a test wants to pin down: kernel launches, host
+synchronisations (every device-to-host read) and table uploads (none of
+which makes the host wait).
+
+Tables (:class:`DeviceTable`) are uploaded once and read by launches on any
+stream. On a GPU the upload goes through pinned staging on the current
+stream with no host wait; a launch on another stream first waits for it on
+the device (an event); a table is freed only once every other stream that
+read it is done with it (an event per stream), and never if a CUDA graph
+captured a launch reading it.
+
+>>> rt = EmulatedRuntime()
+>>> table = rt.upload(np.arange(3, dtype=np.int64))
+>>> rt.stats.uploads, rt.stats.syncs
+(1, 0)
+>>> rt.to_host(table).tolist(), rt.stats.syncs
+([0, 1, 2], 1)
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpuflat import kernel_loader
+from gpuflat.errors import CaptureError
+
+WARP = 32
+MAX_BLOCK = 1024
+
+
+@dataclass
+class Stats:
+    """Counters of one runtime; ``reset()`` zeroes them.
+
+    >>> s = Stats(); s.launches += 2; s.snapshot()
+    (2, 0, 0)
+    """
+
+    launches: int = 0
+    syncs: int = 0
+    uploads: int = 0
+
+    def reset(self) -> None:
+        self.launches = self.syncs = self.uploads = 0
+
+    def snapshot(self) -> tuple:
+        """(launches, syncs, uploads)."""
+        return (self.launches, self.syncs, self.uploads)
+
+
+def check_launch(name: str, grid: int, block: int) -> None:
+    """Refuse a launch configuration the kernels cannot run.
+
+    The kernels reduce with full-mask warp shuffles, so a block must be whole
+    warps: a multiple of 32, at most 1024 threads.
+
+    >>> check_launch("k", 1, 256)
+    >>> check_launch("k", 1, 48)
+    Traceback (most recent call last):
+    ...
+    ValueError: kernel 'k': block of 48 threads; expected a multiple of 32 in 32..1024 (whole warps)
+    """
+    if block % WARP or not 0 < block <= MAX_BLOCK:
+        raise ValueError(f"kernel {name!r}: block of {block} threads; expected a multiple of {WARP} "
+                         f"in {WARP}..{MAX_BLOCK} (whole warps)")
+    if not 0 < grid < 2**31:
+        raise ValueError(f"kernel {name!r}: grid of {grid} blocks; expected 1..2**31-1")
+
+
+class DeviceTable:
+    """A host table copied to the device once, and what its lifetime needs:
+    the stream it was uploaded on, an event marking the copy (``ready``), the
+    streams that waited for it, the last use by each other stream, the
+    pinned staging the copy reads until it lands, and whether a CUDA graph
+    captured a launch reading it. Only ``array`` matters to a launch.
+
+    >>> DeviceTable(np.arange(2)).array.tolist()
+    [0, 1]
+    """
+
+    __slots__ = ("array", "stream", "ready", "staging", "waited", "last_use", "captured")
+
+    def __init__(self, array, stream=None, ready=None, staging=None):
+        self.array = array
+        self.stream = stream
+        self.ready = ready
+        self.staging = staging
+        self.waited = set()
+        self.last_use = {}
+        self.captured = False
+
+
+class Runtime:
+    """The launch path shared by the real and the emulated device.
+
+    Subclasses set ``name`` (the backend name they serve), ``xp`` (the array
+    module), ``block`` (threads per block of the grid-stride kernels) and
+    ``max_grid``, and implement ``_empty``, ``_pointer``, ``_launch``,
+    ``_upload`` and ``_to_host``; a device with streams also overrides the
+    stream hooks ``_before_launch``, ``_after_launch`` and ``release``.
+    """
+
+    name = "runtime"
+    xp = np
+    block = 256
+    max_grid = 1
+
+    def __init__(self):
+        self.stats = Stats()
+        self._lock = threading.Lock()
+
+    # What the backend calls.
+    @property
+    def device_key(self):
+        """A hashable naming this device, for per-device table caches."""
+        return (self.name,)
+
+    def on_device(self):
+        """A context in which array-module calls run on this runtime's device."""
+        return contextlib.nullcontext()
+
+    def empty(self, shape, dtype):
+        """An uninitialised device array (no upload: nothing crosses the bus)."""
+        return self._empty(shape, dtype)
+
+    def zeros(self, shape, dtype):
+        """A zeroed device array (a memset on the device, no upload)."""
+        return self._zeros(shape, dtype)
+
+    def upload(self, host: np.ndarray, purpose: str = "an upload"):
+        """Copy a host table to the device, with no host wait; counted in
+        ``stats.uploads``. The copy is ordered on the current stream only: a
+        table read on any stream comes from :meth:`upload_table`."""
+        return self.upload_table(host, purpose).array
+
+    def upload_table(self, host: np.ndarray, purpose: str = "an upload") -> DeviceTable:
+        """``host`` copied to the device as a :class:`DeviceTable`, which
+        launches on any stream may read (pass it in ``tables``). ``purpose``
+        names the call needing it, for the CaptureError raised when the
+        current stream is capturing a CUDA graph (an upload cannot be captured)."""
+        with self._lock:
+            self.stats.uploads += 1
+        return self._upload(np.ascontiguousarray(host), purpose)
+
+    def release(self, table: DeviceTable) -> None:
+        """Let ``table`` go once no stream can still read it (see the device's override)."""
+
+    def to_host(self, array) -> np.ndarray:
+        """Read a device array back; counted in ``stats.syncs`` (it waits for the device)."""
+        with self._lock:
+            self.stats.syncs += 1
+        return self._to_host(array)
+
+    def pointer(self, array) -> int:
+        """The device address of ``array``'s first element."""
+        return self._pointer(array)
+
+    def grid_for(self, n_warps: int) -> int:
+        """Blocks for a grid-stride kernel that has ``n_warps`` warps' worth of work."""
+        per_block = self.block // WARP
+        return int(max(1, min(self.max_grid, -(-n_warps // per_block))))
+
+    def launch(self, name: str, grid: int, block: int, args, tables=()) -> None:
+        """Launch kernel ``name`` (a name expression); ``args`` are device arrays
+        (passed as pointers) and NumPy scalars (passed by value); ``tables``
+        the DeviceTables whose arrays ``args`` read, ordered after their
+        uploads and noted as used by the current stream. Raises
+        ``ValueError`` for a block that is not whole warps (see :func:`check_launch`)."""
+        grid, block = int(grid), int(block)
+        check_launch(name, grid, block)
+        with self._lock:
+            self.stats.launches += 1
+        for table in tables:
+            self._before_launch(table)
+        self._launch(name, grid, block, args)
+        for table in tables:
+            self._after_launch(table)
+
+    # Implementation hooks.
+    def _empty(self, shape, dtype):
+        raise NotImplementedError
+
+    def _zeros(self, shape, dtype):
+        raise NotImplementedError
+
+    def _pointer(self, array) -> int:
+        raise NotImplementedError
+
+    def _upload(self, host, purpose) -> DeviceTable:
+        raise NotImplementedError
+
+    def _to_host(self, array):
+        raise NotImplementedError
+
+    def _launch(self, name, grid, block, args):
+        raise NotImplementedError
+
+    def _before_launch(self, table):
+        """Order the current stream after ``table``'s upload (nothing: one stream)."""
+
+    def _after_launch(self, table):
+        """Note that the current stream read ``table`` (nothing: one stream)."""
+
+
+class EmulatedRuntime(Runtime):
+    """The kernels compiled for the host (``gpuflat.emulator``): host memory is
+    device memory and arrays are NumPy arrays.
+
+    Every thread of a block is a host thread, so the grid is kept small (one
+    warp per block, at most ``max_grid`` blocks); the kernels' results do not
+    depend on the grid, and tests check that.
+    """
+
+    name = "emulated"
+    xp = np
+
+    def __init__(self, block: int = WARP, max_grid: int = 2):
+        super().__init__()
+        check_launch("grid-stride kernels", max_grid, block)
+        self.block = block
+        self.max_grid = max_grid
+        self._library = None
+
+    @property
+    def library(self):
+        """The emulator library of the kernels, built on first use."""
+        if self._library is None:
+            from gpuflat import emulator  # only the emulated backend builds and loads it
+
+            self._library = emulator.kernels_library()
+        return self._library
+
+    def _empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def _zeros(self, shape, dtype):
+        return np.zeros(shape, dtype)
+
+    def _pointer(self, array) -> int:
+        return array.ctypes.data
+
+    def _upload(self, host, purpose):
+        return DeviceTable(np.array(host, copy=True))
+
+    def _to_host(self, array):
+        return np.array(array, copy=True)
+
+    def _launch(self, name, grid, block, args):
+        converted = [np.uint64(self._pointer(a)) if isinstance(a, np.ndarray) else a for a in args]
+        self.library.launch(name, grid, block, converted)
+
+
+class CupyRuntime(Runtime):
+    """One CUDA device through CuPy.
+
+    Every allocation, upload, launch and read-back runs inside ``with
+    device:``, so a runtime for device 1 never touches the current device.
+    Launches and uploads go on CuPy's current stream: to launch on PyTorch's,
+    wrap the calls in ``gpuflat.arrays.device_scope``. The kernels are
+    the cubin of ``kernel_loader.device_cubin`` for the device's compute
+    capability, the binary the compile checks build.
+
+    Tables are shared by every stream (another thread's, an ExternalStream,
+    a graph's capture stream): each upload is asynchronous from pinned
+    staging and marked with an event, which a launch on another stream
+    waits for on the device; a released table is kept until the events
+    recorded after its last use on every other stream are done, since CuPy's
+    pool and PyTorch's allocator hand freed memory to the next allocation on
+    the stream that allocated it, which nothing orders after the other
+    streams' reads. A table a captured graph reads is kept for good: the
+    graph may be replayed at any time.
+    """
+
+    name = "cuda"
+
+    def __init__(self, device_id: int | None = None, block: int = 256, blocks_per_sm: int = 4):
+        super().__init__()
+        import cupy
+
+        self.xp = cupy
+        self.device = cupy.cuda.Device(device_id) if device_id is not None else cupy.cuda.Device()
+        check_launch("grid-stride kernels", 1, block)
+        self.block = block
+        self.max_grid = self.device.attributes["MultiProcessorCount"] * blocks_per_sm
+        self._kernels: dict = {}
+        self._module = None
+        self._retired: list = []  # released tables other streams may still read
+        self._kept: list = []  # tables read by captured graphs
+
+    @property
+    def device_key(self):
+        return (self.name, self.device.id)
+
+    def on_device(self):
+        return self.device
+
+    def _empty(self, shape, dtype):
+        with self.device:
+            return self.xp.empty(shape, dtype)
+
+    def _zeros(self, shape, dtype):
+        with self.device:
+            return self.xp.zeros(shape, dtype)
+
+    def _pointer(self, array) -> int:
+        if array.device.id != self.device.id:
+            raise ValueError(f"array on CUDA device {array.device.id}; this runtime launches on "
+                             f"device {self.device.id}")
+        return array.data.ptr
+
+    def _upload(self, host, purpose):
+        cuda = self.xp.cuda
+        with self.device:
+            stream = cuda.get_current_stream()
+            if stream.is_capturing():
+                raise CaptureError(
+                    f"{purpose} needs a table uploaded while stream {stream.ptr:#x} captures a CUDA "
+                    f"graph, and an upload cannot be captured: make the same call once before "
+                    f"capturing (a warm-up call on the same arrays), so its tables are uploaded and kept")
+            self._free_finished()
+            table = self.xp.empty(host.shape, host.dtype)
+            staging = cuda.alloc_pinned_memory(max(host.nbytes, 1))
+            np.frombuffer(staging, host.dtype, host.size)[...] = host.ravel()
+            # From pinned memory the copy is asynchronous: the host does not wait.
+            table.set(np.frombuffer(staging, host.dtype, host.size).reshape(host.shape), stream=stream)
+            ready = cuda.Event(disable_timing=True)
+            ready.record(stream)
+            return DeviceTable(table, stream.ptr, ready, staging)
+
+    def _before_launch(self, table):
+        stream = self.xp.cuda.get_current_stream()
+        if stream.ptr == table.stream or stream.ptr in table.waited:
+            return
+        if not table.ready.done:
+            if stream.is_capturing():
+                raise CaptureError(f"a table uploaded on stream {table.stream:#x} is still in flight while "
+                                   f"stream {stream.ptr:#x} captures a CUDA graph: synchronise before "
+                                   f"capturing (torch.cuda.graph does)")
+            stream.wait_event(table.ready)  # on the device: the host does not wait
+        table.waited.add(stream.ptr)
+
+    def _after_launch(self, table):
+        stream = self.xp.cuda.get_current_stream()
+        if stream.is_capturing():
+            table.captured = True
+        elif stream.ptr != table.stream:
+            event = table.last_use.get(stream.ptr)
+            if event is None:
+                event = table.last_use[stream.ptr] = self.xp.cuda.Event(disable_timing=True)
+            event.record(stream)
+
+    def release(self, table: DeviceTable) -> None:
+        """Free ``table`` once every other stream that read it is done with it;
+        never if a captured graph reads it."""
+        with self._lock:
+            if table.captured:
+                self._kept.append(table)
+            else:
+                self._retired.append(table)
+        self._free_finished()
+
+    def _free_finished(self):
+        """Drop the released tables no stream can still read (event queries, no wait)."""
+        with self.device, self._lock:
+            self._retired = [t for t in self._retired
+                             if not (t.ready.done and all(e.done for e in t.last_use.values()))]
+
+    def _to_host(self, array):
+        with self.device:
+            return self.xp.asnumpy(array)
+
+    def _launch(self, name, grid, block, args):
+        with self.device:
+            self._kernel(name)((grid,), (block,), tuple(args))
+
+    def _kernel(self, name: str):
+        with self._lock:
+            kernel = self._kernels.get(name)
+            if kernel is None:
+                if self._module is None:
+                    self._module = kernel_loader.cupy_module(self.device)
+                module, lowered = self._module
+                kernel = self._kernels[name] = module.get_function(lowered[name])
+            return kernel
