@@ -122,11 +122,16 @@ def _adopt_torch_cuda(t, torch, cupy):
     refusal = _torch_refusal(t, torch)
     if refusal:
         raise UnsupportedLeafError(refusal)
-    if t.dtype is torch.bfloat16:
-        # CuPy 13 crashes importing a bfloat16 DLPack tensor (cupy issue 8801,
-        # https://github.com/cupy/cupy/issues/8801): pass the bits as int16.
-        return _as_bfloat16(cupy, cupy.from_dlpack(t.view(torch.int16)))
-    return cupy.from_dlpack(t)
+    # Imported on PyTorch's current stream: DLPack makes the importing stream
+    # wait for the tensor's stream when they differ (an event, which a CUDA
+    # graph being captured must not get from outside it), and when they are
+    # the same there is nothing to wait for.
+    with _torch_stream(t.device, torch, cupy):
+        if t.dtype is torch.bfloat16:
+            # CuPy 13 crashes importing a bfloat16 DLPack tensor (cupy issue 8801,
+            # https://github.com/cupy/cupy/issues/8801): pass the bits as int16.
+            return _as_bfloat16(cupy, cupy.from_dlpack(t.view(torch.int16)))
+        return cupy.from_dlpack(t)
 
 
 def _torch_refusal(t, torch):

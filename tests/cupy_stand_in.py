@@ -30,7 +30,8 @@ is CuPy's calling contract, enforced on every call (a breach raises
 - while a stream captures a graph (``Stream.begin_capture``, CUDA's global
   capture mode, the one ``torch.cuda.graph`` uses): an allocation from the
   memory pool (one through ``cuda.using_allocator`` is allowed), a host
-  synchronisation, an upload and a read-back raise; launches and element-wise
+  synchronisation, an upload, a read-back and a DLPack import on a stream
+  other than the capturing one raise; launches and element-wise
   work on the capturing stream are recorded, not run, and run when the graph
   is launched.
 
@@ -645,6 +646,13 @@ class _StandIn:
                 host = x.detach().numpy()
             device, stream = standin.here()
             index = x.device.index or 0
+            if standin.capturing() and not standin.capturing(stream):
+                # PyTorch's __dlpack__ records an event on its current stream and
+                # makes the importing stream wait on it: a stream pulled into the
+                # capture that never rejoins (cudaErrorStreamCaptureUnjoined), or,
+                # for the legacy default stream, cudaErrorStreamCaptureImplicit.
+                raise ContractError(f"a DLPack import on stream {stream.ptr}, which is not capturing, while "
+                                    f"a CUDA graph is being captured")
             standin.record("from_dlpack", index, stream, (host.shape, host.dtype))
             return on_device(host, index)
 

@@ -123,3 +123,22 @@ def test_error_if_nonfinite_is_a_host_read_the_capture_refuses(cp, tc):
     r.clip_grad_norm_(0.5, error_if_nonfinite=True)
     with pytest.raises(cp.ContractError, match="device-to-host read while a CUDA graph is being captured"):
         tc.capture(lambda: r.clip_grad_norm_(0.5, error_if_nonfinite=True))
+
+
+def test_gf_clip_on_a_tree_of_tensors_captures_and_replays_like_eager_calls(cp, tc):
+    # The walk imports every tensor through DLPack on PyTorch's stream, so the
+    # capture sees no event from another stream; the plan and tables are warm.
+    params, twins = list(net(4).parameters()), list(net(4).parameters())
+    grads = lambda ps: {"w": ps[0].grad, "b": ps[1].grad, "d": ps[2].grad}  # noqa: E731
+    with torch.cuda.stream(torch.cuda.Stream()):
+        set_grads(params, 0)
+        gf.clip_grad_norm_(grads(params), 0.5)
+        graph, norm = tc.capture(lambda: gf.clip_grad_norm_(grads(params), 0.5))
+    for step in range(1, 3):
+        set_grads(params, step)
+        set_grads(twins, step)
+        graph.replay()
+        want = gf.clip_grad_norm_(grads(twins), 0.5)
+        assert bits(norm) == bits(want) and float(want) > 0.5
+        for p, q in zip(params, twins):
+            assert bits(p.grad) == bits(q.grad)

@@ -118,9 +118,9 @@ def test_every_entry_point_runs_on_pytorchs_current_stream(cp, tc):
     allocations = [e for e in work if e.kind in ("empty", "zeros")]
     assert all(e.detail[2] == "allocator" for e in allocations)
     assert tc.allocations and {stream for _, _, stream in tc.allocations} == {side.cuda_stream}
-    # gpuflat.torch imports the tensors through DLPack on PyTorch's stream too.
+    # Every entry point imports the tensors through DLPack on PyTorch's stream too.
     imports = [e for e in cp.events[start:] if e.kind == "from_dlpack"]
-    assert imports and any(e.stream.ptr == side.cuda_stream for e in imports)
+    assert imports and all(e.stream.ptr == side.cuda_stream for e in imports)
 
 
 def test_the_default_stream_is_pytorchs_default(cp, tc):
