@@ -49,8 +49,9 @@ def is_dtensor(x) -> bool:
 def local(x):
     """The rank's own shard of the DTensor ``x``: a plain tensor sharing its memory.
 
-    Read under ``no_grad``, so a parameter's shard is the very tensor the
-    DTensor holds, and writes into it change the DTensor.
+    Read with autograd off, so a parameter's shard is the very tensor the
+    DTensor holds, and writes into it change the DTensor; a shard still
+    arriving from an asynchronous collective is waited for.
 
     >>> import torch, torch.distributed as dist
     >>> from torch.distributed.device_mesh import init_device_mesh
@@ -63,8 +64,15 @@ def local(x):
     """
     import torch
 
-    with torch.no_grad():
-        return x.to_local()
+    if torch.is_grad_enabled():  # the clips run without autograd: this is the slow path
+        with torch.no_grad():
+            shard = x.to_local()
+    else:
+        shard = x.to_local()
+    collectives = sys.modules.get("torch.distributed._functional_collectives")
+    if collectives is not None and isinstance(shard, collectives.AsyncCollectiveTensor):
+        shard = shard.wait()
+    return shard
 
 
 class Sharding:
@@ -117,7 +125,9 @@ def sharding(owners, paths):
     if first is None:
         return None
     root = _root(owners[first].device_mesh)
-    sharded = [_sharded_dims(x, path, root, paths[first]) for x, path in zip(owners, paths)]
+    # Models hold many leaves of few layouts: each layout is read once.
+    layouts: dict = {}
+    sharded = [_sharded_dims(x, path, root, paths[first], layouts) for x, path in zip(owners, paths)]
     coordinate = root.get_coordinate()
     dims = tuple(d for d in range(root.ndim) if any(s[d] for s in sharded))
     owned = np.array([all(s[d] or coordinate[d] == 0 for d in dims) for s in sharded], dtype=bool)
@@ -129,13 +139,21 @@ def _root(mesh):
     return mesh._get_root_mesh()
 
 
-def _sharded_dims(x, path, root, first_path) -> list:
-    """Per dimension of the root mesh, whether leaf ``x`` is sharded along it."""
-    if not is_dtensor(x):
-        found = type(x).__name__ if x is not None else "a NumPy or CuPy array"
-        raise TypeError(f"leaf {path!r}: expected a DTensor, as leaf {first_path!r} is one (a plain leaf "
-                        f"does not say how it is spread over the ranks), found {found}; make it a DTensor "
-                        f"(distribute_tensor, or DTensor.from_local with its placements)")
+def _sharded_dims(x, path, root, first_path, layouts) -> tuple:
+    """Per dimension of the root mesh, whether leaf ``x`` is sharded along it;
+    ``layouts`` keeps the answers by (mesh, placements)."""
+    if is_dtensor(x):
+        key = (id(x.device_mesh), x.placements)
+        if key not in layouts:
+            layouts[key] = _read_layout(x, path, root, first_path)
+        return layouts[key]
+    found = type(x).__name__ if x is not None else "a NumPy or CuPy array"
+    raise TypeError(f"leaf {path!r}: expected a DTensor, as leaf {first_path!r} is one (a plain leaf "
+                    f"does not say how it is spread over the ranks), found {found}; make it a DTensor "
+                    f"(distribute_tensor, or DTensor.from_local with its placements)")
+
+
+def _read_layout(x, path, root, first_path) -> tuple:
     for placement in x.placements:
         if placement.is_partial():
             raise ValueError(f"leaf {path!r}: expected Shard or Replicate placements, found {placement} in "
@@ -147,7 +165,7 @@ def _sharded_dims(x, path, root, first_path) -> list:
         # Not is_shard(): FSDP2 over tensor parallelism places _StridedShard,
         # which is no Shard, yet gives every rank its own piece all the same.
         sharded[d] = not placement.is_replicate()
-    return sharded
+    return tuple(sharded)
 
 
 def _root_dims(mesh, path, root, first_path) -> list:
