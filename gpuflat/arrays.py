@@ -25,6 +25,7 @@ import sys
 
 import numpy as np
 
+from . import dtensor
 from .dtypes import BFLOAT16
 from .errors import Float32OverflowError, UnsupportedLeafError
 
@@ -57,8 +58,10 @@ def adopt(x):
 
     NumPy and CuPy arrays come back as they are. A PyTorch tensor is read
     through ``detach()`` (same storage), so writing into the view changes the
-    tensor. A JAX array comes back as a read-only view (JAX arrays are
-    immutable). Other array-likes raise UnsupportedLeafError naming their type.
+    tensor; a DTensor (FSDP2, tensor parallel) through its local shard. A
+    JAX array comes back as a read-only view (JAX arrays are immutable).
+    Other array-likes, and tensor subclasses that hold no data of their own,
+    raise UnsupportedLeafError naming their type.
 
     >>> import numpy as np
     >>> a = np.ones(3)
@@ -73,7 +76,9 @@ def adopt(x):
         return x
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
-        return _adopt_torch(x, torch)
+        if dtensor.is_dtensor(x):
+            return _adopt_torch(dtensor.local(x), torch)
+        return _adopt_torch(_plain(x, torch), torch)
     jax = sys.modules.get("jax")
     if jax is not None and isinstance(x, jax.Array):
         return _adopt_jax(x, jax)
@@ -98,6 +103,19 @@ def _type_name(x):
 
 
 # ---------------------------------------------------------------- PyTorch
+
+def _plain(x, torch):
+    """``x`` itself when its memory is its own data; UnsupportedLeafError for a
+    wrapper subclass (float8 or quantised wrappers, fake tensors): it overrides
+    ``__torch_dispatch__`` to compute on what it wraps, so its storage, if
+    any, is not its values."""
+    if type(x).__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
+        return x
+    raise UnsupportedLeafError(
+        f"expected a plain tensor or a DTensor, found a {_type_name(x)}, a tensor subclass whose values "
+        f"gpuflat cannot read (it overrides __torch_dispatch__); convert it to a plain tensor first"
+    )
+
 
 def _adopt_torch(x, torch):
     # detach() gives the same storage; numpy() and DLPack refuse tensors that

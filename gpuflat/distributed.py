@@ -12,6 +12,12 @@ over ranks: the partials are summed, then the root is taken once.
 when one is initialised, else a world of one process) or an ``mpi4py``
 communicator. GPU arrays go to NCCL or a CUDA-aware MPI as device buffers.
 
+A tree of DTensors (FSDP2, tensor parallel) brings its own groups and
+ownership: each leaf counts its local shard where its placements say
+(``gpuflat.dtensor``), and the partials are reduced with one collective per
+mesh dimension that shards some leaf; ``group=`` and ``owned=`` are then
+not taken.
+
 >>> import numpy as np
 >>> from gpuflat import distributed as gfd
 >>> grads = {"w": np.array([3.0, 4.0]), "ln": np.array([12.0])}
@@ -35,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from . import checks, ops
+from . import checks, dtensor
 from .arrays import adopt, device_scope, is_module, module_parameters
 from .backends import get_backend
 from .dtypes import BFLOAT16
@@ -53,14 +59,19 @@ _ROW = 2
 # ---------------------------------------------------------------- public API
 
 def global_norm(tree, ord: float = 2, *, group=None, owned: Owned | None = None, per_leaf: bool = False,
-                backend: str | None = None) -> Any:
+                error_if_nonfinite: bool = False, backend: str | None = None) -> Any:
     """The norm of a model spread over the ranks of ``group``; every rank gets the same value.
 
     Each rank passes its local leaves; ``owned`` says which of them this rank
     counts (see ``Owned``). Returns a 0-d float64 array on the leaves' device
     (a tensor for torch leaves); with ``per_leaf=True``, ``(total,
     per_leaf_norms)`` where the per-leaf norms are this rank's, owned or not.
-    One collective, and no host synchronisation.
+    With ``error_if_nonfinite`` a non-finite norm makes every rank raise
+    NonFiniteError naming the leaf and the rank.
+    One collective, and no host synchronisation. A tree of DTensors takes
+    its groups and ownership from its mesh and placements (one collective
+    per mesh dimension that shards some leaf) and returns the norm as a
+    DTensor replicated over the mesh, as PyTorch does.
 
     >>> import numpy as np
     >>> from gpuflat import distributed as gfd
@@ -69,12 +80,13 @@ def global_norm(tree, ord: float = 2, *, group=None, owned: Owned | None = None,
     (5.0, 7.0, 4.0)
     """
     p = checks.check_ord(ord)
-    comm = _Comm(group)
-    local = _Local(tree, backend, comm)
-    with device_scope(local.be, local.call.like), comm.stream(local.be.xp):
-        total, per, _ = _reduce_norm(local, p, comm, owned)
+    local = _Local(tree, backend, group, owned)
+    with device_scope(local.be, local.call.like), local.streams():
+        total, per, packets = _reduce_norm(local, p)
+        if error_if_nonfinite:
+            _raise_if_nonfinite(local, p, total, packets, scaled=False)
         if per_leaf:
-            return local.give_back(total), local.give_back(per)
+            return local.give_back(total), local.call.result(per)
         return local.give_back(total)
 
 
@@ -87,6 +99,8 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, group=None, owned
     computed on the device and always applied (no host synchronisation).
     With ``error_if_nonfinite`` a non-finite norm makes every rank raise
     NonFiniteError naming the leaf and the rank, and nothing is scaled.
+    DTensor gradients are scaled in their local shards, with no
+    redistribution.
 
     >>> import numpy as np
     >>> from gpuflat import distributed as gfd
@@ -97,13 +111,12 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, group=None, owned
     array([0.6, 0.8])
     """
     max_norm, p, eps = checks.clip_arguments(max_norm, ord, eps)
-    comm = _Comm(group)
-    local = _Local(grads, backend, comm)
+    local = _Local(grads, backend, group, owned)
     local.check_in_place()
-    with device_scope(local.be, local.call.like), comm.stream(local.be.xp):
-        total, _, packet = _reduce_norm(local, p, comm, owned)
+    with device_scope(local.be, local.call.like), local.streams():
+        total, _, packets = _reduce_norm(local, p)
         if error_if_nonfinite:
-            _raise_if_nonfinite(local, p, comm, total, packet)
+            _raise_if_nonfinite(local, p, total, packets)
         if local.arrays:
             local.be.clip_(local.plan, local.arrays, total, max_norm, eps)
         return local.give_back(total)
@@ -407,52 +420,62 @@ def _owned_mask(plan, arrays, owned, xp):
 
 # ---------------------------------------------------------------- the norm
 
-def _reduce_norm(local, p, comm, owned):
-    """(global total, this rank's per-leaf norms, the exchanged (ranks, _ROW) packet).
+def _reduce_norm(local, p):
+    """(global total, this rank's per-leaf norms, the exchanged (ranks, _ROW) packet of each collective).
 
     Each rank writes its own row of a zeroed buffer; one SUM all-reduce fills
     every row everywhere (adding zeros is exact, NaN and inf included), and
     every rank then combines the rows in rank order: the same bits on every
-    rank, and a max for ord=inf without a second collective.
+    rank, and a max for ord=inf without a second collective. Over several
+    groups (the mesh dimensions of DTensors) the combined row of one group is
+    this rank's row in the next: ranks sharing a row after one group share
+    it after the next, so every rank still gets the same bits.
     """
     xp = local.be.xp
-    packet = xp.zeros((comm.size, _ROW), np.float64)
+    row = xp.zeros(_ROW, np.float64)
     per = xp.zeros(0, np.float64)
     if local.arrays:
         per = local.be.norms(local.plan, local.arrays, p, per_leaf=True).per_leaf
         contrib = per if p in (1, math.inf) else per ** p
-        if owned is not None:
-            contrib = xp.where(_owned_mask(local.plan, local.arrays, owned, xp), contrib, 0.0)
+        mask = local.owned_mask(xp)
+        if mask is not None:
+            contrib = xp.where(mask, contrib, 0.0)
         bad = ~xp.isfinite(contrib)
-        packet[comm.rank, 0] = contrib.max() if p == math.inf else contrib.sum()
-        packet[comm.rank, 1] = xp.where(bad.any(), bad.argmax() + 1, 0)
-    comm.all_reduce(packet.reshape(-1), "global_norm")
-    partials = packet[:, 0]
+        row[0] = contrib.max() if p == math.inf else contrib.sum()
+        row[1] = xp.where(bad.any(), bad.argmax() + 1, 0)
+    local.first_bad = row[1]
+    packets = []
+    for comm in local.comms:
+        packet = xp.zeros((comm.size, _ROW), np.float64)
+        packet[comm.rank] = row
+        comm.all_reduce(packet.reshape(-1), "global_norm")
+        row = packet.max(axis=0) if p == math.inf else xp.stack([packet[:, 0].sum(), packet[:, 1].max()])
+        packets.append(packet)
+    total = row[0]
     if p == math.inf:
-        return partials.max(), per, packet
-    total = partials.sum()
-    return (xp.sqrt(total) if p == 2 else total if p == 1 else total ** (1.0 / p)), per, packet
+        return total, per, packets
+    return (xp.sqrt(total) if p == 2 else total if p == 1 else total ** (1.0 / p)), per, packets
 
 
-def _raise_if_nonfinite(local, p, comm, total, packet):
+def _raise_if_nonfinite(local, p, total, packets, scaled=True):
     """Every rank raises the same NonFiniteError when the global norm is not finite.
 
-    The rank holding the first non-finite leaf sends its path to the others:
-    a second collective, on this error path only.
+    The rank holding the first non-finite leaf sends its path to the others,
+    one group after the other: more collectives, on this error path only.
     """
     if math.isfinite(float(local.be.to_host(total))):
         return
-    first = local.be.to_host(packet[:, 1])
-    culprits = np.flatnonzero(first)
-    if culprits.size:
-        rank = int(culprits[0])
-        path = local.plan.leaves[int(first[rank]) - 1].path if rank == comm.rank else None
-        where = (f"leaf {comm.broadcast_text(path, rank)!r} on rank {rank} holds NaN or inf "
-                 f"(or its sum overflows float64)")
-    else:
-        where = "no rank holds NaN or inf, but the sum overflowed float64"
-    raise NonFiniteError(f"{where}; the global {p:g}-norm over {comm.size} ranks is non-finite, "
-                         f"so no gradient was scaled on any rank (error_if_nonfinite=True)")
+    first = int(local.be.to_host(local.first_bad))
+    text = f"leaf {local.plan.leaves[first - 1].path!r} on rank {local.rank}" if first else None
+    for comm, packet in zip(local.comms, packets):
+        culprits = np.flatnonzero(local.be.to_host(packet[:, 1]))
+        if culprits.size:
+            text = comm.broadcast_text(text if comm.rank == culprits[0] else None, int(culprits[0]))
+    where = (f"{text} holds NaN or inf (or its sum overflows float64)" if text else
+             "no rank holds NaN or inf, but the sum overflowed float64")
+    then = ", so no gradient was scaled on any rank" if scaled else ""
+    raise NonFiniteError(f"{where}; the global {p:g}-norm over {local.ranks} ranks is non-finite"
+                         f"{then} (error_if_nonfinite=True)")
 
 
 # ---------------------------------------------------------------- all-reduce
@@ -481,15 +504,19 @@ class _Reduction:
         if is_module(grads):
             grads = _module_grads(grads)
         buffers = getattr(grads, "grad_buffers", None)
-        self.tree = None
+        self.leaves = None
         if buffers is not None:
             self.targets = [_checked_buffer(f"grad_buffers[{i}]", b) for i, b in enumerate(buffers)]
             self.like = buffers[0] if buffers else None
         else:
             call = Call(grads)
             checks.check_in_place(call.paths(), call.unique)
-            self.plan, self.tree, self.like = call.plan, grads, call.like
-            self.targets = [adopt(ops.flatten(call.plan, grads))]
+            self.plan, self.leaves, self.like = call.plan, call.unique, call.like
+            self.backend = call.backend(None)
+            with device_scope(self.backend, self.like):
+                flat = self.backend.empty(call.plan.size, call.plan.dtype)
+                self.backend.gather(call.plan, [[a] for a in call.unique], flat)
+            self.targets = [flat]
         with device_scope(None, self.like):
             self.moving = [b.astype(_WIDER[b.dtype]) if b.dtype in _WIDER else b for b in self.targets]
 
@@ -503,10 +530,11 @@ class _Reduction:
             for target, moved in zip(self.targets, self.moving):
                 if op == "mean" and size > 1:
                     moved /= size
-                if self.tree is None and moved is not target:
+                if self.leaves is None and moved is not target:
                     target[...] = moved
-        if self.tree is not None:
-            ops.scatter(self.plan, self.moving[0], self.tree)
+        if self.leaves is not None:
+            with device_scope(self.backend, self.like):
+                self.backend.scatter(self.plan, self.moving[0], self.leaves)
 
 
 def _module_grads(module) -> dict:
@@ -676,20 +704,53 @@ def _torch_view(buf):
 # ---------------------------------------------------------------- local leaves
 
 class _Local:
-    """This rank's tree: plan, unique trainables (NumPy or CuPy views) and backend."""
+    """This rank's tree: plan, unique trainables (NumPy or CuPy views) and
+    backend, the groups its partial is reduced over and what it owns."""
 
-    def __init__(self, tree, backend, comm):
+    def __init__(self, tree, backend, group, owned):
         self.call = Call(tree)
         self.plan, self.arrays = self.call.plan, list(self.call.unique)
-        if not self.arrays and comm.nccl():
+        self.sharding = dtensor.sharding(self.call.owners(), self.call.paths())
+        if self.sharding is None:
+            comm = _Comm(group)
+            self.comms, self.owned, self.rank, self.ranks = [comm], owned, comm.rank, comm.size
+        else:
+            _refuse_group_and_owned(group, owned, self.call.paths()[0])
+            import torch.distributed as dist
+
+            self.comms = [_Comm(g) for g in self.sharding.groups()]
+            self.owned, self.rank, self.ranks = None, dist.get_rank(), self.sharding.mesh.size()
+        self.first_bad = 0
+        if not self.arrays and any(comm.nccl() for comm in self.comms):
             # No local gradients, but NCCL still needs a device buffer to join in.
             self.be = get_backend(backend or "cuda")
         else:
             self.be = self.call.backend(backend)
 
+    def owned_mask(self, xp):
+        """The 0/1 vector of the leaves this rank counts, or None for all of them."""
+        if self.sharding is not None:
+            return xp.asarray(self.sharding.owned)
+        return None if self.owned is None else _owned_mask(self.plan, self.arrays, self.owned, xp)
+
+    def streams(self):
+        """Every group's stream context (one stream: PyTorch's current one)."""
+        return self.comms[0].stream(self.be.xp) if self.comms else contextlib.nullcontext()
+
     def check_in_place(self):
         checks.check_in_place([leaf.path for leaf in self.plan.leaves], self.arrays)
 
     def give_back(self, x):
-        """A result in the caller's kind: a tensor for PyTorch leaves."""
-        return x if x is None else self.call.result(x)
+        """A result standing for the whole tree in the caller's kind: a tensor for
+        PyTorch leaves, a DTensor replicated over the mesh for DTensors."""
+        if self.sharding is not None:
+            return dtensor.replicated(self.call.result(x), self.sharding.mesh)
+        return self.call.result(x)
+
+
+def _refuse_group_and_owned(group, owned, path):
+    for name, value in (("group", group), ("owned", owned)):
+        if value is not None:
+            raise ValueError(f"{name}: expected None for a tree of DTensors, whose mesh and placements say "
+                             f"which ranks hold and count each leaf (leaf {path!r} is a DTensor), "
+                             f"got {value!r}")

@@ -18,6 +18,7 @@ import numpy as np
 
 from . import arrays as _arrays
 from . import checks
+from . import distributed, dtensor
 from . import flatplan
 from . import tree as _tree
 from .backends.selection import select
@@ -284,6 +285,7 @@ def total(f: str | Callable[[Any], Any], tree, *, model=None, backend: str | Non
     if not callable(f) and f not in _NAMED_TOTALS:
         raise ValueError(f"total: expected a callable or one of {_NAMED_TOTALS}, got {f!r}")
     call = Call(tree)
+    _refuse_dtensors(call, f"total({f!r})" if isinstance(f, str) else "total")
     if callable(f):
         return sum((f(x) for x in _callable_inputs(call, tree, model, backend)), 0)
     plan, leaves = norm_inputs(call, tree, model, backend)
@@ -309,7 +311,9 @@ def global_norm(tree, ord: float = 2, *, per_leaf: bool = False, model=None,
     device (a tensor for PyTorch leaves); with ``per_leaf=True``,
     ``(total, per_leaf_norms)`` from the same pass, the latter in plan order.
     With ``model=``, ``tree`` is a gradient tree read through the model's
-    plan: the gradients of a tied weight are added before the norm.
+    plan: the gradients of a tied weight are added before the norm. A tree
+    of DTensors gives the norm over the ranks of their mesh
+    (``gpuflat.distributed.global_norm``).
 
     >>> import numpy as np, gpuflat as gf
     >>> g = {"a": np.array([3.0, 0.0]), "b": np.array([[4.0]], np.float32)}
@@ -321,6 +325,8 @@ def global_norm(tree, ord: float = 2, *, per_leaf: bool = False, model=None,
     """
     p = checks.check_ord(ord)
     call = Call(tree)
+    if model is None and _has_dtensors(call):
+        return distributed.global_norm(tree, ord, per_leaf=per_leaf, backend=backend)
     plan, leaves = norm_inputs(call, tree, model, backend)
     be = select(backend, leaves, lambda i: plan.leaves[i].path)
     with _arrays.device_scope(be, call.like):
@@ -340,6 +346,8 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, eps: float = 1e-6
     NonFiniteError naming the first leaf holding one, and nothing is scaled.
     With ``model=``, the gradients of a tied weight are added for the norm
     (as ``flatten`` adds them) and every occurrence is scaled by the factor.
+    DTensor gradients are clipped by their norm over the ranks of their mesh
+    (``gpuflat.distributed.clip_grad_norm_``).
 
     >>> import numpy as np, gpuflat as gf
     >>> g = {"w": np.array([3.0, 4.0]), "b": np.zeros(1, np.float32)}
@@ -365,6 +373,9 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, eps: float = 1e-6
     if any(getattr(own, "requires_grad", False) and own.is_leaf for own in call.foreign.values()):
         grads = gradients_of(call)
         call = Call(grads)
+    if model is None and _has_dtensors(call):
+        return distributed.clip_grad_norm_(grads, max_norm, ord, eps=eps, error_if_nonfinite=error_if_nonfinite,
+                                           backend=backend)
     norm_plan, norm_leaves = norm_inputs(call, grads, model, backend)
     # The grads' own walk holds each distinct gradient array once.
     scale_plan, scale_leaves, scale_paths = call.plan, list(call.unique), call.paths()
@@ -399,6 +410,7 @@ def clip_by_global_norm(tree, max_norm: float, ord: float = 2, *, eps: float = 1
     """
     max_norm, p, eps = checks.clip_arguments(max_norm, ord, eps)
     call = Call(tree)
+    _refuse_dtensors(call, "clip_by_global_norm")
     be = call.backend(backend)
     with _arrays.device_scope(be, call.like):
         result = be.norms(call.plan, call.unique, p, per_leaf=False)
@@ -413,8 +425,23 @@ def clip_by_global_norm(tree, max_norm: float, ord: float = 2, *, eps: float = 1
 # ---------------------------------------------------------------- helpers
 
 def _in_kinds(arrays, owners) -> list:
-    """Each array in the kind (and on the device) of its slot's caller leaf."""
-    return [a if own is None else _arrays.to_caller(a, own) for a, own in zip(arrays, owners)]
+    """Each array in the kind (and on the device) of its slot's caller leaf;
+    a DTensor's local shard back in a DTensor of the same placements."""
+    return [a if own is None else dtensor.like(_arrays.to_caller(a, own), own) for a, own in zip(arrays, owners)]
+
+
+def _has_dtensors(call) -> bool:
+    return any(map(dtensor.is_dtensor, call.foreign.values()))
+
+
+def _refuse_dtensors(call, what):
+    """TypeError naming the first DTensor leaf, for a reduction whose value
+    over the ranks gpuflat does not compute: the local shards' would mislead."""
+    for path, own in zip(call.paths(), call.owners()):
+        if dtensor.is_dtensor(own):
+            raise TypeError(f"leaf {path!r}: {what} expected arrays held whole, found a DTensor, of which this "
+                            f"rank holds a shard; use gf.global_norm or gf.clip_grad_norm_, which reduce "
+                            f"over its mesh")
 
 
 def _rebuild(plan, flat, owners, backend):

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import arrays as _arrays
 from . import checks
+from . import dtensor
 from . import tree as _tree
 from .backends.selection import select
 from .errors import NonFiniteError
@@ -378,11 +379,28 @@ def _view(buffer, s: Slice):
     return buffer[s.offset : s.offset + s.size].reshape(s.shape)
 
 
+# FSDP2 (torch/distributed/fsdp/_fully_shard/) keeps each sharded parameter
+# as a view into its own padded flat storage and all-gathers from that
+# storage, not from the parameter, before every forward and backward; it
+# swaps the unsharded parameters in and out of the modules around them, and
+# each backward's reduce-scatter makes new gradient shards. A shard rebound
+# to a resident buffer would be updated there by the optimizer while FSDP2
+# all-gathered its stale storage: silently wrong, so it is refused.
+_DTENSOR_REFUSED = (
+    "leaf {path!r}: expected plain tensors, found a DTensor with placements {placements}; FSDP2 and "
+    "tensor parallelism own their parameters' storage (FSDP2 all-gathers from its own flat buffer "
+    "and makes new gradient shards every backward), so a resident copy would go stale silently. "
+    "Clip with gpuflat.torch.clip_grad_norm_(model.parameters(), max_norm) instead"
+)
+
+
 def _torch_parameters(owners, paths):
     """[(path, tensor)] when every trainable is a PyTorch tensor; None when none is."""
     if all(o is None for o in owners):
         return None
     for o, path in zip(owners, paths):
+        if dtensor.is_dtensor(o):
+            raise TypeError(_DTENSOR_REFUSED.format(path=path, placements=tuple(o.placements)))
         if _arrays.kind(o) != "torch":
             found = "a NumPy or CuPy array" if o is None else type(o).__name__
             raise TypeError(f"leaf {path!r}: a resident model holds PyTorch tensors or NumPy/CuPy "

@@ -12,6 +12,12 @@ taken from that float64 norm, so it is closer to exact than PyTorch's, which
 reduces in the gradients' dtype. CUDA gradients are worked on in PyTorch's
 current stream, with no host synchronisation unless ``error_if_nonfinite``.
 
+DTensor gradients (FSDP2, tensor parallel) are read in their local shards,
+counted where their placements say and reduced with one collective per
+mesh dimension that shards some of them (``gpuflat.distributed``); the
+norm comes back as PyTorch returns it for them, a DTensor replicated over
+their mesh, and the clip scales the local shards with no redistribution.
+
 Differences that remain, on purpose:
 
 - a tensor passed twice counts once (PyTorch counts and scales it twice);
@@ -34,10 +40,12 @@ from collections.abc import Iterable
 
 import torch
 
+from . import distributed as _gfd
+from . import dtensor
 from .arrays import adopt, device_scope, to_caller
 from .backends.selection import select
 from .checks import check_in_place, check_ord, clip_arguments
-from .errors import NonFiniteNormError, NonFloatingTensorError
+from .errors import NonFiniteError, NonFiniteNormError, NonFloatingTensorError
 from .ops import plan
 
 __all__ = ["NonFloatingTensorError", "NonFiniteNormError", "clip_grad_norm_", "clip_grads_with_norm_",
@@ -62,6 +70,9 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
     p = check_ord(norm_type)
     if not tensors:
         return torch.tensor(0.0)
+    if any(map(dtensor.is_dtensor, tensors)):
+        _check_floating(tensors, names)
+        return _over_ranks(_gfd.global_norm, tensors, p, error_if_nonfinite)
     total = _total_norm(_device_groups(tensors, names), p)
     if error_if_nonfinite:
         _check_finite(total, p, tensors, names)
@@ -85,6 +96,8 @@ def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max
     """
     grads, names = _gradients(_parameter_list(parameters, warn_empty=False))
     max_norm, _, _ = clip_arguments(max_norm, 2, _EPS)  # the norm comes given: any order passes
+    if dtensor.is_dtensor(total_norm):
+        total_norm = total_norm.full_tensor()  # a replicated norm's own local value
     if grads:
         _scale(_device_groups(grads, names, in_place=True), max_norm, total_norm)
 
@@ -111,6 +124,9 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     max_norm, p, _ = clip_arguments(max_norm, norm_type, _EPS)
     if not grads:
         return torch.tensor(0.0)
+    if any(map(dtensor.is_dtensor, grads)):
+        _check_floating(grads, names)
+        return _over_ranks(_gfd.clip_grad_norm_, grads, p, error_if_nonfinite, max_norm, eps=_EPS)
     # Each gradient is viewed once, for the norm and the scale, and checked before either.
     groups = _device_groups(grads, names, in_place=True)
     total = _total_norm(groups, p)
@@ -156,6 +172,18 @@ def _returned_dtype(tensors):
     for t in tensors[1:]:
         dtype = torch.promote_types(dtype, t.dtype.to_real())
     return dtype
+
+
+# ---------------------------------------------------------------- DTensors
+
+def _over_ranks(norm, tensors, p, error_if_nonfinite, *max_norm, **eps):
+    """``norm`` (gpuflat.distributed's global_norm or clip_grad_norm_) of DTensors,
+    as PyTorch returns it: a replicated DTensor of the promoted dtype."""
+    try:
+        total = norm(list(tensors), *max_norm, p, error_if_nonfinite=error_if_nonfinite, **eps)
+    except NonFiniteError as err:
+        raise NonFiniteNormError(str(err)) from None
+    return total.to(_returned_dtype(tensors))
 
 
 # ---------------------------------------------------------------- the work, per device

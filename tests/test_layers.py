@@ -21,7 +21,7 @@ LAYERS = [
     # Facts with no gpuflat imports.
     ["errors", "dtypes", "identity", "overlap", "host_compiler"],
     # Arrays of every kind, the kernel sources, the backend contract.
-    ["arrays", "kernel_loader", "backends.protocol"],
+    ["arrays", "dtensor", "kernel_loader", "backends.protocol"],
     # The tree walk, the emulator, the NumPy reference.
     ["tree", "emulator", "backends.numpy_backend"],
     # Plans; the devices and the backends that launch on them.
@@ -29,10 +29,12 @@ LAYERS = [
     ["backends.selection", "backends", "checks"],
     # The binding layer every front end goes through.
     ["binding", "torch_params"],
+    # Reductions over ranks, which the operations use for DTensors.
+    ["distributed"],
     ["ops"],
     # Front ends.
     ["residency"],
-    ["distributed", "torch"],
+    ["torch"],
     # The package and the deprecated aliases of moved modules.
     ["__init__", "runtime", "backends.base"],
 ]

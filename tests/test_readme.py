@@ -17,7 +17,7 @@ def run(index):
 
 
 def test_every_example_is_tested():
-    assert len(BLOCKS) == 5
+    assert len(BLOCKS) == 6
 
 
 def test_tree_example():
@@ -58,3 +58,22 @@ def test_distributed_example():
     # A world of one: every rule counts every leaf, so the norm is the plain one.
     assert float(scope["norm"]) == pytest.approx(math.sqrt(32 + 4 + 16))
     assert float(scope["grads"]["ln"][0]) == pytest.approx(1 / (math.sqrt(52) + 1e-6), rel=1e-6)
+
+
+def test_fsdp2_example():
+    """Under torchrun the process group exists; here it is a world of one rank."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        scope = run(5)
+        norm, net = scope["norm"], scope["net"]
+        assert isinstance(norm, DTensor) and all(p.is_replicate() for p in norm.placements)
+        grads = [p.grad.full_tensor() for p in net.parameters()]
+        clipped = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+        assert clipped == pytest.approx(min(1.0, float(norm.full_tensor())), rel=1e-5)
+        assert float(norm.full_tensor()) > 1.0  # the clip bound: the example shows it working
+    finally:
+        dist.destroy_process_group()

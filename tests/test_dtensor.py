@@ -1,0 +1,112 @@
+"""DTensor leaves (FSDP2, tensor parallel): gpuflat.dtensor and its use by
+gpuflat.distributed, gpuflat.torch and the tree functions.
+
+The multi-process cases live in tests/dtensor_worker.py. Starting a process
+group costs seconds and these machines have 2 cores, so each world size runs
+every case in one launch of gloo ranks on 127.0.0.1, under an explicit
+timeout; each case is then its own test here, passing when every rank
+reported it ok.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import dtensor_worker  # noqa: E402
+import gpuflat as gf  # noqa: E402
+from gpuflat import dtensor  # noqa: E402
+
+WORKER = Path(__file__).with_name("dtensor_worker.py")
+# The ranks import gpuflat from this checkout, not from wherever it is installed.
+CHECKOUT = str(Path(__file__).resolve().parents[1])
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [CHECKOUT, os.environ.get("PYTHONPATH")])),
+           OMP_NUM_THREADS="1")
+LAUNCH_TIMEOUT = {2: 150, 4: 300}  # seconds for one launch; a hang fails every case of it
+
+_reports: dict = {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(size, out_dir):
+    """Run every case on ``size`` gloo ranks; returns the ranks' reports and the processes' output."""
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(out_dir), str(r), str(size), port],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+             for r in range(size)]
+    output = []
+    for proc in procs:
+        try:
+            output.append(proc.communicate(timeout=LAUNCH_TIMEOUT[size])[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            output.append(f"timed out after {LAUNCH_TIMEOUT[size]} s")
+    reports = []
+    for r in range(size):
+        path = out_dir / f"rank{r}.json"
+        reports.append(json.loads(path.read_text()) if path.exists() else {})
+    return reports, "\n".join(output)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    def get(size):
+        if size not in _reports:
+            _reports[size] = _launch(size, tmp_path_factory.mktemp(f"gloo{size}"))
+        return _reports[size]
+
+    return get
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT[4] + 60)
+@pytest.mark.parametrize("size,case", [
+    pytest.param(n, name, id=f"gloo-{n}-{name}")
+    for n in (2, 4) for name, sizes in dtensor_worker.CASES if sizes is None or n in sizes])
+def test_case_on_every_rank(report, size, case):
+    reports, output = report(size)
+    for rank, results in enumerate(reports):
+        if case not in results:
+            pytest.fail(f"rank {rank} did not report {case!r}; the processes printed:\n{output[-3000:]}")
+        assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
+
+
+# ---------------------------------------------------------------- one process
+
+def test_plain_tensors_are_no_dtensors():
+    assert not dtensor.is_dtensor(torch.ones(2))
+    assert dtensor.sharding([None, torch.ones(2)], ["['a']", "['b']"]) is None
+
+
+def test_a_tensor_subclass_gpuflat_cannot_read_is_named():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.ones(3)
+    with pytest.raises(gf.UnwalkableError, match=r"leaf \"\['w'\]\": expected a plain tensor or a DTensor, "
+                                                 r"found a torch._subclasses.fake_tensor.FakeTensor"):
+        gf.global_norm({"w": fake})
+    import gpuflat.torch as gft
+
+    with pytest.raises(TypeError, match=r"leaf 'tensors\[0\]': expected a plain tensor or a DTensor"):
+        gft.get_total_norm([fake])
+
+
+def test_a_plain_subclass_is_read_as_its_data():
+    class Tagged(torch.Tensor):
+        pass
+
+    t = torch.tensor([3.0, 4.0]).as_subclass(Tagged)
+    assert float(gf.global_norm({"w": t})) == 5.0
