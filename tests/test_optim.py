@@ -21,6 +21,14 @@ from conftest import BACKENDS, BF16, assert_bits_equal
 REAL = [np.dtype(np.float16)] + ([BF16] if BF16 is not None else []) + [np.dtype(np.float32), np.dtype(np.float64)]
 
 
+def test_the_native_update_builds():
+    # Where it does not, the host backend's step is NumPy's and the
+    # comparisons below would compare NumPy with itself.
+    from gpuflat.backends import host
+
+    assert host._optim_library() is not None
+
+
 def model(dtype, rng):
     # Sizes on and past a work item, a tiny leaf, and a second dtype (two buffers).
     return {"w": rng.standard_normal((ITEM + 3,)).astype(dtype), "b": rng.standard_normal(5).astype(dtype),

@@ -49,9 +49,9 @@ void for_items(const Step& s, int threads, Body body) {
     };
     if (t == 1) return run(0, items.size());
     std::vector<std::thread> pool;
-    const size_t per = (items.size() + t - 1) / t;
-    for (long long k = 1; k < t; ++k) pool.emplace_back(run, std::min(items.size(), k * per), std::min(items.size(), (k + 1) * per));
-    run(0, std::min(items.size(), per));
+    const size_t n = items.size(), per = (n + t - 1) / t;
+    for (size_t k = 1; k < (size_t)t; ++k) pool.emplace_back(run, std::min(n, k * per), std::min(n, (k + 1) * per));
+    run(0, std::min(n, per));
     for (auto& th : pool) th.join();
 }
 
