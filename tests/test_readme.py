@@ -17,7 +17,7 @@ def run(index):
 
 
 def test_every_example_is_tested():
-    assert len(BLOCKS) == 5
+    assert len(BLOCKS) == 6
 
 
 def test_tree_example():
@@ -58,3 +58,15 @@ def test_distributed_example():
     # A world of one: every rule counts every leaf, so the norm is the plain one.
     assert float(scope["norm"]) == pytest.approx(math.sqrt(32 + 4 + 16))
     assert float(scope["grads"]["ln"][0]) == pytest.approx(1 / (math.sqrt(52) + 1e-6), rel=1e-6)
+
+
+def test_flat_optimizer_example():
+    torch = pytest.importorskip("torch")
+    scope = run(5)
+    net, opt, norm = scope["net"], scope["opt"], scope["norm"]
+    assert isinstance(norm, torch.Tensor) and norm.dtype == torch.float64 and float(norm) > 0
+    buf = opt.resident.param_buffers[0]
+    for p in net.parameters():
+        assert buf.data_ptr() <= p.data_ptr() < buf.data_ptr() + buf.numel() * buf.element_size()
+        assert float(opt.state[p]["step"]) == 5
+    assert opt.param_groups[1]["weight_decay"] == 0.0 and opt.param_groups[0]["lr"] < 1e-3  # the schedule ran
