@@ -70,6 +70,9 @@ class FlatStep:
                         table[slot[k]] = leaf_group[k]
                 self.slot_group.append(self._table(table, np.int64))
             self.hyper = r._zeros(max(1, self.n_groups) * HYPER, np.float64)
+            # (the gradients' unscale factor, nonzero to skip the step): a loss scaler's, on the device.
+            self.amp = self._table([1.0, 0.0], np.float64)
+        self._amp_plain = True
         self._written = None
         self.slot = _slots(r)
 
@@ -87,24 +90,49 @@ class FlatStep:
                 _write(*self.hyper, np.asarray(rows, np.float64).reshape(-1))
             self._written = rows
 
-    def step(self, max_norm=None, norm_type=2.0):
-        """Count a step and update every buffer; with ``max_norm``, clip inside
-        the update and return the gradients' norm (before the clip) on the device."""
+    def step(self, max_norm=None, norm_type=2.0, *, inv_scale=None, skip=None, detect=False) -> tuple:
+        """Count a step and update every buffer: (the gradients' norm, the skip flag).
+
+        With ``max_norm`` the update clips inside itself, and the norm
+        (before the clip) comes back on the device, else None. For a loss
+        scaler: ``inv_scale`` (a 0-d float64 backend array) unscales the
+        gradients inside the update (the norm returned is the unscaled one);
+        ``skip`` (0-d float64, nonzero to skip) leaves every parameter, state
+        and step count as it was; ``detect`` takes that flag from the norm
+        pass instead (NaN or inf anywhere) and returns it.
+        """
         r = self.resident
         if max_norm is not None:
             max_norm, p, _ = checks.clip_arguments(max_norm, norm_type, CLIP_EPS)
+        else:
+            p = 2.0
         r._sync()
+        xp = r._backend.xp
         with r._scope():
             total = None
-            if max_norm is not None:
+            if max_norm is not None or detect:
                 total = r._combine(r._norms(r._grads, p, False), p)
+                if inv_scale is not None:
+                    total = xp.asarray(total * inv_scale)
+            if detect:
+                skip = xp.asarray(xp.logical_not(xp.isfinite(total)), dtype=np.float64)
+            amp = self.amp[1]
+            scaled = inv_scale is not None or skip is not None
+            if scaled or not self._amp_plain:
+                amp[0] = 1.0 if inv_scale is None else inv_scale
+                amp[1] = 0.0 if skip is None else skip
+                self._amp_plain = not scaled
             for b, group in enumerate(r._groups):
                 steps = self.steps[b][1]
-                steps += 1
+                steps += 1.0
+                if skip is not None:
+                    steps -= amp[1]  # a skipped step is not counted
                 r._backend.step_(self.rule, group.plan, r._params[b].array, r._grads[b].array,
                                  [s.array for s in self.states[b]], self.slot_group[b][1], self.hyper[1],
-                                 steps, total, 0.0 if max_norm is None else max_norm, CLIP_EPS)
-            return None if total is None else r._result(total)
+                                 steps, total if max_norm is not None else None,
+                                 0.0 if max_norm is None else max_norm, CLIP_EPS, amp)
+            return (None if total is None else r._result(total),
+                    None if not detect else r._result(skip))
 
     def state_views(self, k: int) -> dict:
         """Leaf k's state as views in the caller's kind: each STATE buffer's
@@ -161,7 +189,7 @@ class _Flat:
         for i, group in enumerate(self.groups):
             _check_hyper(self.rule, group, i)
         self._flat.set_hyper([_row(self.rule, g) for g in self.groups])
-        self.last_grad_norm = self._flat.step(self.max_norm, self.norm_type)
+        self.last_grad_norm = self._flat.step(self.max_norm, self.norm_type)[0]
         return self.last_grad_norm
 
     @property

@@ -42,7 +42,7 @@ from .errors import NonFiniteError, TreeMismatchError
 
 __all__ = ["NonFloatingTensorError", "NonFiniteNormError", "clip_grad_norm_", "clip_grads_with_norm_",
            "get_total_norm"]
-__all__ += ["AdamW", "SGD"]  # gpuflat.torch_optim: the flat optimizers
+__all__ += ["AdamW", "GradScaler", "SGD"]  # gpuflat.torch_optim: the flat optimizers
 
 _EPS = 1e-6  # PyTorch's: coef = max_norm / (total_norm + 1e-6)
 
@@ -255,4 +255,4 @@ def _scale(groups, max_norm, total_norm):
             g.backend.clip_(g.plan, g.views, adopt(total), max_norm, _EPS)
 
 
-from .torch_optim import SGD, AdamW  # noqa: E402  (re-exported: gpuflat.torch is the PyTorch entry point)
+from .torch_optim import SGD, AdamW, GradScaler  # noqa: E402  (re-exported: gpuflat.torch is the PyTorch entry point)

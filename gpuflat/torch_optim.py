@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import torch
 
+from .arrays import adopt
 from .checks import clip_arguments
 from .optim import CLIP_EPS, STATE, FlatStep, _check_hyper, _row
 from .residency import Resident
 
-__all__ = ["AdamW", "SGD"]
+__all__ = ["AdamW", "GradScaler", "SGD"]
 
 REFUSED = ("amsgrad", "maximize", "differentiable")
 
@@ -40,6 +41,9 @@ class _FlatOptimizer(torch.optim.Optimizer):
     """What AdamW and SGD share: the resident model, the flat step, the state views."""
 
     _rule = ""
+    # torch.amp.GradScaler hands the scale and found_inf to step() instead of
+    # unscaling the gradients itself: the update unscales, and skips on the device.
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, defaults, max_norm, norm_type):
         name = type(self).__name__
@@ -95,11 +99,28 @@ class _FlatOptimizer(torch.optim.Optimizer):
         for i, group in enumerate(self.param_groups):
             _check_hyper(self._rule, group, i)
         self._flat.set_hyper([_row(self._rule, g) for g in self.param_groups])
-        self.last_grad_norm = self._flat.step(self.max_norm, self.norm_type)
+        self.last_grad_norm = self._scaled_step()  # skipped steps, as fused AdamW's, leave a state of step 0
         if not self._stepped:  # every resident parameter has a state from now on
             self._expose_state(range(len(self._params)))
             self._stepped = True
         return loss
+
+    def _scaled_step(self):
+        """The flat step, given what a GradScaler left on the optimizer: its
+        scale (unscaled inside the update) and its found_inf (skip on the
+        device), or, from gpuflat.torch.GradScaler, a found_inf to fill from
+        the step's own norm pass. Returns the norm, unscaled."""
+        scale, found = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        detect = found is not None and getattr(self, "_found_inf_from_norm", False)
+        inv_scale = skip = None
+        if scale is not None:  # GradScaler's unscale_: scale.double().reciprocal().float()
+            inv_scale = adopt(scale.double().reciprocal().float().double().reshape(()))
+        if found is not None and not detect:
+            skip = adopt(found.double().reshape(()))
+        total, flag = self._flat.step(self.max_norm, self.norm_type, inv_scale=inv_scale, skip=skip, detect=detect)
+        if detect:
+            found.copy_(flag.reshape(found.shape))
+        return total
 
     def load_state_dict(self, state_dict) -> None:
         """PyTorch's, then the loaded state copied into the flat buffers (views
@@ -185,3 +206,46 @@ class SGD(_FlatOptimizer):
         # PyTorch's SGD keeps a momentum buffer only where momentum is used, and no step.
         group = self.param_groups[self._leaf_group[k]]
         return {"momentum_buffer": views["momentum_buffer"]} if group["momentum"] != 0 else {}
+
+
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` whose ``step`` makes a flat optimizer's
+    scaled step two passes over the gradients instead of three.
+
+    For an optimizer that takes the scale itself, the stock ``step`` first
+    reads every gradient for NaN and inf (``_check_inf_per_device``). Here a
+    gpuflat optimizer takes that flag from its own norm pass instead and
+    records it where ``update()`` reads it; everything else (other
+    optimizers, a step after ``unscale_``) is the stock scaler's.
+
+    >>> import torch, gpuflat.torch as gft
+    >>> net = torch.nn.Linear(3, 2)
+    >>> opt, scaler = gft.AdamW(net.parameters(), max_norm=1.0), gft.GradScaler("cpu", init_scale=2.0**8)
+    >>> scaler.scale(net(torch.ones(4, 3)).sum()).backward()
+    >>> net.bias.grad[0] = float("inf")
+    >>> scaler.step(opt); scaler.update()
+    >>> scaler.get_scale(), float(opt.state[net.bias]["step"]), float(opt.last_grad_norm)
+    (128.0, 0.0, inf)
+    """
+
+    def step(self, optimizer, *args, **kwargs):
+        """As ``torch.amp.GradScaler.step``; a gpuflat optimizer finds NaN and inf in its own norm pass."""
+        from torch.amp.grad_scaler import OptState
+
+        if not self._enabled or not isinstance(optimizer, _FlatOptimizer):
+            return super().step(optimizer, *args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        scale, _ = self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is not OptState.READY:  # unscaled already, or stepped twice: the stock rules
+            return super().step(optimizer, *args, **kwargs)
+        found = torch.zeros((), dtype=torch.float32, device=scale.device)
+        state["found_inf_per_device"] = {scale.device: found}
+        optimizer.grad_scale, optimizer.found_inf, optimizer._found_inf_from_norm = scale, found, True
+        try:
+            result = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf, optimizer._found_inf_from_norm
+        state["stage"] = OptState.STEPPED
+        return result

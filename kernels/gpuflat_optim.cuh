@@ -36,12 +36,17 @@ __device__ __forceinline__ double gf_powi(double base, double n) {
     return r;
 }
 
-// The clip factor min(1, max_norm / (total + eps)), NaN kept (PyTorch's
-// clip_grad_norm_); 1 when the step does not clip.
-__device__ __forceinline__ double gf_clip_factor(const double* total, double max_norm, double eps, long long clip) {
-    if (!clip) return 1.0;
-    const double c = max_norm / (total[0] + eps);
-    return c > 1.0 ? 1.0 : c;
+// What each gradient is multiplied by: the clip factor min(1, max_norm /
+// (total + eps)), NaN kept (PyTorch's clip_grad_norm_), or 1 when the step
+// does not clip; times a loss scaler's unscale factor amp[0] (1 without one).
+__device__ __forceinline__ double gf_grad_factor(const double* total, double max_norm, double eps, long long clip,
+                                                 const double* amp) {
+    double c = 1.0;
+    if (clip) {
+        c = max_norm / (total[0] + eps);
+        c = c > 1.0 ? 1.0 : c;
+    }
+    return c * amp[0];
 }
 
 // torch.lerp's formula, which switches form at weight 0.5.

@@ -6,18 +6,22 @@
 // which is never written. hyper holds GF_HYPER doubles per group and
 // steps[slot] the slot's step count, already incremented on the device: the
 // host changes neither between steps, so a warmed-up step can be captured in
-// a CUDA graph. The clip factor comes from the norm on the device (total[0]).
+// a CUDA graph. The clip factor comes from the norm on the device (total[0]);
+// amp holds a loss scaler's unscale factor and skip flag (a nonzero amp[1]
+// leaves everything as it was, decided on the device).
 #include "gpuflat_optim.cuh"
 
 template <class S>
 __global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
 gpuflat_adamw(const Item* __restrict__ items, long long n_items, const long long* __restrict__ slot_group,
               const double* __restrict__ hyper, const double* __restrict__ steps, S* p, const S* g, S* m, S* v,
-              const double* __restrict__ total, double max_norm, double eps, long long clip) {
+              const double* __restrict__ total, double max_norm, double eps, long long clip,
+              const double* __restrict__ amp) {
     using C = typename gf_compute<S>::type;
     const int lane = (int)(threadIdx.x % GF_WARP);
     const long long nwarps = gf_warp_count();
-    const double factor = gf_clip_factor(total, max_norm, eps, clip);
+    if (amp[1] != 0.0) return;
+    const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
     for (long long it = gf_global_warp(); it < n_items; it += nwarps) {
         const Item item = items[it];
         const long long grp = slot_group[item.slot];
@@ -31,11 +35,13 @@ template <class S>
 __global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
 gpuflat_sgd(const Item* __restrict__ items, long long n_items, const long long* __restrict__ slot_group,
             const double* __restrict__ hyper, const double* __restrict__ steps, S* p, const S* g, S* buf,
-            const double* __restrict__ total, double max_norm, double eps, long long clip) {
+            const double* __restrict__ total, double max_norm, double eps, long long clip,
+            const double* __restrict__ amp) {
     using C = typename gf_compute<S>::type;
     const int lane = (int)(threadIdx.x % GF_WARP);
     const long long nwarps = gf_warp_count();
-    const double factor = gf_clip_factor(total, max_norm, eps, clip);
+    if (amp[1] != 0.0) return;
+    const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
     for (long long it = gf_global_warp(); it < n_items; it += nwarps) {
         const Item item = items[it];
         const long long grp = slot_group[item.slot];

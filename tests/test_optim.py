@@ -198,3 +198,38 @@ def test_bad_input_is_refused_naming_the_leaf_or_group():
     assert_bits_equal(np.asarray(r.param_buffers[0]), before)
     with pytest.raises(ValueError, match="grads=False"):
         SGD(gf.resident({"w": np.ones(2)}, grads=False))
+
+
+def scaled_run(backend):
+    """Steps with a loss scale of 1024 folded into the update, a NaN on step 2."""
+    rng = np.random.default_rng(3)
+    r = gf.resident(model(np.float32, rng), backend=backend)
+    opt = AdamW(r, lr=0.01, max_norm=1.0)
+    opt._flat.set_hyper([(0.01, 0.01, 0.9, 0.999, 1e-8)])
+    inv = np.asarray(1.0 / 1024)
+    out = []
+    for k in range(4):
+        for g in r.grads.values():
+            g[...] = rng.standard_normal(g.shape).astype(g.dtype) * 1024
+        if k == 2:
+            r.grads["b"][0] = np.nan
+        before = np.array(r.param_buffers[0]), [np.array(s.array) for s in opt._flat.states[0]]
+        total, found = opt._flat.step(1.0, inv_scale=inv, detect=True)
+        out.append((float(total), float(found), np.array(r.param_buffers[0])))
+        if k == 2:
+            assert_bits_equal(r.param_buffers[0], before[0])
+            for s, b in zip(opt._flat.states[0], before[1]):
+                assert_bits_equal(s.array, b)
+    return out, {p: np.array(s["step"]) for p, s in opt.state.items()}
+
+
+def test_a_loss_scale_unscales_inside_and_a_nonfinite_step_is_skipped():
+    runs = {be: scaled_run(be) for be in BACKENDS}
+    steps, flags = runs["emulated"][1], [f for _, f, _ in runs["emulated"][0]]
+    assert flags == [0.0, 0.0, 1.0, 0.0] and all(float(s) == 3.0 for s in steps.values())
+    norms = [t for t, _, _ in runs["emulated"][0]]
+    assert 5 < norms[0] < 500  # unscaled: the scaled gradients' norm is 1024 times that
+    for be in ("numpy", "host"):
+        for (t, f, p), (t2, f2, p2) in zip(runs[be][0], runs["emulated"][0]):
+            assert f == f2 and (t == pytest.approx(t2, rel=1e-14) or math.isnan(t) and math.isnan(t2))
+            assert_bits_equal(p, p2)

@@ -219,3 +219,87 @@ def test_refused_options_and_late_groups():
     with pytest.raises(ValueError, match="parameter group 0: expected lr >= 0, got nan"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+
+
+# ---------------------------------------------------------------- GradScaler
+
+SCALERS = {"stock": torch.amp.GradScaler, "gpuflat": gft.GradScaler}
+INF_STEP, NAN_STEP = 7, 18
+
+
+def inject(net, k):
+    """An inf in one step's gradients and a NaN in another's (after backward, before the step)."""
+    if k in (INF_STEP, NAN_STEP):
+        net.hidden.weight.grad[0, 0] = float("inf") if k == INF_STEP else float("nan")
+
+
+def scaled_backward(net, scaler, x, y):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = torch.nn.functional.cross_entropy(net(x), y) * 5.0
+    scaler.scale(loss).backward()
+
+
+def make_scaler(cls):
+    return cls("cpu", init_scale=2.0**12, growth_interval=4)
+
+
+def run_torch_scaled(net, opt, data):
+    scaler, scales = make_scaler(torch.amp.GradScaler), []
+    for k, (x, y) in enumerate(data):
+        opt.zero_grad()
+        scaled_backward(net, scaler, x, y)
+        inject(net, k)
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def state_snapshot(opt):
+    return {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+
+
+@pytest.mark.parametrize("scaler_name", list(SCALERS))
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_thirty_scaled_steps_match_torch(name, scaler_name):
+    torch_cls, flat_cls, kw = OPTIMIZERS[name]
+    net_t, net_f = pair(6)
+    opt_t = torch_cls(groups(net_t), foreach=True, **kw)
+    opt_f = flat_cls(groups(net_f), max_norm=1.0, **kw)
+    data = batches(30, seed=6)
+    want_scales = run_torch_scaled(net_t, opt_t, data)
+    scaler, scales, norms = make_scaler(SCALERS[scaler_name]), [], []
+    for k, (x, y) in enumerate(data):
+        opt_f.zero_grad()
+        scaled_backward(net_f, scaler, x, y)
+        inject(net_f, k)
+        before = ([p.detach().clone() for p in net_f.parameters()], state_snapshot(opt_f))
+        scaler.step(opt_f)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        norms.append(float(opt_f.last_grad_norm))
+        if k in (INF_STEP, NAN_STEP):  # skipped on the device: every bit as it was
+            assert all(torch.equal(a, b) for a, b in zip(before[0], net_f.parameters()))
+            after = state_snapshot(opt_f)
+            assert all(torch.equal(before[1][i][key], after[i][key]) for i in after for key in after[i])
+    assert scales == want_scales
+    assert scales[INF_STEP] == scales[INF_STEP - 1] / 2 and scales[NAN_STEP] == scales[NAN_STEP - 1] / 2
+    assert max(scales) > 2.0**12  # the scale also grew
+    assert max(n for n in norms if n == n and n != float("inf")) < 1e3  # the norm is the unscaled one
+    assert_close(net_t, opt_t, net_f, opt_f)
+
+
+def test_gpuflat_gradscaler_takes_the_flag_from_the_norm_pass(monkeypatch):
+    net = Net()
+    opt = gft.AdamW(net.parameters(), lr=1e-3, max_norm=1.0)
+    scaler = make_scaler(gft.GradScaler)
+    called = []
+    monkeypatch.setattr(torch.amp.GradScaler, "_check_inf_per_device",
+                        lambda self, o: called.append(o) or {})
+    scaled_backward(net, scaler, *batches(1)[0])
+    scaler.step(opt)
+    scaler.update()
+    assert not called  # no third pass over the gradients
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")

@@ -224,28 +224,28 @@ class HostBackend:
         """
         return np.asarray(x)
 
-    def step_(self, rule, plan, params, grads, states, slot_group, hyper, steps, total, max_norm, eps) -> None:
+    def step_(self, rule, plan, params, grads, states, slot_group, hyper, steps, total, max_norm, eps, amp) -> None:
         """One optimizer update of a flat buffer in native code (see the protocol).
 
         >>> import numpy as np, gpuflat as gf
         >>> p, g, m, v = np.ones(3, np.float32), np.ones(3, np.float32), np.zeros(3, np.float32), np.zeros(3, np.float32)
         >>> hyper = np.array([0.1, 0.0, 0.9, 0.999, 1e-8])
         >>> HostBackend().step_("adamw", gf.plan([p]), p, g, (m, v), np.zeros(1, np.int64), hyper,
-        ...                     np.ones(1), None, 0.0, 0.0)
+        ...                     np.ones(1), None, 0.0, 0.0, np.array([1.0, 0.0]))
         >>> p.round(6)
         array([0.9, 0.9, 0.9], dtype=float32)
         """
         lib = _optim_library()
         if lib is None:
             return self._numpy.step_(rule, plan, params, grads, states, slot_group, hyper, steps, total,
-                                     max_norm, eps)
+                                     max_norm, eps, amp)
         ptr = _address
         tag = TAGS[params.dtype]
         s1 = ptr(states[1]) if len(states) > 1 else None
         lib.gf_host_optim_step(OPTIM_RULES.index(rule), tag, ptr(plan.offsets), len(plan.leaves),
                                ptr(slot_group), ptr(hyper), ptr(steps), ptr(params), ptr(grads),
                                ptr(states[0]), s1, None if total is None else ptr(total),
-                               float(max_norm), float(eps), self.threads)
+                               float(max_norm), float(eps), ptr(amp), self.threads)
 
 
 OPTIM_RULES = ("adamw", "sgd")  # kernels/host/host_optim.cpp's rule numbers
@@ -269,7 +269,7 @@ def _optim_library():
     except (host_compiler.BuildError, OSError):
         return None
     vp, i64, f64, c_int = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_double, ctypes.c_int
-    lib.gf_host_optim_step.argtypes = [c_int, c_int, vp, i64, vp, vp, vp, vp, vp, vp, vp, vp, f64, f64, c_int]
+    lib.gf_host_optim_step.argtypes = [c_int, c_int, vp, i64, vp, vp, vp, vp, vp, vp, vp, vp, f64, f64, vp, c_int]
     lib.gf_host_optim_step.restype = c_int
     return lib
 

@@ -150,7 +150,7 @@ class NumpyBackend:
     def to_host(self, x):
         return np.asarray(x)
 
-    def step_(self, rule, plan, params, grads, states, slot_group, hyper, steps, total, max_norm, eps):
+    def step_(self, rule, plan, params, grads, states, slot_group, hyper, steps, total, max_norm, eps, amp):
         """One optimizer update of a flat buffer, slot by slot: the kernels'
         operations in the same order and precision (the reference).
 
@@ -158,13 +158,15 @@ class NumpyBackend:
         >>> p, g, buf = np.ones(2), np.full(2, 4.0), np.zeros(2)
         >>> hyper = np.array([0.5, 0.0, 0.9, 0.0, 0.0])
         >>> NumpyBackend().step_("sgd", gf.plan([p]), p, g, (buf,), np.zeros(1, np.int64), hyper,
-        ...                      np.ones(1), np.asarray(8.0), 2.0, 0.0)
+        ...                      np.ones(1), np.asarray(8.0), 2.0, 0.0, np.array([1.0, 0.0]))
         >>> p, buf
         (array([0.5, 0.5]), array([1., 1.]))
         """
+        if amp[1] != 0.0:  # a loss scaler found NaN or inf: skip
+            return
         update = _adamw if rule == "adamw" else _sgd
         compute = np.float64 if params.dtype == np.float64 else np.float32
-        factor = 1.0 if total is None else _clip_factor(total, max_norm, eps)
+        factor = (1.0 if total is None else _clip_factor(total, max_norm, eps)) * float(amp[0])
         with np.errstate(all="ignore"):  # NaN and inf follow IEEE rules, as in the kernels
             for slot, leaf in enumerate(plan.leaves):
                 group = int(slot_group[slot])
@@ -313,7 +315,7 @@ HYPER = 5  # doubles per parameter group in the hyperparameter table (kernels/gp
 
 
 def _clip_factor(total, max_norm, eps):
-    # kernels/gpuflat_optim.cuh: min(1, max_norm / (total + eps)) with NaN kept.
+    # kernels/gpuflat_optim.cuh (gf_grad_factor): min(1, max_norm / (total + eps)) with NaN kept.
     c = np.float64(max_norm) / (np.float64(total) + np.float64(eps))
     return 1.0 if c > 1.0 else float(c)
 

@@ -88,13 +88,16 @@ bool dispatch(int tag, F f) {
 }  // namespace
 
 // rule 0: AdamW (states: exp_avg, exp_avg_sq); 1: SGD (states: momentum_buffer).
-// total is null when the step does not clip. Returns 0, or -1 for a tag
-// that is not a real floating dtype.
+// total is null when the step does not clip; amp is (unscale factor, skip
+// flag), as for the kernels. Returns 0, or -1 for a tag that is not a real
+// floating dtype.
 GF_EXPORT int gf_host_optim_step(int rule, int tag, const long long* offsets, long long n_slots,
                                  const long long* slot_group, const double* hyper, const double* steps,
                                  void* p, void* g, void* s0, void* s1, const double* total, double max_norm,
-                                 double eps, int threads) {
-    const Step s{offsets, n_slots, slot_group, hyper, steps, gf_clip_factor(total, max_norm, eps, total != nullptr)};
+                                 double eps, const double* amp, int threads) {
+    if (amp[1] != 0.0) return tag >= 0 && tag <= 3 ? 0 : -1;
+    const Step s{offsets, n_slots, slot_group, hyper, steps,
+                 gf_grad_factor(total, max_norm, eps, total != nullptr, amp)};
     const bool ok = dispatch(tag, [&](auto z) {
         using S = decltype(z);
         if (rule == 0) adamw<S>(s, p, g, s0, s1, threads);
