@@ -65,6 +65,9 @@ def parser(argv=None) -> argparse.ArgumentParser:
                         "faster than linearly with them (default: %(default)s)")
     p.add_argument("--name", help="file name stem instead of the machine's name")
     p.add_argument("--all", action="store_true", help="also print one line per implementation timed")
+    p.add_argument("--step-only", action="store_true",
+                   help="only the optimizer step rows (bench/step.py): clip + AdamW, PyTorch's against "
+                        "gpuflat's, written to <name>-step.json")
     return p
 
 
@@ -169,6 +172,10 @@ def main(argv=None) -> int:
     from . import progress as progress_bar
 
     args = parse(argv)
+    if args.step_only:
+        from . import step
+
+        return step.main(args)
     jax_peers.MAX_LEAVES = args.jax_max_leaves
     device = make_device(args.device)
     settings = timing.QUICK if args.quick else timing.FULL

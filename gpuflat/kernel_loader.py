@@ -98,7 +98,7 @@ def name_expressions() -> list[str]:
     runtime tag, so a mixed-dtype tree is one launch); the norm kernels on the
     norm kind.
 
-    >>> len(name_expressions()) == 2 * len(CUDA_NAMES) + 2 * len(NORM_KINDS) + 1
+    >>> len(name_expressions()) == 2 * len(CUDA_NAMES) + 2 * len(NORM_KINDS) + 1 + 2 * 4
     True
     """
     names = []
@@ -107,7 +107,23 @@ def name_expressions() -> list[str]:
     for kind in NORM_KINDS:
         names += [norm_partial_name(kind), norm_finish_name(kind)]
     names.append(SCALE_NAME)
+    names += [optim_name(rule, d) for rule in OPTIM_RULES for d in OPTIM_DTYPES]
     return names
+
+
+# The flat optimizers' update kernels (kernels/optim.cu), templated on the
+# buffer's dtype: every real floating dtype (complex parameters are refused).
+OPTIM_RULES = ("adamw", "sgd")
+OPTIM_DTYPES = ("f16", "bf16", "float", "double")
+
+
+def optim_name(rule: str, c_name: str) -> str:
+    """Name expression of an optimizer's update kernel over a buffer of C++ type ``c_name``.
+
+    >>> optim_name("adamw", "float")
+    'gpuflat_adamw<float>'
+    """
+    return f"gpuflat_{rule}<{c_name}>"
 
 
 def kernel_dir() -> Path:
@@ -141,7 +157,7 @@ def sources(directory: Path | None = None) -> dict[str, str]:
     """File name -> text of every ``*.cu`` and ``*.cuh`` in the kernel directory.
 
     >>> sorted(n for n in sources() if n.endswith(".cu"))
-    ['gather_scatter.cu', 'norms.cu']
+    ['gather_scatter.cu', 'norms.cu', 'optim.cu']
     """
     d = Path(directory) if directory is not None else kernel_dir()
     files = sorted(list(d.glob("*.cu")) + list(d.glob("*.cuh")))

@@ -50,6 +50,7 @@ from .ops import plan
 
 __all__ = ["NonFloatingTensorError", "NonFiniteNormError", "clip_grad_norm_", "clip_grads_with_norm_",
            "get_total_norm"]
+__all__ += ["AdamW", "GradScaler", "SGD"]  # gpuflat.torch_optim: the flat optimizers
 
 _EPS = 1e-6  # PyTorch's: coef = max_norm / (total_norm + 1e-6)
 
@@ -261,3 +262,6 @@ def _scale(groups, max_norm, total_norm):
         with device_scope(g.backend, g.like):
             total = torch.as_tensor(total_norm, dtype=torch.float64).to(g.like.device)
             g.backend.clip_(g.plan, g.views, adopt(total), max_norm, _EPS)
+
+
+from .torch_optim import SGD, AdamW, GradScaler  # noqa: E402  (re-exported: gpuflat.torch is the PyTorch entry point)

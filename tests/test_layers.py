@@ -33,7 +33,8 @@ LAYERS = [
     ["distributed"],
     ["ops"],
     # Front ends.
-    ["residency"],
+    ["residency", "optim"],
+    ["torch_optim"],
     ["torch"],
     # The package and the deprecated aliases of moved modules.
     ["__init__", "runtime", "backends.base"],

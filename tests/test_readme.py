@@ -17,7 +17,7 @@ def run(index):
 
 
 def test_every_example_is_tested():
-    assert len(BLOCKS) == 6
+    assert len(BLOCKS) == 7
 
 
 def test_tree_example():
@@ -62,7 +62,7 @@ def test_distributed_example():
 
 def test_fsdp2_example():
     """Under torchrun the process group exists; here it is a world of one rank."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -77,3 +77,15 @@ def test_fsdp2_example():
         assert float(norm.full_tensor()) > 1.0  # the clip bound: the example shows it working
     finally:
         dist.destroy_process_group()
+
+
+def test_flat_optimizer_example():
+    torch = pytest.importorskip("torch")
+    scope = run(6)
+    net, opt, norm = scope["net"], scope["opt"], scope["norm"]
+    assert isinstance(norm, torch.Tensor) and norm.dtype == torch.float64 and float(norm) > 0
+    buf = opt.resident.param_buffers[0]
+    for p in net.parameters():
+        assert buf.data_ptr() <= p.data_ptr() < buf.data_ptr() + buf.numel() * buf.element_size()
+        assert float(opt.state[p]["step"]) == 5
+    assert opt.param_groups[1]["weight_decay"] == 0.0 and opt.param_groups[0]["lr"] < 1e-3  # the schedule ran

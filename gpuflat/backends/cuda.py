@@ -43,7 +43,7 @@ from operator import attrgetter
 import numpy as np
 
 from gpuflat import kernel_loader as kl
-from gpuflat.dtypes import TAGS
+from gpuflat.dtypes import CUDA_NAMES, TAGS
 from gpuflat.identity import SameArrays
 
 from .protocol import NormResult
@@ -190,6 +190,18 @@ class CudaBackend:
     def _launch(self, name, st, args, table):
         grid = self.grid or self.runtime.grid_for(st.n_items)
         self.runtime.launch(name, grid, min(self.runtime.block, BLOCK_THREADS), args, (st.uploaded, table))
+
+    def step_(self, rule, plan, params, grads, states, slot_group, hyper, steps, total, max_norm, eps, amp) -> None:
+        """One optimizer update of a flat buffer (1 launch, no synchronisation):
+        the clip factor is taken from ``total`` on the device, the
+        hyperparameters and step counts from device tables."""
+        st = _static_tables(plan, self.runtime)
+        clip = total is not None
+        args = [st.items, np.int64(st.n_items), slot_group, hyper, steps, params, grads, *states,
+                total if clip else steps, np.float64(max_norm), np.float64(eps), np.int64(clip), amp]
+        name = kl.optim_name(rule, CUDA_NAMES[np.dtype(params.dtype)])
+        grid = self.grid or self.runtime.grid_for(st.n_items)
+        self.runtime.launch(name, grid, min(self.runtime.block, BLOCK_THREADS), args, (st.uploaded,))
 
 
 def _norm_kind(ord):

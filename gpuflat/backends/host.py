@@ -35,7 +35,7 @@ import sysconfig
 import numpy as np
 
 from gpuflat import host_compiler
-from gpuflat.dtypes import BFLOAT16
+from gpuflat.dtypes import BFLOAT16, TAGS
 from gpuflat.kernel_loader import kernel_dir
 
 from .numpy_backend import HostMemory, NumpyBackend
@@ -223,6 +223,55 @@ class HostBackend(HostMemory):
         array(2.)
         """
         return np.asarray(x)
+
+    def step_(self, rule, plan, params, grads, states, slot_group, hyper, steps, total, max_norm, eps, amp) -> None:
+        """One optimizer update of a flat buffer in native code (see the protocol).
+
+        >>> import numpy as np, gpuflat as gf
+        >>> p, g, m, v = np.ones(3, np.float32), np.ones(3, np.float32), np.zeros(3, np.float32), np.zeros(3, np.float32)
+        >>> hyper = np.array([0.1, 0.0, 0.9, 0.999, 1e-8])
+        >>> HostBackend().step_("adamw", gf.plan([p]), p, g, (m, v), np.zeros(1, np.int64), hyper,
+        ...                     np.ones(1), None, 0.0, 0.0, np.array([1.0, 0.0]))
+        >>> p.round(6)
+        array([0.9, 0.9, 0.9], dtype=float32)
+        """
+        lib = _optim_library()
+        if lib is None:
+            return self._numpy.step_(rule, plan, params, grads, states, slot_group, hyper, steps, total,
+                                     max_norm, eps, amp)
+        ptr = _address
+        tag = TAGS[params.dtype]
+        s1 = ptr(states[1]) if len(states) > 1 else None
+        lib.gf_host_optim_step(OPTIM_RULES.index(rule), tag, ptr(plan.offsets), len(plan.leaves),
+                               ptr(slot_group), ptr(hyper), ptr(steps), ptr(params), ptr(grads),
+                               ptr(states[0]), s1, None if total is None else ptr(total),
+                               float(max_norm), float(eps), ptr(amp), self.threads)
+
+
+OPTIM_RULES = ("adamw", "sgd")  # kernels/host/host_optim.cpp's rule numbers
+
+
+def _address(a) -> int:
+    return np.asarray(a).ctypes.data
+
+
+@functools.lru_cache(maxsize=None)
+def _optim_library():
+    """The native optimizer update (kernels/host/host_optim.cpp), built on
+    first use; None where it cannot be built (NumPy serves then)."""
+    kernels = kernel_dir()
+    files = {name: (kernels / name).read_text() for name in ("gpuflat_common.cuh", "gpuflat_optim.cuh")}
+    files["host_prelude.h"] = (kernels / "host" / "host_prelude.h").read_text()
+    try:
+        path = host_compiler.build_library("gpuflat-host-optim", (kernels / "host" / "host_optim.cpp").read_text(),
+                                           flags=FLAGS, files=files, key_parts=(_cpu_identity(),))
+        lib = host_compiler.load(path, ctypes.CDLL)
+    except (host_compiler.BuildError, OSError):
+        return None
+    vp, i64, f64, c_int = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_double, ctypes.c_int
+    lib.gf_host_optim_step.argtypes = [c_int, c_int, vp, i64, vp, vp, vp, vp, vp, vp, vp, vp, f64, f64, vp, c_int]
+    lib.gf_host_optim_step.restype = c_int
+    return lib
 
 
 def _check(plan, arrays, bad: int) -> None:

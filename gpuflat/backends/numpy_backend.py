@@ -170,6 +170,33 @@ class NumpyBackend(HostMemory):
     def to_host(self, x):
         return np.asarray(x)
 
+    def step_(self, rule, plan, params, grads, states, slot_group, hyper, steps, total, max_norm, eps, amp):
+        """One optimizer update of a flat buffer, slot by slot: the kernels'
+        operations in the same order and precision (the reference).
+
+        >>> import numpy as np, gpuflat as gf
+        >>> p, g, buf = np.ones(2), np.full(2, 4.0), np.zeros(2)
+        >>> hyper = np.array([0.5, 0.0, 0.9, 0.0, 0.0])
+        >>> NumpyBackend().step_("sgd", gf.plan([p]), p, g, (buf,), np.zeros(1, np.int64), hyper,
+        ...                      np.ones(1), np.asarray(8.0), 2.0, 0.0, np.array([1.0, 0.0]))
+        >>> p, buf
+        (array([0.5, 0.5]), array([1., 1.]))
+        """
+        if amp[1] != 0.0:  # a loss scaler found NaN or inf: skip
+            return
+        update = _adamw if rule == "adamw" else _sgd
+        compute = np.float64 if params.dtype == np.float64 else np.float32
+        factor = (1.0 if total is None else _clip_factor(total, max_norm, eps)) * float(amp[0])
+        with np.errstate(all="ignore"):  # NaN and inf follow IEEE rules, as in the kernels
+            for slot, leaf in enumerate(plan.leaves):
+                group = int(slot_group[slot])
+                if group < 0:
+                    continue
+                part = slice(leaf.offset, leaf.offset + leaf.size)
+                update(params[part], grads[part], [s[part] for s in states],
+                       [float(x) for x in hyper[group * HYPER : (group + 1) * HYPER]],
+                       float(steps[slot]), factor, compute)
+
 
 def _scale(target, coef):
     """target *= coef in PyTorch's precision, as the CUDA kernel does.
@@ -302,3 +329,68 @@ def _float32_rounded_to_odd(x):
         toward = np.where(nearest[even] < x[even], np.float32(np.inf), np.float32(-np.inf))
         nearest[even] = np.nextafter(nearest[even], toward)
     return nearest
+
+
+HYPER = 5  # doubles per parameter group in the hyperparameter table (kernels/gpuflat_optim.cuh)
+
+
+def _clip_factor(total, max_norm, eps):
+    # kernels/gpuflat_optim.cuh (gf_grad_factor): min(1, max_norm / (total + eps)) with NaN kept.
+    c = np.float64(max_norm) / (np.float64(total) + np.float64(eps))
+    return 1.0 if c > 1.0 else float(c)
+
+
+def powi(base: float, n: float) -> float:
+    """base**n for a whole n >= 0 by repeated squaring, as the kernels compute it.
+
+    >>> powi(0.9, 3) == 0.9 * (0.9 * 0.9)
+    True
+    >>> powi(0.5, 10)
+    0.0009765625
+    """
+    r, k = 1.0, int(n)
+    while k > 0:
+        if k & 1:
+            r *= base
+        base *= base
+        k >>= 1
+    return r
+
+
+def _adamw(p, g, states, h, step, factor, C):
+    """PyTorch's AdamW on one slot, in the compute type C (gf_adamw_range)."""
+    m, v = states
+    lr, wd, b1, b2, eps = h
+    bc1, bc2 = 1.0 - powi(b1, step), 1.0 - powi(b2, step)
+    gc = g.astype(C) * C(factor)
+    pc = p.astype(C) * C(1.0 - lr * wd)
+    mc = _lerp(m.astype(C), gc, C(1.0 - b1))
+    vc = v.astype(C) * C(b2) + C(1.0 - b2) * gc * gc
+    denom = np.sqrt(vc) / C(math.sqrt(bc2)) + C(eps)
+    _store(p, pc + C(-(lr / bc1)) * (mc / denom))
+    _store(m, mc)
+    _store(v, vc)
+
+
+def _lerp(a, b, w):
+    # torch.lerp's two forms, switched at weight 0.5.
+    return a + w * (b - a) if -0.5 < w < 0.5 else b - (b - a) * (type(w)(1) - w)
+
+
+def _sgd(p, g, states, h, step, factor, C):
+    """PyTorch's SGD on one slot, in the compute type C (gf_sgd_range)."""
+    lr, wd, momentum, dampening, nesterov = h
+    pc = p.astype(C)
+    d = g.astype(C) * C(factor)
+    if wd != 0.0:
+        d = d + C(wd) * pc
+    if momentum != 0.0:
+        (buf,) = states
+        b = d if step <= 1.0 else buf.astype(C) * C(momentum) + C(1.0 - dampening) * d
+        _store(buf, b)
+        d = d + C(momentum) * b if nesterov != 0.0 else b
+    _store(p, pc + C(-lr) * d)
+
+
+def _store(target, values):
+    np.copyto(target, values, casting="unsafe")

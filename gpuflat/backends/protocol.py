@@ -87,3 +87,18 @@ class Backend(Protocol):
     def on_device(self):
         """A context in which new arrays land on this backend's device (and
         array-module calls run there): callers allocate inside it."""
+
+    def step_(self, rule: str, plan, params, grads, states: Sequence[Any], slot_group, hyper, steps, total,
+              max_norm: float, eps: float, amp) -> None:
+        """One optimizer update of a resident buffer, in place: ``rule`` is
+        "adamw" (``states``: exp_avg, exp_avg_sq) or "sgd" (momentum_buffer).
+
+        ``params``, ``grads`` and ``states`` are 1-D buffers of one real
+        floating dtype laid out as ``plan``'s slots; ``slot_group[slot]`` is
+        the slot's row of ``hyper`` (5 float64 per parameter group, see
+        kernels/gpuflat_optim.cuh), -1 for padding, which is never written;
+        ``steps[slot]`` its step count, already incremented. With ``total``
+        (the gradients' norm, on the device) the gradients are first scaled
+        by min(1, max_norm / (total + eps)), never written back. ``amp`` holds
+        two float64: every gradient is also multiplied by ``amp[0]`` (a loss
+        scaler's 1 / scale), and a nonzero ``amp[1]`` skips the update."""

@@ -1,0 +1,175 @@
+"""The step rows (``python -m bench --step-only``): a clipped AdamW step,
+PyTorch's against gpuflat's, plain and with a GradScaler, on GPT-2 small and
+on 10,000 tiny parameters.
+
+PyTorch's clipped step is ``torch.nn.utils.clip_grad_norm_`` then
+``AdamW.step()`` (foreach, and fused where it runs on the device): it reads
+or writes about 10 parameter-sized arrays (norm 1, scale 2, AdamW 7).
+gpuflat's ``gpuflat.torch.AdamW(max_norm=)`` takes the norm in one read and
+clips inside the update: about 8 (norm 1, update 7). Each row gives the
+median step time, those bytes per step and the speed-up over PyTorch's
+fastest. With a GradScaler PyTorch adds the unscale (2 arrays: 12 in all);
+gpuflat's optimizers unscale inside the update, after the stock scaler's own
+non-finite check (about 10) or, with ``gpuflat.torch.GradScaler``, taking
+the flag from the norm pass (8). Parameters live on PyTorch's device: the
+GPU when one is at hand.
+"""
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+
+import numpy as np
+
+from . import machine, timing, workloads
+
+WORKLOADS = ("gpt2-small", "tiny-10k")
+MAX_NORM = 1.0
+LR = 1e-4  # small, so thousands of repeats keep the parameters in range
+
+
+def cases(torch):
+    """(op, name, parameter-sized arrays moved per step, make(params) -> step function)."""
+    import gpuflat.torch as gft
+
+    def scaler(cls):
+        # A scale of 1 (never grown within a run): unscaling does the same
+        # work as at any scale, and repeated steps keep the gradients as they are.
+        s = cls("cuda" if torch.cuda.is_available() else "cpu", init_scale=1.0, growth_interval=1 << 30)
+        s.scale(torch.ones(()))  # the scale tensor is made on first use
+        return s
+
+    def torch_step(scaled, **kw):
+        def make(params):
+            opt = torch.optim.AdamW(params, lr=LR, **kw)
+            sc = scaler(torch.amp.GradScaler) if scaled else None
+
+            def step():
+                if sc is not None:
+                    sc.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+                if sc is None:
+                    return opt.step()
+                sc.step(opt)
+                sc.update()
+            return step
+        return make
+
+    def flat_step(scaler_cls=None):
+        def make(params):
+            opt = gft.AdamW(params, lr=LR, max_norm=MAX_NORM)
+            if scaler_cls is None:
+                return opt.step
+            sc = scaler(scaler_cls)
+
+            def step():
+                sc.step(opt)
+                sc.update()
+            return step
+        return make
+
+    plain, scaled = "clip+adamw step", "scaled clip+adamw step"
+    return [(plain, "torch foreach", 10, torch_step(False, foreach=True)),
+            (plain, "torch fused", 10, torch_step(False, fused=True)),
+            (plain, "gpuflat", 8, flat_step()),
+            # unscale 2, clip 3, AdamW 7
+            (scaled, "torch foreach + GradScaler", 12, torch_step(True, foreach=True)),
+            (scaled, "torch fused + GradScaler", 12, torch_step(True, fused=True)),
+            # the stock scaler's non-finite check (read and rewritten in place), norm 1, update 7
+            (scaled, "gpuflat + torch.amp.GradScaler", 10, flat_step(torch.amp.GradScaler)),
+            # the norm (and the non-finite flag) 1, update 7
+            (scaled, "gpuflat + gpuflat GradScaler", 8, flat_step(gft.GradScaler))]
+
+
+def _params(torch, leaves, device):
+    """Fresh parameters with fixed random gradients, one per leaf."""
+    rng = np.random.default_rng(1)
+    out = []
+    for leaf in leaves:
+        p = torch.nn.Parameter(torch.from_numpy(np.array(leaf, np.float32)).to(device))
+        p.grad = torch.from_numpy(rng.standard_normal(leaf.shape, np.float32)).to(device)
+        out.append(p)
+    return out
+
+
+def run(settings, workload_names=WORKLOADS) -> dict:
+    """Every case on every workload: the rows of the step benchmark."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    timer = timing.HostTimer()
+    spec = workloads.load()
+    rows = []
+    for name in workload_names:
+        w = workloads.build(name, spec[name], "float32")
+        n_bytes = sum(leaf.nbytes for leaf in w.leaves)
+        for op, impl, arrays, make in cases(torch):
+            row = {"workload": name, "dtype": "float32", "op": op, "impl": impl,
+                   "leaves": len(w.leaves), "bytes": arrays * n_bytes}
+            params = _params(torch, w.leaves, device)
+            try:
+                step = make(params)
+                t, _ = timing.measure(lambda: (step(), sync()), timer, settings)
+                rows.append({**row, "status": "ok", "median_ms": t.median_s * 1e3, "reps": t.reps,
+                             "gb_s": arrays * n_bytes / t.median_s / 1e9})
+            except Exception as exc:  # e.g. a fused kernel this device lacks: a row, not a crash
+                rows.append({**row, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:300]})
+            del params
+            gc.collect()
+    _speedups(rows)
+    return {"machine": machine.describe(device, _xp(device)), "device": device, "torch": torch.__version__,
+            "settings": vars(settings), "rows": rows}
+
+
+def _xp(device):
+    """The array module bench.machine reads the device's name from."""
+    if device == "cuda":
+        import cupy
+
+        return cupy
+    return np
+
+
+def _speedups(rows) -> None:
+    """Each gpuflat row's speed-up over PyTorch's fastest on the same workload and op."""
+    for r in rows:
+        if r["impl"].startswith("gpuflat") and r["status"] == "ok":
+            peers = [p["median_ms"] for p in rows if (p["workload"], p["op"]) == (r["workload"], r["op"])
+                     and p["status"] == "ok" and p["impl"].startswith("torch")]
+            r["speedup_vs_torch"] = min(peers) / r["median_ms"] if peers else None
+
+
+def text(results) -> str:
+    """The step rows as a table.
+
+    >>> print(text({"device": "cpu", "rows": [{"workload": "w", "op": "step", "impl": "gpuflat",
+    ...     "status": "ok", "median_ms": 2.0, "bytes": 8e6, "gb_s": 4.0, "speedup_vs_torch": 1.5}]}))
+    optimizer steps on cpu
+    w  step  gpuflat  2 ms  8 MB/step  4.0 GB/s  1.50x torch's fastest
+    """
+    lines = [f"optimizer steps on {results['device']}"]
+    for r in results["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"{r['workload']}  {r['op']}  {r['impl']}  {r['status']}: {r.get('reason', '')}")
+            continue
+        speed = r.get("speedup_vs_torch")
+        lines.append(f"{r['workload']}  {r['op']}  {r['impl']}  {r['median_ms']:.3g} ms  {r['bytes'] / 1e6:.3g} MB/step  "
+                     f"{r['gb_s']:.1f} GB/s" + (f"  {speed:.2f}x torch's fastest" if speed else ""))
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    """Run, print, and write ``<stem>-step.json`` under ``args.out``."""
+    settings = timing.QUICK if args.quick else timing.FULL
+    names = args.workloads.split(",") if args.workloads else WORKLOADS
+    results = run(settings, names)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = (args.name or machine.name(results["device"], _xp(results["device"]))) + ("-quick" if args.quick else "")
+    path = out / f"{stem}-step.json"
+    path.write_text(json.dumps(results, indent=1))
+    print(text(results))
+    print(f"\nwrote {path}")
+    return 0

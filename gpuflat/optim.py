@@ -1,0 +1,303 @@
+"""Flat optimizers: AdamW and SGD over a resident model's buffers.
+
+A step is one norm pass over the gradients (when it clips) and one update
+launch per dtype buffer, whatever the number of leaves or parameter groups:
+the update kernel (``kernels/optim.cu``) takes the clip factor
+``min(1, max_norm / (norm + 1e-6))`` from the norm on the device and applies
+it to each gradient as it reads it, so clipping costs no pass of its own.
+The state (``exp_avg`` and ``exp_avg_sq``, or ``momentum_buffer``) lives in
+flat buffers beside the parameters, the step counts and the per-group
+hyperparameters in small device tables, so the host reads nothing back.
+
+The arithmetic is PyTorch's (``torch.optim.AdamW`` and ``SGD``, foreach
+path), computed once in ``kernels/gpuflat_optim.cuh`` for the CUDA,
+emulated and host backends; the NumPy backend is the same operations in
+NumPy. All give the same bits. ``gpuflat.torch.AdamW`` and ``SGD`` are these
+optimizers as ``torch.optim.Optimizer`` subclasses.
+
+>>> import numpy as np, gpuflat as gf
+>>> from gpuflat.optim import SGD
+>>> r = gf.resident({"w": np.array([1.0, 2.0]), "b": np.array([0.5])})
+>>> opt = SGD(r, lr=0.5, max_norm=1.0)
+>>> r.grads["w"][:] = [3.0, 0.0]; r.grads["b"][:] = 4.0
+>>> float(opt.step())   # the gradients' norm, before the clip
+5.0
+>>> r.params["w"].round(6), r.params["b"].round(6)   # each gradient scaled by 1 / 5 in the update
+(array([0.7, 2. ]), array([0.1]))
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+
+from . import checks
+from .backends.numpy_backend import HYPER
+
+# The state each rule keeps per parameter, in the kernels' order.
+STATE = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+CLIP_EPS = 1e-6  # PyTorch's clip_grad_norm_: max_norm / (norm + 1e-6)
+
+
+class FlatStep:
+    """The state and device tables of one resident model's optimizer.
+
+    ``leaf_group[k]`` is the parameter group of the resident model's leaf k
+    (in ``resident.layout`` order); :meth:`set_hyper` writes each group's
+    row of hyperparameters, :meth:`step` updates every buffer. The front ends
+    (:class:`AdamW`, :class:`SGD`, ``gpuflat.torch``) build on it.
+    """
+
+    def __init__(self, resident, rule: str, leaf_group):
+        resident._require_grads()
+        for s in resident.layout:
+            if s.dtype.kind == "c":
+                raise TypeError(f"leaf {s.path!r}: the flat optimizers expected a real floating "
+                                f"parameter, got {s.dtype}")
+        self.resident, self.rule = resident, rule
+        self.n_groups = max(leaf_group, default=-1) + 1
+        r = resident
+        with r._scope():
+            self.states = [[r._allocate(g) for _ in STATE[rule]] for g in r._groups]
+            self.steps = [r._zeros(len(g.plan.leaves), np.float64) for g in r._groups]
+            slot = _slots(r)
+            self.slot_group = []
+            for b, g in enumerate(r._groups):
+                table = [-1] * len(g.plan.leaves)  # padding: never written
+                for k, s in enumerate(r.layout):
+                    if s.buffer == b:
+                        table[slot[k]] = leaf_group[k]
+                self.slot_group.append(self._table(table, np.int64))
+            self.hyper = r._zeros(max(1, self.n_groups) * HYPER, np.float64)
+            # (the gradients' unscale factor, nonzero to skip the step): a loss scaler's, on the device.
+            self.amp = self._table([1.0, 0.0], np.float64)
+        self._amp_plain = True
+        self._written = None
+        self.slot = _slots(r)
+
+    def _table(self, values, dtype):
+        own, array = self.resident._zeros(len(values), dtype)
+        _write(own, array, np.asarray(values, dtype))
+        return own, array
+
+    def set_hyper(self, rows) -> None:
+        """Each group's hyperparameters (HYPER floats, see
+        kernels/gpuflat_optim.cuh), written to the device only when they changed."""
+        rows = tuple(tuple(float(x) for x in row) for row in rows)
+        if rows != self._written:
+            with self.resident._scope():
+                _write(*self.hyper, np.asarray(rows, np.float64).reshape(-1))
+            self._written = rows
+
+    def step(self, max_norm=None, norm_type=2.0, *, inv_scale=None, skip=None, detect=False) -> tuple:
+        """Count a step and update every buffer: (the gradients' norm, the skip flag).
+
+        With ``max_norm`` the update clips inside itself, and the norm
+        (before the clip) comes back on the device, else None. For a loss
+        scaler: ``inv_scale`` (a 0-d float64 backend array) unscales the
+        gradients inside the update (the norm returned is the unscaled one);
+        ``skip`` (0-d float64, nonzero to skip) leaves every parameter, state
+        and step count as it was; ``detect`` takes that flag from the norm
+        pass instead (NaN or inf anywhere) and returns it.
+        """
+        r = self.resident
+        if max_norm is not None:
+            max_norm, p, _ = checks.clip_arguments(max_norm, norm_type, CLIP_EPS)
+        else:
+            p = 2.0
+        r._sync()
+        xp = r._backend.xp
+        with r._scope():
+            total = None
+            if max_norm is not None or detect:
+                total = r._combine(r._norms(r._grads, p, False), p)
+                if inv_scale is not None:
+                    total = xp.asarray(total * inv_scale)
+            if detect:
+                skip = xp.asarray(xp.logical_not(xp.isfinite(total)), dtype=np.float64)
+            amp = self.amp[1]
+            scaled = inv_scale is not None or skip is not None
+            if scaled or not self._amp_plain:
+                amp[0] = 1.0 if inv_scale is None else inv_scale
+                amp[1] = 0.0 if skip is None else skip
+                self._amp_plain = not scaled
+            for b, group in enumerate(r._groups):
+                steps = self.steps[b][1]
+                steps += 1.0
+                if skip is not None:
+                    steps -= amp[1]  # a skipped step is not counted
+                r._backend.step_(self.rule, group.plan, r._params[b].array, r._grads[b].array,
+                                 [s.array for s in self.states[b]], self.slot_group[b][1], self.hyper[1],
+                                 steps, total if max_norm is not None else None,
+                                 0.0 if max_norm is None else max_norm, CLIP_EPS, amp)
+            return (None if total is None else r._result(total),
+                    None if not detect else r._result(skip))
+
+    def state_views(self, k: int) -> dict:
+        """Leaf k's state as views in the caller's kind: each STATE buffer's
+        slice and ``step`` (a 0-d float64 view of its count)."""
+        s = self.resident.layout[k]
+        views = {name: buf[s.buffer].own[s.offset : s.offset + s.size].reshape(s.shape)
+                 for name, buf in zip(STATE[self.rule], zip(*self.states))}
+        slot = self.slot[k]
+        views["step"] = self.steps[s.buffer][0][slot : slot + 1].reshape(())
+        return views
+
+
+def _slots(resident) -> list:
+    """Each leaf's slot in its buffer's plan (the plans also hold the padding)."""
+    slot = [0] * len(resident.layout)
+    for b, group in enumerate(resident._groups):
+        leaves = [k for k, s in enumerate(resident.layout) if s.buffer == b]
+        for k, i in zip(leaves, group.real):
+            slot[k] = i
+    return slot
+
+
+def _write(own, array, host) -> None:
+    """Host values into a device table: PyTorch's copy (on its current
+    stream) for a PyTorch tensor, an upload for a CuPy array."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(own, torch.Tensor):
+        own.copy_(torch.from_numpy(np.ascontiguousarray(host)))
+    elif isinstance(array, np.ndarray):
+        array[...] = host
+    else:
+        array.set(host)
+
+
+class _Flat:
+    """What AdamW and SGD share: the groups, the step and the state views."""
+
+    rule = ""
+
+    def __init__(self, resident, defaults, groups, max_norm, norm_type):
+        if max_norm is not None:
+            checks.clip_arguments(max_norm, norm_type, CLIP_EPS)
+        self.resident, self.max_norm, self.norm_type = resident, max_norm, norm_type
+        paths = [s.path for s in resident.layout]
+        self.groups, leaf_group = _groups(paths, defaults, groups)
+        for i, group in enumerate(self.groups):
+            _check_hyper(self.rule, group, i)
+        self._flat = FlatStep(resident, self.rule, leaf_group)
+        self.last_grad_norm = None
+
+    def step(self):
+        """One update of every parameter; the gradients' norm (before the
+        clip, on the device) with ``max_norm``, else None."""
+        for i, group in enumerate(self.groups):
+            _check_hyper(self.rule, group, i)
+        self._flat.set_hyper([_row(self.rule, g) for g in self.groups])
+        self.last_grad_norm = self._flat.step(self.max_norm, self.norm_type)[0]
+        return self.last_grad_norm
+
+    @property
+    def state(self) -> dict:
+        """Each leaf's state by path: views into the state buffers (and ``step``)."""
+        return {s.path: self._flat.state_views(k) for k, s in enumerate(self.resident.layout)}
+
+
+class AdamW(_Flat):
+    """PyTorch's AdamW over a resident model (NumPy or CuPy arrays).
+
+    ``groups`` is an optional list of dicts, each with ``"params"`` (leaf
+    paths, as ``resident.layout`` names them) and the options it overrides;
+    leaves in no group take the defaults. Options are read from
+    ``opt.groups`` at every step, so a schedule may change ``lr`` there.
+
+    >>> import numpy as np, gpuflat as gf
+    >>> r = gf.resident({"w": np.ones(2, np.float32), "b": np.ones(1, np.float32)})
+    >>> opt = AdamW(r, lr=0.1, groups=[{"params": ["['b']"], "weight_decay": 0.0}])
+    >>> r.grads["w"][:] = 1.0; r.grads["b"][:] = 1.0
+    >>> opt.step()
+    >>> r.params["w"].round(4), r.params["b"].round(4), float(opt.state["['w']"]["step"])
+    (array([0.899, 0.899], dtype=float32), array([0.9], dtype=float32), 1.0)
+    """
+
+    rule = "adamw"
+
+    def __init__(self, resident, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
+                 max_norm=None, norm_type=2.0, groups=None):
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(resident, defaults, groups, max_norm, norm_type)
+
+
+class SGD(_Flat):
+    """PyTorch's SGD (momentum, dampening, nesterov, weight decay) over a
+    resident model; ``groups`` as for :class:`AdamW`.
+
+    >>> import numpy as np, gpuflat as gf
+    >>> r = gf.resident({"w": np.ones(2)})
+    >>> opt = SGD(r, lr=0.1, momentum=0.9)
+    >>> for _ in range(2):
+    ...     r.grads["w"][:] = 1.0
+    ...     _ = opt.step()
+    >>> r.params["w"], opt.state["['w']"]["momentum_buffer"]
+    (array([0.71, 0.71]), array([1.9, 1.9]))
+    """
+
+    rule = "sgd"
+
+    def __init__(self, resident, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
+                 max_norm=None, norm_type=2.0, groups=None):
+        defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay,
+                    "nesterov": nesterov}
+        super().__init__(resident, defaults, groups, max_norm, norm_type)
+
+
+def _groups(paths, defaults, groups):
+    """(the groups with every option filled in, each leaf's group). Leaves in
+    no group form a first group of the defaults."""
+    if groups is None:
+        return [dict(defaults)], [0] * len(paths)
+    index = {p: k for k, p in enumerate(paths)}
+    leaf_group = [None] * len(paths)
+    filled = []
+    for i, group in enumerate(groups):
+        unknown = set(group) - set(defaults) - {"params"}
+        if unknown:
+            raise ValueError(f"group {i}: unknown options {sorted(unknown)}; expected some of {sorted(defaults)}")
+        for path in group.get("params", ()):
+            if path not in index:
+                raise ValueError(f"group {i}: {path!r} is not a leaf of the resident model; its leaves: "
+                               f"{paths[:5]}{' ...' if len(paths) > 5 else ''}")
+            if leaf_group[index[path]] is not None:
+                raise ValueError(f"leaf {path!r}: expected in one group, found in groups "
+                                 f"{leaf_group[index[path]]} and {i}")
+            leaf_group[index[path]] = i
+        filled.append({**defaults, **group, "params": list(group.get("params", ()))})
+    if any(g is None for g in leaf_group):
+        rest = [p for p, g in zip(paths, leaf_group) if g is None]
+        filled.append({**defaults, "params": rest})
+        leaf_group = [len(filled) - 1 if g is None else g for g in leaf_group]
+    return filled, leaf_group
+
+
+def _row(rule, group) -> tuple:
+    """A group's row of the hyperparameter table (kernels/gpuflat_optim.cuh)."""
+    if rule == "adamw":
+        b1, b2 = group["betas"]
+        return (group["lr"], group["weight_decay"], b1, b2, group["eps"])
+    return (group["lr"], group["weight_decay"], group["momentum"], group["dampening"], bool(group["nesterov"]))
+
+
+def _check_hyper(rule, group, i) -> None:
+    """PyTorch's checks of the options, naming the group."""
+    def need(ok, what, value):
+        if not ok:
+            raise ValueError(f"parameter group {i}: expected {what}, got {value!r}")
+
+    lr, wd = float(group["lr"]), float(group["weight_decay"])
+    need(lr >= 0.0, "lr >= 0", group["lr"])
+    need(wd >= 0.0, "weight_decay >= 0", group["weight_decay"])
+    if rule == "adamw":
+        betas = group["betas"]
+        need(len(betas) == 2 and all(0.0 <= float(b) < 1.0 for b in betas), "betas in [0, 1)", betas)
+        need(float(group["eps"]) >= 0.0, "eps >= 0", group["eps"])
+    else:
+        m, d = float(group["momentum"]), float(group["dampening"])
+        need(m >= 0.0, "momentum >= 0", group["momentum"])
+        need(not group["nesterov"] or (m > 0.0 and d == 0.0),
+             "nesterov only with momentum > 0 and dampening 0", (m, d))
+    need(math.isfinite(lr), "a finite lr", group["lr"])

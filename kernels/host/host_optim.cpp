@@ -1,0 +1,107 @@
+// The flat optimizers' update on the host (gpuflat/backends/host.py): the
+// CUDA kernels' element arithmetic (gpuflat_optim.cuh, compiled for the host
+// through host_prelude.h) over the same work items, each item's elements in
+// one contiguous loop that the compiler vectorises. Every element is
+// computed by the same definition as on the GPU, independently of the
+// others, so the bits do not depend on the order or the threads.
+//
+// A plain C ABI over raw addresses: the caller (ctypes) has checked the
+// buffers already.
+#include <algorithm>
+#include <thread>
+#include <vector>
+
+#include "host_prelude.h"
+#include "gpuflat_optim.cuh"
+
+#define GF_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+constexpr long long ITEM = 4096;  // elements per work item: gpuflat.backends.cuda.ITEM
+// Below this many elements per thread, starting a thread costs more than it saves.
+constexpr long long MIN_WORK_PER_THREAD = 1 << 20;
+
+struct Step {
+    const long long* offsets;  // n_slots + 1 buffer offsets: the plan's slots
+    long long n_slots;
+    const long long* slot_group;
+    const double* hyper;
+    const double* steps;
+    double factor;
+};
+
+// body(slot, first element, count) for every real slot's items, the items
+// shared among threads in contiguous runs of about equal work.
+template <class Body>
+void for_items(const Step& s, int threads, Body body) {
+    std::vector<Item> items;
+    for (long long slot = 0; slot < s.n_slots; ++slot) {
+        if (s.slot_group[slot] < 0) continue;
+        const long long size = s.offsets[slot + 1] - s.offsets[slot];
+        for (long long start = 0; start < size; start += ITEM)
+            items.push_back(Item{slot, start, std::min(ITEM, size - start), s.offsets[slot] + start});
+    }
+    const long long total = s.offsets[s.n_slots];
+    const long long t = std::max(1LL, std::min<long long>(threads, total / MIN_WORK_PER_THREAD));
+    auto run = [&](size_t a, size_t b) {
+        for (size_t i = a; i < b; ++i) body(items[i]);
+    };
+    if (t == 1) return run(0, items.size());
+    std::vector<std::thread> pool;
+    const size_t n = items.size(), per = (n + t - 1) / t;
+    for (size_t k = 1; k < (size_t)t; ++k) pool.emplace_back(run, std::min(n, k * per), std::min(n, (k + 1) * per));
+    run(0, std::min(n, per));
+    for (auto& th : pool) th.join();
+}
+
+template <class S>
+void adamw(const Step& s, void* p, void* g, void* m, void* v, int threads) {
+    using C = typename gf_compute<S>::type;
+    for_items(s, threads, [&](const Item& it) {
+        const auto k = gf_adamw_setup<C>(s.hyper + s.slot_group[it.slot] * GF_HYPER, s.steps[it.slot], s.factor);
+        gf_adamw_range<1>((S*)p, (const S*)g, (S*)m, (S*)v, it.flat, it.len, k);
+    });
+}
+
+template <class S>
+void sgd(const Step& s, void* p, void* g, void* buf, int threads) {
+    using C = typename gf_compute<S>::type;
+    for_items(s, threads, [&](const Item& it) {
+        const auto k = gf_sgd_setup<C>(s.hyper + s.slot_group[it.slot] * GF_HYPER, s.steps[it.slot], s.factor);
+        gf_sgd_range<1>((S*)p, (const S*)g, (S*)buf, it.flat, it.len, k);
+    });
+}
+
+// f(S{}) for the dtype tags of gpuflat.dtypes.TAGS the optimizers take.
+template <class F>
+bool dispatch(int tag, F f) {
+    switch (tag) {
+        case 0: f(f16{}); return true;
+        case 1: f(bf16{}); return true;
+        case 2: f(0.0f); return true;
+        case 3: f(0.0); return true;
+        default: return false;
+    }
+}
+
+}  // namespace
+
+// rule 0: AdamW (states: exp_avg, exp_avg_sq); 1: SGD (states: momentum_buffer).
+// total is null when the step does not clip; amp is (unscale factor, skip
+// flag), as for the kernels. Returns 0, or -1 for a tag that is not a real
+// floating dtype.
+GF_EXPORT int gf_host_optim_step(int rule, int tag, const long long* offsets, long long n_slots,
+                                 const long long* slot_group, const double* hyper, const double* steps,
+                                 void* p, void* g, void* s0, void* s1, const double* total, double max_norm,
+                                 double eps, const double* amp, int threads) {
+    if (amp[1] != 0.0) return tag >= 0 && tag <= 3 ? 0 : -1;
+    const Step s{offsets, n_slots, slot_group, hyper, steps,
+                 gf_grad_factor(total, max_norm, eps, total != nullptr, amp)};
+    const bool ok = dispatch(tag, [&](auto z) {
+        using S = decltype(z);
+        if (rule == 0) adamw<S>(s, p, g, s0, s1, threads);
+        else sgd<S>(s, p, g, s0, threads);
+    });
+    return ok ? 0 : -1;
+}

@@ -1,0 +1,52 @@
+// The flat optimizers' update: one launch per dtype buffer, whatever the
+// number of leaves or parameter groups.
+//
+// The work items are the buffer's plan's (leaves and the padding between
+// them); slot_group[slot] is the slot's parameter group, or -1 for padding,
+// which is never written. hyper holds GF_HYPER doubles per group and
+// steps[slot] the slot's step count, already incremented on the device: the
+// host changes neither between steps, so a warmed-up step can be captured in
+// a CUDA graph. The clip factor comes from the norm on the device (total[0]);
+// amp holds a loss scaler's unscale factor and skip flag (a nonzero amp[1]
+// leaves everything as it was, decided on the device).
+#include "gpuflat_optim.cuh"
+
+template <class S>
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_adamw(const Item* __restrict__ items, long long n_items, const long long* __restrict__ slot_group,
+              const double* __restrict__ hyper, const double* __restrict__ steps, S* p, const S* g, S* m, S* v,
+              const double* __restrict__ total, double max_norm, double eps, long long clip,
+              const double* __restrict__ amp) {
+    using C = typename gf_compute<S>::type;
+    const int lane = (int)(threadIdx.x % GF_WARP);
+    const long long nwarps = gf_warp_count();
+    if (amp[1] != 0.0) return;
+    const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
+    for (long long it = gf_global_warp(); it < n_items; it += nwarps) {
+        const Item item = items[it];
+        const long long grp = slot_group[item.slot];
+        if (grp < 0 || lane >= item.len) continue;
+        const gf_adamw_coefs<C> k = gf_adamw_setup<C>(hyper + grp * GF_HYPER, steps[item.slot], factor);
+        gf_adamw_range<GF_WARP>(p, g, m, v, item.flat + lane, (item.len - lane + GF_WARP - 1) / GF_WARP, k);
+    }
+}
+
+template <class S>
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_sgd(const Item* __restrict__ items, long long n_items, const long long* __restrict__ slot_group,
+            const double* __restrict__ hyper, const double* __restrict__ steps, S* p, const S* g, S* buf,
+            const double* __restrict__ total, double max_norm, double eps, long long clip,
+            const double* __restrict__ amp) {
+    using C = typename gf_compute<S>::type;
+    const int lane = (int)(threadIdx.x % GF_WARP);
+    const long long nwarps = gf_warp_count();
+    if (amp[1] != 0.0) return;
+    const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
+    for (long long it = gf_global_warp(); it < n_items; it += nwarps) {
+        const Item item = items[it];
+        const long long grp = slot_group[item.slot];
+        if (grp < 0 || lane >= item.len) continue;
+        const gf_sgd_coefs<C> k = gf_sgd_setup<C>(hyper + grp * GF_HYPER, steps[item.slot], factor);
+        gf_sgd_range<GF_WARP>(p, g, buf, item.flat + lane, (item.len - lane + GF_WARP - 1) / GF_WARP, k);
+    }
+}

@@ -1,0 +1,305 @@
+"""gpuflat.torch.AdamW and SGD against torch.optim's, on the CPU.
+
+The model has what real ones have: an embedding tied to the output layer,
+a frozen layer, BatchNorm, and a no-decay group for biases and norms. Over
+50 steps the flat optimizer, clipping inside its step, must stay within
+rtol 1e-5 / atol 1e-6 of torch.optim (foreach) after
+torch.nn.utils.clip_grad_norm_, parameters and state; LR schedulers, state
+dicts both ways, and a clip before a plain step must work as in PyTorch.
+"""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import gpuflat as gf  # noqa: E402
+import gpuflat.torch as gft  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-6
+VOCAB, DIM = 11, 8
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, DIM)
+        self.frozen = torch.nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.hidden = torch.nn.Linear(DIM, DIM)
+        self.norm = torch.nn.BatchNorm1d(DIM)
+        self.out = torch.nn.Linear(DIM, VOCAB)
+        self.out.weight = self.emb.weight  # tied
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = torch.tanh(self.hidden(self.frozen(h)))
+        return self.out(self.norm(h))
+
+
+def groups(net, **no_decay):
+    decay = [p for n, p in net.named_parameters() if n.endswith("weight") and not n.startswith("norm")]
+    rest = [p for n, p in net.named_parameters() if not any(p is q for q in decay)]
+    return [{"params": decay}, {"params": rest, "weight_decay": 0.0, **no_decay}]
+
+
+def batches(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, VOCAB, (16,), generator=g), torch.randint(0, VOCAB, (16,), generator=g))
+            for _ in range(n)]
+
+
+def backward(net, x, y, scale=1.0):
+    loss = torch.nn.functional.cross_entropy(net(x), y) * scale
+    loss.backward()
+
+
+def run_torch(net, opt, data, max_norm=None, sched=None):
+    for x, y in data:
+        opt.zero_grad()
+        backward(net, x, y, scale=5.0)
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm)
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+def run_flat(net, opt, data, sched=None):
+    norms = []
+    for x, y in data:
+        opt.zero_grad()
+        backward(net, x, y, scale=5.0)
+        opt.step()
+        norms.append(opt.last_grad_norm)
+        if sched is not None:
+            sched.step()
+    return norms
+
+
+def assert_close(net_a, opt_a, net_b, opt_b):
+    for (name, a), b in zip(net_a.named_parameters(), net_b.parameters()):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+        sa, sb = opt_a.state.get(a, {}), opt_b.state.get(b, {})
+        assert sorted(sa) == sorted(sb), name
+        for key in sa:
+            torch.testing.assert_close(sa[key].double(), sb[key].double(), rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{name} {key}: {m}")
+
+
+def pair(seed=0):
+    torch.manual_seed(seed)
+    net = Net()
+    return net, copy.deepcopy(net)
+
+
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, gft.AdamW, dict(lr=3e-3, weight_decay=0.1)),
+    "sgd": (torch.optim.SGD, gft.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    "sgd-nesterov": (torch.optim.SGD, gft.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "sgd-plain": (torch.optim.SGD, gft.SGD, dict(lr=0.05)),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_fifty_clipped_steps_match_torch(name):
+    torch_cls, flat_cls, kw = OPTIMIZERS[name]
+    net_t, net_f = pair()
+    opt_t = torch_cls(groups(net_t), foreach=True, **kw)
+    opt_f = flat_cls(groups(net_f), max_norm=1.0, **kw)
+    data = batches(50)
+    run_torch(net_t, opt_t, data, max_norm=1.0)
+    norms = run_flat(net_f, opt_f, data)
+    assert_close(net_t, opt_t, net_f, opt_f)
+    assert all(isinstance(n, torch.Tensor) and n.dtype == torch.float64 for n in norms)
+    assert max(float(n) for n in norms) > 1.0  # the clip was active
+    torch.testing.assert_close(net_f.frozen.weight, net_t.frozen.weight, rtol=0, atol=0)  # untouched
+    assert net_f.frozen.weight not in opt_f.state
+
+
+@pytest.mark.parametrize("backend", ["numpy", "host", "emulated"])
+def test_a_resident_model_on_every_backend(backend):
+    net_t, net_f = pair(1)
+    opt_t = torch.optim.AdamW(net_t.parameters(), lr=1e-2, foreach=True)
+    opt_f = gft.AdamW(gf.resident(net_f, backend=backend), lr=1e-2, max_norm=0.5)
+    data = batches(20, seed=1)
+    run_torch(net_t, opt_t, data, max_norm=0.5)
+    run_flat(net_f, opt_f, data)
+    assert_close(net_t, opt_t, net_f, opt_f)
+
+
+def test_lr_schedulers_change_lr_the_same_way():
+    net_t, net_f = pair(2)
+    opt_t = torch.optim.AdamW(groups(net_t), lr=1e-2, foreach=True)
+    opt_f = gft.AdamW(groups(net_f), lr=1e-2, max_norm=1.0)
+    make = lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=2e-2, total_steps=30)  # noqa: E731
+    s_t, s_f = make(opt_t), make(opt_f)
+    data = batches(30, seed=2)
+    run_torch(net_t, opt_t, data, max_norm=1.0, sched=s_t)
+    run_flat(net_f, opt_f, data, sched=s_f)
+    assert [g["lr"] for g in opt_f.param_groups] == [g["lr"] for g in opt_t.param_groups]
+    assert_close(net_t, opt_t, net_f, opt_f)
+
+
+def test_lr_may_be_a_tensor():
+    net_t, net_f = pair(3)
+    opt_t = torch.optim.SGD(net_t.parameters(), lr=torch.tensor(0.1), momentum=0.5, foreach=True)
+    opt_f = gft.SGD(net_f.parameters(), lr=torch.tensor(0.1), momentum=0.5)
+    data = batches(5, seed=3)
+    run_torch(net_t, opt_t, data)
+    run_flat(net_f, opt_f, data)
+    assert_close(net_t, opt_t, net_f, opt_f)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_state_dicts_load_both_ways(name):
+    torch_cls, flat_cls, kw = OPTIMIZERS[name]
+    data = batches(20, seed=4)
+    # torch -> gpuflat: ten steps in torch, then each continues ten more.
+    net_t, net_f = pair(4)
+    opt_t = torch_cls(groups(net_t), foreach=True, **kw)
+    run_torch(net_t, opt_t, data[:10], max_norm=1.0)
+    net_f.load_state_dict(net_t.state_dict())
+    opt_f = flat_cls(groups(net_f), max_norm=1.0, **kw)
+    opt_f.load_state_dict(copy.deepcopy(opt_t.state_dict()))
+    assert_close(net_t, opt_t, net_f, opt_f)
+    run_torch(net_t, opt_t, data[10:], max_norm=1.0)
+    run_flat(net_f, opt_f, data[10:])
+    assert_close(net_t, opt_t, net_f, opt_f)
+    # gpuflat -> torch: and back again for ten more.
+    opt_t2 = torch_cls(groups(net_t), foreach=True, **kw)
+    net_t.load_state_dict(net_f.state_dict())
+    opt_t2.load_state_dict(copy.deepcopy(opt_f.state_dict()))
+    run_torch(net_t, opt_t2, data[:10], max_norm=1.0)
+    run_flat(net_f, opt_f, data[:10])
+    assert_close(net_t, opt_t2, net_f, opt_f)
+
+
+def test_a_clip_before_a_plain_step():
+    net_t, net_f = pair(5)
+    opt_t = torch.optim.AdamW(net_t.parameters(), lr=1e-2, foreach=True)
+    opt_f = gft.AdamW(net_f.parameters(), lr=1e-2)
+    data = batches(10, seed=5)
+    run_torch(net_t, opt_t, data, max_norm=0.5)
+    for x, y in data:
+        opt_f.zero_grad()
+        backward(net_f, x, y, scale=5.0)
+        gft.clip_grad_norm_(net_f.parameters(), 0.5)
+        opt_f.step()
+    assert opt_f.last_grad_norm is None
+    assert_close(net_t, opt_t, net_f, opt_f)
+
+
+def test_the_state_is_views_into_flat_buffers():
+    net = Net()
+    opt = gft.AdamW(net.parameters(), lr=1e-3)
+    assert not opt.state  # nothing before the first step, as in PyTorch
+    backward(net, *batches(1)[0])
+    opt.step()
+    exp_avg = opt._flat.states[0][0].own
+    ptrs = [opt.state[p]["exp_avg"].data_ptr() for p in net.parameters() if p.requires_grad]
+    assert len(ptrs) == 6 and len(opt.state) == 6
+    assert all(exp_avg.data_ptr() <= q < exp_avg.data_ptr() + exp_avg.numel() * 4 for q in ptrs)
+
+
+def test_refused_options_and_late_groups():
+    net = Net()
+    with pytest.raises(ValueError, match=r"gpuflat.torch.AdamW: amsgrad=True is not implemented"):
+        gft.AdamW(net.parameters(), amsgrad=True)
+    with pytest.raises(ValueError, match=r"gpuflat.torch.SGD: maximize=True is not implemented"):
+        gft.SGD(net.parameters(), maximize=True)
+    with pytest.raises(ValueError, match="max_norm"):
+        gft.SGD(net.parameters(), max_norm=-1.0)
+    opt = gft.SGD(net.parameters(), lr=0.1, foreach=True)
+    with pytest.raises(ValueError, match="cannot be added after construction"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))]})
+    opt.param_groups[0]["lr"] = float("nan")
+    backward(net, *batches(1)[0])
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(ValueError, match="parameter group 0: expected lr >= 0, got nan"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+
+
+# ---------------------------------------------------------------- GradScaler
+
+SCALERS = {"stock": torch.amp.GradScaler, "gpuflat": gft.GradScaler}
+INF_STEP, NAN_STEP = 7, 18
+
+
+def inject(net, k):
+    """An inf in one step's gradients and a NaN in another's (after backward, before the step)."""
+    if k in (INF_STEP, NAN_STEP):
+        net.hidden.weight.grad[0, 0] = float("inf") if k == INF_STEP else float("nan")
+
+
+def scaled_backward(net, scaler, x, y):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = torch.nn.functional.cross_entropy(net(x), y) * 5.0
+    scaler.scale(loss).backward()
+
+
+def make_scaler(cls):
+    return cls("cpu", init_scale=2.0**12, growth_interval=4)
+
+
+def run_torch_scaled(net, opt, data):
+    scaler, scales = make_scaler(torch.amp.GradScaler), []
+    for k, (x, y) in enumerate(data):
+        opt.zero_grad()
+        scaled_backward(net, scaler, x, y)
+        inject(net, k)
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def state_snapshot(opt):
+    return {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+
+
+@pytest.mark.parametrize("scaler_name", list(SCALERS))
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_thirty_scaled_steps_match_torch(name, scaler_name):
+    torch_cls, flat_cls, kw = OPTIMIZERS[name]
+    net_t, net_f = pair(6)
+    opt_t = torch_cls(groups(net_t), foreach=True, **kw)
+    opt_f = flat_cls(groups(net_f), max_norm=1.0, **kw)
+    data = batches(30, seed=6)
+    want_scales = run_torch_scaled(net_t, opt_t, data)
+    scaler, scales, norms = make_scaler(SCALERS[scaler_name]), [], []
+    for k, (x, y) in enumerate(data):
+        opt_f.zero_grad()
+        scaled_backward(net_f, scaler, x, y)
+        inject(net_f, k)
+        before = ([p.detach().clone() for p in net_f.parameters()], state_snapshot(opt_f))
+        scaler.step(opt_f)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        norms.append(float(opt_f.last_grad_norm))
+        if k in (INF_STEP, NAN_STEP):  # skipped on the device: every bit as it was
+            assert all(torch.equal(a, b) for a, b in zip(before[0], net_f.parameters()))
+            after = state_snapshot(opt_f)
+            assert all(torch.equal(before[1][i][key], after[i][key]) for i in after for key in after[i])
+    assert scales == want_scales
+    assert scales[INF_STEP] == scales[INF_STEP - 1] / 2 and scales[NAN_STEP] == scales[NAN_STEP - 1] / 2
+    assert max(scales) > 2.0**12  # the scale also grew
+    assert max(n for n in norms if n == n and n != float("inf")) < 1e3  # the norm is the unscaled one
+    assert_close(net_t, opt_t, net_f, opt_f)
+
+
+def test_gpuflat_gradscaler_takes_the_flag_from_the_norm_pass(monkeypatch):
+    net = Net()
+    opt = gft.AdamW(net.parameters(), lr=1e-3, max_norm=1.0)
+    scaler = make_scaler(gft.GradScaler)
+    called = []
+    monkeypatch.setattr(torch.amp.GradScaler, "_check_inf_per_device",
+                        lambda self, o: called.append(o) or {})
+    scaled_backward(net, scaler, *batches(1)[0])
+    scaler.step(opt)
+    scaler.update()
+    assert not called  # no third pass over the gradients
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
