@@ -4,8 +4,10 @@
 //
 // The same text compiles with NVRTC for the GPU and with g++ against the host
 // emulator header (kernels/emulator/), so it uses no CUDA or C++ standard
-// headers: the 16-bit floats and complex types are plain structs, converted by
-// integer bit arithmetic.
+// headers: the 16-bit floats and complex types are plain structs. On the GPU
+// they convert to and from float with the hardware's conversion instructions
+// (inline PTX, as cuda_fp16.h and cuda_bf16.h do); every host build uses
+// integer bit arithmetic with the same results, exact where the hardware's is.
 #pragma once
 
 #define GF_WARP 32
@@ -131,11 +133,46 @@ __device__ __forceinline__ unsigned short gf_double_to_small(double x) {
     return sign | (unsigned short)r;
 }
 
+// 16-bit floats <-> float. Every float16 and bfloat16 value is a float, so
+// widening through float is exact; narrowing a float rounds once, to nearest
+// even. On the GPU one instruction each (cvt.rn.bf16.f32 needs sm_80; older
+// targets take the bit arithmetic); NaN payloads may differ, never NaN-ness.
+__device__ __forceinline__ float gf_f16_to_float(unsigned short h) {
+#ifdef __CUDA_ARCH__
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    return (float)gf_small_to_double<5, 10>(h);
+#endif
+}
+// bfloat16 is the top half of a float32: a shift, on every target.
+__device__ __forceinline__ float gf_bf16_to_float(unsigned short h) { return __uint_as_float((unsigned)h << 16); }
+
+__device__ __forceinline__ unsigned short gf_float_to_f16(float x) {
+#ifdef __CUDA_ARCH__
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+#else
+    return gf_double_to_small<5, 10>((double)x);
+#endif
+}
+__device__ __forceinline__ unsigned short gf_float_to_bf16(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+#else
+    return gf_double_to_small<8, 7>((double)x);
+#endif
+}
+
 // ---------------------------------------------------------------- conversions
 // All conversions go through gf_wide: complex -> real takes the real part,
 // real -> complex sets im = 0.
-__device__ __forceinline__ gf_wide gf_widen(f16 x) { return {gf_small_to_double<5, 10>(x.bits), 0.0}; }
-__device__ __forceinline__ gf_wide gf_widen(bf16 x) { return {gf_small_to_double<8, 7>(x.bits), 0.0}; }
+__device__ __forceinline__ gf_wide gf_widen(f16 x) { return {(double)gf_f16_to_float(x.bits), 0.0}; }
+__device__ __forceinline__ gf_wide gf_widen(bf16 x) { return {(double)gf_bf16_to_float(x.bits), 0.0}; }
 __device__ __forceinline__ gf_wide gf_widen(float x) { return {(double)x, 0.0}; }
 __device__ __forceinline__ gf_wide gf_widen(double x) { return {x, 0.0}; }
 __device__ __forceinline__ gf_wide gf_widen(c64 x) { return {(double)x.re, (double)x.im}; }
@@ -148,6 +185,32 @@ template <> __device__ __forceinline__ float gf_narrow<float>(gf_wide w) { retur
 template <> __device__ __forceinline__ double gf_narrow<double>(gf_wide w) { return w.re; }
 template <> __device__ __forceinline__ c64 gf_narrow<c64>(gf_wide w) { return {(float)w.re, (float)w.im}; }
 template <> __device__ __forceinline__ c128 gf_narrow<c128>(gf_wide w) { return {w.re, w.im}; }
+
+template <class A, class B> struct gf_same { static constexpr bool value = false; };
+template <class A> struct gf_same<A, A> { static constexpr bool value = true; };
+
+// The real types that float holds exactly, and their float value.
+template <class T> struct gf_in_float { static constexpr bool value = false; };
+template <> struct gf_in_float<f16> { static constexpr bool value = true; };
+template <> struct gf_in_float<bf16> { static constexpr bool value = true; };
+template <> struct gf_in_float<float> { static constexpr bool value = true; };
+__device__ __forceinline__ float gf_to_float(f16 x) { return gf_f16_to_float(x.bits); }
+__device__ __forceinline__ float gf_to_float(bf16 x) { return gf_bf16_to_float(x.bits); }
+__device__ __forceinline__ float gf_to_float(float x) { return x; }
+template <class T> __device__ __forceinline__ T gf_from_float(float x);
+template <> __device__ __forceinline__ f16 gf_from_float<f16>(float x) { return {gf_float_to_f16(x)}; }
+template <> __device__ __forceinline__ bf16 gf_from_float<bf16>(float x) { return {gf_float_to_bf16(x)}; }
+template <> __device__ __forceinline__ float gf_from_float<float>(float x) { return x; }
+
+// x converted to T, rounded once: a copy of the bits where the types match;
+// through float, exactly, between float and the 16-bit floats (one rounding
+// from float is the one rounding from the exact value); else through gf_wide.
+template <class T, class S>
+__device__ __forceinline__ T gf_convert(S x) {
+    if constexpr (gf_same<T, S>::value) return x;
+    else if constexpr (gf_in_float<S>::value && gf_in_float<T>::value) return gf_from_float<T>(gf_to_float(x));
+    else return gf_narrow<T>(gf_widen(x));
+}
 
 // Calls f(S{}) with S the element type named by a dtype tag. The tag is
 // uniform over a work item (one leaf), so the switch never diverges a warp and

@@ -46,6 +46,7 @@ inline long long atomicMax(long long* address, long long value) {
 
 inline long long __double_as_longlong(double x) { return std::bit_cast<long long>(x); }
 inline double __longlong_as_double(long long x) { return std::bit_cast<double>(x); }
+inline float __uint_as_float(unsigned x) { return std::bit_cast<float>(x); }
 
 // CUDA puts the double overloads of the math functions in the global
 // namespace; these are the ones the shared headers call.
