@@ -34,19 +34,6 @@
 #define __launch_bounds__(...)
 #endif
 
-// *p = max(*p, v) atomically, the one integer atomic of the kernels. The
-// host build uses GCC's builtins, so it does not depend on which atomics the
-// emulator header defines.
-__device__ __forceinline__ void gf_atomic_max(long long* p, long long v) {
-#ifdef GPUFLAT_EMULATOR
-    long long old = __atomic_load_n(p, __ATOMIC_RELAXED);
-    while (old < v && !__atomic_compare_exchange_n(p, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-    }
-#else
-    atomicMax(p, v);
-#endif
-}
-
 struct f16 { unsigned short bits; };
 struct bf16 { unsigned short bits; };
 struct c64 { float re, im; };

@@ -135,16 +135,15 @@ class CudaBackend:
         # totals[0] the norm (the clip kernel reads it), totals[1] the unrooted
         # total it is the root of; one allocation, exposed as two 0-d views.
         totals = rt.empty(2, np.float64)
-        # Zero: the first kernel records the first non-finite item in it with
-        # an atomic max, the finisher turns that into a slot.
-        first = rt.zeros((), np.int64)
+        first = rt.empty((), np.int64)
         # Scratch per call, not per plan: two threads norming same-shaped
-        # trees share the plan, and their launches may interleave.
-        partial = rt.empty(st.n_items, np.float64)
+        # trees share the plan, and their launches may interleave. Each item's
+        # partial, then each item's non-finite flag; every word is written.
+        partial = rt.empty(2 * st.n_items, np.float64)
         self._launch(kl.norm_partial_name(kind), st,
-                     [st.items, np.int64(st.n_items), table.array, np.float64(p), partial, first], table)
+                     [st.items, np.int64(st.n_items), table.array, np.float64(p), partial], table)
         rt.launch(kl.norm_finish_name(kind), 1, FINISH_THREADS,
-                  [st.items, np.int64(st.n_items), partial, st.slot_items,
+                  [np.int64(st.n_items), partial, st.slot_items,
                    np.int64(n_slots), st.big_slots, np.int64(st.n_big), np.float64(p),
                    per, totals, first], (st.uploaded,))
         return NormResult(totals[:1].reshape(()), per, first, totals[1:].reshape(()))
