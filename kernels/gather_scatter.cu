@@ -74,7 +74,7 @@ constexpr int gf_unroll() {
 
 __device__ __forceinline__ bool gf_aligned16(const void* p) { return ((unsigned long long)p & 15ULL) == 0; }
 
-// The strided paths of one item, out of line (see gf_strided_loop).
+// The strided paths of one item, in functions of their own (see gf_strided_loop).
 template <class T, class S>
 __device__ __forceinline__ void gf_gather_strided(const LeafRef& L, long long start, long long len, int lane, T* dst) {
     gf_strided_loop<S, true, false>(L, start, len, lane, [&](long long i0, S (&v)[gf_vec<S>::V], int n) {

@@ -51,6 +51,10 @@ struct LeafRef {
     long long size;   // elements
     long long shape[GF_MAX_DIMS];
     long long stride[GF_MAX_DIMS];  // in bytes; negative strides are fine
+    // i / shape[d] == __umul64hi(i, magic[d]) >> shift d for every index
+    // i < 2^63 (see gf_addr); shift d is byte d of `shifts`.
+    unsigned long long magic[GF_MAX_DIMS];
+    long long shifts;
 };
 
 // One work item: elements [start, start + len) of slot `slot`, whose first
@@ -219,15 +223,20 @@ __device__ __forceinline__ void gf_dispatch(long long tag, F f) {
 __device__ __forceinline__ long long gf_min(long long a, long long b) { return a < b ? a : b; }
 
 // Address of element i (C order) of a strided leaf: 64-bit arithmetic
-// throughout, so leaves and trees past 2^31 elements index correctly. Only
-// the out-of-line strided paths call it (see gf_strided_loop).
+// throughout, so leaves and trees past 2^31 elements index correctly. The
+// division by each dim's length is a multiply-high and a shift with the
+// host's precomputed magic number (Granlund and Montgomery, "Division by
+// invariant integers using multiplication", PLDI 1994, theorem 4.2:
+// https://gmplib.org/~tege/divcnst-pldi94.pdf), a few instructions instead of
+// a 64-bit division routine per element and dim.
 __device__ __forceinline__ char* gf_addr(const LeafRef& L, long long i, long long itemsize) {
     char* p = (char*)L.ptr;
     const int nd = (int)L.ndim;
     if (nd == 0) return p + i * itemsize;
     long long off = 0;
     for (int d = nd - 1; d > 0; --d) {
-        const long long q = i / L.shape[d];
+        const int shift = (int)((unsigned long long)L.shifts >> (8 * d)) & 63;
+        const long long q = (long long)(__umul64hi((unsigned long long)i, L.magic[d]) >> shift);
         off += (i - q * L.shape[d]) * L.stride[d];
         i = q;
     }
@@ -249,8 +258,8 @@ __device__ __forceinline__ char* gf_addr(const LeafRef& L, long long i, long lon
 // in flight per lane instead of one load followed by its dependent
 // arithmetic; a misaligned item, and an aligned one's last partial vector,
 // one element at a time. gf_strided_loop takes strided leaves, one element
-// at a time through gf_addr; kernels call it from an out-of-line function,
-// because its 64-bit divisions are calls that would make the hot loop spill.
+// at a time through gf_addr; kernels call it from a separate function, which
+// keeps its per-element address arithmetic out of the hot loop's registers.
 //
 // op(i0, v, n) gets the item-relative index of the vector's first element and
 // the vector, of which the first n elements are real; READ fills v from

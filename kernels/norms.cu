@@ -30,7 +30,7 @@ __device__ __forceinline__ void gf_add_terms(gf_lane_sum& s, S (&v)[gf_vec<S>::V
     });
 }
 
-// The strided path of one item, out of line (see gf_strided_loop).
+// The strided path of one item, in a function of its own (see gf_strided_loop).
 template <int K, class S>
 __device__ __forceinline__ gf_lane_sum gf_norm_strided(const LeafRef& L, long long start, long long len, int lane,
                                                     double p) {
