@@ -33,6 +33,7 @@ from .torch_params import Binding
 
 ALIGN_BYTES = 256
 PADDING = "<padding>"
+WHOLE = "<buffer>"
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,12 @@ class _Group:
     """One dtype's buffer pair as the backends see it.
 
     ``plan`` covers the whole buffer, its slots the leaves and the zero
-    padding between them, so norms read the buffer in one pass; ``leaf_plan``
-    covers the leaves alone, for writes. Padding is zero and stays zero: no
-    clip or update writes it (0 x NaN would be NaN), so it adds nothing to a
-    norm and is never the first non-finite slot.
+    padding between them, for per-leaf norms; ``whole_plan`` is the whole
+    buffer as one slot, for a total norm that reads it in large items with no
+    per-leaf work, whatever the leaf count; ``leaf_plan`` covers the leaves
+    alone, for writes. Padding is zero and stays zero: no clip or update
+    writes it (0 x NaN would be NaN), so it adds nothing to a norm and is
+    never the first non-finite slot.
     """
 
     def __init__(self, dtype, slices):
@@ -67,6 +70,7 @@ class _Group:
             offset = s.offset + s.size
         self.size = offset
         self.plan = FlatPlan(None, tuple(specs), tuple(range(len(specs))), offset, dtype)
+        self.whole_plan = FlatPlan(None, (LeafSpec(WHOLE, 0, offset, (offset,), dtype),), (0,), offset, dtype)
         self.real = [i for i, spec in enumerate(specs) if spec.path != PADDING]
         self.leaf_plan = _contiguous_plan([(specs[i].path, (specs[i].size,)) for i in self.real], dtype)
 
@@ -302,7 +306,7 @@ class Resident:
             results = self._norms(buffers, p, False)
             total = self._combine(results, p)
             if error_if_nonfinite:
-                self._raise_if_nonfinite(total, results, p)
+                self._raise_if_nonfinite(total, buffers, p)
             for group, buf in zip(self._groups, buffers):
                 self._backend.clip_(group.leaf_plan, buf.leaves, total, max_norm, eps, flat=buf.array)
             return self._result(total)
@@ -330,7 +334,12 @@ class Resident:
         return _arrays.device_scope(self._backend, self._like)
 
     def _norms(self, buffers, p, per_leaf):
-        return [self._backend.norms(g.plan, buf.pieces, p, per_leaf, flat=buf.array)
+        """Each buffer's norms: per slot when ``per_leaf``, else over the whole
+        buffer as one slot (an order of its own, the same on every backend)."""
+        if per_leaf:
+            return [self._backend.norms(g.plan, buf.pieces, p, True, flat=buf.array)
+                    for g, buf in zip(self._groups, buffers)]
+        return [self._backend.norms(g.whole_plan, [buf.array], p, False, flat=buf.array)
                 for g, buf in zip(self._groups, buffers)]
 
     def _combine(self, results, p):
@@ -351,10 +360,11 @@ class Resident:
         self._backend.gather(self._per_leaf_plan, [[grouped[k]] for k in self._grouped_index], out)
         return out
 
-    def _raise_if_nonfinite(self, total, results, p):
+    def _raise_if_nonfinite(self, total, buffers, p):
         if math.isfinite(float(self._backend.to_host(total))):
             return
-        for group, result in zip(self._groups, results):
+        # The total came from whole buffers; naming the leaf takes a per-slot pass.
+        for group, result in zip(self._groups, self._norms(buffers, p, True)):
             raise_if_nonfinite(self._backend, group.plan, result, p)
         raise NonFiniteError(f"no leaf holds NaN or inf, but the sum overflowed float64; the total "
                              f"{p:g}-norm is non-finite, so no gradient was scaled (error_if_nonfinite=True)")

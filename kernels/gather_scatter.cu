@@ -2,22 +2,29 @@
 // the tree's own arrays): each ONE launch for any number of leaves.
 #include "gpuflat_common.cuh"
 
-// dst[0 .. n) = v converted to T. A whole vector becomes whole 16-byte
-// stores when dst is 16-byte aligned and the converted vector fills whole
-// 16-byte words (T at least as wide as S); anything else is stored element by
-// element.
+// dst[0 .. n) = v converted to T (a plain copy where the dtypes match). A
+// whole vector becomes whole 16-byte stores when dst is 16-byte aligned and
+// the converted vector fills whole 16-byte words (T at least as wide as S);
+// anything else is stored element by element.
 template <class T, class S>
 __device__ __forceinline__ void gf_put(T* dst, S (&v)[gf_vec<S>::V], int n, bool aligned) {
     constexpr int V = gf_vec<S>::V;
     constexpr int BYTES = V * (int)sizeof(T);
-    if constexpr (BYTES % 16 == 0) {
+    if constexpr (gf_same<T, S>::value) {
+        // v is the element view of a gf_vec: its 16 bytes move as one word,
+        // never as V separate (for 16-bit types, half-register) elements.
+        if (aligned && n == V) {
+            *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(v);
+            return;
+        }
+    } else if constexpr (BYTES % 16 == 0) {
         if (aligned && n == V) {
             union {
                 int4 raw[BYTES / 16];
                 T t[V];
             } u;
 #pragma unroll
-            for (int k = 0; k < V; ++k) u.t[k] = gf_narrow<T>(gf_widen(v[k]));
+            for (int k = 0; k < V; ++k) u.t[k] = gf_convert<T>(v[k]);
 #pragma unroll
             for (int q = 0; q < BYTES / 16; ++q) reinterpret_cast<int4*>(dst)[q] = u.raw[q];
             return;
@@ -25,7 +32,7 @@ __device__ __forceinline__ void gf_put(T* dst, S (&v)[gf_vec<S>::V], int n, bool
     }
 #pragma unroll
     for (int k = 0; k < V; ++k)
-        if (k < n) dst[k] = gf_narrow<T>(gf_widen(v[k]));
+        if (k < n) dst[k] = gf_convert<T>(v[k]);
 }
 
 // v[0 .. n) = src[0 .. n) converted to S: the mirror of gf_put, with 16-byte
@@ -34,7 +41,12 @@ template <class T, class S>
 __device__ __forceinline__ void gf_get(S (&v)[gf_vec<S>::V], const T* src, int n, bool aligned) {
     constexpr int V = gf_vec<S>::V;
     constexpr int BYTES = V * (int)sizeof(T);
-    if constexpr (BYTES % 16 == 0) {
+    if constexpr (gf_same<T, S>::value) {
+        if (aligned && n == V) {
+            *reinterpret_cast<int4*>(v) = *reinterpret_cast<const int4*>(src);
+            return;
+        }
+    } else if constexpr (BYTES % 16 == 0) {
         if (aligned && n == V) {
             union {
                 int4 raw[BYTES / 16];
@@ -43,13 +55,13 @@ __device__ __forceinline__ void gf_get(S (&v)[gf_vec<S>::V], const T* src, int n
 #pragma unroll
             for (int q = 0; q < BYTES / 16; ++q) u.raw[q] = reinterpret_cast<const int4*>(src)[q];
 #pragma unroll
-            for (int k = 0; k < V; ++k) v[k] = gf_narrow<S>(gf_widen(u.t[k]));
+            for (int k = 0; k < V; ++k) v[k] = gf_convert<S>(u.t[k]);
             return;
         }
     }
 #pragma unroll
     for (int k = 0; k < V; ++k)
-        if (k < n) v[k] = gf_narrow<S>(gf_widen(src[k]));
+        if (k < n) v[k] = gf_convert<S>(src[k]);
 }
 
 // Vectors of S per lane in flight when the other side is T: GF_UNROLL
@@ -62,7 +74,7 @@ constexpr int gf_unroll() {
 
 __device__ __forceinline__ bool gf_aligned16(const void* p) { return ((unsigned long long)p & 15ULL) == 0; }
 
-// The strided paths of one item, out of line (see gf_strided_loop).
+// The strided paths of one item, in functions of their own (see gf_strided_loop).
 template <class T, class S>
 __device__ __forceinline__ void gf_gather_strided(const LeafRef& L, long long start, long long len, int lane, T* dst) {
     gf_strided_loop<S, true, false>(L, start, len, lane, [&](long long i0, S (&v)[gf_vec<S>::V], int n) {

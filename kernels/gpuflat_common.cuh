@@ -4,8 +4,10 @@
 //
 // The same text compiles with NVRTC for the GPU and with g++ against the host
 // emulator header (kernels/emulator/), so it uses no CUDA or C++ standard
-// headers: the 16-bit floats and complex types are plain structs, converted by
-// integer bit arithmetic.
+// headers: the 16-bit floats and complex types are plain structs. On the GPU
+// they convert to and from float with the hardware's conversion instructions
+// (inline PTX, as cuda_fp16.h and cuda_bf16.h do); every host build uses
+// integer bit arithmetic with the same results, exact where the hardware's is.
 #pragma once
 
 #define GF_WARP 32
@@ -32,19 +34,6 @@
 #define __launch_bounds__(...)
 #endif
 
-// *p = max(*p, v) atomically, the one integer atomic of the kernels. The
-// host build uses GCC's builtins, so it does not depend on which atomics the
-// emulator header defines.
-__device__ __forceinline__ void gf_atomic_max(long long* p, long long v) {
-#ifdef GPUFLAT_EMULATOR
-    long long old = __atomic_load_n(p, __ATOMIC_RELAXED);
-    while (old < v && !__atomic_compare_exchange_n(p, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-    }
-#else
-    atomicMax(p, v);
-#endif
-}
-
 struct f16 { unsigned short bits; };
 struct bf16 { unsigned short bits; };
 struct c64 { float re, im; };
@@ -62,6 +51,10 @@ struct LeafRef {
     long long size;   // elements
     long long shape[GF_MAX_DIMS];
     long long stride[GF_MAX_DIMS];  // in bytes; negative strides are fine
+    // i / shape[d] == __umul64hi(i, magic[d]) >> shift d for every index
+    // i < 2^63 (see gf_addr); shift d is byte d of `shifts`.
+    unsigned long long magic[GF_MAX_DIMS];
+    long long shifts;
 };
 
 // One work item: elements [start, start + len) of slot `slot`, whose first
@@ -131,11 +124,46 @@ __device__ __forceinline__ unsigned short gf_double_to_small(double x) {
     return sign | (unsigned short)r;
 }
 
+// 16-bit floats <-> float. Every float16 and bfloat16 value is a float, so
+// widening through float is exact; narrowing a float rounds once, to nearest
+// even. On the GPU one instruction each (cvt.rn.bf16.f32 needs sm_80; older
+// targets take the bit arithmetic); NaN payloads may differ, never NaN-ness.
+__device__ __forceinline__ float gf_f16_to_float(unsigned short h) {
+#ifdef __CUDA_ARCH__
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    return (float)gf_small_to_double<5, 10>(h);
+#endif
+}
+// bfloat16 is the top half of a float32: a shift, on every target.
+__device__ __forceinline__ float gf_bf16_to_float(unsigned short h) { return __uint_as_float((unsigned)h << 16); }
+
+__device__ __forceinline__ unsigned short gf_float_to_f16(float x) {
+#ifdef __CUDA_ARCH__
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+#else
+    return gf_double_to_small<5, 10>((double)x);
+#endif
+}
+__device__ __forceinline__ unsigned short gf_float_to_bf16(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+#else
+    return gf_double_to_small<8, 7>((double)x);
+#endif
+}
+
 // ---------------------------------------------------------------- conversions
 // All conversions go through gf_wide: complex -> real takes the real part,
 // real -> complex sets im = 0.
-__device__ __forceinline__ gf_wide gf_widen(f16 x) { return {gf_small_to_double<5, 10>(x.bits), 0.0}; }
-__device__ __forceinline__ gf_wide gf_widen(bf16 x) { return {gf_small_to_double<8, 7>(x.bits), 0.0}; }
+__device__ __forceinline__ gf_wide gf_widen(f16 x) { return {(double)gf_f16_to_float(x.bits), 0.0}; }
+__device__ __forceinline__ gf_wide gf_widen(bf16 x) { return {(double)gf_bf16_to_float(x.bits), 0.0}; }
 __device__ __forceinline__ gf_wide gf_widen(float x) { return {(double)x, 0.0}; }
 __device__ __forceinline__ gf_wide gf_widen(double x) { return {x, 0.0}; }
 __device__ __forceinline__ gf_wide gf_widen(c64 x) { return {(double)x.re, (double)x.im}; }
@@ -148,6 +176,32 @@ template <> __device__ __forceinline__ float gf_narrow<float>(gf_wide w) { retur
 template <> __device__ __forceinline__ double gf_narrow<double>(gf_wide w) { return w.re; }
 template <> __device__ __forceinline__ c64 gf_narrow<c64>(gf_wide w) { return {(float)w.re, (float)w.im}; }
 template <> __device__ __forceinline__ c128 gf_narrow<c128>(gf_wide w) { return {w.re, w.im}; }
+
+template <class A, class B> struct gf_same { static constexpr bool value = false; };
+template <class A> struct gf_same<A, A> { static constexpr bool value = true; };
+
+// The real types that float holds exactly, and their float value.
+template <class T> struct gf_in_float { static constexpr bool value = false; };
+template <> struct gf_in_float<f16> { static constexpr bool value = true; };
+template <> struct gf_in_float<bf16> { static constexpr bool value = true; };
+template <> struct gf_in_float<float> { static constexpr bool value = true; };
+__device__ __forceinline__ float gf_to_float(f16 x) { return gf_f16_to_float(x.bits); }
+__device__ __forceinline__ float gf_to_float(bf16 x) { return gf_bf16_to_float(x.bits); }
+__device__ __forceinline__ float gf_to_float(float x) { return x; }
+template <class T> __device__ __forceinline__ T gf_from_float(float x);
+template <> __device__ __forceinline__ f16 gf_from_float<f16>(float x) { return {gf_float_to_f16(x)}; }
+template <> __device__ __forceinline__ bf16 gf_from_float<bf16>(float x) { return {gf_float_to_bf16(x)}; }
+template <> __device__ __forceinline__ float gf_from_float<float>(float x) { return x; }
+
+// x converted to T, rounded once: a copy of the bits where the types match;
+// through float, exactly, between float and the 16-bit floats (one rounding
+// from float is the one rounding from the exact value); else through gf_wide.
+template <class T, class S>
+__device__ __forceinline__ T gf_convert(S x) {
+    if constexpr (gf_same<T, S>::value) return x;
+    else if constexpr (gf_in_float<S>::value && gf_in_float<T>::value) return gf_from_float<T>(gf_to_float(x));
+    else return gf_narrow<T>(gf_widen(x));
+}
 
 // Calls f(S{}) with S the element type named by a dtype tag. The tag is
 // uniform over a work item (one leaf), so the switch never diverges a warp and
@@ -169,15 +223,20 @@ __device__ __forceinline__ void gf_dispatch(long long tag, F f) {
 __device__ __forceinline__ long long gf_min(long long a, long long b) { return a < b ? a : b; }
 
 // Address of element i (C order) of a strided leaf: 64-bit arithmetic
-// throughout, so leaves and trees past 2^31 elements index correctly. Only
-// the out-of-line strided paths call it (see gf_strided_loop).
+// throughout, so leaves and trees past 2^31 elements index correctly. The
+// division by each dim's length is a multiply-high and a shift with the
+// host's precomputed magic number (Granlund and Montgomery, "Division by
+// invariant integers using multiplication", PLDI 1994, theorem 4.2:
+// https://gmplib.org/~tege/divcnst-pldi94.pdf), a few instructions instead of
+// a 64-bit division routine per element and dim.
 __device__ __forceinline__ char* gf_addr(const LeafRef& L, long long i, long long itemsize) {
     char* p = (char*)L.ptr;
     const int nd = (int)L.ndim;
     if (nd == 0) return p + i * itemsize;
     long long off = 0;
     for (int d = nd - 1; d > 0; --d) {
-        const long long q = i / L.shape[d];
+        const int shift = (int)((unsigned long long)L.shifts >> (8 * d)) & 63;
+        const long long q = (long long)(__umul64hi((unsigned long long)i, L.magic[d]) >> shift);
         off += (i - q * L.shape[d]) * L.stride[d];
         i = q;
     }
@@ -199,8 +258,8 @@ __device__ __forceinline__ char* gf_addr(const LeafRef& L, long long i, long lon
 // in flight per lane instead of one load followed by its dependent
 // arithmetic; a misaligned item, and an aligned one's last partial vector,
 // one element at a time. gf_strided_loop takes strided leaves, one element
-// at a time through gf_addr; kernels call it from an out-of-line function,
-// because its 64-bit divisions are calls that would make the hot loop spill.
+// at a time through gf_addr; kernels call it from a separate function, which
+// keeps its per-element address arithmetic out of the hot loop's registers.
 //
 // op(i0, v, n) gets the item-relative index of the vector's first element and
 // the vector, of which the first n elements are real; READ fills v from

@@ -61,5 +61,5 @@ __device__ __forceinline__ void gf_scale(c128& x, double c) {
 }
 template <class S>  // f16 and bf16: float arithmetic, one rounding back to 16 bits
 __device__ __forceinline__ void gf_scale(S& x, double c) {
-    x = gf_narrow<S>(gf_wide{(double)((float)gf_widen(x).re * (float)c), 0.0});
+    x = gf_convert<S>((float)gf_widen(x).re * (float)c);
 }

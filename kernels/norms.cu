@@ -6,7 +6,7 @@
 // a fixed shuffle tree, stored in the item's own slot; kernel 2 is a single
 // block of GF_FINISH_THREADS threads that combines items per leaf and leaves
 // into the total in fixed trees. Neither the grid of kernel 1 nor the run
-// changes a bit. No float atomics anywhere.
+// changes a bit. No atomics anywhere.
 #include "gpuflat_math.cuh"
 
 // pow makes the p-norm compute-bound: one vector in flight is enough, and
@@ -30,7 +30,7 @@ __device__ __forceinline__ void gf_add_terms(gf_lane_sum& s, S (&v)[gf_vec<S>::V
     });
 }
 
-// The strided path of one item, out of line (see gf_strided_loop).
+// The strided path of one item, in a function of its own (see gf_strided_loop).
 template <int K, class S>
 __device__ __forceinline__ gf_lane_sum gf_norm_strided(const LeafRef& L, long long start, long long len, int lane,
                                                     double p) {
@@ -49,14 +49,13 @@ __device__ __forceinline__ void gf_scale_strided(const LeafRef& L, long long sta
 }
 
 // Kernel 1: one warp per work item (grid-stride). partial[it] is the item's
-// sum (or max) of terms. first_bad (zero before the launch) ends as the
-// largest n_items - it over the items holding a NaN or inf, that is the
-// first such item, recorded with an integer atomic whose result does not
-// depend on the order the items finish in; clean items never touch it.
+// sum (or max) of terms and partial[n_items + it] is 1 if the item holds a
+// NaN or inf, else 0: every item writes both, so the scratch needs no
+// clearing (no memset launch) and no atomics.
 template <int K>
 __global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
 gpuflat_norm_partial(const Item* __restrict__ items, long long n_items, const LeafRef* __restrict__ leaves,
-                     double p, double* __restrict__ partial, long long* __restrict__ first_bad) {
+                     double p, double* __restrict__ partial) {
     const int lane = (int)(threadIdx.x % GF_WARP);
     const long long nwarps = gf_warp_count();
     for (long long it = gf_global_warp(); it < n_items; it += nwarps) {
@@ -82,26 +81,61 @@ gpuflat_norm_partial(const Item* __restrict__ items, long long n_items, const Le
         const int bad = __any_sync(GF_FULL_MASK, sum.bad);
         if (lane == 0) {
             partial[it] = acc;
-            if (bad) gf_atomic_max(first_bad, n_items - it);
+            partial[n_items + it] = bad ? 1.0 : 0.0;
         }
     }
 }
 
-// Fixed-tree reduction over the finishing block; every thread gets the result.
-template <int K>
-__device__ __forceinline__ double gf_block_reduce(double* red, double v) {
+// Fixed-tree reduction over the finishing block with `op`; every thread gets
+// the result.
+template <class Op>
+__device__ __forceinline__ double gf_block_reduce(double* red, double v, Op op) {
     const int t = (int)threadIdx.x;
     red[t] = v;
     __syncthreads();
 #pragma unroll
     for (int w = GF_FINISH_THREADS / 2; w > 0; w >>= 1) {
-        if (t < w) red[t] = gf_combine<K>(red[t], red[t + w]);
+        if (t < w) red[t] = op(red[t], red[t + w]);
         __syncthreads();
     }
     v = red[0];
     __syncthreads();  // red is reused by the next reduction
     return v;
 }
+
+// The sum of partial[a .. b) in the order of gf_block_reduce over
+// GF_FINISH_THREADS threads, each summing the items k = a + t (mod
+// GF_FINISH_THREADS) in order, computed by ONE warp: lane l plays threads
+// l + 32 r, so the tree's first levels stay inside a lane, the last five are
+// shuffles, and no block barrier is needed. Lane 0 gets the sum; `bad` says
+// whether any of the items holds a NaN or inf (flags at partial[n_items + k]).
+template <int K>
+__device__ __forceinline__ double gf_warp_slot_sum(const double* __restrict__ partial, long long n_items,
+                                                   long long a, long long b, int lane, int& bad) {
+    constexpr int R = GF_FINISH_THREADS / GF_WARP;
+    double r[R];
+    int any = 0;
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+        r[i] = 0.0;
+        for (long long k = a + lane + i * GF_WARP; k < b; k += GF_FINISH_THREADS) {
+            r[i] = gf_combine<K>(r[i], partial[k]);
+            any |= partial[n_items + k] != 0.0;
+        }
+    }
+#pragma unroll
+    for (int w = R / 2; w > 0; w >>= 1) {
+#pragma unroll
+        for (int i = 0; i < w; ++i) r[i] = gf_combine<K>(r[i], r[i + w]);
+    }
+    double v = r[0];
+#pragma unroll
+    for (int off = GF_WARP / 2; off > 0; off >>= 1) v = gf_combine<K>(v, __shfl_down_sync(GF_FULL_MASK, v, off));
+    bad = __any_sync(GF_FULL_MASK, any);
+    return v;
+}
+
+__device__ __forceinline__ double gf_min_double(double a, double b) { return a < b ? a : b; }
 
 // Kernel 2: one block of exactly GF_FINISH_THREADS threads.
 //
@@ -110,52 +144,60 @@ __device__ __forceinline__ double gf_block_reduce(double* red, double v) {
 // GF_SMALL_SLOT_ITEMS items. Writes per_leaf[s] (the leaf's norm), total[0]
 // (the norm), total[1] (the unrooted total it is the root of: sum |x|**p, or
 // the max for inf, so a sum of squares needs no squaring of a rounded root),
-// and turns first_bad[0] from kernel 1's record into the slot of the first
-// item holding a NaN or inf, or -1. Slot s is owned by thread
-// s % GF_FINISH_THREADS in every phase, so a thread only reads back what it
-// wrote itself.
+// and first_bad[0], the first slot holding a NaN or inf, or -1.
+//
+// Small slots are summed by one thread each, items in order; big slots by
+// one warp each, all warps at once (gf_warp_slot_sum); then the total over
+// the unrounded per-leaf sums, thread t taking the slots s = t (mod
+// GF_FINISH_THREADS) in order, and a fixed tree. Every order is fixed by the
+// plan alone.
 template <int K>
 __global__ void __launch_bounds__(GF_FINISH_THREADS)
-gpuflat_norm_finish(const Item* __restrict__ items, long long n_items, const double* __restrict__ partial,
+gpuflat_norm_finish(long long n_items, const double* __restrict__ partial,
                     const long long* __restrict__ slot_items, long long n_slots,
                     const long long* __restrict__ big_slots, long long n_big, double p,
                     double* __restrict__ per_leaf, double* __restrict__ total, long long* __restrict__ first_bad) {
     __shared__ double red[GF_FINISH_THREADS];
     const int t = (int)threadIdx.x;
+    const int lane = t % GF_WARP;
     const long long T = GF_FINISH_THREADS;
+    // The first bad slot, as a double (slots are far below 2^53): n_slots for none.
+    double first = (double)n_slots;
 
-    // Small slots: one thread each, items in order (no synchronisation, so
-    // 10,000 tiny leaves cost one pass).
     for (long long s = t; s < n_slots; s += T) {
         const long long a = slot_items[s], b = slot_items[s + 1];
         if (b - a > GF_SMALL_SLOT_ITEMS) continue;
         double v = 0.0;
-        for (long long k = a; k < b; ++k) v = gf_combine<K>(v, partial[k]);
+        int bad = 0;
+        for (long long k = a; k < b; ++k) {
+            v = gf_combine<K>(v, partial[k]);
+            bad |= partial[n_items + k] != 0.0;
+        }
         per_leaf[s] = v;
+        if (bad) first = gf_min_double(first, (double)s);
     }
-    // Big slots: the whole block, strided over the items, then a fixed tree.
-    for (long long q = 0; q < n_big; ++q) {
+    for (long long q = t / GF_WARP; q < n_big; q += T / GF_WARP) {
         const long long s = big_slots[q];
-        const long long a = slot_items[s], b = slot_items[s + 1];
-        double v = 0.0;
-        for (long long k = a + t; k < b; k += T) v = gf_combine<K>(v, partial[k]);
-        v = gf_block_reduce<K>(red, v);
-        if (s % T == t) per_leaf[s] = v;
+        int bad;
+        const double v = gf_warp_slot_sum<K>(partial, n_items, slot_items[s], slot_items[s + 1], lane, bad);
+        if (lane == 0) {
+            per_leaf[s] = v;
+            if (bad) first = gf_min_double(first, (double)s);
+        }
     }
-    // The total from the unrounded per-leaf sums (not from the rooted norms),
-    // then each leaf's root.
+    __syncthreads();  // every per-leaf sum is written
     double v = 0.0;
     for (long long s = t; s < n_slots; s += T) {
         const double raw = per_leaf[s];
         v = gf_combine<K>(v, raw);
         per_leaf[s] = gf_root<K>(raw, p);
     }
-    v = gf_block_reduce<K>(red, v);
+    v = gf_block_reduce(red, v, [](double x, double y) { return gf_combine<K>(x, y); });
+    first = gf_block_reduce(red, first, [](double x, double y) { return gf_min_double(x, y); });
     if (t == 0) {
         total[0] = gf_root<K>(v, p);
         total[1] = v;
-        const long long m = first_bad[0];
-        first_bad[0] = m > 0 ? items[n_items - m].slot : -1;
+        first_bad[0] = first < (double)n_slots ? (long long)first : -1;
     }
 }
 

@@ -370,6 +370,29 @@ def test_flat_clip_is_the_leaves_bits(dtype):
     assert_bits_equal(flat, torch_scaled(original, 1.0 / (3.0 + 1e-6)))
 
 
+@pytest.mark.parametrize("total", [3.0, math.nan], ids=["finite", "nan"])
+def test_flat_clip_keeps_the_zeros_between_leaves_zero(total):
+    # A resident buffer: leaves with zero padding between them. A finite
+    # factor scales the whole buffer at once (zeros stay +0.0), a NaN factor
+    # the leaves alone; the leaves get the per-leaf clip's bits either way.
+    rng = np.random.default_rng(29)
+    flat = np.zeros(3 * 64 + 5, np.float32)
+    spans = [(0, 20), (64, 64 + ITEM // 64), (128, 128 + 61), (192, 197)]
+    for a, b in spans:
+        flat[a:b] = rng.standard_normal(b - a)
+    copy = flat.copy()
+    leaves, copies = [flat[a:b] for a, b in spans], [copy[a:b] for a, b in spans]
+    plan = gf.plan(copies)
+    HostBackend().clip_(plan, leaves, np.float64(total), 1.0, 1e-6, flat=flat)
+    HostBackend().clip_(plan, copies, np.float64(total), 1.0, 1e-6)
+    assert_bits_equal(flat, copy)
+    gaps = np.ones(flat.size, bool)
+    for a, b in spans:
+        gaps[a:b] = False
+    assert_bits_equal(flat[gaps], np.zeros(int(gaps.sum()), np.float32))
+    assert np.isnan(flat[~gaps]).all() == math.isnan(total)
+
+
 # ---------------------------------------------------------------- gather and scatter
 
 def _tree(rng, dtypes):

@@ -65,6 +65,27 @@ def test_grad_norm_and_per_leaf_match_the_tree_functions(ord, backend):
     assert rel_err(r.param_norm(ord), gf.global_norm(r.params, ord, backend=backend)) < 1e-12
 
 
+@pytest.mark.parametrize("ord", [1, 2, math.inf, 3])
+def test_total_norm_reads_the_whole_buffer_with_the_same_bits_on_every_backend(ord):
+    # Without per-leaf norms a buffer is one slot, whatever its leaf count:
+    # the bits are those of the buffer normed as one array (its zero padding
+    # adds nothing) on every backend, and the kernels' order gives the host
+    # and the emulated device the same bits (NumPy keeps its own order).
+    rng = np.random.default_rng(11)
+    model = {f"l{i}": random_array(rng, (int(n),), np.float32) for i, n in enumerate(rng.integers(1, 300, 40))}
+    got = []
+    for backend in ("numpy", "host", "emulated"):
+        r = gf.resident(model, backend=backend)
+        for k, v in model.items():
+            r.grads[k][...] = v
+        total = np.asarray(r.grad_norm(ord))
+        buffer = r.grad_buffers[0]
+        assert_bits_equal(total, np.asarray(gf.global_norm([buffer], ord, backend=backend)))
+        assert rel_err(total, exact_norm(list(model.values()), ord)) < 1e-12
+        got.append(total)
+    assert_bits_equal(got[1], got[2])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_clip_gives_the_tree_clip_bits_for_one_dtype(dtype, backend):
     rng = np.random.default_rng(2)

@@ -58,7 +58,7 @@ MAX_DIMS = 8
 BLOCK_THREADS = 256
 FINISH_THREADS = 256
 SMALL_SLOT_ITEMS = 16
-LEAF_ROW_WORDS = 4 + 2 * MAX_DIMS
+LEAF_ROW_WORDS = 5 + 3 * MAX_DIMS
 ITEM_WORDS = 4
 # Per-call tables kept per plan and device, so alternating between parameter
 # and gradient trees does not upload every time.
@@ -153,16 +153,15 @@ class CudaBackend:
         # totals[0] the norm (the clip kernel reads it), totals[1] the unrooted
         # total it is the root of; one allocation, exposed as two 0-d views.
         totals = rt.empty(2, np.float64)
-        # Zero: the first kernel records the first non-finite item in it with
-        # an atomic max, the finisher turns that into a slot.
-        first = rt.zeros((), np.int64)
+        first = rt.empty((), np.int64)
         # Scratch per call, not per plan: two threads norming same-shaped
-        # trees share the plan, and their launches may interleave.
-        partial = rt.empty(st.n_items, np.float64)
+        # trees share the plan, and their launches may interleave. Each item's
+        # partial, then each item's non-finite flag; every word is written.
+        partial = rt.empty(2 * st.n_items, np.float64)
         self._launch(kl.norm_partial_name(kind), st,
-                     [st.items, np.int64(st.n_items), table.array, np.float64(p), partial, first], table)
+                     [st.items, np.int64(st.n_items), table.array, np.float64(p), partial], table)
         rt.launch(kl.norm_finish_name(kind), 1, FINISH_THREADS,
-                  [st.items, np.int64(st.n_items), partial, st.slot_items,
+                  [np.int64(st.n_items), partial, st.slot_items,
                    np.int64(n_slots), st.big_slots, np.int64(st.n_big), np.float64(p),
                    per, totals, first], (st.uploaded,))
         return NormResult(totals[:1].reshape(()), per, first, totals[1:].reshape(()))
@@ -375,8 +374,30 @@ def _row(shape, strides, dtype):
     if len(dims) > MAX_DIMS:
         return None
     pad = [0] * (MAX_DIMS - len(dims))
+    # The outermost dim is never divided by (its index is what remains).
+    magic, shifts = zip(*[fast_division(n) if d else (0, 0) for d, (n, _) in enumerate(dims)]) if dims else ((), ())
     return ([TAGS[np.dtype(dtype)], len(dims), size] + [n for n, _ in dims] + pad
-            + [s for _, s in dims] + pad)
+            + [s for _, s in dims] + pad + [m - (1 << 64) if m >= 1 << 63 else m for m in magic] + pad
+            + [sum(k << (8 * d) for d, k in enumerate(shifts))])
+
+
+def fast_division(d: int) -> tuple[int, int]:
+    """(magic, shift) with ``i // d == (i * magic >> 64) >> shift`` for every
+    0 <= i < 2**63 and 2 <= d < 2**63: the kernels' division by a dim's length.
+
+    Granlund and Montgomery's theorem 4.2 with N = 63 and l = ceil(log2 d)
+    (https://gmplib.org/~tege/divcnst-pldi94.pdf): m = floor(2**(63+l) / d) + 1
+    has 2**(63+l) < m*d <= 2**(63+l) + 2**l, so floor(i*m / 2**(63+l)) is
+    i // d; m < 2**64 fits the kernels' unsigned 64-bit word.
+
+    >>> m, s = fast_division(3)
+    >>> [(i * m >> 64) >> s for i in (0, 2, 3, 2**63 - 1)] == [0, 0, 1, (2**63 - 1) // 3]
+    True
+    """
+    if not 2 <= d < 1 << 63:
+        raise ValueError(f"d: expected 2 <= d < 2**63, got {d}")
+    lg = (d - 1).bit_length()
+    return (1 << (63 + lg)) // d + 1, lg - 1
 
 
 def _leaf_rows(st, plan, arrays, slots, runtime) -> np.ndarray:

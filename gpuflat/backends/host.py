@@ -102,7 +102,9 @@ def _load():
     lib.gf_host_gather.argtypes = [obj, obj, obj, c_int]
     lib.gf_host_scatter.argtypes = [obj, obj, obj, c_int]
     lib.gf_host_clip.argtypes = [obj, obj, f64, f64, f64, c_int]
-    for fn in (lib.gf_host_norms, lib.gf_host_norms_flat, lib.gf_host_gather, lib.gf_host_scatter, lib.gf_host_clip):
+    lib.gf_host_clip_flat.argtypes = [obj, f64, f64, f64, c_int]
+    for fn in (lib.gf_host_norms, lib.gf_host_norms_flat, lib.gf_host_gather, lib.gf_host_scatter, lib.gf_host_clip,
+               lib.gf_host_clip_flat):
         fn.restype = i64
     lib.gf_host_init(np.ndarray, BFLOAT16.num if BFLOAT16 is not None else -1)
     return lib, None
@@ -191,9 +193,10 @@ class HostBackend(HostMemory):
         return NormResult(totals[:1].reshape(()), per, first, totals[1:].reshape(()))
 
     def clip_(self, plan, leaves, total, max_norm, eps, flat=None) -> None:
-        """Every leaf *= min(1, max_norm / (total + eps)); ``flat`` is not needed
-        (the native loop reads each leaf's address itself) and never written
-        outside the leaves.
+        """Every leaf *= min(1, max_norm / (total + eps)). ``flat``: the buffer
+        the leaves are views of, zero outside them (a resident model's); a
+        finite factor then scales the whole buffer in one pass (the zeros stay
+        zero, and no per-leaf work is done), a NaN factor the leaves alone.
 
         >>> import numpy as np, gpuflat as gf
         >>> flat = np.array([3.0, 4.0, 0.0, 12.0])
@@ -201,12 +204,17 @@ class HostBackend(HostMemory):
         >>> HostBackend().clip_(gf.plan(leaves), leaves, np.float64(13.0), 1.0, 0.0, flat=flat)
         >>> flat * 13
         array([ 3.,  4.,  0., 12.])
+        >>> HostBackend().clip_(gf.plan(leaves), leaves, np.float64(np.nan), 1.0, 0.0, flat=flat)
+        >>> flat
+        array([nan, nan,  0., nan])
         """
         lib = _library()
         if lib is None:
             return self._numpy.clip_(plan, leaves, total, max_norm, eps)
-        _check(plan, leaves, lib.gf_host_clip(leaves, plan.offsets, float(total), float(max_norm), float(eps),
-                                              self.threads))
+        args = (float(total), float(max_norm), float(eps))
+        if flat is not None and lib.gf_host_clip_flat(flat, *args, self.threads) < 0:
+            return
+        _check(plan, leaves, lib.gf_host_clip(leaves, plan.offsets, *args, self.threads))
 
     def on_device(self):
         """Host memory needs no device context.

@@ -725,6 +725,10 @@ inline int __any_sync(unsigned mask, int pred) { return ::gpuflat_emu::vote(mask
 // ------------------------------------------------------------ bits
 inline long long __double_as_longlong(double x) { return std::bit_cast<long long>(x); }
 inline double __longlong_as_double(long long x) { return std::bit_cast<double>(x); }
+inline float __uint_as_float(unsigned x) { return std::bit_cast<float>(x); }
+inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
+    return (unsigned long long)(((unsigned __int128)a * b) >> 64);
+}
 
 // ------------------------------------------------------------ math
 // CUDA puts the float and double overloads in the global namespace.

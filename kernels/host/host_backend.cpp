@@ -880,3 +880,24 @@ GF_EXPORT long long gf_host_clip(PyObject* leaves, PyObject* offsets, double tot
     Py_END_ALLOW_THREADS
     return -1;
 }
+
+// flat *= min(1, max_norm / (total + eps)) over the whole buffer at once, for
+// a buffer that is zero outside its leaves (a resident model's): a finite
+// factor keeps the zeros zero, so the cost is the buffer's bytes whatever the
+// leaf count. Returns 0, writing nothing, when the factor is NaN (0 x NaN
+// would turn the zeros into NaN) or `flat` is not an aligned, contiguous 1-D
+// buffer; the caller then scales the leaves alone.
+GF_EXPORT long long gf_host_clip_flat(PyObject* flat, double total, double max_norm, double eps, int threads) {
+    const double c = max_norm / (total + eps);
+    const double coef = c > 1.0 ? 1.0 : c;
+    if (coef != coef || !PyObject_TypeCheck(flat, g_ndarray) || PyArray_NDIM((PyArrayObject*)flat) != 1) return 0;
+    if (coef == 1.0) return -1;
+    Workspace& w = workspace();
+    const long long offsets[2] = {0, (long long)PyArray_DIMS((PyArrayObject*)flat)[0]};
+    if (!w.set.add_slots(flat, offsets, 1)) return 0;
+    Py_BEGIN_ALLOW_THREADS
+    plan_items(offsets, 1, w.items);
+    scale(w.set, w.items, coef, threads);
+    Py_END_ALLOW_THREADS
+    return -1;
+}

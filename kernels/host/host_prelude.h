@@ -34,18 +34,12 @@ inline constexpr gf_host_dim3 blockIdx{0, 0, 0};
 inline constexpr gf_host_dim3 blockDim{1, 1, 1};
 inline constexpr gf_host_dim3 gridDim{1, 1, 1};
 
-// The kernels' one integer atomic (gf_atomic_max calls it on the GPU path):
-// the host backend never calls it, but the shared header must compile.
-inline long long atomicMax(long long* address, long long value) {
-    long long old = __atomic_load_n(address, __ATOMIC_RELAXED);
-    while (old < value && !__atomic_compare_exchange_n(address, &old, value, true, __ATOMIC_RELAXED,
-                                                       __ATOMIC_RELAXED)) {
-    }
-    return old;
-}
-
 inline long long __double_as_longlong(double x) { return std::bit_cast<long long>(x); }
 inline double __longlong_as_double(long long x) { return std::bit_cast<double>(x); }
+inline float __uint_as_float(unsigned x) { return std::bit_cast<float>(x); }
+inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
+    return (unsigned long long)(((unsigned __int128)a * b) >> 64);
+}
 
 // CUDA puts the double overloads of the math functions in the global
 // namespace; these are the ones the shared headers call.
