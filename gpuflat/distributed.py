@@ -147,7 +147,8 @@ def all_reduce_(grads, op="mean", *, group=None, bucket_bytes=None):
     All or nothing across ranks: each rank checks its gradients first, then
     one small collective compares every rank's verdict and gradient size; if
     any rank failed, every rank raises (the others a CollectiveError naming
-    that rank and its error) and no rank changes anything.
+    that rank and its error) and no rank changes anything. DTensor
+    gradients are refused: their ranks hold different shards.
 
     >>> import numpy as np
     >>> from gpuflat import distributed as gfd
@@ -521,6 +522,7 @@ class _Reduction:
             self.like = buffers[0] if buffers else None
         else:
             call = Call(grads)
+            _refuse_dtensors(call)
             checks.check_in_place(call.paths(), call.unique)
             self.plan, self.tree, self.like = call.plan, grads, call.like
             self.targets = [adopt(gf.flatten(call.plan, grads))]
@@ -541,6 +543,15 @@ class _Reduction:
                     target[...] = moved
         if self.tree is not None:
             gf.scatter(self.plan, self.moving[0], self.tree)
+
+
+def _refuse_dtensors(call):
+    # A DTensor's shards differ from rank to rank: summing them is no gradient.
+    path = dtensor.first_path(call.owners(), call.paths())
+    if path is not None:
+        raise TypeError(f"leaf {path!r}: all_reduce_ expected gradients of the same tensors on every rank, "
+                        f"found a DTensor, whose ranks hold different shards (FSDP2 and tensor "
+                        f"parallelism reduce their gradients themselves)")
 
 
 def _module_grads(module) -> dict:

@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["Sharding", "is_dtensor", "like", "local", "replicated", "sharding"]
+__all__ = ["Sharding", "first_path", "is_dtensor", "like", "local", "replicated", "sharding"]
 
 
 def _dtensor_type():
@@ -44,6 +44,16 @@ def is_dtensor(x) -> bool:
     """
     dtensor = _dtensor_type()
     return dtensor is not None and isinstance(x, dtensor)
+
+
+def first_path(owners, paths):
+    """The path of the first DTensor among ``owners``, or None.
+
+    >>> import torch
+    >>> first_path([None, torch.ones(2)], ["['a']", "['b']"]) is None
+    True
+    """
+    return next((path for x, path in zip(owners, paths) if is_dtensor(x)), None)
 
 
 def local(x):

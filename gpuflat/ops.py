@@ -441,11 +441,11 @@ def _has_dtensors(call) -> bool:
 def _refuse_dtensors(call, what):
     """TypeError naming the first DTensor leaf, for a reduction whose value
     over the ranks gpuflat does not compute: the local shards' would mislead."""
-    for path, own in zip(call.paths(), call.owners()):
-        if dtensor.is_dtensor(own):
-            raise TypeError(f"leaf {path!r}: {what} expected arrays held whole, found a DTensor, of which this "
-                            f"rank holds a shard; use gf.global_norm or gf.clip_grad_norm_, which reduce "
-                            f"over its mesh")
+    path = dtensor.first_path(call.owners(), call.paths())
+    if path is not None:
+        raise TypeError(f"leaf {path!r}: {what} expected arrays held whole, found a DTensor, of which this "
+                        f"rank holds a shard; use gf.global_norm or gf.clip_grad_norm_, which reduce "
+                        f"over its mesh")
 
 
 def _rebuild(plan, flat, owners, backend):
