@@ -15,8 +15,9 @@ mesh dimensions where some leaf is sharded; a mesh dimension where every
 leaf is replicated needs none, since every rank along it already holds the
 same partial. Leaves on submeshes of one mesh (FSDP x TP puts the layers
 left out of tensor parallelism on the data-parallel submesh) are read on
-that root mesh, replicated along the dimensions their submesh leaves out. ``Partial()`` is refused: the norm of a sum is not the sum of
-norms, so its values must be reduced first.
+that root mesh, replicated along the dimensions their submesh leaves out.
+``Partial()`` is refused: the norm of a sum is not the sum of norms, so its
+values must be reduced first.
 
 Neither torch nor its distributed package is imported here at module
 import: a DTensor can only exist if the caller imported them already.

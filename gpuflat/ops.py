@@ -325,9 +325,10 @@ def global_norm(tree, ord: float = 2, *, per_leaf: bool = False, model=None,
     """
     p = checks.check_ord(ord)
     call = Call(tree)
-    if model is None and _has_dtensors(call):
+    if _has_dtensors(call):
         from . import distributed
 
+        _refuse_model(model, call)
         return distributed.global_norm(tree, ord, per_leaf=per_leaf, backend=backend)
     plan, leaves = norm_inputs(call, tree, model, backend)
     be = select(backend, leaves, lambda i: plan.leaves[i].path)
@@ -375,9 +376,10 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, eps: float = 1e-6
     if any(getattr(own, "requires_grad", False) and own.is_leaf for own in call.foreign.values()):
         grads = gradients_of(call)
         call = Call(grads)
-    if model is None and _has_dtensors(call):
+    if _has_dtensors(call):
         from . import distributed
 
+        _refuse_model(model, call)
         return distributed.clip_grad_norm_(grads, max_norm, ord, eps=eps, error_if_nonfinite=error_if_nonfinite,
                                            backend=backend)
     norm_plan, norm_leaves = norm_inputs(call, grads, model, backend)
@@ -436,6 +438,13 @@ def _in_kinds(arrays, owners) -> list:
 
 def _has_dtensors(call) -> bool:
     return any(map(dtensor.is_dtensor, call.foreign.values()))
+
+
+def _refuse_model(model, call):
+    if model is not None:
+        raise TypeError(f"leaf {dtensor.first_path(call.owners(), call.paths())!r}: model= expected gradients "
+                        f"held whole, found a DTensor; pass the DTensor gradients without model= (their "
+                        f"placements say how to count them)")
 
 
 def _refuse_dtensors(call, what):

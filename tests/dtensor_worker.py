@@ -234,7 +234,8 @@ def tree_functions_on_dtensors(ctx):
     for k, t in tree.items():
         np.testing.assert_allclose(t.full_tensor().numpy(), whole_tensors()[k].numpy() * 3, rtol=1e-15,
                                    err_msg=k)
-    for f in (lambda: gf.total("l2", tree), lambda: gf.clip_by_global_norm(tree, 1.0)):
+    for f in (lambda: gf.total("l2", tree), lambda: gf.clip_by_global_norm(tree, 1.0),
+              lambda: gf.global_norm(tree, model=tree)):
         try:
             f()
         except TypeError as err:
