@@ -313,6 +313,18 @@ def fsdp2_resident_is_refused(ctx):
             raise AssertionError(f"unclear error: {err}") from err
     else:
         raise AssertionError("gf.resident took FSDP2 parameters")
+    # Made resident first, then sharded: the next step raises instead of
+    # computing on the buffers FSDP2 no longer reads.
+    net = mlp(0)
+    r = gf.resident(net)
+    fully_shard(net, mesh=ctx.mesh)
+    try:
+        r.grad_norm()
+    except gf.StaleResidentError as err:
+        if "'0.weight'" not in str(err) or "DTensor" not in str(err):
+            raise AssertionError(f"unclear error: {err}") from err
+    else:
+        raise AssertionError("a resident model computed after fully_shard replaced its parameters")
 
 
 # ---------------------------------------------------------------- 2-D: FSDP x TP
