@@ -12,6 +12,11 @@ gradients shaped like GPT-2 small (148 arrays, 124,439,808 elements) and like
   one scale pass) against the peers' way: torch's per-tensor
   ``get_total_norm`` (foreach), an all-reduce of its square, and a foreach
   multiply by the clamped factor (what ``clip_grads_with_norm_`` runs).
+- FSDP2 (gloo only): the GPT-2 shapes as parameters sharded by
+  ``fully_shard`` over the 2 ranks, their gradients DTensors;
+  ``gpuflat.torch.clip_grad_norm_`` against ``torch.nn.utils.clip_grad_norm_``
+  on the same parameters: the time, and the collectives of one clip
+  (counted by torch's CommDebugMode).
 
 Medians of repeated runs after a warm-up, timed on rank 0 between barriers;
 printed as ratios (peer / gpuflat: above 1, gpuflat is faster), and written
@@ -99,6 +104,31 @@ def peer_clip(rank, tensors, max_norm):
     torch._foreach_mul_(tensors, coef.float().reshape(()))
 
 
+def fsdp2_clip(rank, scale, repeats):
+    """Both clips on the GPT-2 shapes sharded by FSDP2: median ms and collectives per clip."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import gpuflat.torch as gft
+
+    torch.manual_seed(0)
+    model = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(*s) * 0.02) for s in shapes_of("gpt2-small", scale))
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    params = list(model.parameters())
+    for p in params:
+        p.grad = p.detach() * 0.5
+    row = {"elements": sum(p.numel() for p in params), "arrays": len(params)}
+    for label, clip in (("gpuflat.torch clip_grad_norm_", gft.clip_grad_norm_),
+                        ("torch clip_grad_norm_", torch.nn.utils.clip_grad_norm_)):
+        with CommDebugMode() as mode:
+            clip(params, 1e9)
+        row[label] = {"ms": median_ms(rank, lambda: clip(params, 1e9), max(3, repeats // 4)),
+                      "collectives": mode.get_total_counts()}
+    return row
+
+
 def run_rank(transport, argv, scale, repeats, out):
     import torch
 
@@ -130,6 +160,8 @@ def run_rank(transport, argv, scale, repeats, out):
                 "torch foreach norm + all-reduce": median_ms(rank, lambda: peer_clip(rank, tensors, 1e9), n),
             },
         }
+    if transport == "gloo":
+        results["fsdp2"] = fsdp2_clip(rank, scale, repeats)
     if rank.rank == 0:
         Path(out).write_text(json.dumps(results))
 
@@ -158,6 +190,9 @@ def report(results, scale):
     lines = []
     for transport, by_workload in results.items():
         for name, r in by_workload.items():
+            if name == "fsdp2":
+                lines.append(fsdp2_line(transport, r))
+                continue
             ar, clip = r["all_reduce_ms"], r["clip_ms"]
             mine, mine_clip = ar["gpuflat all_reduce_"], clip["gpuflat clip_grad_norm_"]
             lines.append(
@@ -168,6 +203,14 @@ def report(results, scale):
                 f"clip: peer / gpuflat {clip['torch foreach norm + all-reduce'] / mine_clip:6.2f}x")
     note = "" if scale == 1 else f" (GPT-2 scaled down {scale}x in its first dimension)"
     return "2 ranks, float32, medians; ratios above 1 favour gpuflat" + note + "\n" + "\n".join(lines)
+
+
+def fsdp2_line(transport, r):
+    mine, theirs = r["gpuflat.torch clip_grad_norm_"], r["torch clip_grad_norm_"]
+    return (f"{transport:5} {'FSDP2':10} ({r['arrays']:>5} arrays, {r['elements']:>11,} elements)  "
+            f"clip: torch / gpuflat.torch {theirs['ms'] / mine['ms']:6.2f}x "
+            f"({theirs['ms']:.1f} / {mine['ms']:.1f} ms), collectives per clip: "
+            f"torch {theirs['collectives']}, gpuflat {mine['collectives']}")
 
 
 def main(argv=None):

@@ -136,7 +136,8 @@ def all_reduce_(grads, op: str = "mean", *, group=None, bucket_bytes: int | None
     All or nothing across ranks: each rank checks its gradients first, then
     one small collective compares every rank's verdict and gradient size; if
     any rank failed, every rank raises (the others a CollectiveError naming
-    that rank and its error) and no rank changes anything.
+    that rank and its error) and no rank changes anything. DTensor
+    gradients are refused: their ranks hold different shards.
 
     >>> import numpy as np
     >>> from gpuflat import distributed as gfd
@@ -427,12 +428,12 @@ def _reduce_norm(local, p):
     every row everywhere (adding zeros is exact, NaN and inf included), and
     every rank then combines the rows in rank order: the same bits on every
     rank, and a max for ord=inf without a second collective. Over several
-    groups (the mesh dimensions of DTensors) the combined row of one group is
-    this rank's row in the next: ranks sharing a row after one group share
-    it after the next, so every rank still gets the same bits.
+    groups (the mesh dimensions of DTensors) the combined rows of one group
+    are this rank's row in the next: ranks sharing a row after one group
+    share it after the next, so every rank still gets the same bits.
     """
     xp = local.be.xp
-    row = xp.zeros(_ROW, np.float64)
+    partial, first_bad = xp.zeros((), np.float64), xp.zeros((), np.float64)
     per = xp.zeros(0, np.float64)
     if local.arrays:
         per = local.be.norms(local.plan, local.arrays, p, per_leaf=True).per_leaf
@@ -441,20 +442,21 @@ def _reduce_norm(local, p):
         if mask is not None:
             contrib = xp.where(mask, contrib, 0.0)
         bad = ~xp.isfinite(contrib)
-        row[0] = contrib.max() if p == math.inf else contrib.sum()
-        row[1] = xp.where(bad.any(), bad.argmax() + 1, 0)
-    local.first_bad = row[1]
+        partial = contrib.max() if p == math.inf else contrib.sum()
+        first_bad = xp.where(bad.any(), bad.argmax() + 1, 0)
+    local.first_bad = first_bad
     packets = []
     for comm in local.comms:
         packet = xp.zeros((comm.size, _ROW), np.float64)
-        packet[comm.rank] = row
+        packet[comm.rank, 0] = partial
+        packet[comm.rank, 1] = first_bad
         comm.all_reduce(packet.reshape(-1), "global_norm")
-        row = packet.max(axis=0) if p == math.inf else xp.stack([packet[:, 0].sum(), packet[:, 1].max()])
+        partial = packet[:, 0].max() if p == math.inf else packet[:, 0].sum()
+        first_bad = packet[:, 1].max()
         packets.append(packet)
-    total = row[0]
     if p == math.inf:
-        return total, per, packets
-    return (xp.sqrt(total) if p == 2 else total if p == 1 else total ** (1.0 / p)), per, packets
+        return partial, per, packets
+    return (xp.sqrt(partial) if p == 2 else partial if p == 1 else partial ** (1.0 / p)), per, packets
 
 
 def _raise_if_nonfinite(local, p, total, packets, scaled=True):
@@ -510,6 +512,7 @@ class _Reduction:
             self.like = buffers[0] if buffers else None
         else:
             call = Call(grads)
+            _refuse_dtensors(call)
             checks.check_in_place(call.paths(), call.unique)
             self.plan, self.leaves, self.like = call.plan, call.unique, call.like
             self.backend = call.backend(None)
@@ -535,6 +538,15 @@ class _Reduction:
         if self.leaves is not None:
             with device_scope(self.backend, self.like):
                 self.backend.scatter(self.plan, self.moving[0], self.leaves)
+
+
+def _refuse_dtensors(call):
+    # A DTensor's shards differ from rank to rank: summing them is no gradient.
+    path = dtensor.first_path(call.owners(), call.paths())
+    if path is not None:
+        raise TypeError(f"leaf {path!r}: all_reduce_ expected gradients of the same tensors on every rank, "
+                        f"found a DTensor, whose ranks hold different shards (FSDP2 and tensor "
+                        f"parallelism reduce their gradients themselves)")
 
 
 def _module_grads(module) -> dict:

@@ -15,8 +15,9 @@ mesh dimensions where some leaf is sharded; a mesh dimension where every
 leaf is replicated needs none, since every rank along it already holds the
 same partial. Leaves on submeshes of one mesh (FSDP x TP puts the layers
 left out of tensor parallelism on the data-parallel submesh) are read on
-that root mesh, replicated along the dimensions their submesh leaves out. ``Partial()`` is refused: the norm of a sum is not the sum of
-norms, so its values must be reduced first.
+that root mesh, replicated along the dimensions their submesh leaves out.
+``Partial()`` is refused: the norm of a sum is not the sum of norms, so its
+values must be reduced first.
 
 Neither torch nor its distributed package is imported here at module
 import: a DTensor can only exist if the caller imported them already.
@@ -27,7 +28,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["Sharding", "is_dtensor", "like", "local", "replicated", "sharding"]
+__all__ = ["Sharding", "first_path", "is_dtensor", "like", "local", "replicated", "sharding"]
 
 
 def _dtensor_type():
@@ -44,6 +45,16 @@ def is_dtensor(x) -> bool:
     """
     dtensor = _dtensor_type()
     return dtensor is not None and isinstance(x, dtensor)
+
+
+def first_path(owners, paths):
+    """The path of the first DTensor among ``owners``, or None.
+
+    >>> import torch
+    >>> first_path([None, torch.ones(2)], ["['a']", "['b']"]) is None
+    True
+    """
+    return next((path for x, path in zip(owners, paths) if is_dtensor(x)), None)
 
 
 def local(x):

@@ -325,7 +325,8 @@ def global_norm(tree, ord: float = 2, *, per_leaf: bool = False, model=None,
     """
     p = checks.check_ord(ord)
     call = Call(tree)
-    if model is None and _has_dtensors(call):
+    if _has_dtensors(call):
+        _refuse_model(model, call)
         return distributed.global_norm(tree, ord, per_leaf=per_leaf, backend=backend)
     plan, leaves = norm_inputs(call, tree, model, backend)
     be = select(backend, leaves, lambda i: plan.leaves[i].path)
@@ -373,7 +374,8 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, eps: float = 1e-6
     if any(getattr(own, "requires_grad", False) and own.is_leaf for own in call.foreign.values()):
         grads = gradients_of(call)
         call = Call(grads)
-    if model is None and _has_dtensors(call):
+    if _has_dtensors(call):
+        _refuse_model(model, call)
         return distributed.clip_grad_norm_(grads, max_norm, ord, eps=eps, error_if_nonfinite=error_if_nonfinite,
                                            backend=backend)
     norm_plan, norm_leaves = norm_inputs(call, grads, model, backend)
@@ -434,14 +436,21 @@ def _has_dtensors(call) -> bool:
     return any(map(dtensor.is_dtensor, call.foreign.values()))
 
 
+def _refuse_model(model, call):
+    if model is not None:
+        raise TypeError(f"leaf {dtensor.first_path(call.owners(), call.paths())!r}: model= expected gradients "
+                        f"held whole, found a DTensor; pass the DTensor gradients without model= (their "
+                        f"placements say how to count them)")
+
+
 def _refuse_dtensors(call, what):
     """TypeError naming the first DTensor leaf, for a reduction whose value
     over the ranks gpuflat does not compute: the local shards' would mislead."""
-    for path, own in zip(call.paths(), call.owners()):
-        if dtensor.is_dtensor(own):
-            raise TypeError(f"leaf {path!r}: {what} expected arrays held whole, found a DTensor, of which this "
-                            f"rank holds a shard; use gf.global_norm or gf.clip_grad_norm_, which reduce "
-                            f"over its mesh")
+    path = dtensor.first_path(call.owners(), call.paths())
+    if path is not None:
+        raise TypeError(f"leaf {path!r}: {what} expected arrays held whole, found a DTensor, of which this "
+                        f"rank holds a shard; use gf.global_norm or gf.clip_grad_norm_, which reduce "
+                        f"over its mesh")
 
 
 def _rebuild(plan, flat, owners, backend):

@@ -34,6 +34,7 @@ Differences that remain, on purpose:
 """
 from __future__ import annotations
 
+import contextlib
 import types
 import warnings
 from collections.abc import Iterable
@@ -73,7 +74,9 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
         return torch.tensor(0.0)
     if any(map(dtensor.is_dtensor, tensors)):
         _check_floating(tensors, names)
-        return _over_ranks(_gfd.global_norm, tensors, p, error_if_nonfinite)
+        with _torch_nonfinite_error():
+            total = _gfd.global_norm(tensors, p, error_if_nonfinite=error_if_nonfinite)
+        return total.to(_returned_dtype(tensors))
     total = _total_norm(_device_groups(tensors, names), p)
     if error_if_nonfinite:
         _check_finite(total, p, tensors, names)
@@ -126,8 +129,11 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     if not grads:
         return torch.tensor(0.0)
     if any(map(dtensor.is_dtensor, grads)):
+        # Over the ranks of their mesh: the norm comes back a replicated DTensor.
         _check_floating(grads, names)
-        return _over_ranks(_gfd.clip_grad_norm_, grads, p, error_if_nonfinite, max_norm, eps=_EPS)
+        with _torch_nonfinite_error():
+            total = _gfd.clip_grad_norm_(grads, max_norm, p, eps=_EPS, error_if_nonfinite=error_if_nonfinite)
+        return total.to(_returned_dtype(grads))
     # Each gradient is viewed once, for the norm and the scale, and checked before either.
     groups = _device_groups(grads, names, in_place=True)
     total = _total_norm(groups, p)
@@ -177,14 +183,13 @@ def _returned_dtype(tensors):
 
 # ---------------------------------------------------------------- DTensors
 
-def _over_ranks(norm, tensors, p, error_if_nonfinite, *max_norm, **eps):
-    """``norm`` (gpuflat.distributed's global_norm or clip_grad_norm_) of DTensors,
-    as PyTorch returns it: a replicated DTensor of the promoted dtype."""
+@contextlib.contextmanager
+def _torch_nonfinite_error():
+    """gpuflat.distributed's NonFiniteError raised as NonFiniteNormError, the RuntimeError PyTorch raises."""
     try:
-        total = norm(list(tensors), *max_norm, p, error_if_nonfinite=error_if_nonfinite, **eps)
+        yield
     except NonFiniteError as err:
         raise NonFiniteNormError(str(err)) from None
-    return total.to(_returned_dtype(tensors))
 
 
 # ---------------------------------------------------------------- the work, per device

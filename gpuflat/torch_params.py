@@ -23,6 +23,7 @@ from __future__ import annotations
 import operator
 from itertools import chain
 
+from . import dtensor
 from .errors import StaleResidentError
 
 _grad_of = operator.attrgetter("grad")
@@ -65,6 +66,7 @@ class Binding:
         self.params = [param for _, param in pairs]
         self.data, self.grads = list(data), None if grads is None else list(grads)
         named = [(prefix, sub) for m in modules for prefix, sub in m.named_modules()]
+        self._modules = [sub for _, sub in named]
         self._tables = [table for _, sub in named for table in (sub._parameters, sub._modules)]
         self._prefixes = [prefix for prefix, _ in named for _ in range(2)]
         self._bind_all()
@@ -94,6 +96,7 @@ class Binding:
     def _snapshot(self):
         """What the per-step checks compare against."""
         self._registrations_seen = _registrations[0]
+        self._classes = list(map(type, self._modules))
         self._table_values = self._table_contents()
         self._data_ptrs = list(map(self._data_ptr, self.params))
         places: dict = {}
@@ -123,7 +126,9 @@ class Binding:
 
     def sync(self) -> None:
         """Follow what the training loop did since the last call, or raise StaleResidentError."""
-        if _registrations[0] != self._registrations_seen:
+        # FSDP2's fully_shard swaps the parameters into the tables without
+        # registering them, but gives each module it wraps a new class.
+        if _registrations[0] != self._registrations_seen or not _all_same(map(type, self._modules), self._classes):
             self._follow_replaced()
         if list(map(self._data_ptr, self.params)) != self._data_ptrs:
             self._follow_moved_storage()
@@ -140,6 +145,7 @@ class Binding:
         take their old places if they fit; anything else raises."""
         if _all_same(self._table_contents(), self._table_values):
             self._registrations_seen = _registrations[0]  # registered on other modules
+            self._classes = list(map(type, self._modules))
             return
         replaced = []
         for k, place in enumerate(self._places):
@@ -170,6 +176,11 @@ class Binding:
         self._data_ptrs = list(map(self._data_ptr, self.params))
 
     def _check_fits(self, k, param, verb):
+        if dtensor.is_dtensor(param):
+            raise StaleResidentError(f"parameter {self.paths[k]!r} {verb} a DTensor {tuple(param.placements)} "
+                                     f"(fully_shard or tensor parallelism sharded it): FSDP2 and tensor "
+                                     f"parallelism own their parameters' storage, so they cannot be resident; "
+                                     f"clip with gpuflat.torch.clip_grad_norm_(model.parameters(), max_norm)")
         view = self.data[k]
         for what, old, new in (("dtype", view.dtype, param.dtype), ("shape", tuple(view.shape), tuple(param.shape)),
                                ("device", view.device, param.device)):

@@ -228,7 +228,14 @@ def tree_functions_on_dtensors(ctx):
         if not isinstance(t, DTensor) or t.placements != tree[k].placements:
             raise AssertionError(f"leaf {k}: rebuilt as {type(t).__name__} {getattr(t, 'placements', '')}")
         np.testing.assert_allclose(t.full_tensor().numpy(), whole[k].numpy() * 2, rtol=1e-15, err_msg=k)
-    for f in (lambda: gf.total("l2", tree), lambda: gf.clip_by_global_norm(tree, 1.0)):
+    # Written into the local shards themselves; a replicated DTensor's shard
+    # is the very tensor it was made from, so compare with a fresh copy.
+    gf.scatter(gf.plan(tree), flat * 3, tree)
+    for k, t in tree.items():
+        np.testing.assert_allclose(t.full_tensor().numpy(), whole_tensors()[k].numpy() * 3, rtol=1e-15,
+                                   err_msg=k)
+    for f in (lambda: gf.total("l2", tree), lambda: gf.clip_by_global_norm(tree, 1.0),
+              lambda: gf.global_norm(tree, model=tree)):
         try:
             f()
         except TypeError as err:
@@ -236,9 +243,16 @@ def tree_functions_on_dtensors(ctx):
                 raise AssertionError(f"unclear error: {err}") from err
         else:
             raise AssertionError("a reduction of local shards was not refused")
-    grads = {k: t * 2 for k, t in tree.items()}
+    grads = {k: t * 2 for k, t in tree.items()}  # six times the whole tensors, after the scatter
+    try:
+        gfd.all_reduce_(grads)
+    except TypeError as err:
+        if "['w']" not in str(err) or "different shards" not in str(err):
+            raise AssertionError(f"unclear error: {err}") from err
+    else:
+        raise AssertionError("all_reduce_ summed the shards of DTensors")
     total = gf.clip_grad_norm_(grads, 1.0)
-    assert_close(total, ref_norm([t * 2 for t in whole.values()], 2), 1e-12, "gf.clip_grad_norm_")
+    assert_close(total, ref_norm([t * 6 for t in whole_tensors().values()], 2), 1e-12, "gf.clip_grad_norm_")
     assert_close(gf.global_norm(grads), 1.0, 1e-8, "gf.clip_grad_norm_ scaled the shards")
 
 
@@ -299,6 +313,18 @@ def fsdp2_resident_is_refused(ctx):
             raise AssertionError(f"unclear error: {err}") from err
     else:
         raise AssertionError("gf.resident took FSDP2 parameters")
+    # Made resident first, then sharded: the next step raises instead of
+    # computing on the buffers FSDP2 no longer reads.
+    net = mlp(0)
+    r = gf.resident(net)
+    fully_shard(net, mesh=ctx.mesh)
+    try:
+        r.grad_norm()
+    except gf.StaleResidentError as err:
+        if "'0.weight'" not in str(err) or "DTensor" not in str(err):
+            raise AssertionError(f"unclear error: {err}") from err
+    else:
+        raise AssertionError("a resident model computed after fully_shard replaced its parameters")
 
 
 # ---------------------------------------------------------------- 2-D: FSDP x TP
