@@ -154,6 +154,30 @@ def summed_wide(plan, sources, backend, like=None):
     return wide
 
 
+def max_norm_for(backend, max_norm):
+    """``max_norm`` as ``backend.clip_`` takes it: a float, or, when it is a
+    0-d device tensor and the backend runs on that device, a 0-d float64
+    array of the backend's that the kernel reads, so that no value crosses
+    to the host and a captured CUDA graph reads its current value at every
+    replay. Called inside the call's device scope: the cast runs on its
+    stream.
+
+    >>> import numpy as np
+    >>> from gpuflat.backends import get_backend
+    >>> max_norm_for(get_backend("numpy"), np.float32(0.5))
+    0.5
+    """
+    if isinstance(max_norm, float):
+        return max_norm
+    if backend.name != "cuda":
+        return float(max_norm)  # host memory, or a device value for a host backend: one read
+    if _arrays.kind(max_norm) == "torch":
+        import torch
+
+        return _arrays.adopt(max_norm.detach().to(torch.float64))
+    return max_norm.astype(np.float64, copy=False)
+
+
 def raise_if_nonfinite(be, plan, result, p, where="") -> None:
     """NonFiniteError naming the first leaf holding NaN or inf, if the norm is
     not finite (the one host synchronisation of a checked clip).

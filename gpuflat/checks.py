@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import Any
 
 
+from . import arrays
 from . import tree as _tree
 from .dtypes import TAGS
 from .errors import OverlapError, TreeMismatchError, UnsupportedLeafError
@@ -71,8 +73,6 @@ def check_leaf(spec, path: str, value, *, allow_none: bool):
 
 
 def _adopt(path, value):
-    from . import arrays
-
     try:
         return arrays.adopt(value)
     except UnsupportedLeafError as e:
@@ -190,9 +190,11 @@ def may_overlap_itself(a) -> bool:
     return False
 
 
-def clip_arguments(max_norm, ord, eps) -> tuple[float, float, float]:
+def clip_arguments(max_norm, ord, eps) -> tuple[Any, float, float]:
     """(max_norm, p, eps) of a clip, checked: ``max_norm`` and ``eps`` real
     numbers >= 0, ``ord`` 1, 2, inf or any p > 0 (no strings, no NaN).
+    ``max_norm`` may also be a 0-d device tensor, kept as it is (see
+    ``binding.max_norm_for``).
 
     >>> clip_arguments(1, 2, 1e-6)
     (1.0, 2.0, 1e-06)
@@ -205,9 +207,28 @@ def clip_arguments(max_norm, ord, eps) -> tuple[float, float, float]:
     ...
     ValueError: eps: expected a number >= 0, got -1
     """
-    max_norm = _real("max_norm", max_norm, "a number >= 0", lambda v: v >= 0)
+    if _on_device(max_norm):
+        max_norm = _device_scalar("max_norm", max_norm)
+    else:
+        max_norm = _real("max_norm", max_norm, "a number >= 0", lambda v: v >= 0)
     eps = _real("eps", eps, "a number >= 0", lambda v: v >= 0)
     return max_norm, check_ord(ord), eps
+
+
+def _on_device(x) -> bool:
+    """A CuPy array or a PyTorch CUDA tensor: reading its value would wait on the device."""
+    kind = arrays.kind(x)
+    return kind == "cupy" or kind == "torch" and x.is_cuda
+
+
+def _device_scalar(name, x):
+    """A 0-d real floating device array, kept on the device: its value is not
+    checked, as that would be a host read (a CUDA graph could not capture it)."""
+    shape, dtype = tuple(x.shape), str(x.dtype).removeprefix("torch.")
+    if shape != () or not (dtype.startswith("float") or dtype.startswith("bfloat")):
+        raise ValueError(f"{name}: expected a number >= 0 or a 0-d real floating device tensor, got one of "
+                         f"shape {shape} and dtype {dtype}")
+    return x
 
 
 def check_ord(ord) -> float:

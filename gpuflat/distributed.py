@@ -45,7 +45,7 @@ from . import checks, dtensor
 from .arrays import adopt, device_scope, is_module, module_parameters
 from .backends import get_backend
 from .dtypes import BFLOAT16
-from .binding import Call
+from .binding import Call, max_norm_for
 from .errors import CollectiveError, NonFiniteError
 
 __all__ = ["PATH_FORMAT", "CollectiveError", "Owned", "all_reduce_", "clip_grad_norm_", "global_norm",
@@ -118,7 +118,7 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, group=None, owned
         if error_if_nonfinite:
             _raise_if_nonfinite(local, p, total, packets)
         if local.arrays:
-            local.be.clip_(local.plan, local.arrays, total, max_norm, eps)
+            local.be.clip_(local.plan, local.arrays, total, max_norm_for(local.be, max_norm), eps)
         return local.give_back(total)
 
 

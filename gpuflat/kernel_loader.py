@@ -51,6 +51,8 @@ OPTIONS = ("-std=c++17", "-default-device", "--fmad=false")
 NORM_KINDS = {"l1": 0, "l2": 1, "inf": 2, "p": 3}
 
 SCALE_NAME = "gpuflat_scale"
+# The clip with max_norm in device memory.
+SCALE_AT_NAME = "gpuflat_scale_at"
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.M)
 
@@ -96,9 +98,9 @@ def name_expressions() -> list[str]:
 
     Gather and scatter are templated on the flat dtype (the leaf dtype is a
     runtime tag, so a mixed-dtype tree is one launch); the norm kernels on the
-    norm kind.
+    norm kind; the clip takes max_norm by value or from device memory.
 
-    >>> len(name_expressions()) == 2 * len(CUDA_NAMES) + 2 * len(NORM_KINDS) + 1 + 2 * 4
+    >>> len(name_expressions()) == 2 * len(CUDA_NAMES) + 2 * len(NORM_KINDS) + 2 + 2 * 4
     True
     """
     names = []
@@ -106,7 +108,7 @@ def name_expressions() -> list[str]:
         names += [gather_name(dtype), scatter_name(dtype)]
     for kind in NORM_KINDS:
         names += [norm_partial_name(kind), norm_finish_name(kind)]
-    names.append(SCALE_NAME)
+    names += [SCALE_NAME, SCALE_AT_NAME]
     names += [optim_name(rule, d) for rule in OPTIM_RULES for d in OPTIM_DTYPES]
     return names
 

@@ -23,7 +23,8 @@ from . import flatplan
 from . import tree as _tree
 from .backends.selection import select
 from .backends.numpy_backend import cast_copy
-from .binding import Call, gradients_of, in_place, norm_inputs, raise_if_nonfinite, slot_sources, summed_wide
+from .binding import (Call, gradients_of, in_place, max_norm_for, norm_inputs, raise_if_nonfinite, slot_sources,
+                      summed_wide)
 from .errors import OverlapError, TreeMismatchError, UnsupportedLeafError
 from .flatplan import FlatPlan
 from .overlap import first_sharing
@@ -389,7 +390,7 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, eps: float = 1e-6
         result = be.norms(norm_plan, norm_leaves, p, per_leaf=False)
         if error_if_nonfinite:
             raise_if_nonfinite(be, norm_plan, result, p)
-        be.clip_(scale_plan, scale_leaves, result.total, max_norm, eps)
+        be.clip_(scale_plan, scale_leaves, result.total, max_norm_for(be, max_norm), eps)
         return call.result(result.total)
 
 
@@ -417,7 +418,7 @@ def clip_by_global_norm(tree, max_norm: float, ord: float = 2, *, eps: float = 1
     with _arrays.device_scope(be, call.like):
         result = be.norms(call.plan, call.unique, p, per_leaf=False)
         copies = [be.copy(a) for a in call.unique]
-        be.clip_(call.plan, copies, result.total, max_norm, eps)
+        be.clip_(call.plan, copies, result.total, max_norm_for(be, max_norm), eps)
         leaves = _in_kinds(copies, call.owners())
         norm = call.result(result.total)
     clipped = _tree.rebuild(call.plan.treedef, [leaves[s] for s in call.plan.slot_of], call.statics)

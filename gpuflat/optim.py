@@ -104,6 +104,7 @@ class FlatStep:
         r = self.resident
         if max_norm is not None:
             max_norm, p, _ = checks.clip_arguments(max_norm, norm_type, CLIP_EPS)
+            max_norm = float(max_norm)  # the update kernel takes it by value: a device one is read once
         else:
             p = 2.0
         r._sync()

@@ -28,7 +28,7 @@ from . import tree as _tree
 from .backends.selection import select
 from .errors import NonFiniteError
 from .flatplan import FlatPlan, LeafSpec
-from .binding import Call, raise_if_nonfinite
+from .binding import Call, max_norm_for, raise_if_nonfinite
 from .torch_params import Binding
 
 ALIGN_BYTES = 256
@@ -307,6 +307,7 @@ class Resident:
             total = self._combine(results, p)
             if error_if_nonfinite:
                 self._raise_if_nonfinite(total, buffers, p)
+            max_norm = max_norm_for(self._backend, max_norm)
             for group, buf in zip(self._groups, buffers):
                 self._backend.clip_(group.leaf_plan, buf.leaves, total, max_norm, eps, flat=buf.array)
             return self._result(total)

@@ -45,6 +45,7 @@ from . import distributed as _gfd
 from . import dtensor
 from .arrays import adopt, device_scope, to_caller
 from .backends.selection import select
+from .binding import max_norm_for
 from .checks import check_in_place, check_ord, clip_arguments
 from .errors import NonFiniteError, NonFiniteNormError, NonFloatingTensorError
 from .ops import plan
@@ -266,7 +267,7 @@ def _scale(groups, max_norm, total_norm):
     for g in groups:
         with device_scope(g.backend, g.like):
             total = torch.as_tensor(total_norm, dtype=torch.float64).to(g.like.device)
-            g.backend.clip_(g.plan, g.views, adopt(total), max_norm, _EPS)
+            g.backend.clip_(g.plan, g.views, adopt(total), max_norm_for(g.backend, max_norm), _EPS)
 
 
 from .torch_optim import SGD, AdamW, GradScaler  # noqa: E402  (re-exported: gpuflat.torch is the PyTorch entry point)

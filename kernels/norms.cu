@@ -205,11 +205,13 @@ gpuflat_norm_finish(long long n_items, const double* __restrict__ partial,
 // from device memory, so clipping never waits on the host. A NaN total
 // gives a NaN coefficient (PyTorch's semantics: the gradients become NaN); the
 // clamp is written so that NaN survives it.
-__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
-gpuflat_scale(const Item* __restrict__ items, long long n_items, const LeafRef* __restrict__ leaves,
-              const double* __restrict__ total, double max_norm, double eps) {
-    const double c = max_norm / (total[0] + eps);
-    const double coef = c > 1.0 ? 1.0 : c;
+__device__ __forceinline__ double gf_clip_coef(double total, double max_norm, double eps) {
+    const double c = max_norm / (total + eps);
+    return c > 1.0 ? 1.0 : c;
+}
+
+__device__ __forceinline__ void gf_scale_items(const Item* __restrict__ items, long long n_items,
+                                               const LeafRef* __restrict__ leaves, double coef) {
     // x * 1 is x exactly for every dtype (NaN stays NaN), so when nothing is
     // clipped the kernel leaves memory untouched instead of rewriting it.
     if (coef == 1.0) return;
@@ -226,4 +228,18 @@ gpuflat_scale(const Item* __restrict__ items, long long n_items, const LeafRef* 
             });
         });
     }
+}
+
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_scale(const Item* __restrict__ items, long long n_items, const LeafRef* __restrict__ leaves,
+              const double* __restrict__ total, double max_norm, double eps) {
+    gf_scale_items(items, n_items, leaves, gf_clip_coef(total[0], max_norm, eps));
+}
+
+// The same with max_norm read from device memory (a 0-d tensor of the
+// caller's), so that a captured CUDA graph reads its value at every replay.
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_scale_at(const Item* __restrict__ items, long long n_items, const LeafRef* __restrict__ leaves,
+                 const double* __restrict__ total, const double* __restrict__ max_norm, double eps) {
+    gf_scale_items(items, n_items, leaves, gf_clip_coef(total[0], max_norm[0], eps));
 }

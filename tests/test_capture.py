@@ -142,3 +142,57 @@ def test_gf_clip_on_a_tree_of_tensors_captures_and_replays_like_eager_calls(cp, 
         assert bits(norm) == bits(want) and float(want) > 0.5
         for p, q in zip(params, twins):
             assert bits(p.grad) == bits(q.grad)
+
+
+def test_max_norm_as_a_device_tensor_is_read_at_every_replay(cp, tc):
+    # The clip reads max_norm from device memory: a graph captured once
+    # follows a schedule that changes the tensor in place, with no host read.
+    model, twin = net(5), net(5)
+    r, eager = gf.resident(model), gf.resident(twin)
+    max_norm = tcs.cuda(torch.tensor(0.5, dtype=torch.float64))
+    with torch.cuda.stream(torch.cuda.Stream()):
+        set_grads(model.parameters(), 0)
+        r.clip_grad_norm_(max_norm)
+        graph, norm = tc.capture(lambda: r.clip_grad_norm_(max_norm))
+    for step, value in enumerate([0.25, 2.0, 0.125], start=1):
+        with torch._C.DisableTorchFunction():
+            max_norm.fill_(value)
+        set_grads(model.parameters(), step)
+        set_grads(twin.parameters(), step)
+        graph.replay()
+        want = eager.clip_grad_norm_(value)
+        assert bits(norm) == bits(want)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert bits(p.grad) == bits(q.grad)
+
+
+def test_gpuflat_torch_clip_takes_a_device_max_norm_without_a_host_read(cp, tc):
+    params, twins = list(net(6).parameters()), list(net(6).parameters())
+    set_grads(params, 1)
+    set_grads(twins, 1)
+    max_norm = tcs.cuda(torch.tensor(0.75, dtype=torch.float32))
+    gft.clip_grad_norm_(params, max_norm)
+    gft.clip_grad_norm_(twins, 0.75)
+    for p, q in zip(params, twins):
+        assert bits(p.grad) == bits(q.grad)
+    graph, norm = tc.capture(lambda: gft.clip_grad_norm_(params, max_norm))  # a host read would raise here
+    set_grads(params, 2)
+    set_grads(twins, 2)
+    graph.replay()
+    want = gft.clip_grad_norm_(twins, 0.75)
+    assert bits(norm) == bits(want) and float(want) > 0.75
+    for p, q in zip(params, twins):
+        assert bits(p.grad) == bits(q.grad)
+
+
+def test_a_device_max_norm_must_be_a_real_floating_scalar(cp, tc):
+    model = net(7)
+    r = gf.resident(model)
+    set_grads(model.parameters(), 0)
+    before = [bits(p.grad) for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"max_norm: expected a number >= 0 or a 0-d real floating device "
+                                         r"tensor, got one of shape \(2,\) and dtype float64"):
+        r.clip_grad_norm_(tcs.cuda(torch.ones(2, dtype=torch.float64)))
+    with pytest.raises(ValueError, match="got one of shape \\(\\) and dtype int64"):
+        gf.clip_grad_norm_({"w": model.w.grad}, tcs.cuda(torch.tensor(1)))
+    assert [bits(p.grad) for p in model.parameters()] == before

@@ -21,7 +21,7 @@ from gpuflat.backends import cuda
 from gpuflat.dtypes import CUDA_NAMES
 
 HOT = ([kl.gather_name(d) for d in CUDA_NAMES] + [kl.scatter_name(d) for d in CUDA_NAMES]
-       + [kl.norm_partial_name(k) for k in kl.NORM_KINDS] + [kl.SCALE_NAME])
+       + [kl.norm_partial_name(k) for k in kl.NORM_KINDS] + [kl.SCALE_NAME, kl.SCALE_AT_NAME])
 MAX_REGISTERS = 64
 VECTOR_LOAD = re.compile(r"^\s*ld(?:\.global)?(?:\.nc)?\.v4\.", re.M)
 

@@ -168,11 +168,15 @@ class CudaBackend:
 
     def clip_(self, plan, leaves, total, max_norm, eps, flat=None) -> None:
         """Every leaf *= min(1, max_norm / (total + eps)), the factor computed on
-        the device from ``total`` (1 launch, no synchronisation)."""
+        the device from ``total`` and ``max_norm`` (a float, or a 0-d float64
+        device array) (1 launch, no synchronisation)."""
         st = _static_tables(plan, self.runtime)
         table = self._leaf_table(st, plan, leaves, flat)
-        self._launch(kl.SCALE_NAME, st, [st.items, np.int64(st.n_items), table.array, total,
-                                         np.float64(max_norm), np.float64(eps)], table)
+        # max_norm is a number, or a 0-d float64 device array the kernel reads.
+        name, max_norm = ((kl.SCALE_NAME, np.float64(max_norm)) if isinstance(max_norm, float)
+                          else (kl.SCALE_AT_NAME, max_norm))
+        self._launch(name, st, [st.items, np.int64(st.n_items), table.array, total, max_norm, np.float64(eps)],
+                     table)
 
     # ------------------------------------------------------------ helpers
 

@@ -66,8 +66,10 @@ class Backend(Protocol):
     def norms(self, plan, leaves: Sequence[Any], ord: float, per_leaf: bool, flat=None) -> NormResult:
         """Total and per-leaf norms, accumulated in float64 in a fixed order."""
 
-    def clip_(self, plan, leaves: Sequence[Any], total, max_norm: float, eps: float, flat=None) -> None:
-        """Every leaf *= min(1, max_norm / (total + eps)), computed where ``total`` lives."""
+    def clip_(self, plan, leaves: Sequence[Any], total, max_norm, eps: float, flat=None) -> None:
+        """Every leaf *= min(1, max_norm / (total + eps)), computed where ``total``
+        lives; ``max_norm`` is a float, or for the CUDA backend a 0-d float64
+        device array it reads there."""
 
     def to_host(self, x):
         """``x`` as a NumPy array (one synchronisation on a device)."""
