@@ -130,11 +130,19 @@ __device__ __forceinline__ double gf_warp_slot_sum(const double* __restrict__ pa
     double r[R];
     int any = 0;
 #pragma unroll
-    for (int i = 0; i < R; ++i) {
-        r[i] = 0.0;
-        for (long long k = a + lane + i * GF_WARP; k < b; k += GF_FINISH_THREADS) {
-            r[i] = gf_combine<K>(r[i], partial[k]);
-            any |= partial[n_items + k] != 0.0;
+    for (int i = 0; i < R; ++i) r[i] = 0.0;
+    // The R strided sums advance together, each in its own order, so a lane
+    // has R independent loads in flight per step (more once unrolled), not
+    // one chain of dependent additions after another.
+#pragma unroll 2
+    for (long long base = a + lane; base < b; base += GF_FINISH_THREADS) {
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            const long long k = base + i * GF_WARP;
+            if (k < b) {
+                r[i] = gf_combine<K>(r[i], partial[k]);
+                any |= partial[n_items + k] != 0.0;
+            }
         }
     }
 #pragma unroll
