@@ -228,8 +228,11 @@ __device__ __forceinline__ long long gf_min(long long a, long long b) { return a
 // host's precomputed magic number (Granlund and Montgomery, "Division by
 // invariant integers using multiplication", PLDI 1994, theorem 4.2:
 // https://gmplib.org/~tege/divcnst-pldi94.pdf), a few instructions instead of
-// a 64-bit division routine per element and dim.
-__device__ __forceinline__ char* gf_addr(const LeafRef& L, long long i, long long itemsize) {
+// a 64-bit division routine per element and dim. With `left`, also how many
+// elements from i on share its innermost row (they lie stride[ndim - 1]
+// apart), so a run of elements needs one address computation per row.
+__device__ __forceinline__ char* gf_addr(const LeafRef& L, long long i, long long itemsize,
+                                         long long* left = nullptr) {
     char* p = (char*)L.ptr;
     const int nd = (int)L.ndim;
     if (nd == 0) return p + i * itemsize;
@@ -237,9 +240,12 @@ __device__ __forceinline__ char* gf_addr(const LeafRef& L, long long i, long lon
     for (int d = nd - 1; d > 0; --d) {
         const int shift = (int)((unsigned long long)L.shifts >> (8 * d)) & 63;
         const long long q = (long long)(__umul64hi((unsigned long long)i, L.magic[d]) >> shift);
-        off += (i - q * L.shape[d]) * L.stride[d];
+        const long long r = i - q * L.shape[d];
+        if (left && d == nd - 1) *left = L.shape[d] - r;
+        off += r * L.stride[d];
         i = q;
     }
+    if (left && nd == 1) *left = L.shape[0] - i;
     return p + off + i * L.stride[0];  // the outermost index is what remains
 }
 
@@ -277,8 +283,17 @@ struct gf_vec {
 // (the same order as whole vectors).
 template <class S, bool READ, bool WRITE, bool STRIDED, class Op>
 __device__ __forceinline__ void gf_elements(const LeafRef& L, long long start, long long i0, long long n, Op op) {
-    for (long long i = i0; i < i0 + n; ++i) {
-        S* const p = STRIDED ? (S*)gf_addr(L, start + i, (long long)sizeof(S)) : (S*)L.ptr + start + i;
+    // A strided leaf's address is computed where the run enters a row of its
+    // innermost dim, and stepped along the row from there.
+    char* at = (char*)((S*)L.ptr + start + i0);
+    long long step = (long long)sizeof(S), left = n;
+    if constexpr (STRIDED) {
+        step = L.stride[L.ndim - 1];
+        left = 0;
+    }
+    for (long long i = i0; i < i0 + n; ++i, at += step, --left) {
+        if (STRIDED && left == 0) at = gf_addr(L, start + i, (long long)sizeof(S), &left);
+        S* const p = (S*)at;
         S v[gf_vec<S>::V];
         if constexpr (READ) v[0] = *p;
         op(i, v, 1);

@@ -21,11 +21,24 @@ struct gf_lane_sum {
     int bad;
 };
 
+// Whether a lane's accumulated value alone tells that it met a NaN or inf:
+// for the 1- and 2-norms of elements no wider than float, every finite
+// element's term is finite and any sum of them stays far inside double's
+// range (each term at most (3.5e38)^2 = 1.2e77, at most 2^63 of them), while
+// a NaN or inf term makes the sum non-finite. A double's square can
+// overflow, and so can any p-th power: those check every element, as the
+// inf-norm does (its NaN-preferring max would allow the same, but the check
+// per element keeps that kernel within its registers).
+template <int K, class S>
+constexpr bool gf_bad_from_sum() {
+    return (K == GF_NORM_L1 || K == GF_NORM_L2) && !gf_same<S, double>::value && !gf_same<S, c128>::value;
+}
+
 template <int K, class S>
 __device__ __forceinline__ void gf_add_terms(gf_lane_sum& s, S (&v)[gf_vec<S>::V], int n, double p) {
     gf_for_each(v, n, [&](S x) {
         const gf_wide w = gf_widen(x);
-        s.bad |= !(isfinite(w.re) && isfinite(w.im));
+        if constexpr (!gf_bad_from_sum<K, S>()) s.bad |= !(isfinite(w.re) && isfinite(w.im));
         s.acc = gf_combine<K>(s.acc, gf_term<K, gf_is_complex<S>::value>(w, p));
     });
 }
@@ -66,12 +79,13 @@ gpuflat_norm_partial(const Item* __restrict__ items, long long n_items, const Le
             using S = decltype(z);
             if (L.ndim != 0) {
                 sum = gf_norm_strided<K, S>(L, item.start, item.len, lane, p);
-                return;
+            } else {
+                gf_item_loop<S, true, false, gf_norm_unroll<K>()>(L, item.start, item.len, lane,
+                                                                [&](long long, S (&v)[gf_vec<S>::V], int n) {
+                                                                    gf_add_terms<K>(sum, v, n, p);
+                                                                });
             }
-            gf_item_loop<S, true, false, gf_norm_unroll<K>()>(L, item.start, item.len, lane,
-                                                            [&](long long, S (&v)[gf_vec<S>::V], int n) {
-                                                                gf_add_terms<K>(sum, v, n, p);
-                                                            });
+            if constexpr (gf_bad_from_sum<K, S>()) sum.bad = !isfinite(sum.acc);
         });
         double acc = sum.acc;
         // Fixed tree: lane 0 ends with ((l0+l16)+(l8+l24))+... whatever the grid.
@@ -116,11 +130,19 @@ __device__ __forceinline__ double gf_warp_slot_sum(const double* __restrict__ pa
     double r[R];
     int any = 0;
 #pragma unroll
-    for (int i = 0; i < R; ++i) {
-        r[i] = 0.0;
-        for (long long k = a + lane + i * GF_WARP; k < b; k += GF_FINISH_THREADS) {
-            r[i] = gf_combine<K>(r[i], partial[k]);
-            any |= partial[n_items + k] != 0.0;
+    for (int i = 0; i < R; ++i) r[i] = 0.0;
+    // The R strided sums advance together, each in its own order, so a lane
+    // has R independent loads in flight per step (more once unrolled), not
+    // one chain of dependent additions after another.
+#pragma unroll 2
+    for (long long base = a + lane; base < b; base += GF_FINISH_THREADS) {
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            const long long k = base + i * GF_WARP;
+            if (k < b) {
+                r[i] = gf_combine<K>(r[i], partial[k]);
+                any |= partial[n_items + k] != 0.0;
+            }
         }
     }
 #pragma unroll

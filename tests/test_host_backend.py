@@ -163,6 +163,23 @@ def test_big_slot_uses_the_block_tree():
     assert_same_norms(emulated_norms(leaves, 2), want)
 
 
+@pytest.mark.parametrize("p", [1, 2, math.inf])
+def test_big_slots_of_any_item_count_give_the_block_tree_bits(p):
+    """Slots of 17 to 301 items, which the CUDA finisher sums one warp each
+    (lane l playing threads l + 32 r of the 256-thread tree), eight at once,
+    give the tree's bits; a NaN in one of them is found by its slot."""
+    rng = np.random.default_rng(10)
+    leaves = [rng.standard_normal(n).astype(np.float32) for n in
+              (300 * ITEM + 7, 40 * ITEM, 9, 17 * ITEM + 1, 257 * ITEM, 33 * ITEM - 1)]
+    want = ref_norms(leaves, p)
+    assert_same_norms(host_norms(leaves, p), want)
+    assert_same_norms(emulated_norms(leaves, p), want)
+    leaves[3][5 * ITEM + 2] = np.nan
+    got = emulated_norms(leaves, p)
+    assert got[2] == 3 and np.isnan(got[0])
+    assert_same_norms(got, host_norms(leaves, p))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_strided_leaves_give_the_contiguous_bits(dtype, layout):
