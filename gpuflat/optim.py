@@ -58,10 +58,10 @@ class FlatStep:
         self.resident, self.rule = resident, rule
         self.n_groups = max(leaf_group, default=-1) + 1
         r = resident
+        self.slot = slot = _slots(r)
         with r._scope():
             self.states = [[r._allocate(g) for _ in STATE[rule]] for g in r._groups]
             self.steps = [r._zeros(len(g.plan.leaves), np.float64) for g in r._groups]
-            slot = _slots(r)
             self.slot_group = []
             for b, g in enumerate(r._groups):
                 table = [-1] * len(g.plan.leaves)  # padding: never written
@@ -74,7 +74,6 @@ class FlatStep:
             self.amp = self._table([1.0, 0.0], np.float64)
         self._amp_plain = True
         self._written = None
-        self.slot = _slots(r)
 
     def _table(self, values, dtype):
         own, array = self.resident._zeros(len(values), dtype)
@@ -116,18 +115,19 @@ class FlatStep:
                 if inv_scale is not None:
                     total = xp.asarray(total * inv_scale)
             if detect:
-                skip = xp.asarray(xp.logical_not(xp.isfinite(total)), dtype=np.float64)
+                skip = xp.where(xp.isfinite(total), 0.0, 1.0)
             amp = self.amp[1]
             scaled = inv_scale is not None or skip is not None
             if scaled or not self._amp_plain:
                 amp[0] = 1.0 if inv_scale is None else inv_scale
                 amp[1] = 0.0 if skip is None else skip
                 self._amp_plain = not scaled
+            # A skipped step is not counted. Assignments, not in-place
+            # operators: every array module writes through them.
+            count = 1.0 if skip is None else 1.0 - amp[1]
             for b, group in enumerate(r._groups):
                 steps = self.steps[b][1]
-                steps += 1.0
-                if skip is not None:
-                    steps -= amp[1]  # a skipped step is not counted
+                steps[...] = steps + count
                 r._backend.step_(self.rule, group.plan, r._params[b].array, r._grads[b].array,
                                  [s.array for s in self.states[b]], self.slot_group[b][1], self.hyper[1],
                                  steps, total if max_norm is not None else None,

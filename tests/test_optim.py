@@ -8,6 +8,7 @@ must be PyTorch's formulas (checked here against a plain float64 loop, and
 against torch.optim in test_torch_optim).
 """
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -233,3 +234,34 @@ def test_a_loss_scale_unscales_inside_and_a_nonfinite_step_is_skipped():
         for (t, f, p), (t2, f2, p2) in zip(runs[be][0], runs["emulated"][0]):
             assert f == f2 and (t == pytest.approx(t2, rel=1e-14) or math.isnan(t) and math.isnan(t2))
             assert_bits_equal(p, p2)
+
+
+@pytest.mark.parametrize("variant", [pytest.param("cupy", marks=pytest.mark.gpu), "stand-in"])
+def test_cupy_arrays_give_the_emulated_bits(variant, monkeypatch):
+    # The CUDA backend through CuPy: on a GPU, and on the stand-in that runs
+    # the same launches on the host emulator with CuPy's contract.
+    import cupy_stand_in
+    from conftest import cupy_with_device
+    from gpuflat.backends import base
+
+    cp = cupy_with_device() if variant == "cupy" else cupy_stand_in.make_cupy(("90", "80"))
+    if cp is None:
+        pytest.skip("needs CuPy and a CUDA device")
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setattr(base, "_backends", {})
+    rng = np.random.default_rng(5)
+    host = model(np.float32, rng)
+    r_dev = gf.resident({k: cp.asarray(v) for k, v in host.items()})
+    r_emu = gf.resident({k: v.copy() for k, v in host.items()}, backend="emulated")
+    opts = [AdamW(r, lr=0.01, max_norm=1.0) for r in (r_dev, r_emu)]
+    for k in range(3):
+        for path, g in r_emu.grads.items():
+            g[...] = rng.standard_normal(g.shape).astype(g.dtype)
+            r_dev.grads[path][...] = cp.asarray(g)
+        norms = [float(cp.asnumpy(opts[0].step())), float(opts[1].step())]
+        assert norms[0] == norms[1]
+    for path in host:
+        assert_bits_equal(cp.asnumpy(r_dev.params[path]), r_emu.params[path])
+    inv = cp.asarray(np.asarray(0.5))
+    total, found = opts[0]._flat.step(1.0, inv_scale=inv, detect=True)
+    assert float(cp.asnumpy(found)) == 0.0 and cp.asnumpy(opts[0]._flat.steps[0][1])[0] == 4.0

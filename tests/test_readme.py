@@ -87,5 +87,6 @@ def test_flat_optimizer_example():
     buf = opt.resident.param_buffers[0]
     for p in net.parameters():
         assert buf.data_ptr() <= p.data_ptr() < buf.data_ptr() + buf.numel() * buf.element_size()
-        assert float(opt.state[p]["step"]) == 5
+        assert 5 < float(opt.state[p]["step"]) <= 8  # a scaled step with NaN or inf is skipped
     assert opt.param_groups[1]["weight_decay"] == 0.0 and opt.param_groups[0]["lr"] < 1e-3  # the schedule ran
+    assert scope["scaler"].get_scale() > 0 and float(opt.last_grad_norm) < 1e3  # unscaled
