@@ -58,22 +58,35 @@ class FlatStep:
         self.resident, self.rule = resident, rule
         self.n_groups = max(leaf_group, default=-1) + 1
         r = resident
-        self.slot = slot = _slots(r)
+        self.slot = _slots(r)
         with r._scope():
             self.states = [[r._allocate(g) for _ in STATE[rule]] for g in r._groups]
             self.steps = [r._zeros(len(g.plan.leaves), np.float64) for g in r._groups]
-            self.slot_group = []
-            for b, g in enumerate(r._groups):
-                table = [-1] * len(g.plan.leaves)  # padding: never written
-                for k, s in enumerate(r.layout):
-                    if s.buffer == b:
-                        table[slot[k]] = leaf_group[k]
-                self.slot_group.append(self._table(table, np.int64))
+            self.slot_group = [r._zeros(len(g.plan.leaves), np.int64) for g in r._groups]
+            self.counted = [r._zeros(len(g.plan.leaves), np.float64) for g in r._groups]
+            self._leaf_group, self._skipped = list(leaf_group), None
+            self._route(frozenset())
             self.hyper = r._zeros(max(1, self.n_groups) * HYPER, np.float64)
             # (the gradients' unscale factor, nonzero to skip the step): a loss scaler's, on the device.
             self.amp = self._table([1.0, 0.0], np.float64)
         self._amp_plain = True
         self._written = None
+
+    def _route(self, skipped) -> None:
+        """Point each slot at its parameter group, or at none (-1: neither
+        written nor counted) for the padding and the leaves in ``skipped``,
+        whose gradients are None: PyTorch's optimizers skip such a
+        parameter, leaving it, its state and its step count as they were.
+        Written to the device only when the set changes."""
+        r = self.resident
+        for b, g in enumerate(r._groups):
+            groups, counted = np.full(len(g.plan.leaves), -1, np.int64), np.zeros(len(g.plan.leaves))
+            for k, s in enumerate(r.layout):
+                if s.buffer == b and k not in skipped:
+                    groups[self.slot[k]], counted[self.slot[k]] = self._leaf_group[k], 1.0
+            _write(*self.slot_group[b], groups)
+            _write(*self.counted[b], counted)
+        self._skipped = skipped
 
     def _table(self, values, dtype):
         own, array = self.resident._zeros(len(values), dtype)
@@ -109,6 +122,9 @@ class FlatStep:
         r._sync()
         xp = r._backend.xp
         with r._scope():
+            skipped = r._gradless()
+            if skipped != self._skipped:
+                self._route(skipped)
             total = None
             if max_norm is not None or detect:
                 total = r._combine(r._norms(r._grads, p, False), p)
@@ -127,7 +143,7 @@ class FlatStep:
             count = 1.0 if skip is None else 1.0 - amp[1]
             for b, group in enumerate(r._groups):
                 steps = self.steps[b][1]
-                steps[...] = steps + count
+                steps[...] = steps + self.counted[b][1] * count
                 r._backend.step_(self.rule, group.plan, r._params[b].array, r._grads[b].array,
                                  [s.array for s in self.states[b]], self.slot_group[b][1], self.hyper[1],
                                  steps, total if max_norm is not None else None,

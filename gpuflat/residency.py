@@ -251,6 +251,11 @@ class Resident:
         if self._binding is not None:
             self._binding.sync()
 
+    def _gradless(self) -> frozenset:
+        """The leaves (in layout order) whose PyTorch gradient is None: they
+        count as zero in norms, and the flat optimizers skip them."""
+        return frozenset() if self._binding is None else self._binding.gradless()
+
     # ---------------------------------------------------------- per step
 
     def grad_norm(self, ord: float = 2, *, per_leaf: bool = False) -> Any:
@@ -313,7 +318,8 @@ class Resident:
             return self._result(total)
 
     def zero_grad(self) -> None:
-        """Zero every gradient buffer (and rebind PyTorch gradients to their views).
+        """Zero every gradient buffer (PyTorch gradients become views of it; one
+        that is None stays None, as with ``optimizer.zero_grad(set_to_none=False)``).
 
         >>> import numpy as np, gpuflat as gf
         >>> r = gf.resident({"w": np.zeros(2)})
@@ -322,7 +328,7 @@ class Resident:
         """
         buffers = self._require_grads()
         if self._binding is not None:
-            self._binding.sync()  # rebinds every p.grad to its view first
+            self._binding.sync()  # adopts rebound gradients first
         with self._scope():
             for buf in buffers:
                 buf.array.fill(0)

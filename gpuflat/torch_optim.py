@@ -14,9 +14,6 @@ so a state saved from ``torch.optim.AdamW`` loads here and back.
 
 Differences, on purpose:
 
-- a resident parameter without a gradient (``p.grad`` None) is updated with
-  a zero gradient, where PyTorch skips it (weight decay and momentum still
-  apply): the step is one launch over the whole buffer;
 - ``amsgrad``, ``maximize`` and ``differentiable`` are refused;
   ``foreach``, ``fused`` and ``capturable`` are accepted and change nothing
   (the step is always one launch per dtype buffer, with its step counts on

@@ -65,6 +65,7 @@ class Binding:
         self.paths = [path for path, _ in pairs]
         self.params = [param for _, param in pairs]
         self.data, self.grads = list(data), None if grads is None else list(grads)
+        self._expected = [None] * len(self.params)  # each p.grad as last adopted: its view, or None
         named = [(prefix, sub) for m in modules for prefix, sub in m.named_modules()]
         self._modules = [sub for _, sub in named]
         self._tables = [table for _, sub in named for table in (sub._parameters, sub._modules)]
@@ -83,15 +84,27 @@ class Binding:
         self.data[k].copy_(param.detach())
         param.data = self.data[k]
         if self.grads is not None:
-            self._adopt_grad(k, param.grad)
-            param.grad = self.grads[k]
+            self._adopt_grad(k, param, keep_none=False)
         self.params[k] = param
 
-    def _adopt_grad(self, k, grad):
-        if grad is None:  # None counts as zero, as in PyTorch's clip
+    def _adopt_grad(self, k, param, keep_none=True):
+        """Copy ``param``'s gradient into its view and point ``param.grad`` at the
+        view. A gradient the training loop set to None stays None: it counts
+        as zero (as in PyTorch's clip), and PyTorch's optimizers, and so the
+        flat ones, skip its parameter. A parameter bound without one gets
+        its zeroed view (``keep_none=False``)."""
+        grad = param.grad
+        if grad is None:
             self.grads[k].zero_()
         elif grad is not self.grads[k]:
             self.grads[k].copy_(grad)
+        if grad is not None or not keep_none:
+            param.grad = self.grads[k]
+        self._expected[k] = param.grad
+
+    def gradless(self) -> frozenset:
+        """The parameters (by index) whose gradient is None."""
+        return frozenset(k for k, g in enumerate(self._expected) if g is None)
 
     def _snapshot(self):
         """What the per-step checks compare against."""
@@ -134,11 +147,10 @@ class Binding:
             self._follow_moved_storage()
         if not all(map(operator.is_, map(_grad_of, self._other_params), self._other_grads)):
             self._raise_left_out()
-        if self.grads is not None and not all(map(operator.is_, map(_grad_of, self.params), self.grads)):
+        if self.grads is not None and not all(map(operator.is_, map(_grad_of, self.params), self._expected)):
             for k, param in enumerate(self.params):
-                if param.grad is not self.grads[k]:
-                    self._adopt_grad(k, param.grad)
-                    param.grad = self.grads[k]
+                if param.grad is not self._expected[k]:
+                    self._adopt_grad(k, param)
 
     def _follow_replaced(self):
         """Parameters replaced in their modules (``load_state_dict(assign=True)``)
@@ -157,10 +169,7 @@ class Binding:
             self._check_fits(k, new, "was replaced by one with")
             replaced.append((k, new))
         for k, new in replaced:  # every one checked before the first is rebound
-            had_grad = new.grad is not None
             self._bind(k, new)
-            if self.grads is not None and not had_grad:
-                self.grads[k].zero_()  # a new parameter has no gradient yet, as in PyTorch
         known = set(map(id, self._other_params))
         self._snapshot()
         # A parameter added since counts as one without a gradient: any it has is new.

@@ -117,6 +117,48 @@ def test_fifty_clipped_steps_match_torch(name):
     assert net_f.frozen.weight not in opt_f.state
 
 
+class Routed(torch.nn.Module):
+    """A model with an expert layer the forward pass uses on some steps only."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, DIM)
+        self.expert = torch.nn.Linear(DIM, DIM)
+        self.out = torch.nn.Linear(DIM, VOCAB)
+
+    def forward(self, x, routed):
+        h = self.emb(x)
+        return self.out(h + self.expert(h) if routed else h)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_parameter_without_a_gradient_is_skipped_as_in_torch(name):
+    # zero_grad() sets every gradient to None and a layer the forward pass
+    # does not use keeps None (an expert no token was routed to): PyTorch's
+    # optimizers leave it, its state and its step count as they were, with
+    # no weight decay and no momentum step.
+    torch_cls, flat_cls, kw = OPTIMIZERS[name]
+    torch.manual_seed(3)
+    net_t = Routed()
+    net_f = copy.deepcopy(net_t)
+    opt_t = torch_cls(net_t.parameters(), foreach=True, **kw)
+    opt_f = flat_cls(net_f.parameters(), max_norm=1.0, **kw)
+    first = net_f.expert.weight.detach().clone()
+    for step, (x, y) in enumerate(batches(12, seed=3)):
+        routed = step % 3 == 0
+        for net, opt in ((net_t, opt_t), (net_f, opt_f)):
+            opt.zero_grad()
+            (torch.nn.functional.cross_entropy(net(x, routed), y) * 5.0).backward()
+            if net is net_t:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+        assert (net_f.expert.weight.grad is None) == (not routed)  # as the loop left it
+    assert_close(net_t, opt_t, net_f, opt_f)
+    if "step" in opt_t.state[net_t.expert.weight]:
+        assert float(opt_f.state[net_f.expert.weight]["step"]) == 4  # its 4 routed steps
+    assert not torch.equal(net_f.expert.weight, first)
+
+
 @pytest.mark.parametrize("backend", ["numpy", "host", "emulated"])
 def test_a_resident_model_on_every_backend(backend):
     net_t, net_f = pair(1)
