@@ -289,8 +289,8 @@ def test_bench_sources_carry_no_bare_issue_numbers():
     assert not found
 
 
-@pytest.mark.parametrize("module", ["bench.arrays", "bench.host_cost", "bench.impls.gpuflat_impl", "bench.run",
-                                    "bench.timing"])
+@pytest.mark.parametrize("module", ["bench.arrays", "bench.host_cost", "bench.impls.array_peers",
+                                    "bench.impls.gpuflat_impl", "bench.run", "bench.timing"])
 def test_bench_doctests(module):
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted > 0 and result.failed == 0
