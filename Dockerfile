@@ -3,7 +3,11 @@
 #   docker run --rm --gpus all -v "$PWD/bench/results:/results" gpuflat-bench
 # The results (<gpu-name>.json, .png) land in the mounted /results folder;
 # arguments after the image name replace the defaults, e.g. `--quick`.
-FROM nvidia/cuda:12.6.3-runtime-ubuntu24.04
+# CUDA 13 (CuPy 14, CUDA 13's NVRTC, JAX's CUDA 13 plugin):
+#   docker build --build-arg CUDA_VERSION=13.0.0 -t gpuflat-bench:cuda13 .
+ARG CUDA_VERSION=12.6.3
+FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04
+ARG CUDA_VERSION
 
 # The runtime image carries NVRTC, which CuPy needs to build the kernels.
 # Python comes from the base image's release (noble); its point releases are
@@ -22,10 +26,12 @@ RUN python3 -m venv "$VIRTUAL_ENV"
 WORKDIR /src
 COPY . .
 # "." is this repository; its extras' versions are bounded in pyproject.toml.
-# The peers extra brings JAX's CPU build only: jax[cuda12] adds its CUDA
-# plugin, so the JAX peer runs on the GPU instead of being left out.
+# The CUDA extra (cuda12 or cuda13) follows the image's CUDA major. The peers
+# extra brings JAX's CPU build only: jax[cudaXY] adds its CUDA plugin, so the
+# JAX peer runs on the GPU instead of being left out.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[cuda12,bench,peers]" "jax[cuda12]"
+RUN major="${CUDA_VERSION%%.*}" \
+    && pip install --no-cache-dir ".[cuda${major},bench,peers]" "jax[cuda${major}]"
 
 # JAX would otherwise take most of the GPU's memory at import, starving CuPy.
 ENV XLA_PYTHON_CLIENT_PREALLOCATE=false

@@ -5,6 +5,8 @@ array on the host without going through float64 copies of whole models.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 _CHUNK = 1 << 22  # elements per float64 pass: bounded extra memory on 124M-element models
@@ -14,12 +16,19 @@ def _library(x) -> str:
     return type(x).__module__.split(".")[0]
 
 
+def _is_cupy(x) -> bool:
+    """Whether ``x`` is an array of the module imported as ``cupy`` (CuPy, or
+    the stand-in a dry run of the device script installs under that name)."""
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(x, cupy.ndarray)
+
+
 def to_numpy(x) -> np.ndarray:
     """A host NumPy array with ``x``'s values (its dtype, or float32 for torch bfloat16)."""
     lib = _library(x)
     if lib == "numpy" or isinstance(x, (float, int)):
         return np.asarray(x)
-    if lib == "cupy":
+    if _is_cupy(x):
         return x.get()
     if lib == "torch":
         x = x.detach().cpu()
@@ -61,3 +70,24 @@ def rel_err(got, want) -> float:
 def norm_of_flat(flat) -> np.ndarray:
     """The 2-norm of one flat buffer, as a 1-element array."""
     return np.array([np.sqrt(sumsq(flat))])
+
+
+def copy_of(x):
+    """A copy of a NumPy, CuPy or PyTorch array on its device.
+
+    >>> copy_of(np.arange(3)).tolist()
+    [0, 1, 2]
+    """
+    return x.clone() if _library(x) == "torch" else x.copy()
+
+
+def copy_into(dest, src) -> None:
+    """Copies ``src`` into ``dest`` in place (NumPy, CuPy or PyTorch, same kind).
+
+    >>> a = np.zeros(2); copy_into(a, np.ones(2)); a.tolist()
+    [1.0, 1.0]
+    """
+    if _library(dest) == "torch":
+        dest.copy_(src)
+    else:
+        dest[...] = src

@@ -68,13 +68,37 @@ class Context:
         return [int(o) for o in self.plan.offsets]
 
     def expected(self, op: str) -> np.ndarray:
-        """What a correct run of ``op`` reports (see ``Case.value``)."""
+        """What a correct run of ``op`` reports (see ``Case.value``): a clip
+        reports the norm it met, the built one, as every call starts from
+        the built gradients (:meth:`restore`)."""
         if op == "per_leaf_norm":
             return self.ref_per_leaf
-        if op in ("clip", "resident_clip"):
-            # after the untimed warm-up call the model's norm is max_norm
-            return np.array([self.max_norm])
         return np.array([self.ref_norm])
+
+    @property
+    def clip_coef(self) -> float:
+        """The factor a clip of the built gradients scales them by (PyTorch's formula)."""
+        return min(self.max_norm / (self.ref_norm + 1e-6), 1.0)
+
+    def restore(self, op: str):
+        """What puts back, untimed, the gradients a call of ``op`` scales
+        (None for the other operations), so every timed clip meets the built
+        norm, twice ``max_norm``, and really scales.
+
+        A tree clip scales the tree's leaves (and the PyTorch tensors sharing
+        them): the flat buffer, which holds the built values, is scattered
+        back. A resident clip scales resident gradient buffers: each is
+        copied back from the copy :meth:`keep_grads` took.
+        """
+        if op == "clip":
+            return lambda: gpuflat.scatter(self.plan, self.out, self.tree, backend=self.device.backends[0])
+        if op == "resident_clip":
+            return lambda: [arrays.copy_into(buffer, saved) for buffer, saved in self.cache["saved grads"]]
+        return None
+
+    def keep_grads(self, r):
+        """Keeps a copy of resident model ``r``'s gradient buffers, for :meth:`restore`."""
+        self.cache.setdefault("saved grads", []).extend((b, arrays.copy_of(b)) for b in r.grad_buffers)
 
     def resident(self, backend: str):
         """The model resident in flat buffers for ``backend`` (``gf.resident``), its
@@ -84,6 +108,7 @@ class Context:
             r = gpuflat.resident(self.tree, backend=backend)
             for grad, value in zip(gpuflat.trainables(r.grads), self.built_values()):
                 grad[...] = value
+            self.keep_grads(r)
             self.cache[key] = r
         return self.cache[key]
 
@@ -138,6 +163,6 @@ def build(host: HostWorkload, device: Device) -> Context:
         out=out,
         ref_norm=ref,
         ref_per_leaf=per_leaf,
-        max_norm=0.5 * ref,  # clipping really scales on the first call
+        max_norm=0.5 * ref,  # every timed clip meets the built norm (Context.restore) and halves it
         nbytes=host.nbytes,
     )

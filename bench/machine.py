@@ -66,7 +66,8 @@ def describe(device: str, cupy=None) -> dict:
         "platform": platform.platform(),
         "revision": source_revision(),
         "versions": {d: _version(d) for d in ("gpuflat", "numpy", "ml_dtypes", "torch", "jax",
-                                              "jaxlib", "optax", "cupy-cuda12x", "matplotlib")},
+                                              "jaxlib", "optax", "cupy-cuda12x", "cupy-cuda13x", "cuda-pathfinder",
+                                              "matplotlib")},
     }
     if device == "cuda":
         info["gpu"] = gpu_model(cupy)

@@ -17,8 +17,10 @@ from .arrays import rel_err
 from .impls import gpuflat_impl, jax_peers, split_available
 from .ops import BYTES_FACTOR, FLOOR_PARTS, OPS
 
-# the many-leaves case and the mixed-dtype tree: under a minute on 2 cores
-QUICK_WORKLOADS = ("tiny-10k", "mixed")
+# --quick on a CPU: the many-leaves case and the mixed-dtype tree, under a
+# minute on 2 cores; on a GPU: what its targets are judged on (bench/targets.py).
+QUICK_UNITS = {"cpu": (("tiny-10k", "float32"), ("mixed", "mixed")),
+               "cuda": (("gpt2-small", "float32"), ("gpt2-small", "bfloat16"), ("tiny-10k", "float32"))}
 
 
 def _workload_list(path) -> str:
@@ -49,9 +51,11 @@ def parser(argv=None) -> argparse.ArgumentParser:
                     "host cost per call of norm and clip, and the targets met or missed.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"workloads in {path}:\n{_workload_list(path)}")
+    quick = {device: ", ".join(f"{w} {d}" for w, d in todo) for device, todo in QUICK_UNITS.items()}
     p.add_argument("--quick", action="store_true",
-                   help=f"a reduced set: workloads {', '.join(QUICK_WORKLOADS)} in float32, "
-                        "fewer repeats (under a minute on 2 cores; the tests run it)")
+                   help=f"fewer repeats, and unless --workloads or --dtypes say otherwise: on a CPU "
+                        f"{quick['cpu']} (under a minute on 2 cores; the tests run it); on a GPU the "
+                        f"workloads of its targets, {quick['cuda']}")
     p.add_argument("--out", default="bench/results", help="folder for the JSON and PNG (default: %(default)s)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: the GPU when CuPy sees one, else the CPU (default: %(default)s)")
@@ -97,9 +101,15 @@ def make_device(choice: str):
     return Device("cpu", numpy, gpuflat_impl.cpu_backends(), timing.HostTimer())
 
 
-def units(args, spec):
-    names = args.workloads.split(",") if args.workloads else (
-        QUICK_WORKLOADS if args.quick else tuple(spec))
+def units(args, spec, device: str = "cpu") -> list:
+    """(workload, dtype) pairs to run, in order.
+
+    >>> units(parse(["--quick"]), workloads.load(), "cuda")[1]
+    ('gpt2-small', 'bfloat16')
+    """
+    if args.quick and not (args.workloads or args.dtypes):
+        return list(QUICK_UNITS[device])
+    names = args.workloads.split(",") if args.workloads else tuple(spec)
     dtypes = args.dtypes.split(",") if args.dtypes else (
         ["float32"] if args.quick else list(workloads.DTYPE_LABELS))
     return [(n, d) for n in names for d in workloads.dtypes_for(spec[n], dtypes)]
@@ -122,7 +132,7 @@ def run_case(case, op, ctx, settings) -> dict:
         return {**row, "status": "skipped", "reason": case.skip}
     gc.collect()
     try:
-        t, result = timing.measure(case.fn, ctx.device.timer, settings)
+        t, result = timing.measure(case.fn, ctx.device.timer, settings, before=ctx.restore(op))
         status, err = _check(case, result, op, ctx)
     except Exception as exc:
         return {**row, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:300]}
@@ -180,12 +190,13 @@ def main(argv=None) -> int:
     device = make_device(args.device)
     settings = timing.QUICK if args.quick else timing.FULL
     spec = workloads.load(args.workloads_file)
-    todo = units(args, spec)
+    todo = units(args, spec, device.name)
     providers, absent = split_available(device)
     results = {"machine": machine.describe(device.name, device.xp), "device": device.name,
                "backends": list(device.backends), "clock": device.timer.clock, "quick": args.quick,
                "settings": vars(settings), "absent": absent, "rows": [], "floors": [],
                "notes": gpuflat_impl.notes(device)}
+    stem = (args.name or machine.name(device.name, device.xp)) + ("-quick" if args.quick else "")
     began, progress = time.perf_counter(), progress_bar.bar(len(todo) * len(OPS))
     try:
         for name, label in todo:
@@ -193,13 +204,13 @@ def main(argv=None) -> int:
             results["rows"] += rows
             results["floors"] += floors
             results["notes"] += [note] if note else []
+            report.write(results, args.out, stem)  # a run cut short keeps every workload it finished
             gc.collect()
         progress.set_description("host cost per call")
         results["host_cost"] = host_cost.measure(spec, settings, device.xp if device.name == "cuda" else None)
     finally:
         progress.close()
     results["wall_s"] = time.perf_counter() - began
-    stem = (args.name or machine.name(device.name, device.xp)) + ("-quick" if args.quick else "")
     paths = report.write(results, args.out, stem)
     paths.append(chart.write(results, args.out, stem))
     print(report.text(results, every=args.all))

@@ -66,14 +66,28 @@ class CudaEventTimer:
         return self.cp.cuda.get_elapsed_time(self.start, self.end) / 1e3, result
 
 
-def measure(fn, timer, settings: Settings):
-    """(Timing, last result) of ``fn`` after ``settings.warmup`` untimed calls."""
+def measure(fn, timer, settings: Settings, before=None):
+    """(Timing, last result) of ``fn`` after ``settings.warmup`` untimed calls.
+
+    ``before()``, if given, runs untimed ahead of every call (a clip's
+    gradients put back, so each call meets the same input).
+
+    >>> calls = []
+    >>> t, last = measure(lambda: calls.append("fn") or len(calls), HostTimer(), QUICK, lambda: calls.append("before"))
+    >>> calls[:4], t.reps >= QUICK.min_reps, last == len(calls)
+    (['before', 'fn', 'before', 'fn'], True, True)
+    """
+    def once():
+        if before is not None:
+            before()
+        return timer.once(fn)
+
     for _ in range(settings.warmup):
-        timer.once(fn)
+        once()
     times, result, began = [], None, time.perf_counter()
     while len(times) < settings.max_reps and (
         len(times) < settings.min_reps or time.perf_counter() - began < settings.min_time_s
     ):
-        dt, result = timer.once(fn)
+        dt, result = once()
         times.append(dt)
     return Timing(statistics.median(times), min(times), len(times)), result

@@ -51,16 +51,34 @@ def compiler() -> str:
 
 def cache_root() -> Path:
     """gpuflat's cache: ``$GPUFLAT_CACHE_DIR``, else ``$XDG_CACHE_HOME/gpuflat``,
-    else ``~/.cache/gpuflat``.
+    else ``~/.cache/gpuflat``; when that folder cannot be made or written (a
+    read-only home, as in a container run as another user), ``gpuflat-<uid>``
+    in the system's temporary folder, so builds still run and are cached there.
 
     >>> cache_root().is_absolute() or "GPUFLAT_CACHE_DIR" in os.environ
     True
     """
+    root = _configured_root()
+    if _writable(root):
+        return root
+    return Path(tempfile.gettempdir(), f"gpuflat-{os.getuid()}")
+
+
+def _configured_root() -> Path:
     root = os.environ.get("GPUFLAT_CACHE_DIR")
     if root:
         return Path(root)
     xdg = os.environ.get("XDG_CACHE_HOME")
     return Path(xdg, "gpuflat") if xdg else Path(os.path.expanduser("~"), ".cache", "gpuflat")
+
+
+def _writable(folder: Path) -> bool:
+    """Whether ``folder`` exists (made if need be) and this process may add files to it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK | os.X_OK)
 
 
 def cache_dir() -> Path:

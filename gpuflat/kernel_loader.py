@@ -5,7 +5,8 @@ an installed wheel, ``kernels/`` next to the package in a checkout). This
 module finds them, names the template instantiations the backends launch,
 hashes every source and header into one cache key, and builds them two ways:
 NVRTC (:func:`nvrtc_compile`: PTX for the compile checks, a cubin for a real
-device) and the host emulator library for the ``emulated`` backend.
+device; with CUDA 12's or 13's NVRTC, found by NVIDIA's ``cuda.pathfinder``)
+and the host emulator library for the ``emulated`` backend.
 
 A GPU runs the very cubin that :func:`nvrtc_compile` makes with
 :data:`OPTIONS`, loaded with ``cupy.cuda.function.Module().load``, not a
@@ -23,8 +24,8 @@ True
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
+import importlib.metadata
 import json
 import os
 import re
@@ -210,89 +211,128 @@ def assembled_source(directory: Path | None = None) -> str:
 
 # ---------------------------------------------------------------------- NVRTC
 
+# The architectures each NVRTC major is checked for. CUDA 13 no longer
+# targets Volta, sm_70 and sm_72
+# (https://docs.nvidia.com/cuda/cuda-toolkit-release-notes/); Blackwell's
+# sm_100 is checked under CUDA 13, the major its machines come with.
+CUDA_ARCHS = {12: ("sm_70", "sm_80", "sm_90"), 13: ("sm_75", "sm_80", "sm_90", "sm_100")}
+
+# The PyPI wheel carrying each major's NVRTC: the cuda12 and cuda13 extras
+# install them.
+NVRTC_WHEELS = {12: "nvidia-cuda-nvrtc-cu12", 13: "nvidia-cuda-nvrtc"}
+
+# A cubin build also has ptxas report each kernel's registers, stack frame
+# and spills in the log, so the resource checks read the very build a GPU
+# loads. It changes no byte of the cubin.
+CUBIN_OPTIONS = ("--ptxas-options=-v",)
+
 
 @dataclass(frozen=True)
 class Compiled:
-    """The output of one NVRTC compile: PTX or a cubin, and the lowered names."""
+    """The output of one NVRTC compile: PTX (always), the cubin (for a real
+    architecture), the lowered names and the log."""
 
     arch: str
+    major: int
     ptx: str
     cubin: bytes
     lowered: dict
     log: str
 
 
-def nvrtc_candidates() -> list[str]:
-    """Where libnvrtc may be, in the order tried: the ``nvidia-cuda-nvrtc-cu12``
-    wheel (``nvidia/cuda_nvrtc/lib``), the CUDA 13 wheels (``nvidia/cu13/lib``),
-    ``$CUDA_PATH``/``$CUDA_HOME``, ``/usr/local/cuda``, the linker's search
-    path, then the bare sonames.
+def runtime_major() -> int:
+    """CUDA major of CuPy's runtime (``12`` or ``13``): the NVRTC a GPU's
+    kernels are compiled with, so the cubin is one its driver and runtime load."""
+    import cupy
 
-    The CUDA 12 wheel comes first because CUDA 13's NVRTC no longer targets
-    sm_70, which the compile checks cover.
+    return cupy.cuda.runtime.runtimeGetVersion() // 1000
 
-    >>> any("libnvrtc.so" in c for c in nvrtc_candidates())
-    True
+
+def nvrtc_path(major: int) -> str:
+    """The ``libnvrtc.so.<major>`` to load: the NVRTC that ``cuda.pathfinder``
+    finds (NVIDIA's finder: its wheels, conda, the system, ``$CUDA_PATH``,
+    and the one already loaded, e.g. by CuPy) when its major is ``major``,
+    else the file that major's wheel (:data:`NVRTC_WHEELS`) installed.
+
+    The finder gives one NVRTC per process; the wheel's own file list gives
+    the other major beside it, so one process can compile with both.
+
+    >>> Path(nvrtc_path(12)).name, Path(nvrtc_path(13)).name
+    ('libnvrtc.so.12', 'libnvrtc.so.13')
     """
-    found = []
-    try:
-        import nvidia  # the wheels share this namespace package
+    from cuda import pathfinder
 
-        for base in nvidia.__path__:
-            for sub in ("cuda_nvrtc/lib", "cu13/lib", "cu12/lib"):
-                found += sorted(str(p) for p in Path(base, sub).glob("libnvrtc.so*"))
-    except ImportError:
-        pass
-    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
-    for root in filter(None, roots):
-        found += sorted(str(p) for p in Path(root, "lib64").glob("libnvrtc.so*"))
-    system = ctypes.util.find_library("nvrtc")
-    found += [system] if system else []
-    found += ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
-    # libnvrtc-builtins and the alt variants are helpers, not the compiler.
-    return [c for c in dict.fromkeys(found) if not re.search(r"builtins|alt", Path(c).name)]
+    try:
+        found = pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path
+    except pathfinder.DynamicLibNotFoundError:
+        found = None
+    if found and Path(os.path.realpath(found)).name.startswith(f"libnvrtc.so.{major}"):
+        return found
+    wheel = _wheel_file(NVRTC_WHEELS[major], f"libnvrtc.so.{major}")
+    if wheel:
+        return wheel
+    raise OSError(f"no CUDA {major} NVRTC: cuda.pathfinder found {found or 'none'}, expected "
+                  f"libnvrtc.so.{major}; install {NVRTC_WHEELS[major]} (the cuda{major} extra)")
+
+
+def _wheel_file(distribution: str, name: str) -> str | None:
+    """The absolute path of ``name`` among the files ``distribution`` installed."""
+    try:
+        files = importlib.metadata.distribution(distribution).files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return next((str(f.locate()) for f in files if f.name == name), None)
 
 
 @functools.lru_cache(maxsize=None)
-def nvrtc_library():
-    """ctypes handle on the first libnvrtc of :func:`nvrtc_candidates` that loads."""
-    for candidate in nvrtc_candidates():
-        try:
-            lib = ctypes.CDLL(candidate)
-        except OSError:
-            continue
-        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-        return lib
-    raise OSError("libnvrtc not found: install nvidia-cuda-nvrtc-cu12 (or CUDA 13's nvidia-cuda-nvrtc), "
-                  "or set CUDA_PATH")
+def nvrtc_library(major: int):
+    """ctypes handle on CUDA ``major``'s NVRTC (:func:`nvrtc_path`), its
+    ``libnvrtc-builtins`` loaded before it.
 
+    NVRTC opens its builtins by soname when it compiles; CUDA 13.0's wheel
+    NVRTC cannot find them beside itself and fails every compile with
+    NVRTC_ERROR_BUILTIN_OPERATION_FAILURE. Loaded first, with RTLD_GLOBAL,
+    they are found by soname among the libraries already loaded.
 
-def nvrtc_version() -> tuple[int, int]:
-    """(major, minor) of the NVRTC :func:`nvrtc_library` loads.
-
-    >>> nvrtc_version() >= (12, 0)
+    >>> nvrtc_library(13) is nvrtc_library(13)
     True
     """
-    major, minor = ctypes.c_int(), ctypes.c_int()
-    nvrtc_library().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
-    return major.value, minor.value
+    path = Path(nvrtc_path(major))
+    for builtins_lib in sorted(path.parent.glob(f"libnvrtc-builtins.so.{major}.*")):
+        ctypes.CDLL(str(builtins_lib), mode=ctypes.RTLD_GLOBAL)
+    lib = ctypes.CDLL(str(path))
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    return lib
 
 
-def nvrtc_compile(arch: str = "sm_80", directory: Path | None = None, cubin: bool = False,
+def nvrtc_version(major: int) -> tuple[int, int]:
+    """(major, minor) of the NVRTC :func:`nvrtc_library` loads for ``major``.
+
+    >>> nvrtc_version(12)[0], nvrtc_version(13)[0]
+    (12, 13)
+    """
+    found_major, minor = ctypes.c_int(), ctypes.c_int()
+    nvrtc_library(major).nvrtcVersion(ctypes.byref(found_major), ctypes.byref(minor))
+    return found_major.value, minor.value
+
+
+def nvrtc_compile(arch: str, major: int, directory: Path | None = None, cubin: bool = False,
                   options: tuple = OPTIONS) -> Compiled:
-    """Compile every kernel with NVRTC for ``arch`` (``"sm_70"``, ``"sm_90"``...).
+    """Compile every kernel with CUDA ``major``'s NVRTC for ``arch``
+    (``"sm_70"``, ``"sm_90"``..., one of :data:`CUDA_ARCHS` for that major).
 
     ``cubin=False`` stops at PTX for the virtual architecture (compute_XY);
     ``cubin=True`` runs the whole back end for the real one (sm_XY), as a GPU
-    loads it. No GPU is needed. A warning about the code is an error (NVRTC
-    has no option for that, so the log is checked; see :func:`code_warnings`):
-    raises ``RuntimeError`` with the log.
+    loads it, with :data:`CUBIN_OPTIONS` (the PTX comes too). No GPU is
+    needed. A warning about the code is an error (NVRTC has no option for
+    that, so the log is checked; see :func:`code_warnings`): raises
+    ``RuntimeError`` with the log.
 
-    >>> out = nvrtc_compile("sm_80")
+    >>> out = nvrtc_compile("sm_80", 12)
     >>> out.ptx.count(".entry") == len(name_expressions()), out.log
     (True, '')
     """
-    lib = nvrtc_library()
+    lib = nvrtc_library(major)
     digits = arch.split("_")[-1]
     target = f"sm_{digits}" if cubin else f"compute_{digits}"
     prog = ctypes.c_void_p()
@@ -302,22 +342,22 @@ def nvrtc_compile(arch: str = "sm_80", directory: Path | None = None, cubin: boo
         names = name_expressions()
         for n in names:
             _check(lib, lib.nvrtcAddNameExpression(prog, n.encode()), f"name {n}")
-        opts = [o.encode() for o in (*options, f"--gpu-architecture={target}")]
+        extra = CUBIN_OPTIONS if cubin else ()
+        opts = [o.encode() for o in (*options, *extra, f"--gpu-architecture={target}")]
         status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
         log = _log(lib, prog)
-        _check(lib, status, f"compile for {target}", log)
+        _check(lib, status, f"CUDA {major} compile for {target}", log)
         if code_warnings(log):
-            raise RuntimeError(f"NVRTC compile for {target}: warnings are errors here\n{log}")
+            raise RuntimeError(f"NVRTC {major} compile for {target}: warnings are errors here\n{log}")
         lowered = {n: _lowered_name(lib, prog, n) for n in names}
-        if cubin:
-            return Compiled(arch, "", _output(lib, prog, "CUBIN").raw, lowered, log)
-        return Compiled(arch, _output(lib, prog, "PTX").value.decode(), b"", lowered, log)
+        binary = _output(lib, prog, "CUBIN").raw if cubin else b""
+        return Compiled(arch, major, _output(lib, prog, "PTX").value.decode(), binary, lowered, log)
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-# NVRTC 12.9 notes that sm_70 is deprecated, with no option to silence it;
-# it concerns the target, not the code.
+# NVRTC notes that old targets are deprecated (sm_70 under 12.9, sm_75 under
+# 13), with no option to silence it; it concerns the target, not the code.
 _TARGET_NOTICE = re.compile(r"Architectures prior to .* are deprecated")
 
 
@@ -334,13 +374,14 @@ def code_warnings(log: str) -> list[str]:
             if "warning" in line.lower() and not _TARGET_NOTICE.search(line)]
 
 
-def compile_ptx(arch: str = "sm_80", directory: Path | None = None) -> Compiled:
-    """PTX of every kernel for ``arch``; see :func:`nvrtc_compile`.
+def compile_ptx(arch: str, major: int, directory: Path | None = None) -> Compiled:
+    """PTX of every kernel for ``arch`` with CUDA ``major``'s NVRTC; see
+    :func:`nvrtc_compile`.
 
-    >>> ".target sm_70" in compile_ptx("sm_70").ptx
+    >>> ".target sm_75" in compile_ptx("sm_75", 13).ptx
     True
     """
-    return nvrtc_compile(arch, directory, cubin=False)
+    return nvrtc_compile(arch, major, directory, cubin=False)
 
 
 def _check(lib, status, what, log=""):
@@ -386,14 +427,14 @@ def device_arch(device) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _device_cubin(arch: str, key: str) -> Compiled:
+def _device_cubin(arch: str, major: int, key: str) -> Compiled:
     """The cubin for ``arch``, cached on disk by the sources, options and NVRTC."""
-    lib_key = host_compiler.digest([key, arch, *map(str, nvrtc_version())])[:24]
+    lib_key = host_compiler.digest([key, arch, *CUBIN_OPTIONS, *map(str, nvrtc_version(major))])[:24]
     path = host_compiler.cache_root() / "cubin" / f"{arch}-{lib_key}"
     cubin_file, names_file = path.with_suffix(".cubin"), path.with_suffix(".json")
     if cubin_file.is_file() and names_file.is_file():
-        return Compiled(arch, "", cubin_file.read_bytes(), json.loads(names_file.read_text()), "")
-    compiled = nvrtc_compile(arch, cubin=True)
+        return Compiled(arch, major, "", cubin_file.read_bytes(), json.loads(names_file.read_text()), "")
+    compiled = nvrtc_compile(arch, major, cubin=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     for dest, data in ((names_file, json.dumps(compiled.lowered).encode()), (cubin_file, compiled.cubin)):
         tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
@@ -402,22 +443,24 @@ def _device_cubin(arch: str, key: str) -> Compiled:
     return compiled
 
 
-def device_cubin(arch: str) -> Compiled:
-    """The cubin a GPU of ``arch`` runs: :func:`nvrtc_compile` with :data:`OPTIONS`
-    (memoised, and cached on disk), with its lowered kernel names."""
-    return _device_cubin(arch, cache_key())
+def device_cubin(arch: str, major: int) -> Compiled:
+    """The cubin a GPU of ``arch`` runs under a CUDA ``major`` runtime:
+    :func:`nvrtc_compile` with :data:`OPTIONS` (memoised, and cached on
+    disk), with its lowered kernel names."""
+    return _device_cubin(arch, major, cache_key())
 
 
 def cupy_module(device):
     """The kernels loaded on ``device`` (a ``cupy.cuda.Device``): the
     ``cupy.cuda.function.Module`` holding :func:`device_cubin` for its
-    architecture, and the lowered name of each name expression.
+    architecture, built by the NVRTC of CuPy's runtime major
+    (:func:`runtime_major`), and the lowered name of each name expression.
 
     Fetch a kernel with ``module.get_function(lowered[gather_name(dtype)])``.
     """
     import cupy
 
-    compiled = device_cubin(device_arch(device))
+    compiled = device_cubin(device_arch(device), runtime_major())
     module = cupy.cuda.function.Module()
     with device:
         module.load(compiled.cubin)

@@ -8,8 +8,8 @@ is CuPy's calling contract, enforced on every call (a breach raises
 :class:`ContractError`):
 
 - a module's bytes are the project's NVRTC cubin for the current device's
-  compute capability (``kernel_loader.device_cubin``), and its kernels are
-  launched on the device it was loaded on;
+  compute capability and runtime major (``kernel_loader.device_cubin``),
+  and its kernels are launched on the device it was loaded on;
 - a launch has whole-warp blocks (a multiple of 32, at most 1024 threads)
   and at least one block;
 - each argument matches the kernel's parameter (read from the emulator
@@ -65,6 +65,9 @@ _SCALARS = {"i8": np.int64, "u8": np.uint64, "i4": np.int32, "u4": np.uint32, "f
             "f4": np.float32}
 # Memory each stand-in device reports in cuda.runtime.memGetInfo.
 DEVICE_MEMORY = 1 << 30
+# The CUDA runtime the stand-in reports (runtimeGetVersion): 13.0, as on the
+# GPU image the device checks meet.
+RUNTIME_VERSION = 13000
 # The binary operators of an array, each with its reflected form.
 _OPERATORS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
               "pow": operator.pow}
@@ -719,7 +722,7 @@ class _StandIn:
             def load(self, cubin: bytes):
                 self.device = standin.current_device()
                 arch = f"sm_{standin.capabilities[self.device]}"
-                expected = kernel_loader.device_cubin(arch)
+                expected = kernel_loader.device_cubin(arch, RUNTIME_VERSION // 1000)
                 if not isinstance(cubin, bytes) or cubin != expected.cubin:
                     raise ContractError(f"module bytes for device {self.device} are not the project's NVRTC "
                                         f"cubin for {arch}")
@@ -765,6 +768,10 @@ class _StandIn:
             @staticmethod
             def getDeviceCount():
                 return len(standin.capabilities)
+
+            @staticmethod
+            def runtimeGetVersion():
+                return RUNTIME_VERSION
 
             @staticmethod
             def memGetInfo():

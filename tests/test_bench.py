@@ -6,6 +6,7 @@ import doctest
 import importlib
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -127,6 +128,149 @@ def test_chart_is_written(quick_run):
     assert (out / "t-quick.png").stat().st_size > 10_000
 
 
+SMALL_SPEC = {"params": [["blocks[0].w", [6, 5]], ["blocks[1].w", [7]], ["head", [3, 4]]]}
+
+
+def _small_context(backend="numpy"):
+    import numpy as np
+
+    from bench import context, timing, workloads
+
+    device = context.Device("cpu", np, (backend,), timing.HostTimer())
+    return context.build(workloads.build("small", SMALL_SPEC, "float32"), device)
+
+
+@pytest.mark.parametrize("op", ["clip", "resident_clip"])
+def test_every_timed_clip_meets_the_built_norm_and_really_scales(op):
+    from bench import arrays, timing
+    from bench.impls import gpuflat_impl
+
+    ctx = _small_context()
+    (case,) = gpuflat_impl.cases(op, ctx)
+    met = []
+    timing.measure(lambda: met.append(float(arrays.values(case.fn())[0])), ctx.device.timer, timing.QUICK,
+                   before=ctx.restore(op))
+    assert len(met) >= timing.QUICK.warmup + timing.QUICK.min_reps
+    assert met == pytest.approx([ctx.ref_norm] * len(met), rel=1e-6)
+    assert ctx.max_norm == pytest.approx(0.5 * ctx.ref_norm)
+    # The last call scaled what it met: the gradients now hold max_norm.
+    grads = ctx.leaves if op == "clip" else ctx.resident_grads
+    assert arrays.norm_of(grads)[0] == pytest.approx(ctx.max_norm, rel=1e-5)
+
+
+def test_without_the_restore_a_repeated_clip_no_longer_scales():
+    # The check above can fail: with nothing put back, the second call meets
+    # the norm the first one left, max_norm, instead of the built one.
+    from bench import arrays
+    from bench.impls import gpuflat_impl
+
+    ctx = _small_context()
+    (case,) = gpuflat_impl.cases("clip", ctx)
+    first, second = (float(arrays.values(case.fn())[0]) for _ in range(2))
+    assert first == pytest.approx(ctx.ref_norm, rel=1e-6)
+    assert second == pytest.approx(ctx.max_norm, rel=1e-5)
+
+
+def test_the_json_is_written_after_each_workload(tmp_path, monkeypatch):
+    from bench import run
+
+    spec = {"one": SMALL_SPEC, "two": SMALL_SPEC}
+    (tmp_path / "w.json").write_text(json.dumps(spec))
+    real, seen = run.run_unit, []
+
+    def second_fails(name, *args):
+        if name == "two":
+            # what the first workload left on disk while the second runs
+            seen.append(json.loads((tmp_path / "out" / "t-quick.json").read_text()))
+            raise KeyboardInterrupt("cut short")
+        return real(name, *args)
+
+    monkeypatch.setattr(run, "run_unit", second_fails)
+    with pytest.raises(KeyboardInterrupt):
+        run.main(["--quick", "--device", "cpu", "--workloads-file", str(tmp_path / "w.json"),
+                  "--workloads", "one,two", "--out", str(tmp_path / "out"), "--name", "t"])
+    (written,) = seen
+    assert {r["workload"] for r in written["rows"]} == {"one"}
+    assert any(r["kind"] == "gpuflat" and r["status"] == "ok" for r in written["rows"])
+    assert written["summary"] and written["targets"]
+
+
+def _gpu_results(gpt2_dtypes):
+    """A CUDA run's rows and floors, GPT-2 small in ``gpt2_dtypes``: each
+    gpuflat row twice its floor, so each bandwidth target is judged MISSED."""
+    rows, floors = [], []
+    for d in gpt2_dtypes:
+        for op, parts in (("global_norm", ("reduce",)), ("flatten", ("copy",)), ("clip", ("reduce", "copy"))):
+            rows.append({"workload": "gpt2-small", "dtype": d, "op": op, "impl": "gpuflat (cuda)",
+                         "kind": "gpuflat", "status": "ok", "median_ms": 2.0 * len(parts)})
+            floors += [{"workload": "gpt2-small", "dtype": d, "op": op, "part": p, "median_ms": 1.0}
+                       for p in parts]
+    return {"device": "cuda", "rows": rows, "floors": floors}
+
+
+def test_gpt2_in_16_bits_counts_toward_the_gpu_targets():
+    from bench import targets
+
+    judged = targets.judge(_gpu_results(["float32", "bfloat16"]))
+    by_unit = {}
+    for t in judged:
+        by_unit.setdefault(t["unit"], []).append(t["met"])
+    assert by_unit["gpt2-small bfloat16"] == [False, False, False]
+    assert by_unit["gpt2-small float32"] == [False, False, False]
+    assert by_unit["gpt2-small float16"] == [None, None, None]  # not run: not measured, never met
+    assert {"tiny-10k float32"} <= set(by_unit)
+
+
+def test_the_drop_in_row_is_judged_on_its_own():
+    from bench import targets
+
+    results = _gpu_results(["float32"])
+    tiny = {"workload": "tiny-10k", "dtype": "float32", "op": "clip", "status": "ok"}
+    results["rows"] += [{**tiny, "impl": "torch clip_grad_norm_(foreach)", "kind": "peer", "median_ms": 10.0},
+                        {**tiny, "impl": "gpuflat (cuda)", "kind": "gpuflat", "median_ms": 0.1},
+                        {**tiny, "impl": targets.DROP_IN_CLIP, "kind": "gpuflat", "median_ms": 5.0}]
+    (drop_in,) = [t for t in targets.judge(results) if t["target"].startswith(targets.DROP_IN_CLIP)]
+    # the tree clip's 100x does not stand in for the drop-in's 2x
+    assert (drop_in["met"], drop_in["by"], drop_in["measured"]) == (False, targets.DROP_IN_CLIP, "2.00x faster")
+
+
+def test_quick_on_a_gpu_runs_the_workloads_of_its_targets():
+    from bench import run, workloads
+
+    todo = run.units(run.parse(["--quick"]), workloads.load(), "cuda")
+    assert todo == [("gpt2-small", "float32"), ("gpt2-small", "bfloat16"), ("tiny-10k", "float32")]
+    assert run.units(run.parse(["--quick"]), workloads.load(), "cpu") == [("tiny-10k", "float32"),
+                                                                          ("mixed", "mixed")]
+
+
+def test_the_device_script_passes_its_dry_run(tmp_path):
+    # bench/gpu_check.sh --dry-run: the same steps, on the CuPy stand-in. The
+    # step limits are raised: this machine builds the cubin several times
+    # slower than the GPU's host, and the emulator stands in for the device.
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "COMPILE_TIMEOUT": "900",
+           "TESTS_TIMEOUT": "300", "BENCH_TIMEOUT": "600"}
+    done = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    environment = (tmp_path / "environment.txt").read_text()
+    assert "cuda runtime major 13" in environment and "nvrtc (13, " in environment
+    assert re.search(r"^\d+ kernels loaded in", (tmp_path / "compile.log").read_text(), re.M)
+    collected = (tmp_path / "gpu-tests.log").read_text()
+    assert "tests/test_gpu.py::" in collected and not re.search(r"\berror", collected, re.I)
+    (json_file,) = tmp_path.glob("*-quick.json")
+    results = json.loads(json_file.read_text())
+    assert results["device"] == "cuda" and results["backends"] == ["cuda"]
+    from bench import run
+
+    ran = {(r["workload"], r["dtype"]) for r in results["rows"] if r["impl"] == "gpuflat (cuda)"
+           and r["status"] == "ok"}
+    assert ran == set(run.QUICK_UNITS["cuda"])
+    assert {t["unit"] for t in results["targets"] if t["met"] is not None} >= {"gpt2-small float32",
+                                                                                 "gpt2-small bfloat16"}
+    assert json_file.with_suffix(".png").stat().st_size > 10_000
+    assert "compile: exit 0; gpu tests: exit 0; benchmark: exit 0" in done.stdout
+
+
 def test_help_lists_every_workload_and_explains_every_flag():
     done = _bench("--help", timeout=120)
     assert done.returncode == 0, done.stderr
@@ -145,7 +289,8 @@ def test_bench_sources_carry_no_bare_issue_numbers():
     assert not found
 
 
-@pytest.mark.parametrize("module", ["bench.host_cost", "bench.impls.gpuflat_impl", "bench.run", "bench.step"])
+@pytest.mark.parametrize("module", ["bench.arrays", "bench.host_cost", "bench.impls.array_peers",
+                                    "bench.impls.gpuflat_impl", "bench.run", "bench.step", "bench.timing"])
 def test_bench_doctests(module):
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted > 0 and result.failed == 0

@@ -1,10 +1,16 @@
-"""The kernel loader: sources found, names, cache key, NVRTC found in every
-wheel layout, and a real NVRTC compile of every kernel for sm_70, sm_80 and
-sm_90 (no GPU needed) with no warning and no flush-to-zero."""
+"""The kernel loader: sources found, names, cache key, CUDA 12's and 13's
+NVRTC found (through cuda.pathfinder, or the wheel of the other major), and
+a real compile of every kernel with both NVRTCs for every architecture each
+supports (no GPU needed) with no warning and no flush-to-zero."""
 import builtins
 import re
 import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
 
+import cupy_stand_in
+import kernel_builds
 import numpy as np
 import pytest
 
@@ -65,11 +71,6 @@ def test_missing_include_is_reported(tmp_path):
         kl.assembled_source(d)
 
 
-@pytest.fixture(scope="module")
-def nvrtc():
-    return kl.nvrtc_library()  # the NVRTC wheel is a test dependency: no skip
-
-
 # float32 (and the float32 math of complex64, bfloat16, float16) instructions
 # that flush subnormals to zero: cvt.ftz.f32.f16, mul.rn.ftz.f32, ...
 _FTZ_F32 = re.compile(r"^\s*(?:@%p\d+\s+)?[a-z]+(?:\.\w+)*\.ftz(?:\.\w+)*\.f32\b.*$", re.M)
@@ -85,14 +86,21 @@ def entry_params(ptx: str) -> dict:
     return {name: re.findall(r"\.param\s+\.(\w+)", params) for name, params in entries}
 
 
-@pytest.mark.parametrize("arch", ["sm_70", "sm_80", "sm_90"])
-def test_every_kernel_compiles_to_ptx(nvrtc, arch):
-    out = kl.compile_ptx(arch)
+def test_each_major_is_checked_for_the_architectures_it_supports():
+    assert kl.CUDA_ARCHS == {12: ("sm_70", "sm_80", "sm_90"), 13: ("sm_75", "sm_80", "sm_90", "sm_100")}
+    assert set(kl.NVRTC_WHEELS) == set(kl.CUDA_ARCHS)
+
+
+@pytest.mark.parametrize("major,arch", kernel_builds.TARGETS)
+def test_every_kernel_compiles_to_ptx(major, arch):
+    out = kernel_builds.build(major, arch)
     assert kl.code_warnings(out.log) == []
     assert set(out.lowered) == set(kl.name_expressions())
     params = entry_params(out.ptx)
     assert set(params) == set(out.lowered.values())
     assert ".target sm_" + arch.split("_")[1] in out.ptx
+    # The PTX is the major's own: its banner names the CUDA release that wrote it.
+    assert re.search(rf"^// Cuda compilation tools, release {major}\.", out.ptx, re.M)
     # 64-bit indexing: every count, offset and pointer reaches the kernels as
     # 64 bits (a 32-bit integer parameter would cap the items at 2**31).
     for name, types in params.items():
@@ -101,71 +109,112 @@ def test_every_kernel_compiles_to_ptx(nvrtc, arch):
     assert ftz_f32_instructions(out.ptx) == []
 
 
-def test_the_ftz_check_sees_cupys_flag(nvrtc):
+def test_the_ftz_check_sees_cupys_flag():
     # CuPy's RawModule appends -ftz=true; the check above must notice it.
-    out = kl.nvrtc_compile("sm_80", options=kl.OPTIONS + ("-ftz=true",))
+    out = kl.nvrtc_compile("sm_80", 12, options=kl.OPTIONS + ("-ftz=true",))
     found = ftz_f32_instructions(out.ptx)
     assert any(line.startswith(("cvt", "mul")) for line in found), found[:5]
 
 
-@pytest.fixture(scope="module")
-def sm90_cubin(nvrtc):
-    # The full back end (register allocation included) for one target.
-    return kl.nvrtc_compile("sm_90", cubin=True)
+@pytest.mark.parametrize("major,arch", kernel_builds.GATED)
+def test_cubin_for_a_real_architecture(major, arch):
+    out = kernel_builds.build(major, arch)
+    assert out.cubin[:4] == b"\x7fELF"
+    assert set(out.lowered) == set(kl.name_expressions())
+    # ptxas's report (CUBIN_OPTIONS) is in the log, and no warning.
+    assert f"Compiling entry function '{out.lowered[kl.SCALE_NAME]}' for '{arch}'" in out.log
+    assert kl.code_warnings(out.log) == []
 
 
-def test_cubin_for_a_real_architecture(sm90_cubin):
-    assert sm90_cubin.cubin[:4] == b"\x7fELF"
-    assert set(sm90_cubin.lowered) == set(kl.name_expressions())
+def test_device_cubin_is_the_checked_compile_and_cached_on_disk(tmp_path, monkeypatch):
+    # The device build is the gated build's compile call (same arguments, so
+    # the session's build stands in for a second one), then read from disk.
+    calls = []
 
+    def compile_once(arch, major, directory=None, cubin=False, options=kl.OPTIONS):
+        calls.append((arch, major, directory, cubin, options))
+        return kernel_builds.build(major, arch)
 
-def test_device_cubin_is_the_checked_compile(sm90_cubin, tmp_path, monkeypatch):
     monkeypatch.setenv("GPUFLAT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kl, "nvrtc_compile", compile_once)
     kl._device_cubin.cache_clear()
     try:
-        built = kl.device_cubin("sm_90")
+        built = kl.device_cubin("sm_90", 13)
         kl._device_cubin.cache_clear()
-        from_disk = kl.device_cubin("sm_90")
+        from_disk = kl.device_cubin("sm_90", 13)
     finally:
         kl._device_cubin.cache_clear()
-    assert from_disk.cubin == built.cubin == sm90_cubin.cubin
-    assert from_disk.lowered == built.lowered == sm90_cubin.lowered
+    assert calls == [("sm_90", 13, None, True, kl.OPTIONS)]
+    gated = kernel_builds.build(13, "sm_90")
+    assert from_disk.cubin == built.cubin == gated.cubin
+    assert from_disk.lowered == built.lowered == gated.lowered
     assert len(list(tmp_path.rglob("*.cubin"))) == 1
 
 
-def test_compile_error_carries_the_log(tmp_path, nvrtc):
+def test_cupy_module_takes_the_nvrtc_of_cupys_runtime(monkeypatch):
+    # The stand-in reports CUDA 13 and accepts only the cubin of that major.
+    cupy = cupy_stand_in.make_cupy(("90",))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    assert kl.runtime_major() == cupy_stand_in.RUNTIME_VERSION // 1000 == 13
+    asked = []  # the session's build stands in for the disk cache
+    monkeypatch.setattr(kl, "_device_cubin",
+                        lambda arch, major, key: asked.append((arch, major)) or kernel_builds.build(major, arch))
+    module, lowered = kl.cupy_module(cupy.cuda.Device(0))
+    assert set(asked) == {("sm_90", 13)}
+    assert lowered == kernel_builds.build(13, "sm_90").lowered
+
+
+def test_compile_error_carries_the_log(tmp_path):
     d = tmp_path / "kernels"
     d.mkdir()
     (d / "broken.cu").write_text("__global__ void broken() { undefined_thing(); }\n")
     with pytest.raises(RuntimeError, match="undefined_thing"):
-        kl.compile_ptx("sm_80", d)
+        kl.compile_ptx("sm_80", 13, d)
 
 
-def test_a_warning_is_an_error(tmp_path, nvrtc, monkeypatch):
+def test_a_warning_is_an_error(tmp_path, monkeypatch):
     d = tmp_path / "kernels"
     d.mkdir()
     (d / "warns.cu").write_text("__global__ void warns() { int unused; }\n")
     monkeypatch.setattr(kl, "name_expressions", lambda: ["warns"])
     with pytest.raises(RuntimeError, match=r"warnings are errors[\s\S]*unused"):
-        kl.compile_ptx("sm_80", d)
+        kl.compile_ptx("sm_80", 12, d)
 
 
-def test_nvrtc_is_found_in_the_cuda_12_and_13_wheels_and_cuda_path(tmp_path, monkeypatch):
-    import nvidia
+def test_pathfinders_nvrtc_is_taken_when_its_major_matches(monkeypatch):
+    from cuda import pathfinder
 
-    cu12 = tmp_path / "site" / "nvidia" / "cuda_nvrtc" / "lib"
-    cu13 = tmp_path / "site" / "nvidia" / "cu13" / "lib"
-    toolkit = tmp_path / "cuda" / "lib64"
-    for d, name in ((cu12, "libnvrtc.so.12"), (cu13, "libnvrtc.so.13"), (toolkit, "libnvrtc.so.13")):
-        d.mkdir(parents=True)
-        (d / name).write_bytes(b"")
-        (d / "libnvrtc-builtins.so.13").write_bytes(b"")
-    monkeypatch.setattr(nvidia, "__path__", [str(tmp_path / "site" / "nvidia")])
-    monkeypatch.setenv("CUDA_PATH", str(tmp_path / "cuda"))
-    found = kl.nvrtc_candidates()
-    expected = [str(cu12 / "libnvrtc.so.12"), str(cu13 / "libnvrtc.so.13"), str(toolkit / "libnvrtc.so.13")]
-    assert found[:3] == expected
-    assert not any("builtins" in c for c in found)
+    found = SimpleNamespace(abs_path="/opt/cuda/lib64/libnvrtc.so.13.2.51")
+    monkeypatch.setattr(pathfinder, "load_nvidia_dynamic_lib", lambda name: found)
+    assert kl.nvrtc_path(13) == found.abs_path
+    # The other major comes from its own wheel, installed here.
+    assert kl.nvrtc_path(12).endswith("nvidia/cuda_nvrtc/lib/libnvrtc.so.12")
+
+
+def test_a_missing_nvrtc_names_the_wheel_to_install(monkeypatch):
+    from cuda import pathfinder
+
+    def not_found(name):
+        raise pathfinder.DynamicLibNotFoundError(f"{name} nowhere")
+
+    monkeypatch.setattr(pathfinder, "load_nvidia_dynamic_lib", not_found)
+    monkeypatch.setitem(kl.NVRTC_WHEELS, 13, "nvidia-cuda-nvrtc-not-installed")
+    with pytest.raises(OSError, match=r"no CUDA 13 NVRTC: cuda.pathfinder found none, expected libnvrtc.so.13; "
+                                      r"install nvidia-cuda-nvrtc-not-installed \(the cuda13 extra\)"):
+        kl.nvrtc_path(13)
+
+
+@pytest.mark.parametrize("major", [12, 13])
+def test_nvrtc_builtins_are_loaded_before_the_first_compile(major):
+    # CUDA 13.0's wheel NVRTC fails every compile unless its builtins are
+    # already loaded; NVRTC itself would open them only at the first compile,
+    # so a fresh process shows whether the loader did.
+    code = ("from gpuflat import kernel_loader as kl\n"
+            f"kl.nvrtc_library({major})\n"
+            "print(open('/proc/self/maps').read())\n")
+    maps = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert f"libnvrtc-builtins.so.{major}." in maps
+    assert f"libnvrtc.so.{major}" in maps
 
 
 def test_gather_and_scatter_names_follow_the_dtype_table():

@@ -1,8 +1,9 @@
 """Instruction-count gates of the hot loops, from the sm_90 SASS (no GPU needed).
 
-The kernels are compiled as the GPU loads them (NVRTC with the project's
-options, then the ptxas of the nvidia-cuda-nvcc-cu12 wheel) and disassembled
-with the nvdisasm of the nvidia-cuda-nvdisasm wheel. A hot loop is a loop of
+The kernels are compiled as the GPU loads them (an sm_90 cubin from CUDA
+12's NVRTC with the project's options, the build tests/kernel_builds.py
+shares) and disassembled with the nvdisasm of the nvidia-cuda-nvdisasm
+wheel. A hot loop is a loop of
 the SASS (a backward branch) holding several 16-byte loads; its static
 instruction count over the elements one pass handles is what each element
 costs to issue. An H200 moves about 2e12 bfloat16 elements a second through a
@@ -25,6 +26,8 @@ import pytest
 from gpuflat import kernel_loader as kl
 from gpuflat.dtypes import BFLOAT16
 
+import kernel_builds
+
 # Instructions per element of each hot loop, with the measured value when the
 # gates were set in brackets: norm_partial l2 (float32 3.6, bfloat16 5.0),
 # gather with matching dtypes, a raw 16-byte copy (float32 3.4, bfloat16 2.9).
@@ -38,8 +41,8 @@ CONVERSION = re.compile(r"^(F2F|HADD2\.F32|F2FP|I2F|F2I)")
 
 
 def _tool(name: str) -> Path:
-    """A CUDA binary from the NVIDIA wheels (bin/ of nvidia/cuda_nvcc, or of
-    nvidia/cu13 for the CUDA 13 wheels)."""
+    """A CUDA binary from the NVIDIA wheels (bin/ of nvidia/cuda_nvdisasm, or
+    of nvidia/cu13 for the CUDA 13 wheels)."""
     import nvidia  # the wheels share this namespace package
 
     for base in nvidia.__path__:
@@ -51,16 +54,14 @@ def _tool(name: str) -> Path:
 @lru_cache(maxsize=1)
 def _sass() -> dict:
     """Lowered entry name -> its SASS instructions (opcode and operands) and labels."""
-    compiled = kl.nvrtc_compile("sm_90")
+    compiled = kernel_builds.build(12, "sm_90")  # the cubin the resource gates read, built once
     tmp = Path("/dev/shm" if Path("/dev/shm").is_dir() else "/tmp")
-    ptx, cubin = tmp / f"gpuflat-sass-{id(compiled)}.ptx", tmp / f"gpuflat-sass-{id(compiled)}.cubin"
-    ptx.write_text(compiled.ptx)
+    cubin = tmp / f"gpuflat-sass-{id(compiled)}.cubin"
+    cubin.write_bytes(compiled.cubin)
     try:
-        subprocess.run([str(_tool("ptxas")), "-arch=sm_90", str(ptx), "-o", str(cubin)], check=True)
         text = subprocess.run([str(_tool("nvdisasm")), "-c", str(cubin)], capture_output=True,
                               text=True, check=True).stdout
     finally:
-        ptx.unlink(missing_ok=True)
         cubin.unlink(missing_ok=True)
     functions = {}
     for m in re.finditer(r"^\s*\.text\.(\w+):\n(.*?)(?=^\s*\.section|\Z)", text, re.M | re.S):

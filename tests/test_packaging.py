@@ -1,4 +1,6 @@
-"""The wheel carries the CUDA sources, where the kernel loader looks first."""
+"""The wheel carries the CUDA sources, where the kernel loader looks first;
+the CUDA extras bring CuPy and the NVRTC of their major."""
+import re
 import subprocess
 import sys
 import zipfile
@@ -35,3 +37,30 @@ def test_wheel_contains_the_package_modules(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     modules = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "gpuflat").rglob("*.py"))
     assert modules and not [m for m in modules if m not in names]
+
+
+def _extras() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+
+def _names(requirements) -> set:
+    return {re.split(r"[<>=\[ ]", r, maxsplit=1)[0] for r in requirements}
+
+
+@pytest.mark.parametrize("major", [12, 13])
+def test_each_cuda_extra_brings_cupy_and_the_nvrtc_of_its_major(major):
+    from gpuflat import kernel_loader
+
+    names = _names(_extras()[f"cuda{major}"])
+    assert {f"cupy-cuda{major}x", kernel_loader.NVRTC_WHEELS[major], "cuda-pathfinder"} <= names
+
+
+def test_the_tests_install_both_nvrtcs():
+    from gpuflat import kernel_loader
+
+    test = _extras()["test"]
+    assert set(kernel_loader.NVRTC_WHEELS.values()) | {"cuda-pathfinder"} <= _names(test)
+    # CUDA 13's wheel is named without a suffix: bound it to its major.
+    assert "nvidia-cuda-nvrtc>=13,<14" in test

@@ -149,13 +149,13 @@ def test_runtime_without_synchronize():
 def test_contract_refuses_foreign_module_bytes(cupy):
     module = cupy.cuda.function.Module()
     with pytest.raises(cupy.ContractError, match="not the project's NVRTC cubin for sm_90"):
-        module.load(kl.device_cubin("sm_80").cubin)
+        module.load(kl.device_cubin("sm_80", cupy_stand_in.RUNTIME_VERSION // 1000).cubin)
 
 
 def loaded_kernel(cupy, name):
     module = cupy.cuda.function.Module()
-    module.load(kl.device_cubin("sm_90").cubin)
-    return module.get_function(kl.device_cubin("sm_90").lowered[name])
+    module.load(kl.device_cubin("sm_90", cupy_stand_in.RUNTIME_VERSION // 1000).cubin)
+    return module.get_function(kl.device_cubin("sm_90", cupy_stand_in.RUNTIME_VERSION // 1000).lowered[name])
 
 
 def test_contract_refuses_wrong_scalar_types_and_host_pointers(cupy):

@@ -79,7 +79,8 @@ def _build(op, ctx):
     else:
         clip = optax.clip_by_global_norm(ctx.max_norm)
         case = _compiled("optax clip_by_global_norm", lambda ls: clip.update(ls, clip.init(ls))[0], leaves)
-        case.value = arrays.norm_of
+        # optax returns the clipped leaves, not the norm: undo the scale to compare it with the norm met
+        case.value = lambda clipped: arrays.norm_of(clipped) / ctx.clip_coef
     return case
 
 

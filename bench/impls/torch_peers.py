@@ -119,6 +119,7 @@ def _torch_resident(ctx):
         r = gf.resident([torch.nn.Parameter(t) for t in values])
         for grad, value in zip(r.grads.values(), values):
             grad.copy_(value)
+        ctx.keep_grads(r)
         ctx.cache["torch resident"] = r
     return ctx.cache["torch resident"]
 
