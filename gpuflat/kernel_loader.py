@@ -27,6 +27,7 @@ import ctypes
 import functools
 import importlib.metadata
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -48,8 +49,19 @@ from gpuflat.dtypes import CUDA_NAMES
 # code under NVRTC.
 OPTIONS = ("-std=c++17", "-default-device", "--fmad=false")
 
-# Norm kinds, the template argument of the norm kernels (kernels/norms.cu).
+# Norm kinds, the template argument of the norm kernels (kernels/norms.cu)
+# and the kind the host library takes: GF_NORM_* in kernels/gpuflat_math.cuh,
+# which a test reads back.
 NORM_KINDS = {"l1": 0, "l2": 1, "inf": 2, "p": 3}
+
+
+def norm_kind(p: float) -> str:
+    """The kind of ``NORM_KINDS`` that computes the ``p``-norm (a checked order).
+
+    >>> norm_kind(1.0), norm_kind(2.0), norm_kind(float("inf")), norm_kind(3.0)
+    ('l1', 'l2', 'inf', 'p')
+    """
+    return {1.0: "l1", 2.0: "l2", math.inf: "inf"}.get(p, "p")
 
 SCALE_NAME = "gpuflat_scale"
 # The clip with max_norm in device memory.

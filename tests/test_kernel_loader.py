@@ -225,3 +225,10 @@ def test_gather_and_scatter_names_follow_the_dtype_table():
 def test_no_builtin_is_shadowed():
     public = {n for n in vars(kl) if not n.startswith("_")}
     assert public & set(dir(builtins)) == set()
+
+
+def test_the_kernels_norm_kinds_are_the_loaders():
+    # One table in Python; the kernels' GF_NORM_* constants must say the same.
+    header = (kl.kernel_dir() / "gpuflat_math.cuh").read_text()
+    defined = {m.group(1).lower(): int(m.group(2)) for m in re.finditer(r"#define GF_NORM_(\w+) (\d+)", header)}
+    assert defined == kl.NORM_KINDS

@@ -33,7 +33,6 @@ The same code drives the GPU (``CupyRuntime``) and the host emulator
 """
 from __future__ import annotations
 
-import math
 import threading
 import weakref
 from collections import OrderedDict
@@ -209,15 +208,9 @@ class CudaBackend:
 
 def _norm_kind(ord):
     p = float(ord)
-    if p == 1:
-        return "l1", p
-    if p == 2:
-        return "l2", p
-    if p == math.inf:
-        return "inf", p
-    if p > 0 and math.isfinite(p):
-        return "p", p
-    raise ValueError(f"ord: expected 1, 2, inf or a number p > 0, got {ord!r}")
+    if not p > 0:  # NaN too
+        raise ValueError(f"ord: expected 1, 2, inf or a number p > 0, got {ord!r}")
+    return kl.norm_kind(p), p
 
 
 # ---------------------------------------------------------------- static tables

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import math
 import os
 import platform
 import sysconfig
@@ -36,7 +35,7 @@ import numpy as np
 
 from gpuflat import host_compiler
 from gpuflat.dtypes import BFLOAT16, TAGS
-from gpuflat.kernel_loader import kernel_dir
+from gpuflat.kernel_loader import NORM_KINDS, kernel_dir, norm_kind
 
 from .numpy_backend import HostMemory, NumpyBackend
 from .protocol import NormResult
@@ -48,8 +47,6 @@ from .protocol import NormResult
 FLAGS = ("-O3", "-std=c++20", "-pthread", "-march=native", "-ffp-contract=off", "-fno-math-errno",
          "-fno-strict-aliasing", "-fvisibility=hidden")
 SHARED_HEADERS = ("gpuflat_common.cuh", "gpuflat_math.cuh")
-NORM_KINDS = {1.0: 0, 2.0: 1, math.inf: 2}  # kernels/gpuflat_math.cuh; any other p is GF_NORM_P
-NORM_P = 3
 
 
 def available() -> bool:
@@ -187,7 +184,7 @@ class HostBackend(HostMemory):
         p = float(ord)
         # totals[0] the norm, totals[1] the unrooted total it is the root of.
         per, totals, first = np.empty(len(plan.leaves)), np.empty(2), np.empty((), np.int64)
-        args = (plan.offsets, NORM_KINDS.get(p, NORM_P), p, self.threads, per, totals, first)
+        args = (plan.offsets, NORM_KINDS[norm_kind(p)], p, self.threads, per, totals, first)
         if flat is None or lib.gf_host_norms_flat(flat, *args) >= 0:
             _check(plan, leaves, lib.gf_host_norms(leaves, *args))
         return NormResult(totals[:1].reshape(()), per, first, totals[1:].reshape(()))
