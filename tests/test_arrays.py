@@ -247,16 +247,29 @@ def stand_in_cuda(t):
 
 @pytest.fixture
 def stand_in_cupy(monkeypatch):
-    """A module named cupy whose from_dlpack is NumPy's and whose streams are recorded."""
-    streams = []
+    """A module named cupy whose from_dlpack is NumPy's and whose streams are
+    recorded, made and entered; PyTorch's current stream is 4242."""
+    streams, entered, imported = [], [], []
+
+    class ExternalStream:
+        def __init__(self, ptr, device_id):
+            streams.append((ptr, device_id))
+
+        def __enter__(self):
+            entered.append(self)
+            return self
+
+        def __exit__(self, *exc):
+            entered.remove(self)
+
     fake = types.ModuleType("cupy")
     fake.__version__ = "13.6.0"
     fake.ndarray = type("ndarray", (), {})
-    fake.from_dlpack = np.from_dlpack
-    fake.cuda = types.SimpleNamespace(ExternalStream=lambda ptr, device_id: streams.append(
-        (ptr, device_id)) or "stream")
-    fake.streams = streams
+    fake.from_dlpack = lambda x: imported.append(bool(entered)) or np.from_dlpack(x)
+    fake.cuda = types.SimpleNamespace(ExternalStream=ExternalStream)
+    fake.streams, fake.imported = streams, imported
     monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: types.SimpleNamespace(cuda_stream=4242))
     return fake
 
 
@@ -265,6 +278,8 @@ def test_cuda_tensor_goes_through_cupy_from_dlpack(stand_in_cupy):
     view = adopt(stand_in_cuda(t))
     assert address(view) == t.data_ptr() and view.strides == (4, 12)
     np.testing.assert_array_equal(view, t.numpy())
+    # Imported on PyTorch's current stream: DLPack then orders nothing across streams.
+    assert stand_in_cupy.imported == [True] and stand_in_cupy.streams == [(4242, t.device.index)]
 
 
 def test_cuda_bfloat16_crosses_as_int16_bits(stand_in_cupy, monkeypatch):
@@ -304,5 +319,5 @@ def test_launch_stream_uses_pytorchs_current_stream(stand_in_cupy, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda device: asked.append(device) or types.SimpleNamespace(cuda_stream=4242))
     t = stand_in_cuda(torch.ones(2))
-    assert arrays.launch_stream(t) == "stream"
+    assert isinstance(arrays.launch_stream(t), stand_in_cupy.cuda.ExternalStream)
     assert asked == [t.device] and stand_in_cupy.streams == [(4242, t.device.index)]
