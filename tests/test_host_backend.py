@@ -3,6 +3,7 @@ kernels' summation order, the NumPy backend, and the emulated CUDA backend."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -518,3 +519,12 @@ def test_gather_names_the_slot_of_an_unreadable_source_and_writes_nothing():
     with pytest.raises(TypeError, match=r"leaf \"\['a'\]\".*shape \(4,\)"):
         HostBackend().gather(plan, [[np.ones(4, np.float32)], [b]], out)
     assert_bits_equal(out, np.full(plan.size, 7.0, np.float32))
+
+
+def test_the_host_library_splits_leaves_into_the_cuda_backends_items():
+    # The two must cut the same work items, or their summation orders and bits part.
+    from gpuflat.backends import cuda
+    from gpuflat.kernel_loader import kernel_dir
+
+    source = (kernel_dir() / "host" / "host_backend.cpp").read_text()
+    assert re.search(r"constexpr long long ITEM = (\d+);", source).group(1) == str(cuda.ITEM)
