@@ -66,6 +66,7 @@ class Binding:
         self.params = [param for _, param in pairs]
         self.data, self.grads = list(data), None if grads is None else list(grads)
         self._expected = [None] * len(self.params)  # each p.grad as last adopted: its view, or None
+        self._gradless: set = set()  # the k whose _expected is None, kept as they change (read every step)
         named = [(prefix, sub) for m in modules for prefix, sub in m.named_modules()]
         self._modules = [sub for _, sub in named]
         self._tables = [table for _, sub in named for table in (sub._parameters, sub._modules)]
@@ -101,10 +102,11 @@ class Binding:
         if grad is not None or not keep_none:
             param.grad = self.grads[k]
         self._expected[k] = param.grad
+        (self._gradless.add if param.grad is None else self._gradless.discard)(k)
 
     def gradless(self) -> frozenset:
         """The parameters (by index) whose gradient is None."""
-        return frozenset(k for k, g in enumerate(self._expected) if g is None)
+        return frozenset(self._gradless)
 
     def _snapshot(self):
         """What the per-step checks compare against."""
