@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import operator
+import sys
 import threading
 import types
 import weakref
@@ -91,6 +92,17 @@ class Event:
 def make_cupy(compute_capabilities=("90", "80"), sms: int = 2) -> types.ModuleType:
     """A stand-in ``cupy`` module with one device per compute capability."""
     return _StandIn(tuple(compute_capabilities), sms).module
+
+
+def install(monkeypatch, compute_capabilities=("90", "80")) -> types.ModuleType:
+    """The stand-in as ``cupy`` for one test (device 0 sm_90, device 1 sm_80 by
+    default), with gpuflat's backends made afresh on it."""
+    from gpuflat.backends import selection
+
+    module = make_cupy(compute_capabilities)
+    monkeypatch.setitem(sys.modules, "cupy", module)
+    monkeypatch.setattr(selection, "_backends", {})
+    return module
 
 
 class _StreamState:

@@ -9,7 +9,6 @@ a real GPU.
 """
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 import pytest
@@ -17,7 +16,6 @@ import torch
 
 import gpuflat as gf
 import gpuflat.torch as gft
-from gpuflat.backends import selection as backends_selection
 
 import cupy_stand_in
 import torch_cuda_stand_in as tcs
@@ -25,10 +23,7 @@ import torch_cuda_stand_in as tcs
 
 @pytest.fixture
 def cp(monkeypatch):
-    module = cupy_stand_in.make_cupy(("90", "80"))
-    monkeypatch.setitem(sys.modules, "cupy", module)
-    monkeypatch.setattr(backends_selection, "_backends", {})
-    return module
+    return cupy_stand_in.install(monkeypatch)
 
 
 @pytest.fixture

@@ -6,9 +6,7 @@ each case is then its own test here, passing when every rank reported it ok.
 """
 from __future__ import annotations
 
-import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +15,7 @@ import numpy as np
 import pytest
 
 import distributed_worker
+from ranks import collect, free_port
 import gpuflat as gf
 from gpuflat import distributed as gfd
 
@@ -29,12 +28,6 @@ LAUNCH_TIMEOUT = 90  # seconds for one launch; a hang fails every case of it
 RUNS = [("gloo", 2), ("gloo", 4), ("mpi", 2), ("mpi", 4)]
 
 _reports: dict = {}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _mpirun(size, *command):
@@ -51,23 +44,11 @@ def _launch(transport, size, out_dir):
         procs = [subprocess.Popen(_mpirun(size, str(WORKER), str(out_dir), "mpi"),
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)]
     else:
-        port = str(_free_port())
+        port = str(free_port())
         procs = [subprocess.Popen([sys.executable, str(WORKER), str(out_dir), "gloo", str(r), str(size), port],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
                  for r in range(size)]
-    output = []
-    for proc in procs:
-        try:
-            output.append(proc.communicate(timeout=LAUNCH_TIMEOUT)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            output.append(f"timed out after {LAUNCH_TIMEOUT} s")
-    reports = []
-    for r in range(size):
-        path = out_dir / f"rank{r}.json"
-        reports.append(json.loads(path.read_text()) if path.exists() else {})
-    return reports, "\n".join(output)
+    return collect(procs, out_dir, size, LAUNCH_TIMEOUT)
 
 
 @pytest.fixture(scope="module")

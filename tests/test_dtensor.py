@@ -9,9 +9,7 @@ reported it ok.
 """
 from __future__ import annotations
 
-import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import dtensor_worker  # noqa: E402
+from ranks import collect, free_port  # noqa: E402
 import gpuflat as gf  # noqa: E402
 from gpuflat import dtensor  # noqa: E402
 
@@ -34,31 +33,13 @@ LAUNCH_TIMEOUT = {2: 150, 4: 300}  # seconds for one launch; a hang fails every 
 _reports: dict = {}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(size, out_dir):
     """Run every case on ``size`` gloo ranks; returns the ranks' reports and the processes' output."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(out_dir), str(r), str(size), port],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
              for r in range(size)]
-    output = []
-    for proc in procs:
-        try:
-            output.append(proc.communicate(timeout=LAUNCH_TIMEOUT[size])[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            output.append(f"timed out after {LAUNCH_TIMEOUT[size]} s")
-    reports = []
-    for r in range(size):
-        path = out_dir / f"rank{r}.json"
-        reports.append(json.loads(path.read_text()) if path.exists() else {})
-    return reports, "\n".join(output)
+    return collect(procs, out_dir, size, LAUNCH_TIMEOUT[size])
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,10 @@ one fails in CI rather than on the first lent GPU.
 """
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 import pytest
 
-from gpuflat.backends import selection as backends_selection
 
 import cupy_stand_in
 
@@ -17,10 +15,7 @@ import cupy_stand_in
 @pytest.fixture
 def cp(monkeypatch):
     """The stand-in as ``cupy``: device 0 is sm_90, device 1 sm_80."""
-    module = cupy_stand_in.make_cupy(("90", "80"))
-    monkeypatch.setitem(sys.modules, "cupy", module)
-    monkeypatch.setattr(backends_selection, "_backends", {})
-    return module
+    return cupy_stand_in.install(monkeypatch)
 
 
 def test_no_implicit_conversion_to_numpy(cp):

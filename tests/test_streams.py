@@ -10,7 +10,6 @@ allocation from PyTorch's caching allocator on that stream.
 from __future__ import annotations
 
 import gc
-import sys
 
 import numpy as np
 import pytest
@@ -19,7 +18,6 @@ import torch
 import gpuflat as gf
 import gpuflat.distributed as gfd
 import gpuflat.torch as gft
-from gpuflat.backends import selection as backends_selection
 from gpuflat.backends.cuda import TABLES_KEPT, CudaBackend
 from gpuflat.backends.cuda_runtime import CupyRuntime
 
@@ -31,10 +29,7 @@ DEVICE_WORK = ("empty", "zeros", "upload", "launch", "fill", "elementwise", "to_
 
 @pytest.fixture
 def cp(monkeypatch):
-    module = cupy_stand_in.make_cupy(("90", "80"))
-    monkeypatch.setitem(sys.modules, "cupy", module)
-    monkeypatch.setattr(backends_selection, "_backends", {})
-    return module
+    return cupy_stand_in.install(monkeypatch)
 
 
 @pytest.fixture
