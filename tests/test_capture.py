@@ -191,3 +191,17 @@ def test_a_device_max_norm_must_be_a_real_floating_scalar(cp, tc):
     with pytest.raises(ValueError, match="got one of shape \\(\\) and dtype int64"):
         gf.clip_grad_norm_({"w": model.w.grad}, tcs.cuda(torch.tensor(1)))
     assert [bits(p.grad) for p in model.parameters()] == before
+
+
+def test_a_cupy_max_norm_is_read_on_the_device(cp):
+    # CuPy arrays, no PyTorch: a 0-d float32 CuPy max_norm is cast on the
+    # device and read by the kernel, with the float's bits.
+    rng = np.random.default_rng(8)
+    host = {"w": rng.standard_normal((9, 4)).astype(np.float32), "b": rng.standard_normal(5)}
+    dev = {k: cp.asarray(v) for k, v in host.items()}
+    norm = gf.clip_grad_norm_(dev, cp.asarray(np.float32(0.5)))
+    assert [e.detail[0] for e in cp.events if e.kind == "launch"][-1] == "gpuflat_scale_at"
+    want = gf.clip_grad_norm_(host, 0.5, backend="emulated")
+    assert float(norm) == float(want) > 0.5
+    for k in host:
+        assert cp.asnumpy(dev[k]).tobytes() == host[k].tobytes()
