@@ -78,7 +78,7 @@ def adopt(x):
     if torch is not None and isinstance(x, torch.Tensor):
         if dtensor.is_dtensor(x):
             return _adopt_torch(dtensor.local(x), torch)
-        return _adopt_torch(_plain(x, torch), torch)
+        return _adopt_torch(plain_tensor(x), torch)
     jax = sys.modules.get("jax")
     if jax is not None and isinstance(x, jax.Array):
         return _adopt_jax(x, jax)
@@ -104,11 +104,18 @@ def _type_name(x):
 
 # ---------------------------------------------------------------- PyTorch
 
-def _plain(x, torch):
+def plain_tensor(x):
     """``x`` itself when its memory is its own data; UnsupportedLeafError for a
     wrapper subclass (float8 or quantised wrappers, fake tensors): it overrides
     ``__torch_dispatch__`` to compute on what it wraps, so its storage, if
-    any, is not its values."""
+    any, is not its values.
+
+    >>> import torch
+    >>> t = torch.ones(2)
+    >>> plain_tensor(t) is t
+    True
+    """
+    torch = sys.modules["torch"]
     if type(x).__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
         return x
     raise UnsupportedLeafError(
@@ -124,7 +131,7 @@ def _adopt_torch(x, torch):
     if t.is_cuda:
         return _adopt_torch_cuda(t, torch, _cupy())
     if t.dtype is torch.bfloat16:
-        refusal = _torch_refusal(t, torch)
+        refusal = tensor_refusal(t)
         if refusal:
             raise UnsupportedLeafError(refusal)
         return t.view(torch.int16).numpy().view(_bfloat16_for("PyTorch"))
@@ -132,12 +139,12 @@ def _adopt_torch(x, torch):
         return t.numpy()
     except (TypeError, RuntimeError):
         raise UnsupportedLeafError(
-            _torch_refusal(t, torch) or f"expected a tensor of a dtype NumPy can hold, found {t.dtype}"
+            tensor_refusal(t) or f"expected a tensor of a dtype NumPy can hold, found {t.dtype}"
         ) from None
 
 
 def _adopt_torch_cuda(t, torch, cupy):
-    refusal = _torch_refusal(t, torch)
+    refusal = tensor_refusal(t)
     if refusal:
         raise UnsupportedLeafError(refusal)
     # Imported on PyTorch's current stream: DLPack makes the importing stream
@@ -152,8 +159,14 @@ def _adopt_torch_cuda(t, torch, cupy):
         return cupy.from_dlpack(t)
 
 
-def _torch_refusal(t, torch):
-    """Why a tensor cannot be viewed zero-copy, or None if nothing is wrong."""
+def tensor_refusal(t):
+    """Why a tensor cannot be viewed zero-copy, or None if nothing is wrong.
+
+    >>> import torch
+    >>> tensor_refusal(torch.ones(2)) is None, tensor_refusal(torch.ones(2, dtype=torch.complex64).conj())
+    (True, 'expected a tensor without the conjugate bit, found one with it set (call .resolve_conj() first)')
+    """
+    torch = sys.modules["torch"]
     if t.layout is not torch.strided:
         return f"expected a strided (dense) tensor, found layout {t.layout} (call .to_dense() first)"
     if t.is_conj():

@@ -38,21 +38,26 @@ import contextlib
 import types
 import warnings
 from collections.abc import Iterable
+from functools import partial
+from operator import attrgetter, is_not
 
 import torch
 
 from . import distributed as _gfd
-from . import dtensor
+from . import dtensor, tensor_table
 from .arrays import adopt, device_scope, to_caller
-from .backends.selection import select
 from .binding import max_norm_for
-from .checks import check_in_place, check_ord, clip_arguments
+from .checks import check_ord, clip_arguments
 from .errors import NonFiniteError, NonFiniteNormError, NonFloatingTensorError
-from .ops import plan
 
-__all__ = ["NonFloatingTensorError", "NonFiniteNormError", "clip_grad_norm_", "clip_grads_with_norm_",
-           "get_total_norm"]
-__all__ += ["AdamW", "GradScaler", "SGD"]  # gpuflat.torch_optim: the flat optimizers
+__all__ = [
+    "NonFiniteNormError",
+    "NonFloatingTensorError",
+    "clip_grad_norm_",
+    "clip_grads_with_norm_",
+    "get_total_norm",
+]
+__all__ += ["SGD", "AdamW", "GradScaler"]  # gpuflat.torch_optim: the flat optimizers
 
 _EPS = 1e-6  # PyTorch's: coef = max_norm / (total_norm + 1e-6)
 
@@ -69,19 +74,21 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
     tensor(0.)
     """
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    tensors, names = _unique((t, f"tensors[{i}]") for i, t in enumerate(tensors))
     p = check_ord(norm_type)
     if not tensors:
         return torch.tensor(0.0)
-    if any(map(dtensor.is_dtensor, tensors)):
+    name_of = "tensors[{}]".format
+    table = tensor_table.read(tensors, name_of)
+    if table is None:  # DTensors: over the ranks of their mesh
+        tensors, names = _unique((t, name_of(i)) for i, t in enumerate(tensors))
         _check_floating(tensors, names)
         with _torch_nonfinite_error():
             total = _gfd.global_norm(tensors, p, error_if_nonfinite=error_if_nonfinite)
         return total.to(_returned_dtype(tensors))
-    total = _total_norm(_device_groups(tensors, names), p)
+    total = _total_norm(table, tensors, p)
     if error_if_nonfinite:
-        _check_finite(total, p, tensors, names)
-    return total.to(_returned_dtype(tensors))
+        _check_finite(total, p, table, tensors, name_of)
+    return total.to(table.returned_dtype)
 
 
 @torch.no_grad()
@@ -99,12 +106,17 @@ def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max
     >>> w.grad
     tensor([0.6000, 0.8000])
     """
-    grads, names = _gradients(_parameter_list(parameters, warn_empty=False))
+    grads, name_of = _gradients(_parameter_list(parameters, warn_empty=False))
     max_norm, _, _ = clip_arguments(max_norm, 2, _EPS)  # the norm comes given: any order passes
     if dtensor.is_dtensor(total_norm):
         total_norm = total_norm.full_tensor()  # a replicated norm's own local value
-    if grads:
-        _scale(_device_groups(grads, names, in_place=True), max_norm, total_norm)
+    if not grads:
+        return
+    table = tensor_table.read(grads, name_of, in_place=True)
+    if table is None:  # DTensors: their local shards are scaled, with no redistribution
+        grads = [dtensor.local(g) if dtensor.is_dtensor(g) else g for g in grads]
+        table = tensor_table.read(grads, name_of, in_place=True)
+    _scale(table, grads, max_norm, total_norm)
 
 
 @torch.no_grad()
@@ -125,23 +137,23 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     >>> round(float(torch.cat([p.grad.flatten() for p in net.parameters()]).norm()), 5)
     1.0
     """
-    grads, names = _gradients(_parameter_list(parameters, warn_empty=True))
+    grads, name_of = _gradients(_parameter_list(parameters, warn_empty=True))
     max_norm, p, _ = clip_arguments(max_norm, norm_type, _EPS)
     if not grads:
         return torch.tensor(0.0)
-    if any(map(dtensor.is_dtensor, grads)):
-        # Over the ranks of their mesh: the norm comes back a replicated DTensor.
+    # Each gradient is read once, for the norm and the scale, and checked before either.
+    table = tensor_table.read(grads, name_of, in_place=True)
+    if table is None:  # DTensors: over the ranks of their mesh, the norm a replicated DTensor
+        grads, names = _unique((g, name_of(i)) for i, g in enumerate(grads))
         _check_floating(grads, names)
         with _torch_nonfinite_error():
             total = _gfd.clip_grad_norm_(grads, max_norm, p, eps=_EPS, error_if_nonfinite=error_if_nonfinite)
         return total.to(_returned_dtype(grads))
-    # Each gradient is viewed once, for the norm and the scale, and checked before either.
-    groups = _device_groups(grads, names, in_place=True)
-    total = _total_norm(groups, p)
+    total = _total_norm(table, grads, p)
     if error_if_nonfinite:
-        _check_finite(total, p, grads, names)
-    _scale(groups, max_norm, total)
-    return total.to(_returned_dtype(grads))
+        _check_finite(total, p, table, grads, name_of)
+    _scale(table, grads, max_norm, total)
+    return total.to(table.returned_dtype)
 
 
 # ---------------------------------------------------------------- arguments
@@ -157,10 +169,19 @@ def _parameter_list(parameters, warn_empty):
     return parameters
 
 
+_grad_of = attrgetter("grad")
+_is_present = partial(is_not, None)
+
+
 def _gradients(parameters):
-    """(unique gradients, their names) of the parameters that have one."""
-    return _unique((p.grad, f"parameters[{i}].grad") for i, p in enumerate(parameters)
-                   if p.grad is not None)
+    """(the gradients of the parameters that have one, a function naming the i-th of them)."""
+    grads = list(map(_grad_of, parameters))
+    present = list(filter(_is_present, grads))
+
+    def name_of(i):  # only on error: which parameter the i-th gradient belongs to
+        return f"parameters[{[k for k, g in enumerate(grads) if g is not None][i]}].grad"
+
+    return present, name_of
 
 
 def _unique(named):
@@ -193,39 +214,6 @@ def _torch_nonfinite_error():
         raise NonFiniteNormError(str(err)) from None
 
 
-# ---------------------------------------------------------------- the work, per device
-
-class _DeviceGroup:
-    """The tensors of one device, their zero-copy views, plan and backend."""
-
-    def __init__(self, pairs):
-        self.like = pairs[0][0]
-        self.names = [name for _, name in pairs]
-        self.views = []
-        with device_scope(None, self.like):  # DLPack's exchange on PyTorch's stream: no cross-stream wait
-            for t, name in pairs:
-                try:
-                    self.views.append(adopt(t))
-                except TypeError as err:
-                    raise type(err)(f"leaf {name!r}: {err}") from None
-        self.plan = plan(self.views)
-        self.backend = select(None, self.views, lambda i: self.names[i])
-
-
-def _device_groups(tensors, names, in_place=False) -> list:
-    """The tensors grouped by device, checked; with ``in_place``, also fit to be scaled in place."""
-    _check_floating(tensors, names)
-    groups: dict = {}
-    for t, name in zip(tensors, names):
-        groups.setdefault(t.device, []).append((t, name))
-    groups = [_DeviceGroup(pairs) for pairs in groups.values()]
-    if in_place:
-        # Tensors on different devices cannot share memory: each group is checked on its own.
-        for g in groups:
-            check_in_place(g.names, g.views)
-    return groups
-
-
 def _check_floating(tensors, names):
     # An integer or bool tensor has no trainable values: gpuflat's plan would
     # leave it out, and PyTorch's vector_norm refuses it.
@@ -235,24 +223,28 @@ def _check_floating(tensors, names):
                 f"leaf {name!r}: expected a floating point or complex tensor, found dtype {t.dtype}")
 
 
-def _total_norm(groups, p):
+# ---------------------------------------------------------------- the work, per device
+
+def _total_norm(table, tensors, p):
     """The float64 norm of all tensors, as a 0-d tensor on the first group's device."""
     norms = []
-    for g in groups:
-        with device_scope(g.backend, g.like):
-            result = g.backend.norms(g.plan, g.views, p, per_leaf=False)
-            norms.append(to_caller(result.total, g.like))
+    for g in table.groups:
+        like = table.first(tensors, g)
+        with device_scope(g.backend, like):
+            result = g.backend.norms(g.plan, g.leaves, p, per_leaf=False)
+            norms.append(to_caller(result.total, like))
     if len(norms) == 1:
         return norms[0]
-    first = groups[0].like.device
+    first = norms[0].device
     return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), p)
 
 
-def _check_finite(total, p, tensors, names):
+def _check_finite(total, p, table, tensors, name_of):
     # The one host synchronisation, asked for by the caller.
     if torch.isfinite(total).item():
         return
-    bad = next((name for t, name in zip(tensors, names) if not torch.isfinite(t).all()), None)
+    members = sorted(i for g in table.groups for i in g.members)
+    bad = next((name_of(i) for i in members if not torch.isfinite(tensors[i]).all()), None)
     where = (f"leaf {bad!r} holds NaN or inf" if bad else
              "no tensor holds NaN or inf, but the sum overflowed float64")
     raise NonFiniteNormError(
@@ -263,11 +255,12 @@ def _check_finite(total, p, tensors, names):
     )
 
 
-def _scale(groups, max_norm, total_norm):
-    for g in groups:
-        with device_scope(g.backend, g.like):
-            total = torch.as_tensor(total_norm, dtype=torch.float64).to(g.like.device)
-            g.backend.clip_(g.plan, g.views, adopt(total), max_norm_for(g.backend, max_norm), _EPS)
+def _scale(table, tensors, max_norm, total_norm):
+    for g in table.groups:
+        like = table.first(tensors, g)
+        with device_scope(g.backend, like):
+            total = torch.as_tensor(total_norm, dtype=torch.float64).to(like.device)
+            g.backend.clip_(g.plan, g.leaves, adopt(total), max_norm_for(g.backend, max_norm), _EPS)
 
 
-from .torch_optim import SGD, AdamW, GradScaler  # noqa: E402  (re-exported: gpuflat.torch is the PyTorch entry point)
+from .torch_optim import SGD, AdamW, GradScaler

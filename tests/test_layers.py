@@ -28,7 +28,7 @@ LAYERS = [
     ["flatplan", "backends.cuda_runtime", "backends.host", "backends.cuda"],
     ["backends.selection", "backends", "checks"],
     # The binding layer every front end goes through.
-    ["binding", "torch_params"],
+    ["binding", "torch_params", "tensor_table"],
     # Reductions over ranks, which the operations use for DTensors.
     ["distributed"],
     ["ops"],

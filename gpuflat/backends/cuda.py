@@ -45,7 +45,7 @@ from gpuflat import kernel_loader as kl
 from gpuflat.dtypes import CUDA_NAMES, TAGS
 from gpuflat.identity import SameArrays
 
-from .protocol import NormResult
+from .protocol import LeafRows, NormResult
 
 # Elements per work item. A multiple of 32 lanes * 8 elements per 16-byte
 # vector, so every item of a leaf starts as aligned as the leaf itself. The
@@ -72,6 +72,8 @@ class CudaBackend:
     ``grid`` fixes the number of blocks of the grid-stride kernels (default:
     the runtime's choice); results never depend on it.
     """
+
+    reads_rows = True  # takes LeafRows for leaves in norms and clip_
 
     def __init__(self, runtime, grid: int | None = None):
         self.runtime = runtime
@@ -183,6 +185,9 @@ class CudaBackend:
         def build():
             return _leaf_rows(st, plan, leaves, range(len(leaves)), self.runtime)
 
+        if isinstance(leaves, LeafRows):
+            # Built once from tensors' metadata and never changed: found by its identity.
+            return st.table((leaves,), "rows", lambda: leaves.words)
         if flat is not None:
             # The leaves are fixed views of ``flat`` (a resident model's): their
             # table depends on its address alone, found without a per-leaf look.
@@ -348,12 +353,16 @@ def _static_tables(plan, runtime) -> _StaticTables:
 
 
 @lru_cache(maxsize=4096)
-def _row(shape, strides, dtype):
-    """The table row of an array but its address; None if it keeps too many dims.
+def leaf_row(shape, strides, dtype):
+    """The table row of an array but its address (``strides`` in bytes); None
+    if it keeps too many dims.
 
     Size-1 dims are dropped and adjacent dims merged where the strides allow,
     so a transposed matrix keeps 2 dims and any C-contiguous array none
     (ndim 0 marks the contiguous fast path).
+
+    >>> leaf_row((2, 3), (24, 8), np.float64)[:3], leaf_row((2, 3), (8, 16), np.float64)[:5]
+    ([3, 0, 6], [3, 2, 6, 2, 3])
     """
     size = int(np.prod(shape, dtype=np.int64))
     dims = []
@@ -407,7 +416,7 @@ def _leaf_rows(st, plan, arrays, slots, runtime) -> np.ndarray:
     if template is None:
         rows = []
         for (shape, strides, dtype), slot in zip(sig, slots):
-            row = _row(shape, strides, dtype)
+            row = leaf_row(shape, strides, dtype)
             if row is None:
                 raise ValueError(
                     f"leaf {plan.leaves[slot].path!r}: shape {shape} with strides {strides} keeps "

@@ -38,7 +38,7 @@ from gpuflat.dtypes import BFLOAT16, TAGS
 from gpuflat.kernel_loader import NORM_KINDS, kernel_dir, norm_kind
 
 from .numpy_backend import HostMemory, NumpyBackend
-from .protocol import NormResult
+from .protocol import LeafRows, NormResult
 
 # The arithmetic must stay the kernels': no fast-math, and no contraction of
 # a*b+c into one fma (the kernels are built with --fmad=false). -march=native
@@ -100,8 +100,10 @@ def _load():
     lib.gf_host_scatter.argtypes = [obj, obj, obj, c_int]
     lib.gf_host_clip.argtypes = [obj, obj, f64, f64, f64, c_int]
     lib.gf_host_clip_flat.argtypes = [obj, f64, f64, f64, c_int]
+    lib.gf_host_norms_rows.argtypes = lib.gf_host_norms.argtypes
+    lib.gf_host_clip_rows.argtypes = lib.gf_host_clip.argtypes
     for fn in (lib.gf_host_norms, lib.gf_host_norms_flat, lib.gf_host_gather, lib.gf_host_scatter, lib.gf_host_clip,
-               lib.gf_host_clip_flat):
+               lib.gf_host_clip_flat, lib.gf_host_norms_rows, lib.gf_host_clip_rows):
         fn.restype = i64
     lib.gf_host_init(np.ndarray, BFLOAT16.num if BFLOAT16 is not None else -1)
     return lib, None
@@ -130,6 +132,15 @@ class HostBackend(HostMemory):
     def __init__(self, threads: int | None = None):
         self.threads = int(threads or len(os.sched_getaffinity(0)))
         self._numpy = NumpyBackend()
+
+    @property
+    def reads_rows(self) -> bool:
+        """Whether ``norms`` and ``clip_`` take LeafRows (where the native library loads).
+
+        >>> HostBackend().reads_rows == available()
+        True
+        """
+        return available()
 
     def gather(self, plan, sources, out) -> None:
         """out[slot's range] = sum of the slot's sources, cast to ``plan.dtype``.
@@ -185,7 +196,9 @@ class HostBackend(HostMemory):
         # totals[0] the norm, totals[1] the unrooted total it is the root of.
         per, totals, first = np.empty(len(plan.leaves)), np.empty(2), np.empty((), np.int64)
         args = (plan.offsets, NORM_KINDS[norm_kind(p)], p, self.threads, per, totals, first)
-        if flat is None or lib.gf_host_norms_flat(flat, *args) >= 0:
+        if isinstance(leaves, LeafRows):
+            _check(plan, leaves, lib.gf_host_norms_rows(leaves.words, *args))
+        elif flat is None or lib.gf_host_norms_flat(flat, *args) >= 0:
             _check(plan, leaves, lib.gf_host_norms(leaves, *args))
         return NormResult(totals[:1].reshape(()), per, first, totals[1:].reshape(()))
 
@@ -209,6 +222,8 @@ class HostBackend(HostMemory):
         if lib is None:
             return self._numpy.clip_(plan, leaves, total, max_norm, eps)
         args = (float(total), float(max_norm), float(eps))
+        if isinstance(leaves, LeafRows):
+            return _check(plan, leaves, lib.gf_host_clip_rows(leaves.words, plan.offsets, *args, self.threads))
         if flat is not None and lib.gf_host_clip_flat(flat, *args, self.threads) < 0:
             return
         _check(plan, leaves, lib.gf_host_clip(leaves, plan.offsets, *args, self.threads))

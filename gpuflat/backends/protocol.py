@@ -36,6 +36,34 @@ class NormResult:
     power_sum: Any
 
 
+class LeafRows:
+    """Leaves given by address instead of as arrays: one leaf-table row per
+    slot (``words``, int64, shape (slots, LEAF_ROW_WORDS) in the layout of
+    ``gpuflat.backends.cuda``: address, dtype tag, merged dims, byte
+    strides), built from tensors' metadata without importing them. The
+    backends whose ``reads_rows`` is true take it as ``leaves`` in ``norms``
+    and ``clip_``; the caller keeps the memory alive and has checked every
+    row against the plan. ``words`` never changes once built, so a backend
+    may key what it derives from it by the object's identity.
+
+    >>> import numpy as np
+    >>> LeafRows(np.zeros((2, 29), np.int64)).words.shape
+    (2, 29)
+    """
+
+    __slots__ = ("words", "__weakref__")
+
+    def __init__(self, words):
+        self.words = words
+        words.flags.writeable = False
+
+    def __len__(self):
+        return len(self.words)
+
+    def __getitem__(self, i):
+        return self.words[i]
+
+
 @runtime_checkable
 class Backend(Protocol):
     """The operations a backend implements over a plan's slots.

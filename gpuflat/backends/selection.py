@@ -73,7 +73,7 @@ def select(backend, arrays, path_of):
             f"tree mixes NumPy and CuPy arrays: leaf {path_of(first_numpy)!r} is a NumPy array, "
             f"leaf {path_of(first_cupy)!r} is a CuPy array"
         )
-    name = backend or ("cuda" if first_cupy is not None else _host_default())
+    name = backend or ("cuda" if first_cupy is not None else host_default())
     wants_cupy = name == "cuda"
     wrong = first_numpy if wants_cupy else first_cupy
     if wrong is not None:
@@ -87,7 +87,12 @@ def select(backend, arrays, path_of):
     return get_backend(name, _one_device(arrays, path_of))
 
 
-def _host_default() -> str:
+def host_default() -> str:
+    """The backend NumPy arrays get by default: "host" where its native library builds, else "numpy".
+
+    >>> host_default() in ("host", "numpy")
+    True
+    """
     from .host import available
 
     return "host" if available() else "numpy"

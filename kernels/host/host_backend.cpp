@@ -162,6 +162,31 @@ struct LeafSet {
         return true;
     }
 
+    // The leaves of a leaf table (LeafRef rows, gpuflat/backends/cuda.py's
+    // layout), as gpuflat.torch builds it from tensors' metadata. A
+    // contiguous row whose address is not a multiple of its itemsize reads
+    // through the strided (memcpy) path, as an unaligned array does.
+    void add_rows(const LeafRef* rows, long long n) {
+        leaves.reserve(n);
+        dims_at.reserve(n);
+        for (long long i = 0; i < n; ++i) {
+            const LeafRef& r = rows[i];
+            const int tag = (int)r.tag;
+            int ndim = (int)r.ndim;
+            dims_at.push_back((long long)dims.size());
+            if (ndim == 0 && r.size > 0 && r.ptr % itemsize_of(tag) != 0) {
+                ndim = 1;
+                dims.push_back(r.size);
+                dims.push_back(itemsize_of(tag));
+            } else {
+                for (int d = 0; d < ndim; ++d) dims.push_back(r.shape[d]);
+                for (int d = 0; d < ndim; ++d) dims.push_back(r.stride[d]);
+            }
+            leaves.push_back(Leaf{(char*)r.ptr, tag, ndim, r.size, nullptr, nullptr});
+        }
+        finish();
+    }
+
     void clear() {
         leaves.clear();
         dims.clear();
@@ -803,6 +828,21 @@ long long run_norms(Workspace& w, const long long* offsets, int kind, double p, 
     return -1;
 }
 
+// Every leaf of the workspace *= min(1, max_norm / (total + eps)), as
+// gpuflat_scale: a NaN total gives a NaN factor, and a factor of exactly 1
+// writes nothing.
+long long run_clip(Workspace& w, const long long* offsets, double total, double max_norm, double eps,
+                   int threads) {
+    const double c = max_norm / (total + eps);
+    const double coef = c > 1.0 ? 1.0 : c;
+    if (coef == 1.0) return -1;
+    Py_BEGIN_ALLOW_THREADS
+    plan_items(offsets, (long long)w.set.leaves.size(), w.items);
+    scale(w.set, w.items, coef, threads);
+    Py_END_ALLOW_THREADS
+    return -1;
+}
+
 }  // namespace
 
 GF_EXPORT long long gf_host_norms(PyObject* leaves, PyObject* offsets, int kind, double p, int threads,
@@ -824,6 +864,17 @@ GF_EXPORT long long gf_host_norms_flat(PyObject* flat, PyObject* offsets, int ki
     const long long* offs = data_of<long long>(offsets);
     if (!w.set.add_slots(flat, offs, PyArray_DIMS((PyArrayObject*)offsets)[0] - 1)) return 0;
     return run_norms(w, offs, kind, p, threads, per_leaf, total, first_bad);
+}
+
+// The same norms over a leaf table (`rows`: an int64 array of LeafRef rows,
+// one per slot, whose tags and sizes the caller has checked against the plan).
+GF_EXPORT long long gf_host_norms_rows(PyObject* rows, PyObject* offsets, int kind, double p, int threads,
+                                       PyObject* per_leaf, PyObject* total, PyObject* first_bad) {
+    Workspace& w = workspace();
+    w.set.add_rows(data_of<LeafRef>(rows), PyArray_DIMS((PyArrayObject*)rows)[0]);
+    const long long bad = check_sizes(w.set, data_of<long long>(offsets));
+    if (bad >= 0) return bad;
+    return run_norms(w, data_of<long long>(offsets), kind, p, threads, per_leaf, total, first_bad);
 }
 
 // sources: one sequence of arrays per slot, added in order.
@@ -863,22 +914,24 @@ GF_EXPORT long long gf_host_scatter(PyObject* flat, PyObject* leaves, PyObject* 
     return -1;
 }
 
-// Every leaf *= min(1, max_norm / (total + eps)), as gpuflat_scale: a NaN
-// total gives a NaN factor, and a factor of exactly 1 writes nothing.
+// Every leaf *= min(1, max_norm / (total + eps)) (run_clip).
 GF_EXPORT long long gf_host_clip(PyObject* leaves, PyObject* offsets, double total, double max_norm, double eps,
                                  int threads) {
     Workspace& w = workspace();
     long long bad = read_leaves(leaves, w.set);
     if (bad < 0) bad = check_sizes(w.set, data_of<long long>(offsets));
     if (bad >= 0) return bad;
-    const double c = max_norm / (total + eps);
-    const double coef = c > 1.0 ? 1.0 : c;
-    if (coef == 1.0) return -1;
-    Py_BEGIN_ALLOW_THREADS
-    plan_items(data_of<long long>(offsets), (long long)w.set.leaves.size(), w.items);
-    scale(w.set, w.items, coef, threads);
-    Py_END_ALLOW_THREADS
-    return -1;
+    return run_clip(w, data_of<long long>(offsets), total, max_norm, eps, threads);
+}
+
+// The same clip over a leaf table (as gf_host_norms_rows).
+GF_EXPORT long long gf_host_clip_rows(PyObject* rows, PyObject* offsets, double total, double max_norm, double eps,
+                                      int threads) {
+    Workspace& w = workspace();
+    w.set.add_rows(data_of<LeafRef>(rows), PyArray_DIMS((PyArrayObject*)rows)[0]);
+    const long long bad = check_sizes(w.set, data_of<long long>(offsets));
+    if (bad >= 0) return bad;
+    return run_clip(w, data_of<long long>(offsets), total, max_norm, eps, threads);
 }
 
 // flat *= min(1, max_norm / (total + eps)) over the whole buffer at once, for

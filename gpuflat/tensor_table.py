@@ -1,0 +1,411 @@
+"""PyTorch tensors as leaf tables read from their metadata, with no per-tensor import.
+
+``gpuflat.torch``'s drop-ins get the gradients of the same parameters every
+step. Importing a tensor (``Tensor.numpy()``, or DLPack on CUDA) costs
+microseconds; on 10,000 tiny gradients the imports alone took longer than
+PyTorch's foreach clip. Here the tensors of a call become
+:class:`~gpuflat.backends.protocol.LeafRows` straight from each one's
+``data_ptr()``, shape, strides and dtype: the table the CUDA kernels and the
+native host library read. What a call works out is kept, keyed by what
+decides it: each tensor's address, element count, dtype and contiguity
+(shapes and strides too where some tensor is not contiguous). A training
+loop's next step finds its table again whether it clips the very same
+gradient tensors or new ones in the same memory (``optimizer.zero_grad()``
+sets gradients to None by default, and the next backward allocates new ones,
+usually where the last ones were): four C-level reads per tensor, then the
+kernels. Where the memory moved, the rows are rebuilt from the metadata with
+the plan and the rows' layout found again; nothing is imported.
+
+Addresses are unique across the CPU and every CUDA device of a process
+(CUDA's unified virtual addressing), so equal addresses mean the same memory.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import threading
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from . import dtensor
+from .arrays import adopt, plain_tensor, tensor_refusal
+from .backends.cuda import LEAF_ROW_WORDS, MAX_DIMS, leaf_row
+from .backends.protocol import LeafRows
+from .backends.selection import get_backend, host_default
+from .checks import check_in_place, may_overlap_itself
+from .dtypes import BFLOAT16
+from .errors import NonFloatingTensorError, OverlapError, UnsupportedLeafError
+from .flatplan import FlatPlan, cached
+from .tree import walk
+
+TABLES_KEPT = 8  # calls remembered: a few clips and norms over different tensor lists
+_NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
+                 torch.float64: np.dtype(np.float64), torch.complex64: np.dtype(np.complex64),
+                 torch.complex128: np.dtype(np.complex128)}
+if BFLOAT16 is not None:
+    _NUMPY_DTYPES[torch.bfloat16] = np.dtype(BFLOAT16)
+_ITEMSIZE_BY_TAG = np.array([2, 2, 4, 8, 8, 16], np.int64)  # gpuflat.dtypes.TAGS order
+
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+_shape, _dtype, _device, _layout = attrgetter("shape"), attrgetter("dtype"), attrgetter("device"), attrgetter("layout")
+_override: contextvars.ContextVar = contextvars.ContextVar("gpuflat_tensor_backend", default=None)
+
+
+@dataclass(frozen=True, eq=False)
+class Group:
+    """The tensors of one device in a call: their positions in the call's
+    list (``members``), plan, backend and leaves (LeafRows, or NumPy views
+    where the backend reads arrays only)."""
+
+    members: tuple
+    plan: FlatPlan
+    backend: object
+    leaves: object
+
+
+class Reading(NamedTuple):
+    """What decides a table, read from the tensors each call with one C-level
+    pass per field: addresses, element counts, dtypes, the layout (True when
+    every tensor is contiguous, else their shapes and strides), the tensors'
+    identities where an address repeats (which of them are the same tensor)
+    and the backend :func:`serve_with` put in place."""
+
+    pointers: tuple
+    numels: tuple
+    dtypes: tuple
+    layout: object
+    same: tuple | None
+    override: object
+
+
+@dataclass(eq=False)
+class Table:
+    """What one call's tensors were worked out to be: their groups by device,
+    the dtype PyTorch returns their norm in, what they were recognised by
+    and whether they were found fit for an in-place write."""
+
+    groups: list
+    returned_dtype: object
+    reading: Reading | None
+    fit_in_place: bool = False
+
+    def first(self, tensors, group):
+        """The tensor the group's work is placed by (its device, its stream)."""
+        return tensors[group.members[0]]
+
+
+_lock = threading.Lock()
+_tables: list = []  # Table, most recently used last
+_plans: list = []  # ((numels, dtypes), plan), most recently used last
+_templates: list = []  # ((numels, dtypes, layout), rows but their addresses), most recently used last
+
+
+@contextlib.contextmanager
+def serve_with(backend):
+    """Run the tensors of every device on ``backend`` inside the context.
+
+    The emulated CUDA backend over CPU tensors runs the CUDA path (rows,
+    kernels, device tables) where there is no GPU; a backend whose runtime
+    records launches without running them times the host work alone.
+
+    >>> import torch, gpuflat.torch as gft
+    >>> from gpuflat.backends import get_backend
+    >>> with serve_with(get_backend("emulated")):
+    ...     float(gft.get_total_norm([torch.tensor([3.0, 4.0])]))
+    5.0
+    """
+    token = _override.set(backend)
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def read(tensors, name_of, in_place=False) -> Table | None:
+    """The table of ``tensors`` (each counted once), checked, and with
+    ``in_place`` checked fit to be written in place; None when some are
+    DTensors (``gpuflat.distributed`` reduces those). ``name_of(i)`` names
+    ``tensors[i]`` in errors.
+
+    >>> import torch
+    >>> t = read([torch.ones(2), torch.ones(3, dtype=torch.float64)], lambda i: f"tensors[{i}]")
+    >>> [g.plan.size for g in t.groups], t.returned_dtype
+    ([5], torch.float64)
+    """
+    reading = _reading(tensors)
+    table = _remembered(reading) if reading is not None else None
+    if table is None:
+        table = _build(tensors, reading, name_of)
+        if table is None:
+            return None
+    if in_place and not table.fit_in_place:
+        _check_in_place(table, tensors, name_of)
+        table.fit_in_place = True
+    return table
+
+
+def _reading(tensors) -> Reading | None:
+    """The tensors' Reading; None for tensors checked in full when built (of a
+    type that is no plain tensor, or without storage of their own)."""
+    if not all(map(_is_plain_type, set(map(type, tensors)))):
+        return None
+    # Tensor's own methods: half the cost of a by-name lookup on each tensor.
+    try:
+        pointers = tuple(map(torch.Tensor.data_ptr, tensors))
+    except RuntimeError:  # no storage of its own (a sparse tensor)
+        return None
+    layout = (True if all(map(torch.Tensor.is_contiguous, tensors))
+              else (tuple(map(_shape, tensors)), tuple(map(torch.Tensor.stride, tensors))))
+    same = tuple(map(id, tensors)) if len(set(pointers)) < len(pointers) else None
+    return Reading(pointers, tuple(map(torch.Tensor.numel, tensors)), tuple(map(_dtype, tensors)), layout, same,
+                   _override.get())
+
+
+@functools.lru_cache(maxsize=64)
+def _is_plain_type(cls) -> bool:
+    """A tensor type whose memory holds its values (not a DTensor or another wrapper)."""
+    # A DTensor, like every wrapper subclass, overrides __torch_dispatch__.
+    return cls in _PLAIN or (issubclass(cls, torch.Tensor)
+                             and cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
+
+
+def _remembered(reading):
+    with _lock:
+        for table in reversed(_tables):
+            if table.reading == reading:
+                _tables.remove(table)
+                _tables.append(table)
+                return table
+    return None
+
+
+# ---------------------------------------------------------------- building
+
+def _build(tensors, reading, name_of):
+    if not _all_plain(tensors, name_of):
+        return None
+    _check_readable(tensors, reading.dtypes if reading else tuple(map(_dtype, tensors)), name_of)
+    facts = reading or Reading(  # read in full, never remembered
+        tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(torch.Tensor.numel, tensors)),
+        tuple(map(_dtype, tensors)), (tuple(map(_shape, tensors)), tuple(map(torch.Tensor.stride, tensors))),
+        tuple(map(id, tensors)), _override.get())
+    if facts.same is None or len(set(facts.same)) == len(tensors):
+        unique = range(len(tensors))
+    else:  # a tensor passed twice counts once
+        first: dict = {}
+        unique = [i for i, t in enumerate(tensors) if first.setdefault(id(t), i) == i]
+    table = Table(_groups(tensors, unique, facts, name_of), _promoted(facts.dtypes), reading)
+    if reading is not None and all(isinstance(g.leaves, LeafRows) for g in table.groups):
+        with _lock:
+            _tables.append(table)
+            while len(_tables) > TABLES_KEPT:
+                _tables.pop(0)
+    return table
+
+
+def _all_plain(tensors, name_of) -> bool:
+    """False if some tensor is a DTensor; raises for anything else that is
+    not a tensor gpuflat can read."""
+    for cls in set(map(type, tensors)) - _PLAIN:
+        i = next(i for i, t in enumerate(tensors) if type(t) is cls)
+        if dtensor.is_dtensor(tensors[i]):
+            return False
+        if not isinstance(tensors[i], torch.Tensor):
+            raise TypeError(f"leaf {name_of(i)!r}: expected a torch.Tensor, found {cls.__qualname__}")
+        _named(name_of(i), plain_tensor, tensors[i])
+    return True
+
+
+def _check_readable(tensors, dtypes, name_of):
+    """Every tensor floating point, strided, on the CPU or a CUDA device, with
+    no conjugate or negative bit: one pass per property, and a pass per
+    tensor only to name the first that is not."""
+    if (set(dtypes) <= _NUMPY_DTYPES.keys() and set(map(_layout, tensors)) == {torch.strided}
+            and {d.type for d in set(map(_device, tensors))} <= {"cpu", "cuda"}
+            and not any(map(torch.Tensor.is_conj, tensors)) and not any(map(torch.Tensor.is_neg, tensors))):
+        return
+    for i, t in enumerate(tensors):
+        if not (t.is_floating_point() or t.is_complex()):
+            # An integer or bool tensor has no trainable values: PyTorch's vector_norm refuses it too.
+            raise NonFloatingTensorError(f"leaf {name_of(i)!r}: expected a floating point or "
+                                         f"complex tensor, found dtype {t.dtype}")
+        _named(name_of(i), _readable, t)
+
+
+def _readable(t):
+    refusal = tensor_refusal(t)
+    if refusal is None and t.dtype not in _NUMPY_DTYPES:
+        refusal = f"expected a tensor of a dtype gpuflat holds, found {t.dtype}"
+    if refusal is not None:
+        raise UnsupportedLeafError(refusal)
+
+
+def _named(name, check, t):
+    try:
+        check(t)
+    except TypeError as err:
+        raise type(err)(f"leaf {name!r}: {err}") from None
+
+
+def _promoted(dtypes):
+    """The dtype PyTorch returns a norm in: the promoted real dtype of the tensors."""
+    return functools.reduce(torch.promote_types, {d.to_real() for d in set(dtypes)})
+
+
+def _groups(tensors, unique, facts, name_of) -> list:
+    """The unique tensors grouped by device, each group with its plan, backend and leaves."""
+    devices = list(map(_device, tensors))
+    if len(set(devices)) == 1:  # the common case, without a pass per tensor in Python
+        by_device = {devices[0]: tuple(unique)}
+    else:
+        by_device = {}
+        for i in unique:
+            by_device.setdefault(devices[i], []).append(i)
+    return [_group(tensors, tuple(members), facts, backend_for(device), name_of)
+            for device, members in by_device.items()]
+
+
+def _group(tensors, members, facts, backend, name_of):
+    whole = len(members) == len(tensors)
+    pick = (lambda xs: xs) if whole else (lambda xs: tuple(xs[i] for i in members))
+    numels, dtypes = pick(facts.numels), pick(facts.dtypes)
+    layout = facts.layout if facts.layout is True else tuple(map(pick, facts.layout))
+    leaves = None
+    if getattr(backend, "reads_rows", False):
+        template = _template(numels, dtypes, layout)
+        if template is not None:
+            words = template.copy()
+            words[:, 0] = pick(facts.pointers)
+            leaves = LeafRows(words)
+    if leaves is None:  # a backend reading arrays only, or a leaf of too many dims for a row
+        leaves = [_named_adopt(name_of(i), tensors[i]) for i in members]
+    return Group(members, _plan(numels, dtypes), backend, leaves)
+
+
+def backend_for(device):
+    """The backend serving tensors on ``device``: the native host backend (or
+    NumPy) on the CPU, the CUDA backend of that device on a GPU; inside
+    :func:`serve_with`, its backend.
+
+    >>> backend_for(torch.device("cpu")).name in ("host", "numpy")
+    True
+    """
+    override = _override.get()
+    if override is not None:
+        return override
+    if device.type == "cuda":
+        return get_backend("cuda", device.index)
+    return get_backend(host_default())
+
+
+def _named_adopt(name, t):
+    try:
+        return adopt(t)
+    except TypeError as err:
+        raise type(err)(f"leaf {name!r}: {err}") from None
+
+
+def _remembered_in(cache, key, make):
+    """``make()``, kept in ``cache`` (a list of (key, value), most recent last) under ``key``."""
+    with _lock:
+        for k, value in reversed(cache):
+            if k == key:
+                return value
+    value = make()
+    with _lock:
+        cache.append((key, value))
+        while len(cache) > TABLES_KEPT:
+            cache.pop(0)
+    return value
+
+
+def _plan(numels, dtypes) -> FlatPlan:
+    """The plan of tensors of these sizes and dtypes (as 1-D leaves), walked once per layout."""
+    def make():
+        stand_ins = [np.broadcast_to(np.zeros((), _NUMPY_DTYPES[d]), (n,)) for n, d in zip(numels, dtypes)]
+        return cached(walk(stand_ins).treedef, stand_ins)[0]
+
+    return _remembered_in(_plans, (numels, dtypes), make)
+
+
+def _template(numels, dtypes, layout):
+    """The rows of tensors of this layout but their addresses; None if one
+    keeps more dims than a row holds."""
+    def make():
+        template = np.zeros((len(numels), LEAF_ROW_WORDS), np.int64)
+        for k, (n, dtype) in enumerate(zip(numels, dtypes)):
+            itemsize = _NUMPY_DTYPES[dtype].itemsize
+            shape, strides = ((n,), (itemsize,)) if layout is True else (
+                tuple(layout[0][k]), tuple(s * itemsize for s in layout[1][k]))
+            row = leaf_row(shape, strides, _NUMPY_DTYPES[dtype])
+            if row is None:
+                return None
+            template[k, 1:] = row
+        return template
+
+    return _remembered_in(_templates, (numels, dtypes, layout), make)
+
+
+# ---------------------------------------------------------------- in-place fitness
+
+def _check_in_place(table, tensors, name_of):
+    """Refuse, naming the leaves, tensors with overlapping elements or sharing memory."""
+    for g in table.groups:
+        if not isinstance(g.leaves, LeafRows):
+            check_in_place([name_of(i) for i in g.members], g.leaves)
+            continue
+        words = g.leaves.words
+        for k in np.flatnonzero(words[:, 2] > 0):  # strided rows only: a contiguous one cannot overlap itself
+            t = tensors[g.members[k]]
+            itemsize = _NUMPY_DTYPES[t.dtype].itemsize
+            if may_overlap_itself(_Layout(t.numel(), t.shape, [s * itemsize for s in t.stride()], itemsize)):
+                raise OverlapError(
+                    f"leaf {name_of(g.members[k])!r}: expected a tensor whose elements are distinct memory, "
+                    f"got shape {tuple(t.shape)} with strides {tuple(t.stride())} (an expanded or "
+                    f"self-overlapping view); an in-place write would race. Pass a copy")
+        pair = _sharing_pair(words, lambda k, members=g.members: adopt(tensors[members[k]]))
+        if pair is not None:
+            first, second = (name_of(g.members[k]) for k in pair)
+            raise OverlapError(
+                f"leaves {first!r} and {second!r} share memory; an in-place operation would "
+                f"write one through the other (expected distinct memory, found overlapping views)")
+
+
+class _Layout:
+    """A tensor's layout as ``checks.may_overlap_itself`` reads an array's (byte strides)."""
+
+    def __init__(self, size, shape, strides, itemsize):
+        self.size, self.shape, self.strides, self.dtype = size, shape, strides, np.dtype(f"V{itemsize}")
+
+
+def _sharing_pair(words, view):
+    """The first pair (i, j), i < j, of rows whose elements share memory, or None.
+
+    Byte ranges are swept in address order; rows whose ranges meet are
+    compared exactly (``np.shares_memory``) on the CPU, and refused on a GPU,
+    which has no exact test.
+    """
+    itemsize = _ITEMSIZE_BY_TAG[words[:, 1]]
+    ndim = words[:, 2]
+    reach = np.maximum(words[:, 4:4 + MAX_DIMS] - 1, 0) * words[:, 4 + MAX_DIMS:4 + 2 * MAX_DIMS]
+    below = np.where(ndim > 0, np.minimum(reach, 0).sum(axis=1), 0)
+    above = np.where(ndim > 0, np.maximum(reach, 0).sum(axis=1), (words[:, 3] - 1) * itemsize)
+    index = np.flatnonzero(words[:, 3] > 0)
+    if len(index) < 2:
+        return None
+    lo, hi = words[index, 0] + below[index], words[index, 0] + above[index] + itemsize[index]
+    order = np.argsort(lo, kind="stable")
+    lo, hi, index = lo[order], hi[order], index[order]
+    furthest = np.maximum.accumulate(hi)
+    for m in np.flatnonzero(lo[1:] < furthest[:-1]) + 1:
+        for k in np.flatnonzero(hi[:m] > lo[m]):
+            i, j = sorted((int(index[k]), int(index[m])))
+            a, b = view(i), view(j)
+            if not isinstance(a, np.ndarray) or np.shares_memory(a, b):
+                return i, j
+    return None
