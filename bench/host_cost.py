@@ -10,6 +10,18 @@ the same work for 148 leaves as for 10,000). The leaves are never read, so
 they are left uninitialised. On a CUDA run the same calls are timed again
 on the real device, from the call to its return with the device idle at the
 start: the host's issue time.
+
+``gpuflat.torch.clip_grad_norm_`` is timed the same way on PyTorch tensors
+(parameters with gradients over the same memory), the CUDA backend on the
+no-launch runtime serving them (``tensor_table.serve_with``): the table
+built from each tensor's metadata, the checks and the launches, with the
+metadata reads PyTorch itself charges. PyTorch here may have no CUDA tensors;
+its CPU tensors answer ``data_ptr()``, ``stride()`` and the rest at the same
+cost. Three ways a training loop hands the gradients over: the same tensors
+every step; new tensor objects in the same memory (``zero_grad()`` sets them
+to None and backward allocates them again where they were); and gradients in
+other memory every step (more layouts than the tables kept, so every call
+builds its table again).
 """
 from __future__ import annotations
 
@@ -18,6 +30,7 @@ from contextlib import contextmanager
 import numpy as np
 
 import gpuflat as gf
+from gpuflat import tensor_table
 from gpuflat.backends import get_backend
 from gpuflat.backends.cuda_runtime import EmulatedRuntime
 
@@ -80,17 +93,66 @@ def _calls(tree, backend):
     }
 
 
+DROP_IN = "gpuflat.torch clip_grad_norm_"
+# Gradient sets the "moved" call rotates through: one more than the tables
+# gpuflat.torch keeps, so no call finds its table again.
+MOVED_SETS = tensor_table.TABLES_KEPT + 1
+MOVED_BYTES = 1 << 28  # their copies are made only for trees this small (the 10,000-leaf one)
+
+
+def _torch_calls(leaves, backend):
+    """(name, (call, before)) of the drop-in on parameters whose gradients
+    are views of ``leaves`` (NumPy or CuPy), served by ``backend``."""
+    import torch
+
+    import gpuflat.torch as gft
+
+    grads = [_tensor(torch, a).view(-1) for a in leaves]
+    params = [torch.nn.Parameter(torch.empty(0, device=g.device)) for g in grads]
+    for p, g in zip(params, grads):
+        p.data = torch.empty_like(g)
+        p.grad = g
+    moved = ([[g.clone() for g in grads] for _ in range(MOVED_SETS)]
+             if sum(a.nbytes for a in leaves) * MOVED_SETS <= MOVED_BYTES else None)
+    turn = iter(range(1 << 62))
+
+    def clip():
+        with tensor_table.serve_with(backend):
+            gft.clip_grad_norm_(params, 1.0)
+
+    def regrad(sets):
+        k = next(turn) % len(sets)
+        for p, g in zip(params, sets[k]):
+            p.grad = g.view_as(g)
+
+    calls = {f"{DROP_IN} (the same gradients)": (clip, None),
+             f"{DROP_IN} (new gradient tensors, same memory)": (clip, lambda: regrad([grads]))}
+    if moved is not None:
+        calls[f"{DROP_IN} (gradients in other memory)"] = (clip, lambda: regrad(moved))
+    return calls
+
+
+def _tensor(torch, a):
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
+
+
 def _rows(name, tree, backend, runtime_label, stats, timer, settings) -> list:
     leaves = len(gf.plan(tree).leaves)
     rows = []
     where = {"workload": name, "leaves": leaves, "runtime": runtime_label}
     try:
-        calls = _calls(tree, backend)
+        calls = {call: (fn, None) for call, fn in _calls(tree, backend).items()}
     except Exception as exc:  # reported as a row, never a crash of the run
         return [{**where, "call": "gf.resident(tree)", **_error(exc)}]
-    for call, fn in calls.items():
+    try:
+        calls.update(_torch_calls(gf.trainables(tree), get_backend(backend)))
+    except Exception as exc:  # PyTorch absent, or the tensors refused: a row saying so
+        rows.append({**where, "call": DROP_IN, **_error(exc)})
+    for call, (fn, before_each) in calls.items():
         try:
-            t, _ = timing.measure(fn, timer, settings)
+            t, _ = timing.measure(fn, timer, settings, before_each)
+            if before_each is not None:
+                before_each()
             before = stats.snapshot()
             fn()
         except Exception as exc:
