@@ -71,15 +71,13 @@ class Group:
 class Reading(NamedTuple):
     """What decides a table, read from the tensors each call with one C-level
     pass per field: addresses, element counts, dtypes, the layout (True when
-    every tensor is contiguous, else their shapes and strides), the tensors'
-    identities where an address repeats (which of them are the same tensor)
-    and the backend :func:`serve_with` put in place."""
+    every tensor is contiguous, else their shapes and strides) and the
+    backend :func:`serve_with` put in place."""
 
     pointers: tuple
     numels: tuple
     dtypes: tuple
     layout: object
-    same: tuple | None
     override: object
 
 
@@ -87,11 +85,14 @@ class Reading(NamedTuple):
 class Table:
     """What one call's tensors were worked out to be: their groups by device,
     the dtype PyTorch returns their norm in, what they were recognised by
-    and whether they were found fit for an in-place write."""
+    (their Reading, and where an address repeats, which of them were the
+    same tensor: :func:`_ties`) and whether they were found fit for an
+    in-place write."""
 
     groups: list
     returned_dtype: object
     reading: Reading | None
+    ties: tuple | None
     fit_in_place: bool = False
 
     def first(self, tensors, group):
@@ -138,7 +139,7 @@ def read(tensors, name_of, in_place=False) -> Table | None:
     ([5], torch.float64)
     """
     reading = _reading(tensors)
-    table = _remembered(reading) if reading is not None else None
+    table = _remembered(reading, tensors) if reading is not None else None
     if table is None:
         table = _build(tensors, reading, name_of)
         if table is None:
@@ -161,8 +162,7 @@ def _reading(tensors) -> Reading | None:
         return None
     layout = (True if all(map(torch.Tensor.is_contiguous, tensors))
               else (tuple(map(_shape, tensors)), tuple(map(torch.Tensor.stride, tensors))))
-    same = tuple(map(id, tensors)) if len(set(pointers)) < len(pointers) else None
-    return Reading(pointers, tuple(map(torch.Tensor.numel, tensors)), tuple(map(_dtype, tensors)), layout, same,
+    return Reading(pointers, tuple(map(torch.Tensor.numel, tensors)), tuple(map(_dtype, tensors)), layout,
                    _override.get())
 
 
@@ -174,10 +174,18 @@ def _is_plain_type(cls) -> bool:
                              and cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
 
 
-def _remembered(reading):
+def _ties(tensors) -> tuple:
+    """For each tensor, the position of the first one that is the same object."""
+    first: dict = {}
+    return tuple(first.setdefault(id(t), i) for i, t in enumerate(tensors))
+
+
+def _remembered(reading, tensors):
     with _lock:
         for table in reversed(_tables):
-            if table.reading == reading:
+            # Repeated addresses are the same tensor passed twice (counted
+            # once) or two views of one memory (counted twice): which, is read again.
+            if table.reading == reading and (table.ties is None or table.ties == _ties(tensors)):
                 _tables.remove(table)
                 _tables.append(table)
                 return table
@@ -193,13 +201,11 @@ def _build(tensors, reading, name_of):
     facts = reading or Reading(  # read in full, never remembered
         tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(torch.Tensor.numel, tensors)),
         tuple(map(_dtype, tensors)), (tuple(map(_shape, tensors)), tuple(map(torch.Tensor.stride, tensors))),
-        tuple(map(id, tensors)), _override.get())
-    if facts.same is None or len(set(facts.same)) == len(tensors):
-        unique = range(len(tensors))
-    else:  # a tensor passed twice counts once
-        first: dict = {}
-        unique = [i for i, t in enumerate(tensors) if first.setdefault(id(t), i) == i]
-    table = Table(_groups(tensors, unique, facts, name_of), _promoted(facts.dtypes), reading)
+        _override.get())
+    ties = _ties(tensors) if len(set(facts.pointers)) < len(tensors) else None
+    # A tensor passed twice counts once.
+    unique = range(len(tensors)) if ties is None else [i for i, first in enumerate(ties) if first == i]
+    table = Table(_groups(tensors, unique, facts, name_of), _promoted(facts.dtypes), reading, ties)
     if reading is not None and all(isinstance(g.leaves, LeafRows) for g in table.groups):
         with _lock:
             _tables.append(table)
