@@ -197,7 +197,8 @@ def _remembered(reading, tensors):
 def _build(tensors, reading, name_of):
     if not _all_plain(tensors, name_of):
         return None
-    _check_readable(tensors, reading.dtypes if reading else tuple(map(_dtype, tensors)), name_of)
+    devices = list(map(_device, tensors))
+    _check_readable(tensors, reading.dtypes if reading else tuple(map(_dtype, tensors)), set(devices), name_of)
     facts = reading or Reading(  # read in full, never remembered
         tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(torch.Tensor.numel, tensors)),
         tuple(map(_dtype, tensors)), (tuple(map(_shape, tensors)), tuple(map(torch.Tensor.stride, tensors))),
@@ -205,7 +206,7 @@ def _build(tensors, reading, name_of):
     ties = _ties(tensors) if len(set(facts.pointers)) < len(tensors) else None
     # A tensor passed twice counts once.
     unique = range(len(tensors)) if ties is None else [i for i, first in enumerate(ties) if first == i]
-    table = Table(_groups(tensors, unique, facts, name_of), _promoted(facts.dtypes), reading, ties)
+    table = Table(_groups(tensors, unique, devices, facts, name_of), _promoted(facts.dtypes), reading, ties)
     if reading is not None and all(isinstance(g.leaves, LeafRows) for g in table.groups):
         with _lock:
             _tables.append(table)
@@ -227,12 +228,12 @@ def _all_plain(tensors, name_of) -> bool:
     return True
 
 
-def _check_readable(tensors, dtypes, name_of):
+def _check_readable(tensors, dtypes, devices, name_of):
     """Every tensor floating point, strided, on the CPU or a CUDA device, with
     no conjugate or negative bit: one pass per property, and a pass per
     tensor only to name the first that is not."""
     if (set(dtypes) <= _NUMPY_DTYPES.keys() and set(map(_layout, tensors)) == {torch.strided}
-            and {d.type for d in set(map(_device, tensors))} <= {"cpu", "cuda"}
+            and {d.type for d in devices} <= {"cpu", "cuda"}
             and not any(map(torch.Tensor.is_conj, tensors)) and not any(map(torch.Tensor.is_neg, tensors))):
         return
     for i, t in enumerate(tensors):
@@ -263,9 +264,8 @@ def _promoted(dtypes):
     return functools.reduce(torch.promote_types, {d.to_real() for d in set(dtypes)})
 
 
-def _groups(tensors, unique, facts, name_of) -> list:
-    """The unique tensors grouped by device, each group with its plan, backend and leaves."""
-    devices = list(map(_device, tensors))
+def _groups(tensors, unique, devices, facts, name_of) -> list:
+    """The unique tensors grouped by their ``devices``, each group with its plan, backend and leaves."""
     if len(set(devices)) == 1:  # the common case, without a pass per tensor in Python
         by_device = {devices[0]: tuple(unique)}
     else:
