@@ -186,3 +186,44 @@ def test_tensors_on_two_backends_are_kept_apart():
         emulated = tensor_table.read(grads, str)
     assert tensor_table.read(grads, str) is not emulated
     assert emulated.groups[0].backend.name == "emulated"
+
+
+# ---------------------------------------------------------------- CUDA tensors (the stand-ins)
+
+@pytest.fixture
+def cuda(monkeypatch):
+    """PyTorch's CUDA side and CuPy stood in for: CUDA tensors are CPU tensors that say cuda:0."""
+    import cupy_stand_in
+    import torch_cuda_stand_in as tcs
+
+    cp = cupy_stand_in.install(monkeypatch)
+    with tcs.install(monkeypatch, cp):
+        yield cp, tcs
+
+
+def test_cuda_gradients_are_clipped_with_no_import_per_tensor(cuda):
+    cp, tcs = cuda
+    params = [tcs.parameter(torch.zeros(7)) for _ in range(20)]
+    for k, p in enumerate(params):
+        p.grad = tcs.cuda(torch.full((7,), float(k)))
+    want = exact_norm([values(p.grad) for p in params])
+    for _ in range(2):  # the second call finds its table: no upload either
+        start = len(cp.events)
+        total = gft.clip_grad_norm_(params, max_norm=want / 2)
+        events = [e.kind for e in cp.events[start:]]
+        assert events.count("from_dlpack") <= 1  # the norm, read back for the clip; no gradient
+    assert events.count("upload") == 0 and events.count("launch") == 3
+    assert float(total) == pytest.approx(want / 2, rel=1e-6)  # the second call saw the clipped gradients
+    assert float(gft.get_total_norm([p.grad for p in params])) == pytest.approx(want / 2, rel=1e-6)
+
+
+def test_cpu_and_cuda_tensors_in_one_call_are_reduced_per_device(cuda):
+    _, tcs = cuda
+    host, device = torch.tensor([3.0, 4.0]), tcs.cuda(torch.tensor([12.0]))
+    assert float(gft.get_total_norm([host, device])) == 13.0
+    table = tensor_table.read([host, device], str)
+    assert sorted(g.backend.name for g in table.groups) == ["cuda", "host"]
+    p, q = torch.nn.Parameter(torch.zeros(2)), tcs.parameter(torch.zeros(1))
+    p.grad, q.grad = host, device
+    gft.clip_grad_norm_([p, q], 1.3)
+    assert host.tolist() == pytest.approx([0.3, 0.4], rel=1e-6) and device.tolist() == pytest.approx([1.2], rel=1e-6)
