@@ -366,3 +366,41 @@ __device__ __forceinline__ long long gf_global_warp() {
 __device__ __forceinline__ long long gf_warp_count() {
     return ((long long)gridDim.x * (long long)blockDim.x) / GF_WARP;
 }
+
+// ---------------------------------------------------------------- the item harness
+// Every grid-stride kernel walks its work items the same way, as Apex's
+// multi-tensor apply does for its functors
+// (https://github.com/NVIDIA/apex/blob/master/csrc/multi_tensor_apply.cuh):
+// the harness hands out the items and finds each one's leaf and element type,
+// and a kernel is a small body per item. The order of the elements within an
+// item is gf_item_loop's, so a body's sums keep their bits.
+
+// fn(it, item, lane) for every work item `it`, one warp each, grid-stride.
+template <class Fn>
+__device__ __forceinline__ void gf_for_items(const Item* __restrict__ items, long long n_items, Fn fn) {
+    const int lane = (int)(threadIdx.x % GF_WARP);
+    const long long nwarps = gf_warp_count();
+    for (long long it = gf_global_warp(); it < n_items; it += nwarps) {
+        const Item item = items[it];
+        fn(it, item, lane);
+    }
+}
+
+// fn(item, L, lane, S{}) for every work item, with L its leaf's row and S
+// that leaf's element type.
+template <class Fn>
+__device__ __forceinline__ void gf_for_leaf_items(const Item* __restrict__ items, long long n_items,
+                                                  const LeafRef* __restrict__ leaves, Fn fn) {
+    gf_for_items(items, n_items, [&](long long, const Item& item, int lane) {
+        const LeafRef& L = leaves[item.slot];
+        gf_dispatch(L.tag, [&](auto z) { fn(item, L, lane, z); });
+    });
+}
+
+// The per-lane loop over an item's elements (see gf_item_loop): the strided
+// path for a strided leaf, else the contiguous one with U vectors in flight.
+template <class S, bool READ, bool WRITE, int U = GF_UNROLL, class Op>
+__device__ __forceinline__ void gf_leaf_loop(const LeafRef& L, const Item& item, int lane, Op op) {
+    if (L.ndim != 0) gf_strided_loop<S, READ, WRITE>(L, item.start, item.len, lane, op);
+    else gf_item_loop<S, READ, WRITE, U>(L, item.start, item.len, lane, op);
+}
