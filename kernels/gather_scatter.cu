@@ -139,7 +139,9 @@ template <class T>
 __global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
 gpuflat_scatter(const Item* __restrict__ items, long long n_items, const LeafRef* __restrict__ leaves,
                 const T* __restrict__ flat) {
-    gf_for_leaf_items(items, n_items, leaves, [&](const Item& item, const LeafRef& L, int lane, auto z) {
+    // The leaf's fields where the compiler reads them: loaded early, they
+    // would cost this kernel spills (see gf_on_leaf).
+    gf_for_leaf_items<false>(items, n_items, leaves, [&](const Item& item, const LeafRef& L, int lane, auto z) {
         using S = decltype(z);
         const T* const src = flat + item.flat;
         if (L.ndim != 0) return gf_scatter_strided<T, S>(L, item.start, item.len, lane, src);

@@ -44,8 +44,8 @@ __device__ __forceinline__ void gf_add_terms(gf_lane_sum& s, S (&v)[gf_vec<S>::V
 }
 
 // A lane's share of one item of leaf L, of element type S.
-template <int K, class S>
-__device__ __forceinline__ gf_lane_sum gf_item_terms(const LeafRef& L, const Item& item, int lane, double p) {
+template <int K, class S, class Leaf>
+__device__ __forceinline__ gf_lane_sum gf_item_terms(const Leaf& L, const Item& item, int lane, double p) {
     gf_lane_sum s = {0.0, 0};
     gf_leaf_loop<S, true, false, gf_norm_unroll<K>()>(L, item, lane, [&](long long, S (&v)[gf_vec<S>::V], int n) {
         gf_add_terms<K>(s, v, n, p);
@@ -63,9 +63,12 @@ __global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
 gpuflat_norm_partial(const Item* __restrict__ items, long long n_items, const LeafRef* __restrict__ leaves,
                      double p, double* __restrict__ partial) {
     gf_for_items(items, n_items, [&](long long it, const Item& item, int lane) {
-        const LeafRef& L = leaves[item.slot];
         gf_lane_sum sum = {0.0, 0};
-        gf_dispatch(L.tag, [&](auto z) { sum = gf_item_terms<K, decltype(z)>(L, item, lane, p); });
+        // The leaf's fields are loaded early except for the inf-norm, which
+        // CUDA 13's ptxas then spills more for sm_100.
+        gf_on_leaf<K != GF_NORM_INF>(leaves[item.slot], [&](const auto& L, auto z) {
+            sum = gf_item_terms<K, decltype(z)>(L, item, lane, p);
+        });
         double acc = sum.acc;
         // Fixed tree: lane 0 ends with ((l0+l16)+(l8+l24))+... whatever the grid.
 #pragma unroll
@@ -216,7 +219,7 @@ __device__ __forceinline__ void gf_scale_items(const Item* __restrict__ items, l
     // x * 1 is x exactly for every dtype (NaN stays NaN), so when nothing is
     // clipped the kernel leaves memory untouched instead of rewriting it.
     if (coef == 1.0) return;
-    gf_for_leaf_items(items, n_items, leaves, [&](const Item& item, const LeafRef& L, int lane, auto z) {
+    gf_for_leaf_items<true>(items, n_items, leaves, [&](const Item& item, const auto& L, int lane, auto z) {
         using S = decltype(z);
         gf_leaf_loop<S, true, true>(L, item, lane, [&](long long, S (&v)[gf_vec<S>::V], int n) {
             gf_for_each(v, n, [&](S& x) { gf_scale(x, coef); });
