@@ -74,14 +74,8 @@ constexpr int gf_unroll() {
 
 __device__ __forceinline__ bool gf_aligned16(const void* p) { return ((unsigned long long)p & 15ULL) == 0; }
 
-// The strided paths of one item, in functions of their own (see gf_strided_loop).
-template <class T, class S>
-__device__ __forceinline__ void gf_gather_strided(const LeafRef& L, long long start, long long len, int lane, T* dst) {
-    gf_strided_loop<S, true, false>(L, start, len, lane, [&](long long i0, S (&v)[gf_vec<S>::V], int n) {
-        gf_put(dst + i0, v, n, false);
-    });
-}
-
+// The strided path of a scatter item, out of line: it keeps the per-element
+// address arithmetic out of the registers of the contiguous loop.
 template <class T, class S>
 __device__ __noinline__ void gf_scatter_strided(const LeafRef& L, long long start, long long len, int lane,
                                                 const T* src) {
@@ -123,28 +117,20 @@ template <class T>
 __global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
 gpuflat_gather(const Item* __restrict__ items, long long n_items, const LeafRef* __restrict__ sources,
                const long long* __restrict__ src_csr, T* __restrict__ out) {
-    const int lane = (int)(threadIdx.x % GF_WARP);
-    const long long nwarps = gf_warp_count();
-    for (long long it = gf_global_warp(); it < n_items; it += nwarps) {
-        const Item item = items[it];
+    gf_for_items(items, n_items, [&](long long, const Item& item, int lane) {
         T* const dst = out + item.flat;
         const long long s0 = src_csr[item.slot];
         const long long s1 = src_csr[item.slot + 1];
-        if (s1 - s0 == 1) {
-            const LeafRef& L = sources[s0];
-            const bool aligned = gf_aligned16(dst);
-            gf_dispatch(L.tag, [&](auto z) {
-                using S = decltype(z);
-                if (L.ndim != 0) return gf_gather_strided<T, S>(L, item.start, item.len, lane, dst);
-                gf_item_loop<S, true, false, gf_unroll<S, T>()>(L, item.start, item.len, lane,
-                                             [&](long long i0, S (&v)[gf_vec<S>::V], int n) {
-                                                 gf_put(dst + i0, v, n, aligned);
-                                             });
+        if (s1 - s0 != 1) return gf_gather_tied(sources, s0, s1, item.start, item.len, lane, dst);
+        const LeafRef& L = sources[s0];
+        const bool aligned = gf_aligned16(dst);
+        gf_dispatch(L.tag, [&](auto z) {
+            using S = decltype(z);
+            gf_leaf_loop<S, true, false, gf_unroll<S, T>()>(L, item, lane, [&](long long i0, S (&v)[gf_vec<S>::V], int n) {
+                gf_put(dst + i0, v, n, aligned);
             });
-        } else {
-            gf_gather_tied(sources, s0, s1, item.start, item.len, lane, dst);
-        }
-    }
+        });
+    });
 }
 
 // leaves[s][start + i] = flat[item.flat + i], converted to the leaf's dtype,
@@ -153,20 +139,16 @@ template <class T>
 __global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
 gpuflat_scatter(const Item* __restrict__ items, long long n_items, const LeafRef* __restrict__ leaves,
                 const T* __restrict__ flat) {
-    const int lane = (int)(threadIdx.x % GF_WARP);
-    const long long nwarps = gf_warp_count();
-    for (long long it = gf_global_warp(); it < n_items; it += nwarps) {
-        const Item item = items[it];
+    // The leaf's fields where the compiler reads them: loaded early, they
+    // would cost this kernel spills (see gf_on_leaf).
+    gf_for_leaf_items<false>(items, n_items, leaves, [&](const Item& item, const LeafRef& L, int lane, auto z) {
+        using S = decltype(z);
         const T* const src = flat + item.flat;
+        if (L.ndim != 0) return gf_scatter_strided<T, S>(L, item.start, item.len, lane, src);
         const bool aligned = gf_aligned16(src);
-        const LeafRef& L = leaves[item.slot];
-        gf_dispatch(L.tag, [&](auto z) {
-            using S = decltype(z);
-            if (L.ndim != 0) return gf_scatter_strided<T, S>(L, item.start, item.len, lane, src);
-            gf_item_loop<S, false, true, gf_unroll<S, T>()>(L, item.start, item.len, lane,
-                                         [&](long long i0, S (&v)[gf_vec<S>::V], int n) {
-                                             gf_get(v, src + i0, n, aligned);
-                                         });
-        });
-    }
+        gf_item_loop<S, false, true, gf_unroll<S, T>()>(L, item.start, item.len, lane,
+                                                     [&](long long i0, S (&v)[gf_vec<S>::V], int n) {
+                                                         gf_get(v, src + i0, n, aligned);
+                                                     });
+    });
 }

@@ -264,8 +264,7 @@ __device__ __forceinline__ char* gf_addr(const LeafRef& L, long long i, long lon
 // in flight per lane instead of one load followed by its dependent
 // arithmetic; a misaligned item, and an aligned one's last partial vector,
 // one element at a time. gf_strided_loop takes strided leaves, one element
-// at a time through gf_addr; kernels call it from a separate function, which
-// keeps its per-element address arithmetic out of the hot loop's registers.
+// at a time through gf_addr.
 //
 // op(i0, v, n) gets the item-relative index of the vector's first element and
 // the vector, of which the first n elements are real; READ fills v from
@@ -279,20 +278,45 @@ struct gf_vec {
     };
 };
 
+// *p, loaded where this is written: the read-only load that __ldg compiles
+// to, volatile so that the compiler keeps its place. A plain load's place is
+// the compiler's choice: where each field was read inside the branch that
+// the one before chose, it loaded them one after another, and written early
+// it placed them differently per kernel and target (with more spills for the
+// p-norm under CUDA 13 for sm_100).
+__device__ __forceinline__ long long gf_load_here(const long long* p) {
+#ifdef __CUDA_ARCH__
+    long long v;
+    asm volatile("ld.global.nc.s64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
+#else
+    return *p;
+#endif
+}
+
+// A leaf's row with the fields every item needs loaded together as the item
+// starts (gf_on_leaf with EARLY); the loops below take it or the row itself.
+struct gf_leaf {
+    const LeafRef& row;  // the rest: a strided leaf's shape, strides and magic numbers
+    long long ptr, tag, ndim;
+};
+__device__ __forceinline__ const LeafRef& gf_row(const LeafRef& L) { return L; }
+__device__ __forceinline__ const LeafRef& gf_row(const gf_leaf& L) { return L.row; }
+
 // Elements [i0, i0 + n) of an item, one at a time, each as a vector of one
 // (the same order as whole vectors).
-template <class S, bool READ, bool WRITE, bool STRIDED, class Op>
-__device__ __forceinline__ void gf_elements(const LeafRef& L, long long start, long long i0, long long n, Op op) {
+template <class S, bool READ, bool WRITE, bool STRIDED, class Leaf, class Op>
+__device__ __forceinline__ void gf_elements(const Leaf& L, long long start, long long i0, long long n, Op op) {
     // A strided leaf's address is computed where the run enters a row of its
     // innermost dim, and stepped along the row from there.
     char* at = (char*)((S*)L.ptr + start + i0);
     long long step = (long long)sizeof(S), left = n;
     if constexpr (STRIDED) {
-        step = L.stride[L.ndim - 1];
+        step = gf_row(L).stride[L.ndim - 1];
         left = 0;
     }
     for (long long i = i0; i < i0 + n; ++i, at += step, --left) {
-        if (STRIDED && left == 0) at = gf_addr(L, start + i, (long long)sizeof(S), &left);
+        if (STRIDED && left == 0) at = gf_addr(gf_row(L), start + i, (long long)sizeof(S), &left);
         S* const p = (S*)at;
         S v[gf_vec<S>::V];
         if constexpr (READ) v[0] = *p;
@@ -301,8 +325,8 @@ __device__ __forceinline__ void gf_elements(const LeafRef& L, long long start, l
     }
 }
 
-template <class S, bool READ, bool WRITE, int U = GF_UNROLL, class Op>
-__device__ __forceinline__ void gf_item_loop(const LeafRef& L, long long start, long long len, int lane, Op op) {
+template <class S, bool READ, bool WRITE, int U = GF_UNROLL, class Leaf, class Op>
+__device__ __forceinline__ void gf_item_loop(const Leaf& L, long long start, long long len, int lane, Op op) {
     constexpr int V = gf_vec<S>::V;
     S* const first = (S*)L.ptr + start;
     const long long nvec = (len + V - 1) / V;
@@ -333,8 +357,8 @@ __device__ __forceinline__ void gf_item_loop(const LeafRef& L, long long start, 
     for (; j < nvec; j += GF_WARP) gf_elements<S, READ, WRITE, false>(L, start, j * V, gf_min((long long)V, len - j * V), op);
 }
 
-template <class S, bool READ, bool WRITE, class Op>
-__device__ __forceinline__ void gf_strided_loop(const LeafRef& L, long long start, long long len, int lane, Op op) {
+template <class S, bool READ, bool WRITE, class Leaf, class Op>
+__device__ __forceinline__ void gf_strided_loop(const Leaf& L, long long start, long long len, int lane, Op op) {
     constexpr int V = gf_vec<S>::V;
     for (long long j = lane; j * V < len; j += GF_WARP)
         gf_elements<S, READ, WRITE, true>(L, start, j * V, gf_min((long long)V, len - j * V), op);
@@ -365,4 +389,58 @@ __device__ __forceinline__ long long gf_global_warp() {
 }
 __device__ __forceinline__ long long gf_warp_count() {
     return ((long long)gridDim.x * (long long)blockDim.x) / GF_WARP;
+}
+
+// ---------------------------------------------------------------- the item harness
+// Every grid-stride kernel walks its work items the same way, as Apex's
+// multi-tensor apply does for its functors
+// (https://github.com/NVIDIA/apex/blob/master/csrc/multi_tensor_apply.cuh):
+// the harness hands out the items and finds each one's leaf and element type,
+// and a kernel is a small body per item. The order of the elements within an
+// item is gf_item_loop's, so a body's sums keep their bits.
+
+// fn(it, item, lane) for every work item `it`, one warp each, grid-stride.
+template <class Fn>
+__device__ __forceinline__ void gf_for_items(const Item* __restrict__ items, long long n_items, Fn fn) {
+    const int lane = (int)(threadIdx.x % GF_WARP);
+    const long long nwarps = gf_warp_count();
+    for (long long it = gf_global_warp(); it < n_items; it += nwarps) {
+        const Item item = items[it];
+        fn(it, item, lane);
+    }
+}
+
+// fn(L, S{}) with L the leaf of table row `row` and S its element type. With
+// EARLY, L is a gf_leaf whose fields were loaded together first: read where
+// first used, each inside the branch that the one before chose (the dtype,
+// then strided or not, then the address), they are a chain of three
+// dependent loads ahead of the item's data; loaded early, one. The price is
+// registers held across the dispatch, which not every kernel can spare (the
+// resource gates in tests/test_kernel_resources.py tell).
+template <bool EARLY, class Fn>
+__device__ __forceinline__ void gf_on_leaf(const LeafRef& row, Fn fn) {
+    if constexpr (EARLY) {
+        const gf_leaf L = {row, gf_load_here(&row.ptr), gf_load_here(&row.tag), gf_load_here(&row.ndim)};
+        gf_dispatch(L.tag, [&](auto z) { fn(L, z); });
+    } else {
+        gf_dispatch(row.tag, [&](auto z) { fn(row, z); });
+    }
+}
+
+// fn(item, L, lane, S{}) for every work item, with L and S its leaf's (see
+// gf_on_leaf).
+template <bool EARLY, class Fn>
+__device__ __forceinline__ void gf_for_leaf_items(const Item* __restrict__ items, long long n_items,
+                                                  const LeafRef* __restrict__ leaves, Fn fn) {
+    gf_for_items(items, n_items, [&](long long, const Item& item, int lane) {
+        gf_on_leaf<EARLY>(leaves[item.slot], [&](const auto& L, auto z) { fn(item, L, lane, z); });
+    });
+}
+
+// The per-lane loop over an item's elements (see gf_item_loop): the strided
+// path for a strided leaf, else the contiguous one with U vectors in flight.
+template <class S, bool READ, bool WRITE, int U = GF_UNROLL, class Leaf, class Op>
+__device__ __forceinline__ void gf_leaf_loop(const Leaf& L, const Item& item, int lane, Op op) {
+    if (L.ndim != 0) gf_strided_loop<S, READ, WRITE>(L, item.start, item.len, lane, op);
+    else gf_item_loop<S, READ, WRITE, U>(L, item.start, item.len, lane, op);
 }

@@ -43,22 +43,15 @@ __device__ __forceinline__ void gf_add_terms(gf_lane_sum& s, S (&v)[gf_vec<S>::V
     });
 }
 
-// The strided path of one item, in a function of its own (see gf_strided_loop).
-template <int K, class S>
-__device__ __forceinline__ gf_lane_sum gf_norm_strided(const LeafRef& L, long long start, long long len, int lane,
-                                                    double p) {
+// A lane's share of one item of leaf L, of element type S.
+template <int K, class S, class Leaf>
+__device__ __forceinline__ gf_lane_sum gf_item_terms(const Leaf& L, const Item& item, int lane, double p) {
     gf_lane_sum s = {0.0, 0};
-    gf_strided_loop<S, true, false>(L, start, len, lane, [&](long long, S (&v)[gf_vec<S>::V], int n) {
+    gf_leaf_loop<S, true, false, gf_norm_unroll<K>()>(L, item, lane, [&](long long, S (&v)[gf_vec<S>::V], int n) {
         gf_add_terms<K>(s, v, n, p);
     });
+    if constexpr (gf_bad_from_sum<K, S>()) s.bad = !isfinite(s.acc);
     return s;
-}
-
-template <class S>
-__device__ __forceinline__ void gf_scale_strided(const LeafRef& L, long long start, long long len, int lane, double coef) {
-    gf_strided_loop<S, true, true>(L, start, len, lane, [&](long long, S (&v)[gf_vec<S>::V], int n) {
-        gf_for_each(v, n, [&](S& x) { gf_scale(x, coef); });
-    });
 }
 
 // Kernel 1: one warp per work item (grid-stride). partial[it] is the item's
@@ -69,23 +62,12 @@ template <int K>
 __global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
 gpuflat_norm_partial(const Item* __restrict__ items, long long n_items, const LeafRef* __restrict__ leaves,
                      double p, double* __restrict__ partial) {
-    const int lane = (int)(threadIdx.x % GF_WARP);
-    const long long nwarps = gf_warp_count();
-    for (long long it = gf_global_warp(); it < n_items; it += nwarps) {
-        const Item item = items[it];
-        const LeafRef& L = leaves[item.slot];
+    gf_for_items(items, n_items, [&](long long it, const Item& item, int lane) {
         gf_lane_sum sum = {0.0, 0};
-        gf_dispatch(L.tag, [&](auto z) {
-            using S = decltype(z);
-            if (L.ndim != 0) {
-                sum = gf_norm_strided<K, S>(L, item.start, item.len, lane, p);
-            } else {
-                gf_item_loop<S, true, false, gf_norm_unroll<K>()>(L, item.start, item.len, lane,
-                                                                [&](long long, S (&v)[gf_vec<S>::V], int n) {
-                                                                    gf_add_terms<K>(sum, v, n, p);
-                                                                });
-            }
-            if constexpr (gf_bad_from_sum<K, S>()) sum.bad = !isfinite(sum.acc);
+        // The leaf's fields are loaded early except for the inf-norm, which
+        // CUDA 13's ptxas then spills more for sm_100.
+        gf_on_leaf<K != GF_NORM_INF>(leaves[item.slot], [&](const auto& L, auto z) {
+            sum = gf_item_terms<K, decltype(z)>(L, item, lane, p);
         });
         double acc = sum.acc;
         // Fixed tree: lane 0 ends with ((l0+l16)+(l8+l24))+... whatever the grid.
@@ -97,7 +79,7 @@ gpuflat_norm_partial(const Item* __restrict__ items, long long n_items, const Le
             partial[it] = acc;
             partial[n_items + it] = bad ? 1.0 : 0.0;
         }
-    }
+    });
 }
 
 // Fixed-tree reduction over the finishing block with `op`; every thread gets
@@ -237,19 +219,12 @@ __device__ __forceinline__ void gf_scale_items(const Item* __restrict__ items, l
     // x * 1 is x exactly for every dtype (NaN stays NaN), so when nothing is
     // clipped the kernel leaves memory untouched instead of rewriting it.
     if (coef == 1.0) return;
-    const int lane = (int)(threadIdx.x % GF_WARP);
-    const long long nwarps = gf_warp_count();
-    for (long long it = gf_global_warp(); it < n_items; it += nwarps) {
-        const Item item = items[it];
-        const LeafRef& L = leaves[item.slot];
-        gf_dispatch(L.tag, [&](auto z) {
-            using S = decltype(z);
-            if (L.ndim != 0) return gf_scale_strided<S>(L, item.start, item.len, lane, coef);
-            gf_item_loop<S, true, true>(L, item.start, item.len, lane, [&](long long, S (&v)[gf_vec<S>::V], int n) {
-                gf_for_each(v, n, [&](S& x) { gf_scale(x, coef); });
-            });
+    gf_for_leaf_items<true>(items, n_items, leaves, [&](const Item& item, const auto& L, int lane, auto z) {
+        using S = decltype(z);
+        gf_leaf_loop<S, true, true>(L, item, lane, [&](long long, S (&v)[gf_vec<S>::V], int n) {
+            gf_for_each(v, n, [&](S& x) { gf_scale(x, coef); });
         });
-    }
+    });
 }
 
 __global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)

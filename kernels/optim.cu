@@ -11,6 +11,24 @@
 // leaves everything as it was, decided on the device).
 #include "gpuflat_optim.cuh"
 
+// fn(h, step, first, n) for every item of a parameter (padding is skipped):
+// h is its group's hyperparameter row and step its step count, and the lane
+// updates the n elements first, first + GF_WARP, ... of the buffers. Nothing
+// runs when amp says to skip the step.
+template <class Fn>
+__device__ __forceinline__ void gf_for_param_items(const Item* __restrict__ items, long long n_items,
+                                                   const long long* __restrict__ slot_group,
+                                                   const double* __restrict__ hyper,
+                                                   const double* __restrict__ steps, const double* __restrict__ amp,
+                                                   Fn fn) {
+    if (amp[1] != 0.0) return;
+    gf_for_items(items, n_items, [&](long long, const Item& item, int lane) {
+        const long long grp = slot_group[item.slot];
+        if (grp < 0 || lane >= item.len) return;
+        fn(hyper + grp * GF_HYPER, steps[item.slot], item.flat + lane, (item.len - lane + GF_WARP - 1) / GF_WARP);
+    });
+}
+
 template <class S>
 __global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
 gpuflat_adamw(const Item* __restrict__ items, long long n_items, const long long* __restrict__ slot_group,
@@ -18,17 +36,11 @@ gpuflat_adamw(const Item* __restrict__ items, long long n_items, const long long
               const double* __restrict__ total, double max_norm, double eps, long long clip,
               const double* __restrict__ amp) {
     using C = typename gf_compute<S>::type;
-    const int lane = (int)(threadIdx.x % GF_WARP);
-    const long long nwarps = gf_warp_count();
-    if (amp[1] != 0.0) return;
     const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
-    for (long long it = gf_global_warp(); it < n_items; it += nwarps) {
-        const Item item = items[it];
-        const long long grp = slot_group[item.slot];
-        if (grp < 0 || lane >= item.len) continue;
-        const gf_adamw_coefs<C> k = gf_adamw_setup<C>(hyper + grp * GF_HYPER, steps[item.slot], factor);
-        gf_adamw_range<GF_WARP>(p, g, m, v, item.flat + lane, (item.len - lane + GF_WARP - 1) / GF_WARP, k);
-    }
+    gf_for_param_items(items, n_items, slot_group, hyper, steps, amp, [&](const double* h, double step, long long first,
+                                                                          long long n) {
+        gf_adamw_range<GF_WARP>(p, g, m, v, first, n, gf_adamw_setup<C>(h, step, factor));
+    });
 }
 
 template <class S>
@@ -38,15 +50,9 @@ gpuflat_sgd(const Item* __restrict__ items, long long n_items, const long long* 
             const double* __restrict__ total, double max_norm, double eps, long long clip,
             const double* __restrict__ amp) {
     using C = typename gf_compute<S>::type;
-    const int lane = (int)(threadIdx.x % GF_WARP);
-    const long long nwarps = gf_warp_count();
-    if (amp[1] != 0.0) return;
     const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
-    for (long long it = gf_global_warp(); it < n_items; it += nwarps) {
-        const Item item = items[it];
-        const long long grp = slot_group[item.slot];
-        if (grp < 0 || lane >= item.len) continue;
-        const gf_sgd_coefs<C> k = gf_sgd_setup<C>(hyper + grp * GF_HYPER, steps[item.slot], factor);
-        gf_sgd_range<GF_WARP>(p, g, buf, item.flat + lane, (item.len - lane + GF_WARP - 1) / GF_WARP, k);
-    }
+    gf_for_param_items(items, n_items, slot_group, hyper, steps, amp, [&](const double* h, double step, long long first,
+                                                                          long long n) {
+        gf_sgd_range<GF_WARP>(p, g, buf, first, n, gf_sgd_setup<C>(h, step, factor));
+    });
 }

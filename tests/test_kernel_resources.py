@@ -32,8 +32,8 @@ MAX_REGISTERS = 64
 SPILL_CEILINGS = {
     (13, "sm_90"): {
         **{kl.scatter_name(d): (8, 16, 16) for d in CUDA_NAMES},
-        "gpuflat_norm_partial<0>": (8, 8, 48),
-        "gpuflat_norm_partial<1>": (8, 8, 48),
+        "gpuflat_norm_partial<0>": (8, 8, 8),
+        "gpuflat_norm_partial<1>": (8, 8, 8),
         "gpuflat_norm_partial<2>": (16, 16, 56),
     },
     (13, "sm_100"): {

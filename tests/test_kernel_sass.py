@@ -126,3 +126,27 @@ def test_hot_loop_instructions_per_element(what, per, limit):
     found = per()
     assert found, f"{what}: no hot loop found in the SASS"
     assert max(found) <= limit, f"{what}: {max(found):.2f} SASS instructions per element, expected at most {limit}"
+
+
+def _first_block_loads(name: str) -> int:
+    """Global loads of kernel ``name``'s straight-line code (no branch in
+    between) around its first global load, an item's."""
+    instructions, _ = _sass()[name]
+    first = next(i for i, ins in enumerate(instructions) if ins.startswith("LDG"))
+    branch = re.compile(r"^(BRA|EXIT)")
+    start, end = first, first
+    while start > 0 and not branch.match(instructions[start - 1]):
+        start -= 1
+    while end < len(instructions) and not branch.match(instructions[end]):
+        end += 1
+    return sum(ins.startswith("LDG") for ins in instructions[start:end])
+
+
+@pytest.mark.parametrize("kind", ["l1", "l2", "p"])
+def test_norm_partial_loads_the_leaf_with_the_item(kind):
+    # The item's slot, start and len, then its leaf's data pointer, dtype tag
+    # and ndim, all before the first branch: one load latency between the
+    # item and its data, where reading each leaf field inside the branch the
+    # one before chose made three.
+    loads = _first_block_loads(kl.norm_partial_name(kind))
+    assert loads >= 6, f"norm_partial {kind}: {loads} loads before the first branch, expected at least 6"
