@@ -112,7 +112,7 @@ def slot_sources(plan, tree, walked=None, seen=None):
     values, exact, like, seen = checks.occurrences(plan, tree, allow_none=True, walked=walked, seen=seen)
     if exact and len(plan.slot_of) == len(plan.leaves):
         # No ties, no None: the common case, one C loop.
-        recorded = (seen, values) if seen is not None and seen.slot_of == plan.slot_of else None
+        recorded = (seen, values) if seen is not None and seen.ties_as(plan) else None
         return list(zip(values)), like, recorded
     sources: list = [[] for _ in plan.leaves]
     for slot, value in zip(plan.slot_of, values):

@@ -16,7 +16,6 @@ from . import arrays
 from . import tree as _tree
 from .dtypes import TAGS
 from .errors import OverlapError, TreeMismatchError, UnsupportedLeafError
-from .flatplan import shape_and_dtype
 from .identity import Layout, SameArrays
 from .overlap import find_overlap
 from .seen import trees
@@ -49,7 +48,9 @@ def occurrences(plan, tree, *, allow_none, walked=None, seen=None):
         like = next(iter(walked.foreign.values()), None)
         if seen is not None and seen.exact_for(plan):
             return arrays, True, like, seen
-        if walked.treedef == plan.treedef and tuple(map(shape_and_dtype, arrays)) == plan.occurrence_signature:
+        shapes, dtypes = plan.occurrence_signature
+        if (walked.treedef == plan.treedef and tuple(map(_shape, arrays)) == shapes
+                and tuple(map(_dtype, arrays)) == dtypes):
             return arrays, True, like, None
     values = _tree.arrays_like(plan.treedef, tree)
     views: dict = {}  # one view per object, so the same gradient met twice stays one
@@ -182,7 +183,7 @@ class InPlaceChecked:
         self._last[plan] = (SameArrays(arrays), Layout(arrays))
 
 
-_writeable = attrgetter("flags.writeable")
+_shape, _dtype, _writeable = attrgetter("shape"), attrgetter("dtype"), attrgetter("flags.writeable")
 
 
 def _check_writable(paths, arrays):

@@ -109,11 +109,10 @@ class FlatPlan:
 
     @cached_property
     def occurrence_signature(self) -> tuple:
-        """(shape, dtype) of every trainable occurrence: what a matching tree holds."""
-        return tuple((self.leaves[s].shape, self.leaves[s].dtype) for s in self.slot_of)
+        """(shapes, dtypes) of the trainable occurrences: what a matching tree holds."""
+        return (tuple(self.leaves[s].shape for s in self.slot_of), tuple(self.leaves[s].dtype for s in self.slot_of))
 
 
-shape_and_dtype = attrgetter("shape", "dtype")
 _shape, _dtype = attrgetter("shape"), attrgetter("dtype")
 
 
@@ -138,9 +137,9 @@ def signature(arrays):
 
 
 class Key:
-    """A plan cache key whose hash is taken once: a recorded tree asks for its
-    plan with the same Key every call, found again without hashing a
-    treedef of thousands of nodes.
+    """A plan cache key whose hash is taken once, when first asked: a recorded
+    tree asks for its plan with the same Key every call, found again
+    without hashing or comparing a treedef of thousands of nodes.
 
     >>> Key((1, 2)) == Key((1, 2)), Key((1, 2)) == Key((2, 1))
     (True, False)
@@ -149,13 +148,15 @@ class Key:
     __slots__ = ("parts", "_hash")
 
     def __init__(self, parts):
-        self.parts, self._hash = parts, hash(parts)
+        self.parts, self._hash = parts, None
 
     def __hash__(self):
+        if self._hash is None:
+            self._hash = hash(self.parts)
         return self._hash
 
     def __eq__(self, other):
-        return self is other or (type(other) is Key and self._hash == other._hash and self.parts == other.parts)
+        return self is other or (type(other) is Key and self.parts == other.parts)
 
 
 def key_of(treedef, arrays):

@@ -254,7 +254,7 @@ def scatter(plan: FlatPlan, flat, tree, *, backend: str | None = None) -> None:
     values, _, like, seen = checks.occurrences(plan, tree, allow_none=False)
     given, flat = flat, _view(flat, "flat")
     checks.check_flat(plan, flat, exact_dtype=False)
-    if seen is not None and seen.slot_of == plan.slot_of and len(plan.slot_of) == len(plan.leaves):
+    if seen is not None and seen.ties_as(plan) and len(plan.slot_of) == len(plan.leaves):
         # A recorded tree, one array per slot: its checks are remembered.
         written, paths, verdicts = values, plan.paths, seen.verdicts(values)
         be = select(backend, written + [flat], lambda i: paths[i] if i < len(paths) else "<flat>")

@@ -125,11 +125,20 @@ class SeenTree:
         core = plan.structure or plan
         if core in self._plans:
             return True
-        exact = self.treedef == core.treedef and [
-            (shape, dtype) for shape, dtype in zip(self.shapes, self.dtypes)] == list(core.occurrence_signature)
+        shapes, dtypes = core.occurrence_signature
+        exact = self.treedef == core.treedef and self.shapes == list(shapes) and self.dtypes == list(dtypes)
         if exact:
             self._plans.add(core)
         return exact
+
+    def ties_as(self, plan) -> bool:
+        """Whether the tree ties its arrays as ``plan`` does (each occurrence in the same slot)."""
+        if plan.slot_of is self.slot_of:
+            return True
+        if plan.slot_of != self.slot_of:
+            return False
+        self.slot_of = plan.slot_of  # an equal tuple: the next time, one identity test
+        return True
 
     def verdicts(self, unique) -> "Verdicts":
         """What was found about the tree's unique arrays (``unique``: this
