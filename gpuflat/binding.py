@@ -44,12 +44,12 @@ class Call:
     __slots__ = ("plan", "unique", "statics", "like", "foreign", "walked", "seen")
 
     def __init__(self, tree):
-        with _tree.collector_paused():
-            self.walked, self.seen = trees.walk(tree)
-            if self.seen is None:
+        self.walked, self.seen = trees.walk(tree)
+        if self.seen is None:
+            with _tree.collector_paused():
                 self.plan, self.unique = flatplan.cached(self.walked.treedef, self.walked.arrays)
-            else:
-                self.plan, self.unique = self.seen.plan(self.walked.arrays)
+        else:
+            self.plan, self.unique = self.seen.plan(self.walked.arrays)
         self.statics = self.walked.statics
         self.foreign = self.walked.foreign
         self.like = next(iter(self.foreign.values()), None)
@@ -96,8 +96,8 @@ def gradients_of(parameters) -> list:
 def slot_sources(plan, tree, walked=None, seen=None):
     """(per slot, the distinct arrays ``tree`` holds there (tied gradients: several);
     one of the caller's own objects behind them, or None for NumPy/CuPy;
-    ``(record, arrays)`` where ``tree`` is a recorded tree whose unique
-    arrays are, in plan order, the slots' one source each, else None).
+    ``(record, unique arrays)`` where ``tree`` is a recorded tree tied as
+    the plan is, its unique arrays the slots' one source each; else None).
 
     ``walked`` is ``tree``'s walk where the caller has it already (and
     ``seen`` its record, if any).
@@ -110,10 +110,12 @@ def slot_sources(plan, tree, walked=None, seen=None):
     ([2, 0], None, None)
     """
     values, exact, like, seen = checks.occurrences(plan, tree, allow_none=True, walked=walked, seen=seen)
+    if seen is not None and seen.ties_as(plan):
+        # A recorded tree tied as the plan is: each slot's one array, one C loop.
+        unique = seen.unique(values)
+        return list(zip(unique)), like, (seen, unique)
     if exact and len(plan.slot_of) == len(plan.leaves):
-        # No ties, no None: the common case, one C loop.
-        recorded = (seen, values) if seen is not None and seen.ties_as(plan) else None
-        return list(zip(values)), like, recorded
+        return list(zip(values)), like, None  # no ties, no None: the common case
     sources: list = [[] for _ in plan.leaves]
     for slot, value in zip(plan.slot_of, values):
         # The same gradient object met twice counts once (Optimisers.jl).

@@ -41,17 +41,15 @@ def occurrences(plan, tree, *, allow_none, walked=None, seen=None):
     ...
     gpuflat.errors.TreeMismatchError: leaf "['w']": expected shape (2,), got (3,)
     """
-    with _tree.collector_paused():
-        if walked is None:
-            walked, seen = trees.walk(tree)
-        arrays = walked.arrays
-        like = next(iter(walked.foreign.values()), None)
-        if seen is not None and seen.exact_for(plan):
-            return arrays, True, like, seen
-        shapes, dtypes = plan.occurrence_signature
-        if (walked.treedef == plan.treedef and tuple(map(_shape, arrays)) == shapes
-                and tuple(map(_dtype, arrays)) == dtypes):
-            return arrays, True, like, None
+    if walked is None:
+        walked, seen = trees.walk(tree)
+    arrays = walked.arrays
+    like = next(iter(walked.foreign.values()), None)
+    if seen is not None and seen.exact_for(plan):
+        return arrays, True, like, seen
+    shapes, dtypes = plan.occurrence_signature
+    if walked.treedef == plan.treedef and tuple(map(_shape, arrays)) == shapes and tuple(map(_dtype, arrays)) == dtypes:
+        return arrays, True, like, None
     values = _tree.arrays_like(plan.treedef, tree)
     views: dict = {}  # one view per object, so the same gradient met twice stays one
     checked = []

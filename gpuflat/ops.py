@@ -254,9 +254,10 @@ def scatter(plan: FlatPlan, flat, tree, *, backend: str | None = None) -> None:
     values, _, like, seen = checks.occurrences(plan, tree, allow_none=False)
     given, flat = flat, _view(flat, "flat")
     checks.check_flat(plan, flat, exact_dtype=False)
-    if seen is not None and seen.ties_as(plan) and len(plan.slot_of) == len(plan.leaves):
-        # A recorded tree, one array per slot: its checks are remembered.
-        written, paths, verdicts = values, plan.paths, seen.verdicts(values)
+    if seen is not None and seen.ties_as(plan):
+        # A recorded tree tied as the plan is, one array per slot: its checks are remembered.
+        written = seen.unique(values)
+        paths, verdicts = plan.paths, seen.verdicts(written)
         be = select(backend, written + [flat], lambda i: paths[i] if i < len(paths) else "<flat>")
         in_place.check(plan, paths, written, verdicts)
         _refuse_aliases(written, flat, "flat", paths.__getitem__, verdicts)

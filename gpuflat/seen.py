@@ -52,7 +52,7 @@ class SeenTree:
     True
     """
 
-    __slots__ = ("node", "treedef", "refs", "array_at", "static_at", "held", "static_kinds", "shapes",
+    __slots__ = ("node", "treedef", "refs", "array_at", "static_at", "held", "static_arrays", "shapes",
                  "dtypes", "slot_of", "first", "key", "_plans", "_verdicts", "__weakref__")
 
     @classmethod
@@ -82,7 +82,7 @@ class SeenTree:
         self.array_at = None if len(array_at) == len(values) else array_at
         self.static_at = static_at
         self.held = [s if type(s) in _HELD else weakref.ref(s) for s in statics]
-        self.static_kinds = tuple(map(_tree.Static.of, statics))
+        self.static_arrays = [(k, s.shape, s.dtype) for k, s in enumerate(statics) if type(s) not in _HELD]
         self.shapes, self.dtypes = list(map(_shape, arrays)), list(map(_dtype, arrays))
         self.slot_of, unique, self.key = flatplan.key_of(treedef, arrays)
         self.first = None if len(unique) == len(arrays) else [self.slot_of.index(s) for s in range(len(unique))]
@@ -110,14 +110,21 @@ class SeenTree:
         return _tree.Walked(self.treedef, arrays, statics, {})
 
     def _same_statics(self, statics) -> bool:
+        # An immutable is held, so the same object is the same value; an
+        # array static is weakly held, and its shape or dtype may have changed.
         held = [h if type(h) in _HELD else h() for h in self.held]
         return (all(map(operator.is_, held, statics))
-                and tuple(map(_tree.Static.of, statics)) == self.static_kinds)
+                and all(statics[k].shape == shape and statics[k].dtype == dtype
+                        for k, shape, dtype in self.static_arrays))
+
+    def unique(self, arrays) -> list:
+        """The unique arrays (ties once) of the recorded tree read again as ``arrays``."""
+        return arrays if self.first is None else [arrays[i] for i in self.first]
 
     def plan(self, arrays):
         """(plan, unique arrays) of the recorded tree read again as ``arrays``,
         from the plan cache (as ``flatplan.cached`` gives them)."""
-        unique = arrays if self.first is None else [arrays[i] for i in self.first]
+        unique = self.unique(arrays)
         return flatplan.cache.get(self.key, lambda: flatplan.build(self.treedef, self.slot_of, unique)), unique
 
     def exact_for(self, plan) -> bool:
@@ -263,14 +270,15 @@ class SeenTrees:
             walked = entry.walk_again(tree)
             if walked is not None:
                 return walked, entry
-        walked = _tree.walk(tree)
-        arrays = walked.arrays
-        mark = (id(arrays[0]), id(arrays[-1]), len(arrays)) if arrays else None
-        seen = None
-        if mark is not None and entry == ("walked", mark):
-            seen = SeenTree.of(tree, walked)
-        elif entry == ("not plain", mark):
-            return walked, None  # known: recording it is not tried every call
+        with _tree.collector_paused():
+            walked = _tree.walk(tree)
+            arrays = walked.arrays
+            mark = (id(arrays[0]), id(arrays[-1]), len(arrays)) if arrays else None
+            seen = None
+            if mark is not None and entry == ("walked", mark):
+                seen = SeenTree.of(tree, walked)
+            elif entry == ("not plain", mark):
+                return walked, None  # known: recording it is not tried every call
         with self._lock:
             self._entries[id(tree)] = seen or ("walked" if entry != ("walked", mark) else "not plain", mark)
             self._entries.move_to_end(id(tree))

@@ -199,3 +199,23 @@ def test_threads_each_get_their_own_trees_norm():
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_a_tie_broken_after_recording_is_gathered_and_scattered_as_two_arrays(backend):
+    w = np.ones(2)
+    tree = {"x": w, "y": np.full(1, 5.0), "z": w}
+    plan = gf.plan(tree)
+    for _ in range(REPEATS):
+        assert gf.flatten(plan, tree, backend=backend).tolist() == [1.0, 1.0, 5.0]
+        gf.scatter(plan, np.array([1.0, 1.0, 5.0]), tree, backend=backend)
+    tree["z"] = np.full(2, 2.0)  # now a gradient tree: the tied slot's two gradients add up
+    assert gf.flatten(plan, tree, backend=backend).tolist() == [3.0, 3.0, 5.0]
+    gf.scatter(plan, np.array([7.0, 8.0, 9.0]), tree, backend=backend)
+    assert tree["x"].tolist() == [7.0, 8.0] and tree["z"].tolist() == [7.0, 8.0]
+
+
+def test_a_static_array_reshaped_in_place_changes_the_plan():
+    tree = _recorded({"w": np.ones(2), "step": np.zeros((), np.int64)})
+    before = gf.plan(tree)
+    tree["step"].shape = (1,)
+    assert gf.plan(tree) != before and gf.plan(tree).treedef != before.treedef
