@@ -413,7 +413,9 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, eps: float = 1e-6
     norm_plan, norm_leaves = norm_inputs(call, grads, model, backend)
     # The grads' own walk holds each distinct gradient array once.
     scale_plan, scale_leaves, scale_paths = call.plan, list(call.unique), call.paths()
-    be = select(backend, norm_leaves + scale_leaves,
+    # Without a model the norm reads the very arrays it scales: one list chooses the backend.
+    chosen_by = scale_leaves if model is None else norm_leaves + scale_leaves
+    be = select(backend, chosen_by,
                 lambda i: (norm_plan.leaves[i].path if i < len(norm_leaves)
                            else scale_paths[i - len(norm_leaves)]))
     in_place.check(scale_plan, scale_paths, scale_leaves,
