@@ -15,6 +15,7 @@ import operator
 import threading
 import weakref
 from collections import OrderedDict
+from itertools import repeat
 from operator import attrgetter
 
 import numpy as np
@@ -24,7 +25,6 @@ from . import tree as _tree
 from .dtypes import TAGS
 from .identity import Layout
 
-_deref = weakref.ref.__call__
 _shape, _dtype = attrgetter("shape"), attrgetter("dtype")
 
 # Statics of these exact types are immutable and small: a record holds them
@@ -52,8 +52,8 @@ class SeenTree:
     True
     """
 
-    __slots__ = ("node", "treedef", "refs", "array_at", "static_at", "held", "static_arrays", "shapes",
-                 "dtypes", "slot_of", "first", "key", "_plans", "_verdicts", "__weakref__")
+    __slots__ = ("node", "treedef", "refs", "ids", "alive", "array_at", "static_at", "held", "static_arrays",
+                 "shapes", "dtypes", "slot_of", "first", "key", "_plans", "_verdicts", "__weakref__")
 
     @classmethod
     def of(cls, tree, walked) -> "SeenTree | None":
@@ -78,7 +78,13 @@ class SeenTree:
     def __init__(self, node, treedef, values, array_at, static_at, statics):
         arrays = [values[i] for i in array_at]
         self.node, self.treedef = node, treedef
-        self.refs = list(map(weakref.ref, arrays))
+        # An array's id is its address, taken again only after it died; the
+        # weak references are kept for their callback, run before an array's
+        # memory is freed, which marks the record dead: equal ids in a live
+        # record are the very same arrays.
+        self.alive = alive = [True]
+        self.refs = list(map(weakref.ref, arrays, repeat(lambda _, alive=alive: alive.__setitem__(0, False))))
+        self.ids = list(map(id, arrays))
         self.array_at = None if len(array_at) == len(values) else array_at
         self.static_at = static_at
         self.held = [s if type(s) in _HELD else weakref.ref(s) for s in statics]
@@ -97,15 +103,14 @@ class SeenTree:
         if not _read_again(tree, self.node, values):
             return None
         arrays = values if self.array_at is None else [values[i] for i in self.array_at]
-        if len(arrays) != len(self.refs) or not all(map(operator.is_, map(_deref, self.refs), arrays)):
+        # The ids before the liveness: an array that died while they were
+        # read has marked the record dead by the time it is asked.
+        if list(map(id, arrays)) != self.ids or not self.alive[0]:
             return None
         statics = [values[i] for i in self.static_at]
         if statics and not self._same_statics(statics):
             return None
-        try:
-            if list(map(_shape, arrays)) != self.shapes or list(map(_dtype, arrays)) != self.dtypes:
-                return None
-        except AttributeError:  # a None where an array died: its dead reference gave None too
+        if list(map(_shape, arrays)) != self.shapes or list(map(_dtype, arrays)) != self.dtypes:
             return None
         return _tree.Walked(self.treedef, arrays, statics, {})
 

@@ -219,3 +219,11 @@ def test_a_static_array_reshaped_in_place_changes_the_plan():
     before = gf.plan(tree)
     tree["step"].shape = (1,)
     assert gf.plan(tree) != before and gf.plan(tree).treedef != before.treedef
+
+
+def test_an_array_at_the_address_of_a_dead_one_is_not_taken_for_it():
+    tree = _recorded({"w": np.ones(4), "b": np.ones(1)})
+    seen = _seen.trees._entries[id(tree)]
+    tree["w"] = np.ones(4)  # the first array dies here
+    seen.ids[0] = id(tree["w"])  # as if the new one had been given its address
+    assert seen.walk_again(tree) is None
