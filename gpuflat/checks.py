@@ -144,8 +144,11 @@ class InPlaceChecked:
     A training loop clips the same gradient arrays every step; the overlap
     tests cost far more than the write on a tree of tiny leaves. When the
     very same arrays come again (of the plan's shapes and dtypes, as every
-    caller has checked) with the same strides (which NumPy lets a caller
-    set in place), only their writable flags are read again.
+    caller has checked) in the same layout (``gpuflat.identity.Layout``:
+    their flags, writable among them, and the strides of those not
+    contiguous, which NumPy lets a caller change in place), the verdict
+    stands. CuPy arrays have no such flags: their device memory is always
+    writable, and their strides are compared.
     The arrays are held by weak reference: a dead array never matches, and
     the memo never keeps a step's gradients alive. A recorded tree keeps
     its verdict itself (``verdicts``, see ``gpuflat.seen.SeenTree``).
@@ -167,15 +170,14 @@ class InPlaceChecked:
         """OverlapError or TreeMismatchError naming the leaf (``paths[i]``)
         unfit for an in-place write, unless ``arrays`` were found fit as they are."""
         if verdicts is not None:
-            if verdicts.in_place:
-                _check_writable(paths, arrays)
-            else:
+            # The verdicts stand for the arrays' flags as they were when found
+            # writable: a leaf made read-only since has new, empty verdicts.
+            if not verdicts.in_place:
                 check_in_place(paths, arrays)
                 verdicts.in_place = True
             return
         last = self._last.get(plan)
         if last is not None and last[0].holds(arrays) and last[1].holds(arrays):
-            _check_writable(paths, arrays)
             return
         check_in_place(paths, arrays)
         self._last[plan] = (SameArrays(arrays), Layout(arrays))

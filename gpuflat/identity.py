@@ -14,7 +14,6 @@ import weakref
 from operator import attrgetter
 
 _deref = weakref.ref.__call__
-_strides = attrgetter("strides")
 
 
 class SameArrays:
@@ -43,23 +42,45 @@ class SameArrays:
 
 
 class Layout:
-    """The strides of a list of arrays: with their shapes and dtypes, all of
-    their memory layout that a caller can change in place (NumPy still lets
-    ``a.strides = ...`` through). Only the strides are kept, never the
-    arrays (a NumPy flags object would keep its array alive).
+    """What NumPy lets a caller change in place about a list of arrays,
+    besides their shapes and dtypes: their flags (writable, contiguous)
+    and, for those neither C- nor F-contiguous, their strides. A contiguous
+    array's strides follow from its shape and dtype (where they matter), so
+    any ``a.strides = ...`` that moves its elements also clears its
+    contiguity. The flags are kept as numbers, never as NumPy flags objects
+    (which would keep their arrays alive); arrays of a kind without them
+    (CuPy) are compared by strides alone.
 
     >>> import numpy as np
     >>> a, b = np.ones(4), np.ones((4, 4))[:, 0]
     >>> layout = Layout([a, b])
     >>> layout.holds([a, b]), layout.holds([b, a])
     (True, False)
+    >>> a.flags.writeable = False
+    >>> layout.holds([a, b])
+    False
     """
 
-    __slots__ = ("_strides",)
+    __slots__ = ("_flags", "_strided")
 
     def __init__(self, arrays):
-        self._strides = list(map(_strides, arrays))
+        self._flags = _flag_bits(arrays)
+        flags = self._flags or [0] * len(arrays)
+        self._strided = [(i, a.strides) for i, (a, f) in enumerate(zip(arrays, flags)) if not f & _CONTIGUOUS]
 
     def holds(self, arrays) -> bool:
         """Whether ``arrays`` (the same objects, of the same shapes and dtypes) still have this layout."""
-        return list(map(_strides, arrays)) == self._strides
+        return (_flag_bits(arrays) == self._flags
+                and all(arrays[i].strides == strides for i, strides in self._strided))
+
+
+_flags_num = attrgetter("flags.num")
+_CONTIGUOUS = 0x1 | 0x2  # NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_F_CONTIGUOUS
+
+
+def _flag_bits(arrays):
+    """The NumPy flags of ``arrays`` as numbers, or None for arrays without them."""
+    try:
+        return list(map(_flags_num, arrays))
+    except AttributeError:
+        return None

@@ -227,3 +227,21 @@ def test_an_array_at_the_address_of_a_dead_one_is_not_taken_for_it():
     tree["w"] = np.ones(4)  # the first array dies here
     seen.ids[0] = id(tree["w"])  # as if the new one had been given its address
     assert seen.walk_again(tree) is None
+
+
+@pytest.mark.parametrize("change, error", [
+    (lambda a: setattr(a.flags, "writeable", False), TreeMismatchError),
+    (lambda a: setattr(a, "strides", (0,)), OverlapError),
+], ids=["made read-only", "strides set"])
+def test_a_tree_that_is_not_plain_does_not_reuse_a_stale_in_place_verdict(change, error):
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "x y")
+    grads = Pair(np.ones(4), np.ones(3))  # a namedtuple: walked every call, checked through the per-plan memo
+    for _ in range(REPEATS):
+        gf.clip_grad_norm_(grads, 1e9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        change(grads.x)
+    with pytest.raises(error, match=r"leaf 'x'"):
+        gf.clip_grad_norm_(grads, 0.5)
