@@ -113,15 +113,21 @@ def slot_sources(plan, tree, walked=None, seen=None):
     if seen is not None and seen.ties_as(plan):
         # A recorded tree tied as the plan is: each slot's one array, one C loop.
         unique = seen.unique(values)
-        return list(zip(unique)), like, (seen, unique)
+        return _singles(unique), like, (seen, unique)
     if exact and len(plan.slot_of) == len(plan.leaves):
-        return list(zip(values)), like, None  # no ties, no None: the common case
+        return _singles(values), like, None  # no ties, no None: the common case
     sources: list = [[] for _ in plan.leaves]
     for slot, value in zip(plan.slot_of, values):
         # The same gradient object met twice counts once (Optimisers.jl).
         if value is not None and all(value is not seen for seen in sources[slot]):
             sources[slot].append(value)
     return sources, like, None
+
+
+def _singles(arrays) -> list:
+    """Each array as its slot's one source, a 1-tuple (a tuple of arrays is
+    soon untracked by the collector, which a list never is)."""
+    return list(zip(arrays))
 
 
 def norm_inputs(call, grads, model, backend):
