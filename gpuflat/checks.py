@@ -20,6 +20,9 @@ from .identity import Layout, SameArrays
 from .overlap import find_overlap
 from .seen import trees
 
+_shape, _dtype, _writeable = attrgetter("shape"), attrgetter("dtype"), attrgetter("flags.writeable")
+
+
 def occurrences(plan, tree, *, allow_none, walked=None, seen=None):
     """(values, exact, like, seen): what ``tree`` holds at each trainable place of
     ``plan``, checked, as NumPy or CuPy arrays.
@@ -28,7 +31,8 @@ def occurrences(plan, tree, *, allow_none, walked=None, seen=None):
     tensor, say), or None when they are NumPy or CuPy arrays. ``exact`` is
     True when the tree is shaped exactly like the plan's, so every value is
     an array of the expected shape and dtype (no None). A tree
-    shaped exactly like the plan's costs one walk and one tuple comparison;
+    shaped exactly like the plan's costs one walk and a comparison of its
+    shapes and dtypes (a recorded tree, read again, one test per plan);
     anything else takes the slow path that finds and names the first
     difference. ``walked`` is ``tree``'s walk, where the caller has it (and
     ``seen`` its record, if any). ``seen`` comes back where the tree was
@@ -181,9 +185,6 @@ class InPlaceChecked:
             return
         check_in_place(paths, arrays)
         self._last[plan] = (SameArrays(arrays), Layout(arrays))
-
-
-_shape, _dtype, _writeable = attrgetter("shape"), attrgetter("dtype"), attrgetter("flags.writeable")
 
 
 def _check_writable(paths, arrays):
