@@ -245,3 +245,15 @@ def test_a_tree_that_is_not_plain_does_not_reuse_a_stale_in_place_verdict(change
         change(grads.x)
     with pytest.raises(error, match=r"leaf 'x'"):
         gf.clip_grad_norm_(grads, 0.5)
+
+
+def test_a_layout_of_arrays_without_numpy_flags_compares_their_strides():
+    from types import SimpleNamespace
+
+    from gpuflat.identity import Layout
+
+    a = SimpleNamespace(flags=SimpleNamespace(c_contiguous=True), strides=(8,))  # as a CuPy array has them
+    layout = Layout([a])
+    assert layout.holds([a])
+    a.strides = (0,)
+    assert not layout.holds([a])
