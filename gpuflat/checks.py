@@ -11,12 +11,13 @@ import weakref
 from operator import attrgetter
 from typing import Any
 
+import numpy as np
 
 from . import arrays
 from . import tree as _tree
 from .dtypes import TAGS
 from .errors import OverlapError, TreeMismatchError, UnsupportedLeafError
-from .identity import Layout, SameArrays
+from .identity import CONTIGUOUS, Layout, SameArrays, flag_bits
 from .overlap import find_overlap
 from .seen import trees
 
@@ -126,7 +127,8 @@ def check_in_place(paths, arrays) -> None:
     gpuflat.errors.OverlapError: leaf "['w']": expected an array whose elements are distinct memory, got shape (3,) with strides (0,) (a broadcast or self-overlapping view); an in-place write would race. Pass a copy
     """
     _check_writable(paths, arrays)
-    for path, a in zip(paths, arrays):
+    for k in _not_contiguous(arrays):
+        path, a = paths[k], arrays[k]
         if may_overlap_itself(a):
             raise OverlapError(
                 f"leaf {path!r}: expected an array whose elements are distinct memory, got shape "
@@ -140,6 +142,14 @@ def check_in_place(paths, arrays) -> None:
             f"leaves {first!r} and {second!r} share memory; an in-place operation would "
             f"write one through the other (expected distinct memory, found overlapping views)"
         )
+
+
+def _not_contiguous(arrays):
+    """The indices of the arrays that are neither C- nor F-contiguous (only
+    those can overlap themselves), read from NumPy's flags in one C loop;
+    every index for arrays without them."""
+    bits = flag_bits(arrays)
+    return range(len(arrays)) if bits is None else np.flatnonzero((bits & CONTIGUOUS) == 0).tolist()
 
 
 class InPlaceChecked:

@@ -13,6 +13,8 @@ import operator
 import weakref
 from operator import attrgetter
 
+import numpy as np
+
 _deref = weakref.ref.__call__
 
 
@@ -64,23 +66,36 @@ class Layout:
     __slots__ = ("_flags", "_strided")
 
     def __init__(self, arrays):
-        self._flags = _flag_bits(arrays)
-        flags = self._flags or [0] * len(arrays)
-        self._strided = [(i, a.strides) for i, (a, f) in enumerate(zip(arrays, flags)) if not f & _CONTIGUOUS]
+        self._flags = flag_bits(arrays)
+        if self._flags is None:
+            self._strided = [(i, a.strides) for i, a in enumerate(arrays)]
+        else:
+            self._strided = [(i, arrays[i].strides) for i in np.flatnonzero((self._flags & CONTIGUOUS) == 0).tolist()]
 
     def holds(self, arrays) -> bool:
         """Whether ``arrays`` (the same objects, of the same shapes and dtypes) still have this layout."""
-        return (_flag_bits(arrays) == self._flags
-                and all(arrays[i].strides == strides for i, strides in self._strided))
+        flags = flag_bits(arrays)
+        if flags is None or self._flags is None:
+            same_flags = flags is None and self._flags is None
+        else:
+            same_flags = np.array_equal(flags, self._flags)
+        return same_flags and all(arrays[i].strides == strides for i, strides in self._strided)
 
 
 _flags_num = attrgetter("flags.num")
-_CONTIGUOUS = 0x1 | 0x2  # NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_F_CONTIGUOUS
+CONTIGUOUS = 0x1 | 0x2  # NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_F_CONTIGUOUS: elements in distinct memory
 
 
-def _flag_bits(arrays):
-    """The NumPy flags of ``arrays`` as numbers, or None for arrays without them."""
+def flag_bits(arrays):
+    """The NumPy flags of ``arrays`` as an int64 array, read in one C loop;
+    None for arrays without them (CuPy's).
+
+    >>> import numpy as np
+    >>> bits = flag_bits([np.ones(3), np.ones((3, 3))[:, 0]])
+    >>> (bits & CONTIGUOUS) != 0
+    array([ True, False])
+    """
     try:
-        return list(map(_flags_num, arrays))
+        return np.fromiter(map(_flags_num, arrays), np.int64, len(arrays))
     except AttributeError:
         return None
