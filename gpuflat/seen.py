@@ -1,13 +1,15 @@
 """Trees walked before, read again without a walk while they stay unchanged.
 
 A training loop hands gpuflat the same tree step after step: the same
-containers holding the same arrays. Its walk, its plan key and what the
-checks found (fit for an in-place write, apart from a flat buffer) then
-hold as long as every container still holds the same objects, of the same
-shapes, dtypes and strides; all of that is read again at C speed (one
-``map`` per fact over all the leaves) instead of walking the tree in Python.
-Nothing of the caller's is kept alive: arrays are weakly referenced, and
-only small immutable statics (numbers, strings, None) are held.
+containers holding the same arrays. Its walk and plan key hold as long as
+every container still holds the same objects, of the same shapes and
+dtypes; what the checks found (fit for an in-place write, apart from a flat
+buffer) as long as, besides, the arrays' layout (``identity.Layout``: flags
+and the strides that matter) is the one they were found in. All of that is
+read again at C speed (one ``map`` per fact over all the leaves) instead of
+walking the tree in Python. Nothing of the caller's is kept alive: arrays
+are weakly referenced, and only small immutable statics (numbers, strings,
+None) are held.
 """
 from __future__ import annotations
 
