@@ -19,6 +19,7 @@ from . import flatplan
 from . import tree as _tree
 from .backends.selection import select
 from .errors import NonFiniteError, TreeMismatchError
+from .seen import trees
 
 # Arrays last found fit for an in-place write, per plan (see InPlaceChecked).
 in_place = checks.InPlaceChecked()
@@ -30,7 +31,8 @@ class Call:
     Every front end starts from it, so every entry point walks a tree the
     same way, once; ``walked`` is kept so that matching this tree against
     another plan (a gradient tree read through its model's plan) needs no
-    second walk.
+    second walk. A plain tree met again unchanged is read again without a
+    walk (``seen``, its record; see ``gpuflat.seen.SeenTrees``).
 
     >>> import numpy as np
     >>> a = np.ones(2)
@@ -39,12 +41,15 @@ class Call:
     (["['w']"], 1, ['relu'], 'numpy')
     """
 
-    __slots__ = ("plan", "unique", "statics", "like", "foreign", "walked")
+    __slots__ = ("plan", "unique", "statics", "like", "foreign", "walked", "seen")
 
     def __init__(self, tree):
-        with _tree.collector_paused():
-            self.walked = _tree.walk(tree)
-            self.plan, self.unique = flatplan.cached(self.walked.treedef, self.walked.arrays)
+        self.walked, self.seen = trees.walk(tree)
+        if self.seen is None:
+            with _tree.collector_paused():
+                self.plan, self.unique = flatplan.cached(self.walked.treedef, self.walked.arrays)
+        else:
+            self.plan, self.unique = self.seen.plan(self.walked.arrays)
         self.statics = self.walked.statics
         self.foreign = self.walked.foreign
         self.like = next(iter(self.foreign.values()), None)
@@ -64,7 +69,7 @@ class Call:
         return [self.foreign.get(id(a)) for a in self.unique]
 
     def paths(self):
-        return [leaf.path for leaf in self.plan.leaves]
+        return list(self.plan.paths)
 
 
 def gradients_of(parameters) -> list:
@@ -88,28 +93,41 @@ def gradients_of(parameters) -> list:
     return [own.grad for own in owners if own.grad is not None]
 
 
-def slot_sources(plan, tree, walked=None):
+def slot_sources(plan, tree, walked=None, seen=None):
     """(per slot, the distinct arrays ``tree`` holds there (tied gradients: several);
-    one of the caller's own objects behind them, or None for NumPy/CuPy).
+    one of the caller's own objects behind them, or None for NumPy/CuPy;
+    ``(record, unique arrays)`` where ``tree`` is a recorded tree tied as
+    the plan is, its unique arrays the slots' one source each; else None).
 
-    ``walked`` is ``tree``'s walk where the caller has it already.
+    ``walked`` is ``tree``'s walk where the caller has it already (and
+    ``seen`` its record, if any).
 
     >>> import numpy as np, gpuflat as gf
     >>> w = np.ones(2)
     >>> plan = gf.plan({"a": w, "b": w, "c": np.ones(1)})
-    >>> sources, like = slot_sources(plan, {"a": np.ones(2), "b": np.ones(2), "c": None})
-    >>> [len(s) for s in sources], like
-    ([2, 0], None)
+    >>> sources, like, recorded = slot_sources(plan, {"a": np.ones(2), "b": np.ones(2), "c": None})
+    >>> [len(s) for s in sources], like, recorded
+    ([2, 0], None, None)
     """
-    values, exact, like = checks.occurrences(plan, tree, allow_none=True, walked=walked)
+    values, exact, like, seen = checks.occurrences(plan, tree, allow_none=True, walked=walked, seen=seen)
+    if seen is not None and seen.ties_as(plan):
+        # A recorded tree tied as the plan is: each slot's one array, one C loop.
+        unique = seen.unique(values)
+        return _singles(unique), like, (seen, unique)
     if exact and len(plan.slot_of) == len(plan.leaves):
-        return [[v] for v in values], like  # no ties, no None: the common case
+        return _singles(values), like, None  # no ties, no None: the common case
     sources: list = [[] for _ in plan.leaves]
     for slot, value in zip(plan.slot_of, values):
         # The same gradient object met twice counts once (Optimisers.jl).
         if value is not None and all(value is not seen for seen in sources[slot]):
             sources[slot].append(value)
-    return sources, like
+    return sources, like, None
+
+
+def _singles(arrays) -> list:
+    """Each array as its slot's one source, a 1-tuple (a tuple of arrays is
+    soon untracked by the collector, which a list never is)."""
+    return list(zip(arrays))
 
 
 def norm_inputs(call, grads, model, backend):
@@ -127,7 +145,7 @@ def norm_inputs(call, grads, model, backend):
     if model is None:
         return call.plan, list(call.unique)
     plan = Call(model).plan
-    sources, _ = slot_sources(plan, grads, call.walked)
+    sources, _, _ = slot_sources(plan, grads, call.walked, call.seen)
     if all(len(s) == 1 for s in sources):
         return plan, [s[0] for s in sources]
     # A tied weight's several gradients, or a None: each slot's gradients are

@@ -8,28 +8,36 @@ from __future__ import annotations
 
 import math
 import weakref
+from operator import attrgetter
 from typing import Any
 
+import numpy as np
 
 from . import arrays
 from . import tree as _tree
 from .dtypes import TAGS
 from .errors import OverlapError, TreeMismatchError, UnsupportedLeafError
-from .flatplan import shape_and_dtype
-from .identity import SameArrays
+from .identity import CONTIGUOUS, Layout, SameArrays, flag_bits
 from .overlap import find_overlap
+from .seen import trees
 
-def occurrences(plan, tree, *, allow_none, walked=None):
-    """(values, exact, like): what ``tree`` holds at each trainable place of
+_shape, _dtype, _writeable = attrgetter("shape"), attrgetter("dtype"), attrgetter("flags.writeable")
+
+
+def occurrences(plan, tree, *, allow_none, walked=None, seen=None):
+    """(values, exact, like, seen): what ``tree`` holds at each trainable place of
     ``plan``, checked, as NumPy or CuPy arrays.
 
     ``like`` is one of the caller's own objects behind them (a PyTorch
     tensor, say), or None when they are NumPy or CuPy arrays. ``exact`` is
     True when the tree is shaped exactly like the plan's, so every value is
     an array of the expected shape and dtype (no None). A tree
-    shaped exactly like the plan's costs one walk and one tuple comparison;
+    shaped exactly like the plan's costs one walk and a comparison of its
+    shapes and dtypes (a recorded tree, read again, one test per plan);
     anything else takes the slow path that finds and names the first
-    difference. ``walked`` is ``tree``'s walk, where the caller has it.
+    difference. ``walked`` is ``tree``'s walk, where the caller has it (and
+    ``seen`` its record, if any). ``seen`` comes back where the tree was
+    read through its record (``gpuflat.seen.SeenTree``) and is exact.
 
     >>> import numpy as np, gpuflat as gf
     >>> p = gf.plan({"w": np.ones(2)})
@@ -38,12 +46,15 @@ def occurrences(plan, tree, *, allow_none, walked=None):
     ...
     gpuflat.errors.TreeMismatchError: leaf "['w']": expected shape (2,), got (3,)
     """
-    with _tree.collector_paused():
-        walked = walked if walked is not None else _tree.walk(tree)
-        arrays = walked.arrays
-        like = next(iter(walked.foreign.values()), None)
-        if walked.treedef == plan.treedef and tuple(map(shape_and_dtype, arrays)) == plan.occurrence_signature:
-            return arrays, True, like
+    if walked is None:
+        walked, seen = trees.walk(tree)
+    arrays = walked.arrays
+    like = next(iter(walked.foreign.values()), None)
+    if seen is not None and seen.exact_for(plan):
+        return arrays, True, like, seen
+    shapes, dtypes = plan.occurrence_signature
+    if walked.treedef == plan.treedef and tuple(map(_shape, arrays)) == shapes and tuple(map(_dtype, arrays)) == dtypes:
+        return arrays, True, like, None
     values = _tree.arrays_like(plan.treedef, tree)
     views: dict = {}  # one view per object, so the same gradient met twice stays one
     checked = []
@@ -53,7 +64,7 @@ def occurrences(plan, tree, *, allow_none, walked=None):
             if like is None and views[id(value)] is not value and value is not None:
                 like = value
         checked.append(views[id(value)])
-    return checked, False, like
+    return checked, False, like, None
 
 
 def check_leaf(spec, path: str, value, *, allow_none: bool):
@@ -116,7 +127,8 @@ def check_in_place(paths, arrays) -> None:
     gpuflat.errors.OverlapError: leaf "['w']": expected an array whose elements are distinct memory, got shape (3,) with strides (0,) (a broadcast or self-overlapping view); an in-place write would race. Pass a copy
     """
     _check_writable(paths, arrays)
-    for path, a in zip(paths, arrays):
+    for k in _not_contiguous(arrays):
+        path, a = paths[k], arrays[k]
         if may_overlap_itself(a):
             raise OverlapError(
                 f"leaf {path!r}: expected an array whose elements are distinct memory, got shape "
@@ -132,34 +144,65 @@ def check_in_place(paths, arrays) -> None:
         )
 
 
+def _not_contiguous(arrays):
+    """The indices of the arrays that are neither C- nor F-contiguous (only
+    those can overlap themselves), read from NumPy's flags in one C loop;
+    every index for arrays without them."""
+    bits = flag_bits(arrays)
+    return range(len(arrays)) if bits is None else np.flatnonzero((bits & CONTIGUOUS) == 0).tolist()
+
+
 class InPlaceChecked:
     """Remembers, per plan, the arrays last found fit for an in-place write.
 
-    A training loop clips the same gradient arrays every step; an array's
-    memory layout cannot change under its identity, so when the very same
-    arrays come again only their writable flags are read again (the
-    overlap tests cost far more than the write on a tree of tiny leaves).
+    A training loop clips the same gradient arrays every step; the overlap
+    tests cost far more than the write on a tree of tiny leaves. When the
+    very same arrays come again (of the plan's shapes and dtypes, as every
+    caller has checked) in the same layout (``gpuflat.identity.Layout``:
+    their flags, writable among them, and the strides of those not
+    contiguous, which NumPy lets a caller change in place), the verdict
+    stands. CuPy arrays have no such flags: their device memory is always
+    writable, and their strides are compared.
     The arrays are held by weak reference: a dead array never matches, and
-    the memo never keeps a step's gradients alive.
+    the memo never keeps a step's gradients alive. A recorded tree keeps
+    its verdict itself (``verdicts``, see ``gpuflat.seen.SeenTree``).
 
     >>> import numpy as np
     >>> memo, arrays = InPlaceChecked(), [np.ones(2), np.ones(3)]
     >>> memo.check(InPlaceChecked, ["a", "b"], arrays); memo.check(InPlaceChecked, ["a", "b"], arrays)
+    >>> arrays[1].flags.writeable = False
+    >>> memo.check(InPlaceChecked, ["a", "b"], arrays)
+    Traceback (most recent call last):
+    ...
+    gpuflat.errors.TreeMismatchError: leaf 'b': expected a writable array, got a read-only one
     """
 
     def __init__(self):
         self._last = weakref.WeakKeyDictionary()
 
-    def check(self, plan, paths, arrays) -> None:
+    def check(self, plan, paths, arrays, verdicts=None) -> None:
+        """OverlapError or TreeMismatchError naming the leaf (``paths[i]``)
+        unfit for an in-place write, unless ``arrays`` were found fit as they are."""
+        if verdicts is not None:
+            # The verdicts stand for the arrays' flags as they were when found
+            # writable: a leaf made read-only since has new, empty verdicts.
+            if not verdicts.in_place:
+                check_in_place(paths, arrays)
+                verdicts.in_place = True
+            return
         last = self._last.get(plan)
-        if last is not None and last.holds(arrays):
-            _check_writable(paths, arrays)
+        if last is not None and last[0].holds(arrays) and last[1].holds(arrays):
             return
         check_in_place(paths, arrays)
-        self._last[plan] = SameArrays(arrays)
+        self._last[plan] = (SameArrays(arrays), Layout(arrays))
 
 
 def _check_writable(paths, arrays):
+    try:
+        if all(map(_writeable, arrays)):  # one C loop where every array is writable
+            return
+    except AttributeError:  # a CuPy array has no writeable flag
+        pass
     for path, a in zip(paths, arrays):
         # CuPy arrays have no writeable flag: device memory is always writable.
         if not getattr(getattr(a, "flags", None), "writeable", True):

@@ -98,17 +98,22 @@ class FlatPlan:
         return offsets
 
     @cached_property
+    def paths(self) -> tuple:
+        """The path of every slot, in plan order."""
+        return tuple(leaf.path for leaf in self.leaves)
+
+    @cached_property
     def occurrence_paths(self) -> tuple:
         """The path of every trainable occurrence, ties included, in walk order."""
         return tuple(_tree.leaf_paths(self.treedef))
 
     @cached_property
     def occurrence_signature(self) -> tuple:
-        """(shape, dtype) of every trainable occurrence: what a matching tree holds."""
-        return tuple((self.leaves[s].shape, self.leaves[s].dtype) for s in self.slot_of)
+        """(shapes, dtypes) of the trainable occurrences: what a matching tree holds."""
+        return (tuple(self.leaves[s].shape for s in self.slot_of), tuple(self.leaves[s].dtype for s in self.slot_of))
 
 
-shape_and_dtype = attrgetter("shape", "dtype")
+_shape, _dtype = attrgetter("shape"), attrgetter("dtype")
 
 
 def signature(arrays):
@@ -127,7 +132,42 @@ def signature(arrays):
         unique = [None] * len(slots)
         for a, s in zip(arrays, slot_of):
             unique[s] = a
-    return slot_of, unique, tuple(map(shape_and_dtype, unique))
+    # Shapes and dtypes as two tuples: one C loop each, no pair per leaf.
+    return slot_of, unique, (tuple(map(_shape, unique)), tuple(map(_dtype, unique)))
+
+
+class Key:
+    """A plan cache key whose hash is taken once, when first asked: a recorded
+    tree asks for its plan with the same Key every call, found again
+    without hashing or comparing a treedef of thousands of nodes.
+
+    >>> Key((1, 2)) == Key((1, 2)), Key((1, 2)) == Key((2, 1))
+    (True, False)
+    """
+
+    __slots__ = ("parts", "_hash")
+
+    def __init__(self, parts):
+        self.parts, self._hash = parts, None
+
+    def __hash__(self):
+        if self._hash is None:
+            self._hash = hash(self.parts)
+        return self._hash
+
+    def __eq__(self, other):
+        return self is other or (type(other) is Key and self.parts == other.parts)
+
+
+def key_of(treedef, arrays):
+    """(slot_of, unique arrays, cache Key) of a walked tree.
+
+    >>> slot_of, unique, key = key_of(None, [np.ones(2)])
+    >>> key == key_of(None, [np.zeros(2)])[2]
+    True
+    """
+    slot_of, unique, part = signature(arrays)
+    return slot_of, unique, Key((treedef, part, slot_of))
 
 
 def build(treedef, slot_of, unique) -> FlatPlan:
@@ -167,9 +207,12 @@ class PlanCache:
     def get(self, key, make):
         with self._lock:
             # Comparing with the last key first skips hashing a long key: a
-            # training loop asks for the same plan every step.
+            # training loop asks for the same plan every step. The key kept
+            # is the one asked with, so a recorded tree's own Key is then
+            # found by identity, with no comparison.
             if key == self._last_key:
                 self.hits += 1
+                self._last_key = key
                 return self._last_plan
             plan = self._plans.get(key)
             if plan is not None:
@@ -210,6 +253,5 @@ def cached(treedef, arrays):
     >>> plan.size, len(unique)
     (4, 2)
     """
-    slot_of, unique, shapes = signature(arrays)
-    key = (treedef, shapes, slot_of)
+    slot_of, unique, key = key_of(treedef, arrays)
     return cache.get(key, lambda: build(treedef, slot_of, unique)), unique

@@ -2,14 +2,18 @@
 
 A training loop hands gpuflat the same arrays step after step; whatever was
 worked out from them (their in-place fitness, a device table of their
-addresses) holds as long as the same objects come back. An array's memory
-cannot change under its identity, so identity is enough; a weak reference
-makes sure a dead array never matches and nothing is kept alive.
+addresses) holds as long as the same objects come back unchanged. A weak
+reference makes sure a dead array never matches and nothing is kept alive;
+what an array's identity does not pin (its shape, dtype and strides, which
+NumPy lets a caller set in place) is read again and compared.
 """
 from __future__ import annotations
 
 import operator
 import weakref
+from operator import attrgetter
+
+import numpy as np
 
 _deref = weakref.ref.__call__
 
@@ -37,3 +41,61 @@ class SameArrays:
         refs = self._refs
         return (refs is not None and len(refs) == len(arrays)
                 and all(map(operator.is_, map(_deref, refs), arrays)))
+
+
+class Layout:
+    """What NumPy lets a caller change in place about a list of arrays,
+    besides their shapes and dtypes: their flags (writable, contiguous)
+    and, for those neither C- nor F-contiguous, their strides. A contiguous
+    array's strides follow from its shape and dtype (where they matter), so
+    any ``a.strides = ...`` that moves its elements also clears its
+    contiguity. The flags are kept as numbers, never as NumPy flags objects
+    (which would keep their arrays alive); arrays of a kind without them
+    (CuPy) are compared by strides alone.
+
+    >>> import numpy as np
+    >>> a, b = np.ones(4), np.ones((4, 4))[:, 0]
+    >>> layout = Layout([a, b])
+    >>> layout.holds([a, b]), layout.holds([b, a])
+    (True, False)
+    >>> a.flags.writeable = False
+    >>> layout.holds([a, b])
+    False
+    """
+
+    __slots__ = ("_flags", "_strided")
+
+    def __init__(self, arrays):
+        self._flags = flag_bits(arrays)
+        if self._flags is None:
+            self._strided = [(i, a.strides) for i, a in enumerate(arrays)]
+        else:
+            self._strided = [(i, arrays[i].strides) for i in np.flatnonzero((self._flags & CONTIGUOUS) == 0).tolist()]
+
+    def holds(self, arrays) -> bool:
+        """Whether ``arrays`` (the same objects, of the same shapes and dtypes) still have this layout."""
+        flags = flag_bits(arrays)
+        if flags is None or self._flags is None:
+            same_flags = flags is None and self._flags is None
+        else:
+            same_flags = np.array_equal(flags, self._flags)
+        return same_flags and all(arrays[i].strides == strides for i, strides in self._strided)
+
+
+_flags_num = attrgetter("flags.num")
+CONTIGUOUS = 0x1 | 0x2  # NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_F_CONTIGUOUS: elements in distinct memory
+
+
+def flag_bits(arrays):
+    """The NumPy flags of ``arrays`` as an int64 array, read in one C loop;
+    None for arrays without them (CuPy's).
+
+    >>> import numpy as np
+    >>> bits = flag_bits([np.ones(3), np.ones((3, 3))[:, 0]])
+    >>> (bits & CONTIGUOUS) != 0
+    array([ True, False])
+    """
+    try:
+        return np.fromiter(map(_flags_num, arrays), np.int64, len(arrays))
+    except AttributeError:
+        return None

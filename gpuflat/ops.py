@@ -175,7 +175,9 @@ def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None) -> An
     >>> gf.flatten(p, g, out=out) is out
     True
     """
-    sources, like = slot_sources(plan, tree)
+    sources, like, recorded = slot_sources(plan, tree)
+    if recorded is not None:  # a recorded tree: one array per slot, its checks remembered
+        return _flatten_recorded(plan, sources, like, recorded, out, backend)
     present = [(leaf.path, s[0]) for leaf, s in zip(plan.leaves, sources) if s]
     # Every gradient chooses the backend, not only the first of each slot: a
     # tied weight's NumPy and CuPy gradients must meet the mixed-kinds error.
@@ -193,6 +195,25 @@ def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None) -> An
         flat = be.empty(plan.size, plan.dtype)
         be.gather(plan, sources, flat)
         return flat if like is None else _arrays.to_caller(flat, like)
+
+
+def _flatten_recorded(plan, sources, like, recorded, out, backend):
+    """``flatten`` of a recorded tree (``recorded``: its record and its
+    arrays, one per slot), with no list built per leaf."""
+    seen, arrays = recorded
+    path_of = plan.paths.__getitem__
+    if out is None:
+        be = select(backend, arrays, path_of)
+        with _arrays.device_scope(be, like):
+            flat = be.empty(plan.size, plan.dtype)
+            be.gather(plan, sources, flat)
+            return flat if like is None else _arrays.to_caller(flat, like)
+    target = _writable_flat(plan, out, "out")
+    _refuse_aliases(arrays, target, "out", path_of, seen.verdicts(arrays))
+    be = select(backend, arrays + [target], lambda i: "<out>" if i == len(arrays) else path_of(i))
+    with _arrays.device_scope(be, like if like is not None else out):
+        be.gather(plan, sources, target)
+        return out
 
 
 def unflatten(plan: FlatPlan, flat, *, backend: str | None = None) -> Any:
@@ -230,20 +251,30 @@ def scatter(plan: FlatPlan, flat, tree, *, backend: str | None = None) -> None:
     >>> m["w"], m["b"]
     (array([1., 2.], dtype=float32), array([3.]))
     """
-    values, _, like = checks.occurrences(plan, tree, allow_none=False)
+    values, _, like, seen = checks.occurrences(plan, tree, allow_none=False)
+    given, flat = flat, _view(flat, "flat")
+    checks.check_flat(plan, flat, exact_dtype=False)
+    if seen is not None and seen.ties_as(plan):
+        # A recorded tree tied as the plan is, one array per slot: its checks are remembered.
+        written = seen.unique(values)
+        paths, verdicts = plan.paths, seen.verdicts(written)
+        be = select(backend, written + [flat], lambda i: paths[i] if i < len(paths) else "<flat>")
+        in_place.check(plan, paths, written, verdicts)
+        _refuse_aliases(written, flat, "flat", paths.__getitem__, verdicts)
+        with _arrays.device_scope(be, like if like is not None else given):
+            be.scatter(plan, flat, written)
+        return
     targets = [None] * len(plan.leaves)
     for slot, value in zip(plan.slot_of, values):
         targets[slot] = value if targets[slot] is None else targets[slot]
-    given, flat = flat, _view(flat, "flat")
-    checks.check_flat(plan, flat, exact_dtype=False)
     be = select(backend, targets + [flat],
                 lambda i: plan.leaves[i].path if i < len(plan.leaves) else "<flat>")
     # A broken tie (two arrays where the plan has one slot) is written at
     # both places, so every distinct array is checked before any write.
-    written, paths, seen = [], [], set()
+    written, paths, met = [], [], set()
     for path, value in zip(plan.occurrence_paths, values):
-        if id(value) not in seen:
-            seen.add(id(value))
+        if id(value) not in met:
+            met.add(id(value))
             written.append(value)
             paths.append(path)
     in_place.check(plan, paths, written)
@@ -382,10 +413,13 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, eps: float = 1e-6
     norm_plan, norm_leaves = norm_inputs(call, grads, model, backend)
     # The grads' own walk holds each distinct gradient array once.
     scale_plan, scale_leaves, scale_paths = call.plan, list(call.unique), call.paths()
-    be = select(backend, norm_leaves + scale_leaves,
+    # Without a model the norm reads the very arrays it scales: one list chooses the backend.
+    chosen_by = scale_leaves if model is None else norm_leaves + scale_leaves
+    be = select(backend, chosen_by,
                 lambda i: (norm_plan.leaves[i].path if i < len(norm_leaves)
                            else scale_paths[i - len(norm_leaves)]))
-    in_place.check(scale_plan, scale_paths, scale_leaves)
+    in_place.check(scale_plan, scale_paths, scale_leaves,
+                   None if call.seen is None else call.seen.verdicts(scale_leaves))
     with _arrays.device_scope(be, call.like):
         result = be.norms(norm_plan, norm_leaves, p, per_leaf=False)
         if error_if_nonfinite:
@@ -519,13 +553,21 @@ def _writable_flat(plan, x, name):
     return view
 
 
-def _refuse_aliases(arrays, buffer, name, path_of):
+def _refuse_aliases(arrays, buffer, name, path_of, verdicts=None):
     """OverlapError naming the first array (``path_of(i)``, only on error)
-    sharing memory with ``buffer``: the kernels would read it after writing over it."""
+    sharing memory with ``buffer``: the kernels would read it after writing over it.
+
+    ``verdicts``: those of the recorded tree whose unique arrays ``arrays``
+    are (``SeenTree.verdicts``); they keep the buffer last found apart from
+    them, while neither changes."""
+    if verdicts is not None and verdicts.apart_from(buffer):
+        return
     shared = first_sharing(arrays, buffer)
     if shared is not None:
         raise OverlapError(f"leaf {path_of(shared)!r} and {name} share memory; expected {name} "
                            f"apart from every leaf, found them overlapping (pass a separate buffer)")
+    if verdicts is not None:
+        verdicts.found_apart(buffer)
 
 
 def _callable_inputs(call, grads, model, backend) -> list:
@@ -533,7 +575,7 @@ def _callable_inputs(call, grads, model, backend) -> list:
     if model is None:
         return [call.foreign.get(id(a), a) for a in call.unique]
     plan = Call(model).plan
-    sources, _ = slot_sources(plan, grads, call.walked)
+    sources, _, _ = slot_sources(plan, grads, call.walked, call.seen)
     owners = [None] * len(plan.leaves)
     for slot, value in zip(plan.slot_of, _tree.arrays_like(plan.treedef, grads)):
         owners[slot] = value if owners[slot] is None else owners[slot]

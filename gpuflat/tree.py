@@ -23,7 +23,6 @@ import sys
 import threading
 from collections import defaultdict
 from collections.abc import Iterator, Sequence, Set
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -334,26 +333,29 @@ def _missing_reason(x, missing, names):
 _ONE_SHOT = (Iterator, Set, type({}.keys()), type({}.values()), type({}.items()))
 
 
-@contextmanager
-def collector_paused():
+class collector_paused:  # noqa: N801 - used as a function, like contextlib's context managers
     """Hold Python's cyclic garbage collector while a walk builds its tuples.
 
     A walk of 10,000 leaves makes tens of thousands of small tuples, enough
     to start several collections that each traverse every live object of
     the program (a model, an optimizer): measured, 6 ms of a 7 ms signature.
     None of these tuples can form a cycle, so nothing is lost by waiting.
+    A class rather than a generator: entering and leaving cost a third as much.
 
     >>> import gc
     >>> with collector_paused():
     ...     gc.isenabled()
     False
     """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
+
+    __slots__ = ("_was_enabled",)
+
+    def __enter__(self):
+        self._was_enabled = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc):
+        if self._was_enabled:
             gc.enable()
 
 

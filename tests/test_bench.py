@@ -311,3 +311,21 @@ def test_dockerfile_passes_hadolint():
         pytest.skip("hadolint is not installed")
     done = subprocess.run([hadolint, str(ROOT / "Dockerfile")], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_trees_of_many_tiny_leaves_are_held_to_5x_of_the_copy_floor_the_others_to_1_2x():
+    from bench import targets
+
+    rows, floors = [], []
+    for w, d in (("gpt2-small", "float32"), ("tiny-10k", "float32"), ("mixed", "mixed")):
+        for op in ("flatten", "scatter"):
+            rows.append({"workload": w, "dtype": d, "op": op, "impl": "gpuflat (host)", "kind": "gpuflat",
+                         "status": "ok", "median_ms": 4.0})  # 4x its floor
+            floors.append({"workload": w, "dtype": d, "op": op, "part": "copy", "median_ms": 1.0})
+    judged = {(t["unit"], t["target"]): t["met"] for t in targets.judge({"device": "cpu", "rows": rows,
+                                                                          "floors": floors})
+              if "copy floor" in t["target"]}
+    assert judged == {(unit, f"{op} within {limit} of the copy floor"): limit == "5x"
+                      for unit, limit in (("gpt2-small float32", "1.2x"), ("tiny-10k float32", "5x"),
+                                          ("mixed mixed", "5x"))
+                      for op in ("flatten", "scatter")}

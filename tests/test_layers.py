@@ -24,8 +24,8 @@ LAYERS = [
     ["arrays", "dtensor", "kernel_loader", "backends.protocol"],
     # The tree walk, the emulator, the NumPy reference.
     ["tree", "emulator", "backends.numpy_backend"],
-    # Plans; the devices and the backends that launch on them.
-    ["flatplan", "backends.cuda_runtime", "backends.host", "backends.cuda"],
+    # Plans, trees walked before; the devices and the backends that launch on them.
+    ["flatplan", "seen", "backends.cuda_runtime", "backends.host", "backends.cuda"],
     ["backends.selection", "backends", "checks"],
     # The binding layer every front end goes through.
     ["binding", "torch_params", "tensor_table"],

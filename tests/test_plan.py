@@ -240,8 +240,8 @@ def test_offsets_of_multi_dimensional_leaves_past_2_32():
 
 def test_signature_helpers_agree():
     a = np.ones(2)
-    slot_of, unique, shapes = gplan.signature([a, np.ones(3), a])
-    assert slot_of == (0, 1, 0) and unique[0] is a and [s[0] for s in shapes] == [(2,), (3,)]
+    slot_of, unique, (shapes, dtypes) = gplan.signature([a, np.ones(3), a])
+    assert slot_of == (0, 1, 0) and unique[0] is a and shapes == ((2,), (3,)) and dtypes == (a.dtype,) * 2
 
 
 def test_the_cache_keeps_no_user_value_alive():

@@ -1,0 +1,259 @@
+"""Trees read again without a walk: a changed tree never reuses what was found
+about it before (its walk, plan, in-place fitness, apartness from a buffer)."""
+from __future__ import annotations
+
+import gc
+import threading
+import warnings
+import weakref
+
+import numpy as np
+import pytest
+
+import gpuflat as gf
+from gpuflat import seen as _seen
+from gpuflat.errors import OverlapError, TreeMismatchError
+
+# A tree is recorded on its second walk, and read through its record from the third.
+REPEATS = 3
+
+
+def _recorded(tree, call=lambda t: gf.global_norm(t)):
+    for _ in range(REPEATS):
+        call(tree)
+    assert type(_seen.trees._entries.get(id(tree))) is _seen.SeenTree
+    return tree
+
+
+def _tree():
+    return {"a": np.full(4, 1.0, np.float32), "b": [np.full(3, 2.0), "relu", None], "c": (np.full(2, 3.0),)}
+
+
+def _norm(arrays):
+    return float(np.sqrt(sum(float(np.sum(np.asarray(a, np.float64) ** 2)) for a in arrays)))
+
+
+def test_a_repeated_tree_is_read_through_its_record():
+    tree = _recorded(_tree())
+    walked, seen = _seen.trees.walk(tree)
+    assert seen is not None and walked.statics == ["relu", None]
+    assert [a is b for a, b in zip(walked.arrays, (tree["a"], tree["b"][0], tree["c"][0]))] == [True] * 3
+
+
+def test_the_record_still_counts_plan_cache_hits():
+    tree = _recorded(_tree())
+    hits = gf.plan_cache_info().hits
+    gf.global_norm(tree)
+    assert gf.plan_cache_info().hits == hits + 1
+
+
+@pytest.mark.parametrize("change, leaves", [
+    (lambda t: t.__setitem__("a", np.full(4, 5.0, np.float32)), [5.0] * 4 + [2.0] * 3 + [3.0] * 2),
+    (lambda t: t["b"].__setitem__(0, np.full(5, 1.0)), [1.0] * 4 + [1.0] * 5 + [3.0] * 2),
+    (lambda t: t.__setitem__("d", np.full(1, 7.0)), [1.0] * 4 + [2.0] * 3 + [3.0] * 2 + [7.0]),
+    (lambda t: t["b"].append(np.full(1, 7.0)), [1.0] * 4 + [2.0] * 3 + [3.0] * 2 + [7.0]),
+    (lambda t: t["b"].__setitem__(1, np.full(1, 7.0)), [1.0] * 4 + [2.0] * 3 + [7.0] + [3.0] * 2),
+    (lambda t: t.__setitem__("c", [np.full(2, 3.0)]), [1.0] * 4 + [2.0] * 3 + [3.0] * 2),
+    (lambda t: t.pop("a"), [2.0] * 3 + [3.0] * 2),
+], ids=["leaf replaced", "leaf of another shape", "key added", "item appended", "static made a leaf",
+        "tuple made a list", "key removed"])
+def test_a_changed_container_is_walked_again(backend, change, leaves):
+    tree = _recorded(_tree(), lambda t: gf.global_norm(t, backend=backend))
+    change(tree)
+    assert float(gf.global_norm(tree, backend=backend)) == pytest.approx(_norm([np.array(leaves)]))
+    assert gf.plan(tree).size == len(leaves)
+
+
+def test_a_leaf_reshaped_in_place_changes_the_plan_and_is_named():
+    tree = _recorded(_tree())
+    plan = gf.plan(tree)
+    tree["a"].shape = (2, 2)
+    assert gf.plan(tree).leaves[0].shape == (2, 2)
+    with pytest.raises(TreeMismatchError, match=r"leaf \"\['a'\]\": expected shape \(4,\), got \(2, 2\)"):
+        gf.flatten(plan, tree)
+
+
+def test_a_leaf_whose_dtype_is_set_in_place_is_no_longer_trainable():
+    tree = _recorded(_tree())
+    tree["a"].dtype = np.int32
+    assert gf.plan(tree).size == 5 and gf.plan(tree).statics[0] is tree["a"]
+
+
+def test_a_static_replaced_is_the_one_the_plan_carries():
+    tree = _recorded({"w": np.ones(2), "step": 10**6})
+    tree["step"] = 10**6 + 1
+    assert gf.plan(tree).statics == (10**6 + 1,)
+
+
+def test_a_leaf_that_died_where_a_none_now_sits_is_not_mistaken_for_it():
+    tree = _recorded({"w": np.ones(2), "b": np.full(1, 2.0)})
+    tree["w"] = None  # the only reference: the array dies, its weak reference gives None too
+    gc.collect()
+    assert float(gf.global_norm(tree)) == 2.0
+
+
+def test_a_leaf_replaced_by_an_overlapping_view_is_refused_by_a_clip(backend):
+    base = np.ones(8)
+    grads = _recorded({"x": base[:4], "y": base[4:]}, lambda g: gf.clip_grad_norm_(g, 1e9, backend=backend))
+    grads["y"] = base[2:6]
+    before = base.copy()
+    with pytest.raises(OverlapError, match=r"\['x'\].*\['y'\]"):
+        gf.clip_grad_norm_(grads, 0.5, backend=backend)
+    assert np.array_equal(base, before)
+
+
+def test_strides_set_in_place_are_checked_again():
+    grads = _recorded({"x": np.ones(4), "y": np.ones(3)}, lambda g: gf.clip_grad_norm_(g, 1e9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # NumPy 2.4 deprecates setting strides
+        grads["x"].strides = (0,)
+    with pytest.raises(OverlapError, match=r"\['x'\].*strides \(0,\)"):
+        gf.clip_grad_norm_(grads, 0.5)
+
+
+def test_a_leaf_made_read_only_is_refused_and_nothing_is_written(backend):
+    grads = _recorded({"x": np.full(4, 3.0), "y": np.full(3, 4.0)},
+                      lambda g: gf.clip_grad_norm_(g, 1e9, backend=backend))
+    grads["y"].flags.writeable = False
+    with pytest.raises(TreeMismatchError, match=r"\['y'\]\": expected a writable array"):
+        gf.clip_grad_norm_(grads, 0.5, backend=backend)
+    assert np.all(grads["x"] == 3.0)
+
+
+def test_a_leaf_replaced_by_a_view_of_out_is_refused_by_flatten(backend):
+    tree = {"x": np.ones(4), "y": np.ones(3)}
+    plan, out = gf.plan(tree), np.zeros(7)
+    _recorded(tree, lambda t: gf.flatten(plan, t, out=out, backend=backend))
+    tree["y"] = out[4:]
+    with pytest.raises(OverlapError, match=r"leaf \"\['y'\]\" and out share memory"):
+        gf.flatten(plan, tree, out=out, backend=backend)
+
+
+def test_a_leaf_replaced_by_a_view_of_flat_is_refused_by_scatter():
+    tree = {"x": np.zeros(2), "y": np.zeros(2)}
+    plan, buffer = gf.plan(tree), np.arange(8.0)
+    flat = buffer[:4]
+    _recorded(tree, lambda t: gf.scatter(plan, flat, t))
+    tree["y"] = buffer[2:4]  # a view of flat: scattering would read what it writes
+    with pytest.raises(OverlapError, match=r"\['y'\]\" and flat share memory"):
+        gf.scatter(plan, flat, tree)
+    assert np.array_equal(buffer, np.arange(8.0))
+
+
+def test_another_out_is_checked_again(backend):
+    base = np.zeros(12)
+    tree = {"x": base[:4], "y": base[4:7]}
+    plan = gf.plan(tree)
+    _recorded(tree, lambda t: gf.flatten(plan, t, out=np.zeros(7), backend=backend))
+    with pytest.raises(OverlapError, match=r"leaf \"\['y'\]\" and out share memory"):
+        gf.flatten(plan, tree, out=base[5:], backend=backend)
+
+
+def test_scatter_through_the_record_writes_every_leaf(backend):
+    tree = {"x": np.zeros(2, np.float32), "y": [np.zeros(3)]}
+    plan = gf.plan(tree)
+    for k in range(REPEATS + 2):
+        gf.scatter(plan, np.arange(5.0) + k, tree, backend=backend)
+        assert tree["x"].tolist() == [k, k + 1] and tree["y"][0].tolist() == [k + 2, k + 3, k + 4]
+
+
+def test_a_recorded_tree_keeps_no_array_alive():
+    tree = _recorded({"w": np.ones(3), "b": [np.ones(2)]}, lambda g: gf.clip_grad_norm_(g, 1.0))
+    ref = weakref.ref(tree["w"])
+    del tree
+    gc.collect()
+    assert ref() is None
+
+
+def test_trees_that_are_not_plain_are_never_recorded():
+    class Box:
+        __trainable__ = ("w",)
+
+        def __init__(self):
+            self.w = np.ones(2)
+
+    for tree in ({"box": Box()}, {"f": np.sin, "w": np.ones(2)}, [np.ones(2, np.float32).view(np.matrix)]):
+        for _ in range(REPEATS):
+            gf.global_norm(tree)
+        assert type(_seen.trees._entries.get(id(tree))) is not _seen.SeenTree
+
+
+def test_threads_each_get_their_own_trees_norm():
+    # More trees than records, each thread changing its tree's values between
+    # calls: a record read for the wrong tree, or a stale one, gives a wrong norm.
+    errors = []
+
+    def work(k):
+        tree = {"w": np.full(4, float(k)), "b": [np.full(2, 1.0)]}
+        for step in range(60):
+            if step % 7 == 0:
+                tree["w"] = np.full(4, float(k + step))
+            expected = np.sqrt(4 * tree["w"][0] ** 2 + 2)
+            got = float(gf.clip_grad_norm_(tree, 1e9))
+            if abs(got - expected) > 1e-9 * expected:
+                errors.append((k, step, got, expected))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(1, 2 * _seen.trees.maxsize + 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_a_tie_broken_after_recording_is_gathered_and_scattered_as_two_arrays(backend):
+    w = np.ones(2)
+    tree = {"x": w, "y": np.full(1, 5.0), "z": w}
+    plan = gf.plan(tree)
+    for _ in range(REPEATS):
+        assert gf.flatten(plan, tree, backend=backend).tolist() == [1.0, 1.0, 5.0]
+        gf.scatter(plan, np.array([1.0, 1.0, 5.0]), tree, backend=backend)
+    tree["z"] = np.full(2, 2.0)  # now a gradient tree: the tied slot's two gradients add up
+    assert gf.flatten(plan, tree, backend=backend).tolist() == [3.0, 3.0, 5.0]
+    gf.scatter(plan, np.array([7.0, 8.0, 9.0]), tree, backend=backend)
+    assert tree["x"].tolist() == [7.0, 8.0] and tree["z"].tolist() == [7.0, 8.0]
+
+
+def test_a_static_array_reshaped_in_place_changes_the_plan():
+    tree = _recorded({"w": np.ones(2), "step": np.zeros((), np.int64)})
+    before = gf.plan(tree)
+    tree["step"].shape = (1,)
+    assert gf.plan(tree) != before and gf.plan(tree).treedef != before.treedef
+
+
+def test_an_array_at_the_address_of_a_dead_one_is_not_taken_for_it():
+    tree = _recorded({"w": np.ones(4), "b": np.ones(1)})
+    seen = _seen.trees._entries[id(tree)]
+    tree["w"] = np.ones(4)  # the first array dies here
+    seen.ids[0] = id(tree["w"])  # as if the new one had been given its address
+    assert seen.walk_again(tree) is None
+
+
+@pytest.mark.parametrize("change, error", [
+    (lambda a: setattr(a.flags, "writeable", False), TreeMismatchError),
+    (lambda a: setattr(a, "strides", (0,)), OverlapError),
+], ids=["made read-only", "strides set"])
+def test_a_tree_that_is_not_plain_does_not_reuse_a_stale_in_place_verdict(change, error):
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "x y")
+    grads = Pair(np.ones(4), np.ones(3))  # a namedtuple: walked every call, checked through the per-plan memo
+    for _ in range(REPEATS):
+        gf.clip_grad_norm_(grads, 1e9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        change(grads.x)
+    with pytest.raises(error, match=r"leaf 'x'"):
+        gf.clip_grad_norm_(grads, 0.5)
+
+
+def test_a_layout_of_arrays_without_numpy_flags_compares_their_strides():
+    from types import SimpleNamespace
+
+    from gpuflat.identity import Layout
+
+    a = SimpleNamespace(flags=SimpleNamespace(c_contiguous=True), strides=(8,))  # as a CuPy array has them
+    layout = Layout([a])
+    assert layout.holds([a])
+    a.strides = (0,)
+    assert not layout.holds([a])
