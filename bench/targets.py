@@ -91,6 +91,10 @@ def _cpu(results) -> list:
                 for op in ("global_norm", "clip")]
     out += [_faster(results, f"{op} >= 3x faster than {peer}", TINY, f32, op, peer, 3.0)
             for op in ("global_norm", "clip") for peer in (TORCH[op], NUMPY_LOOP)]
+    # The drop-in itself, on the same CPU tensors as PyTorch's clip.
+    out.append(_verdict(f"{DROP_IN_CLIP} >= 3x faster than {TORCH['clip']}", TINY, f32,
+                        _row(results, TINY, f32, "clip", DROP_IN_CLIP),
+                        _peer_ms(results, TINY, f32, "clip", TORCH["clip"]), 3.0, faster=True))
     for w, d in _copy_units(results):
         limit = MANY_LEAVES_COPY_LIMIT if w in MANY_LEAVES else COPY_LIMIT
         out += [_within(results, f"{op} within {limit:g}x of the copy floor", w, d, op, limit)
