@@ -25,6 +25,7 @@ import numpy as np
 from . import flatplan
 from . import tree as _tree
 from .dtypes import TAGS
+from .backends.host import array_facts
 from .identity import Layout
 
 _shape, _dtype = attrgetter("shape"), attrgetter("dtype")
@@ -55,7 +56,7 @@ class SeenTree:
     """
 
     __slots__ = ("node", "treedef", "refs", "ids", "alive", "array_at", "static_at", "held", "static_arrays",
-                 "shapes", "dtypes", "slot_of", "first", "key", "_plans", "_verdicts", "__weakref__")
+                 "shapes", "dtypes", "facts", "slot_of", "first", "key", "_plans", "_verdicts", "__weakref__")
 
     @classmethod
     def of(cls, tree, walked) -> "SeenTree | None":
@@ -92,6 +93,9 @@ class SeenTree:
         self.held = [s if type(s) in _HELD else weakref.ref(s) for s in statics]
         self.static_arrays = [(k, s.shape, s.dtype) for k, s in enumerate(statics) if type(s) not in _HELD]
         self.shapes, self.dtypes = list(map(_shape, arrays)), list(map(_dtype, arrays))
+        # Identities, shapes, dtypes, flags and strides in one native read,
+        # where the host library is built (None: compared in Python instead).
+        self.facts = array_facts(arrays, 4 * len(arrays) + 2 * sum(map(len, self.shapes)))
         self.slot_of, unique, self.key = flatplan.key_of(treedef, arrays)
         self.first = None if len(unique) == len(arrays) else [self.slot_of.index(s) for s in range(len(unique))]
         self._plans = weakref.WeakSet()
@@ -107,12 +111,15 @@ class SeenTree:
         arrays = values if self.array_at is None else [values[i] for i in self.array_at]
         # The ids before the liveness: an array that died while they were
         # read has marked the record dead by the time it is asked.
-        if list(map(id, arrays)) != self.ids or not self.alive[0]:
+        if self.facts is not None:
+            now = array_facts(arrays, len(self.facts))
+            if now is None or not np.array_equal(now, self.facts) or not self.alive[0]:
+                return None
+        elif (list(map(id, arrays)) != self.ids or not self.alive[0]
+              or list(map(_shape, arrays)) != self.shapes or list(map(_dtype, arrays)) != self.dtypes):
             return None
         statics = [values[i] for i in self.static_at]
         if statics and not self._same_statics(statics):
-            return None
-        if list(map(_shape, arrays)) != self.shapes or list(map(_dtype, arrays)) != self.dtypes:
             return None
         return _tree.Walked(self.treedef, arrays, statics, {})
 
@@ -157,10 +164,12 @@ class SeenTree:
     def verdicts(self, unique) -> "Verdicts":
         """What was found about the tree's unique arrays (``unique``: this
         tree's, read again), while their layout is the one it was found on;
-        a new, empty Verdicts when it has changed."""
+        a new, empty Verdicts when it has changed. Where the record reads its
+        arrays' facts natively, a tree read again has the layout it was
+        recorded with, so the verdicts always stand."""
         verdicts = self._verdicts
-        if verdicts is None or not verdicts.layout.holds(unique):
-            verdicts = self._verdicts = Verdicts(Layout(unique))
+        if verdicts is None or (self.facts is None and not verdicts.layout.holds(unique)):
+            verdicts = self._verdicts = Verdicts(None if self.facts is not None else Layout(unique))
         return verdicts
 
 

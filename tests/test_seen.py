@@ -18,6 +18,23 @@ from gpuflat.errors import OverlapError, TreeMismatchError
 REPEATS = 3
 
 
+@pytest.fixture(autouse=True, params=["native facts", "facts read in Python"])
+def facts_reader(request, monkeypatch):
+    """Every test twice: records reading their arrays' facts in the host
+    library, and (as where it is not built) in Python."""
+    if request.param == "facts read in Python":
+        monkeypatch.setattr(_seen, "array_facts", lambda arrays, words: None)
+    _seen.trees.clear()
+    yield request.param
+    _seen.trees.clear()
+
+
+def test_the_native_facts_are_what_a_record_compares(facts_reader):
+    tree = _recorded(_tree())
+    record = _seen.trees._entries[id(tree)]
+    assert (record.facts is not None) == (facts_reader == "native facts" and gf.backends.host.available())
+
+
 def _recorded(tree, call=lambda t: gf.global_norm(t)):
     for _ in range(REPEATS):
         call(tree)
@@ -109,6 +126,16 @@ def test_strides_set_in_place_are_checked_again():
         grads["x"].strides = (0,)
     with pytest.raises(OverlapError, match=r"\['x'\].*strides \(0,\)"):
         gf.clip_grad_norm_(grads, 0.5)
+
+
+def test_strides_changed_between_two_strided_layouts_are_read_again(backend):
+    base = np.arange(20.0)
+    x = base[:12:2]  # not contiguous before and after: only the strides tell
+    tree = _recorded({"x": x}, lambda t: gf.global_norm(t, backend=backend))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # NumPy 2.4 deprecates setting strides
+        x.strides = (24,)
+    assert float(gf.global_norm(tree, backend=backend)) == pytest.approx(_norm([base[:18:3]]), rel=1e-12)
 
 
 def test_a_leaf_made_read_only_is_refused_and_nothing_is_written(backend):

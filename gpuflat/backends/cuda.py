@@ -43,7 +43,7 @@ import numpy as np
 
 from gpuflat import kernel_loader as kl
 from gpuflat.dtypes import CUDA_NAMES, TAGS
-from gpuflat.identity import SameArrays
+from gpuflat.identity import Layout, SameArrays
 
 from .protocol import LeafRows, NormResult
 
@@ -248,12 +248,16 @@ class _TableEntry:
 
     def __init__(self, arrays, key, host, uploaded):
         self.arrays = SameArrays(arrays)
+        # NumPy lets a caller set an array's strides in place, under its
+        # identity (the emulated device's arrays); CuPy does not.
+        self.layout = Layout(arrays) if arrays and isinstance(arrays[0], np.ndarray) else None
         self.key = key
         self.host = host
         self.uploaded = uploaded  # a runtime.DeviceTable
 
     def holds(self, arrays, key) -> bool:
-        return self.key == key and self.arrays.holds(arrays)
+        return (self.key == key and self.arrays.holds(arrays)
+                and (self.layout is None or self.layout.holds(arrays)))
 
 
 class _StaticTables:

@@ -100,13 +100,38 @@ def _load():
     lib.gf_host_scatter.argtypes = [obj, obj, obj, c_int]
     lib.gf_host_clip.argtypes = [obj, obj, f64, f64, f64, c_int]
     lib.gf_host_clip_flat.argtypes = [obj, f64, f64, f64, c_int]
+    lib.gf_host_facts.argtypes = [obj, obj]
     lib.gf_host_norms_rows.argtypes = lib.gf_host_norms.argtypes
     lib.gf_host_clip_rows.argtypes = lib.gf_host_clip.argtypes
     for fn in (lib.gf_host_norms, lib.gf_host_norms_flat, lib.gf_host_gather, lib.gf_host_scatter, lib.gf_host_clip,
-               lib.gf_host_clip_flat, lib.gf_host_norms_rows, lib.gf_host_clip_rows):
+               lib.gf_host_clip_flat, lib.gf_host_norms_rows, lib.gf_host_clip_rows, lib.gf_host_facts):
         fn.restype = i64
     lib.gf_host_init(np.ndarray, BFLOAT16.num if BFLOAT16 is not None else -1)
     return lib, None
+
+
+def array_facts(arrays, words: int):
+    """What NumPy lets change about ``arrays`` without a new object, with
+    their identities, as one int64 array read in native code (at most
+    ``words`` words: per array 4 and two per dim): identity, data address,
+    dtype, flags, ndim, dims, strides. None where the library is not built,
+    an item is not an ndarray or ``words`` is too few. Two equal results of
+    living arrays mean the same arrays, unchanged.
+
+    >>> a = np.ones((2, 3))
+    >>> facts = array_facts([a], 8)
+    >>> facts is None or (len(facts) == 8 and np.array_equal(facts, array_facts([a], 8)))
+    True
+    >>> a.flags.writeable = False
+    >>> facts is None or not np.array_equal(facts, array_facts([a], 8))
+    True
+    """
+    lib = _library()
+    if lib is None:
+        return None
+    out = np.empty(words, np.int64)
+    n = lib.gf_host_facts(arrays, out)
+    return out[:n] if n >= 0 else None
 
 
 def _cpu_identity() -> str:

@@ -877,6 +877,46 @@ GF_EXPORT long long gf_host_norms_rows(PyObject* rows, PyObject* offsets, int ki
     return run_norms(w, data_of<long long>(offsets), kind, p, threads, per_leaf, total, first_bad);
 }
 
+// What a tree record (gpuflat/seen.py) compares from call to call about
+// its NumPy arrays, read in one loop: per array its identity, data address,
+// dtype (number and byte order), flags (writable and contiguous among them),
+// ndim, dims and strides, as int64 words into `out`. Returns the number of
+// words written, or -1 if an item is not an ndarray or `out` is too small
+// (the record then takes the tree as changed).
+GF_EXPORT long long gf_host_facts(PyObject* arrays, PyObject* out) {
+    PyObject* fast = PySequence_Fast(arrays, "expected a sequence of arrays");
+    if (!fast) {
+        PyErr_Clear();
+        return -1;
+    }
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject** items = PySequence_Fast_ITEMS(fast);
+    long long* w = data_of<long long>(out);
+    const long long capacity = PyArray_DIMS((PyArrayObject*)out)[0];
+    long long k = 0;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        if (!PyObject_TypeCheck(items[i], g_ndarray)) {
+            k = -1;
+            break;
+        }
+        PyArrayObject* a = (PyArrayObject*)items[i];
+        const int nd = PyArray_NDIM(a);
+        if (k + 4 + 2 * nd > capacity) {
+            k = -1;
+            break;
+        }
+        const PyArray_Descr* d = PyArray_DESCR(a);
+        w[k++] = (long long)(intptr_t)items[i];
+        w[k++] = (long long)(intptr_t)PyArray_DATA(a);
+        w[k++] = (long long)d->type_num | ((long long)(unsigned char)d->byteorder << 32);
+        w[k++] = (long long)PyArray_FLAGS(a) | ((long long)nd << 32);
+        for (int j = 0; j < nd; ++j) w[k++] = PyArray_DIMS(a)[j];
+        for (int j = 0; j < nd; ++j) w[k++] = PyArray_STRIDES(a)[j];
+    }
+    Py_DECREF(fast);
+    return k;
+}
+
 // sources: one sequence of arrays per slot, added in order.
 GF_EXPORT long long gf_host_gather(PyObject* sources, PyObject* offsets, PyObject* out, int threads) {
     Workspace& w = workspace();
