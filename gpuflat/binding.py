@@ -17,6 +17,7 @@ from . import arrays as _arrays
 from . import checks
 from . import flatplan
 from . import tree as _tree
+from .backends.protocol import OneSourcePerSlot
 from .backends.selection import select
 from .errors import NonFiniteError, TreeMismatchError
 from .seen import trees
@@ -124,10 +125,9 @@ def slot_sources(plan, tree, walked=None, seen=None):
     return sources, like, None
 
 
-def _singles(arrays) -> list:
-    """Each array as its slot's one source, a 1-tuple (a tuple of arrays is
-    soon untracked by the collector, which a list never is)."""
-    return list(zip(arrays))
+def _singles(arrays) -> OneSourcePerSlot:
+    """Each array as its slot's one source (no container made per slot)."""
+    return OneSourcePerSlot(arrays)
 
 
 def norm_inputs(call, grads, model, backend):

@@ -38,7 +38,7 @@ from gpuflat.dtypes import BFLOAT16, TAGS
 from gpuflat.kernel_loader import NORM_KINDS, kernel_dir, norm_kind
 
 from .numpy_backend import HostMemory, NumpyBackend
-from .protocol import LeafRows, NormResult
+from .protocol import LeafRows, NormResult, OneSourcePerSlot
 
 # The arithmetic must stay the kernels': no fast-math, and no contraction of
 # a*b+c into one fma (the kernels are built with --fmad=false). -march=native
@@ -180,7 +180,9 @@ class HostBackend(HostMemory):
         lib = _library()
         if lib is None:
             return self._numpy.gather(plan, sources, out)
-        bad = lib.gf_host_gather(sources, plan.offsets, out, self.threads)
+        # One array per slot passes as the arrays themselves (the library takes an array as a slot's one source).
+        given = sources.arrays if isinstance(sources, OneSourcePerSlot) else sources
+        bad = lib.gf_host_gather(given, plan.offsets, out, self.threads)
         if bad >= 0:
             counts = np.cumsum([len(s) for s in sources])
             slot = int(np.searchsorted(counts, bad, side="right"))

@@ -9,7 +9,8 @@ weakly by the plan, so a dropped plan frees them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,33 @@ class NormResult:
     per_leaf: Any
     first_nonfinite: Any
     power_sum: Any
+
+
+class OneSourcePerSlot(Sequence):
+    """``sources`` for ``gather`` where every slot has exactly one array:
+    item ``s`` is ``(arrays[s],)``, made only when asked for. A backend that
+    reads the arrays itself takes ``arrays`` as they are, with no tuple per
+    slot.
+
+    >>> import numpy as np
+    >>> sources = OneSourcePerSlot([np.ones(2), np.zeros(1)])
+    >>> len(sources), [len(s) for s in sources], sources[1]
+    (2, [1, 1], (array([0.]),))
+    """
+
+    __slots__ = ("arrays",)
+
+    def __init__(self, arrays):
+        self.arrays = arrays
+
+    def __len__(self):
+        return len(self.arrays)
+
+    def __getitem__(self, s):
+        return (self.arrays[s],)
+
+    def __iter__(self):
+        return zip(self.arrays)
 
 
 class LeafRows:

@@ -218,8 +218,9 @@ long long read_leaves(PyObject* seq, LeafSet& set) {
 }
 
 // Reads a sequence of sequences of arrays (a slot's sources) into one list,
-// slot s's sources at csr[s] .. csr[s + 1]; returns the position of the first
-// unreadable array in that list, or -1.
+// slot s's sources at csr[s] .. csr[s + 1] (an array in place of a sequence
+// is its slot's one source); returns the position of the first unreadable
+// array in that list, or -1.
 long long read_sources(PyObject* seq, LeafSet& set, std::vector<long long>& csr) {
     PyObject* fast = PySequence_Fast(seq, "expected a sequence of sequences of arrays");
     if (!fast) return 0;
@@ -230,6 +231,11 @@ long long read_sources(PyObject* seq, LeafSet& set, std::vector<long long>& csr)
     csr.assign(n + 1, 0);
     long long bad = -1;
     for (Py_ssize_t s = 0; s < n && bad < 0; ++s) {
+        if (PyObject_TypeCheck(slots[s], g_ndarray)) {  // an array: the slot's one source
+            if (!set.add(slots[s])) bad = (long long)set.leaves.size();
+            csr[s + 1] = (long long)set.leaves.size();
+            continue;
+        }
         PyObject* sources = PySequence_Fast(slots[s], "expected a sequence of arrays");
         if (!sources) {
             bad = (long long)set.leaves.size();
