@@ -161,14 +161,23 @@ __device__ __forceinline__ double gf_warp_slot_sum(const double* __restrict__ pa
 // item s) serves all of them instead of two per slot.
 constexpr int GF_FINISH_SLOTS = 8;
 
+// Slot s's raw sum into the thread's total `v`, its root into per_leaf and,
+// if it holds a NaN or inf, its index into `first`.
+template <int K>
+__device__ __forceinline__ void gf_finish_slot(long long s, double raw, int bad, double p,
+                                               double* __restrict__ per_leaf, double& v, double& first) {
+    v = gf_combine<K>(v, raw);
+    per_leaf[s] = gf_root<K>(raw, p);
+    if (bad) first = gf_min_double(first, (double)s);
+}
+
 // Thread t's slots s0, s0 + T, ... (GF_FINISH_SLOTS of them, those below
-// n_slots; T = GF_FINISH_THREADS), in that order: each slot's raw sum is
-// combined into `v`, its root written to per_leaf and, if it holds a NaN or
-// inf, its index lowers `first`. A big slot's raw sum is already in per_leaf;
-// a small one's is its items' partials combined in item order, starting from
-// 0.0. Slot s's first item is loaded as item s before its bounds arrive (so
-// it is in a tree of leaves of one item each), and again from the bounds
-// where that guess was wrong.
+// n_slots; T = GF_FINISH_THREADS), in that order, through gf_finish_slot. A
+// big slot's raw sum is already in per_leaf; a small one's is 0.0 combined
+// with its items' partials in item order. Slot s's first item is loaded as
+// item s before its bounds arrive (so it is in a tree of leaves of one item
+// each, where nothing else is needed), and again from the bounds where that
+// guess was wrong.
 template <int K>
 __device__ __forceinline__ void gf_finish_slots(long long n_items, const double* __restrict__ partial,
                                                 const long long* __restrict__ slot_items, long long n_slots,
@@ -191,6 +200,23 @@ __device__ __forceinline__ void gf_finish_slots(long long n_items, const double*
             x[u] = partial[s];
             bad_x[u] = partial[n_items + s];
         }
+    }
+    // Zero where every slot here holds exactly item s (bitwise, not
+    // branches: one test for the whole batch).
+    long long missed = 0;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const long long s = s0 + u * T;
+        if (s < n_slots) missed |= (a[u] - s) | (b[u] - s - 1);
+    }
+    if (missed == 0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long long s = s0 + u * T;
+            if (s >= n_slots) break;
+            gf_finish_slot<K>(s, gf_combine<K>(0.0, x[u]), bad_x[u] != 0.0, p, per_leaf, v, first);
+        }
+        return;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -216,9 +242,7 @@ __device__ __forceinline__ void gf_finish_slots(long long n_items, const double*
                 bad |= partial[n_items + k] != 0.0;
             }
         }
-        v = gf_combine<K>(v, raw);
-        per_leaf[s] = gf_root<K>(raw, p);
-        if (bad) first = gf_min_double(first, (double)s);
+        gf_finish_slot<K>(s, raw, bad, p, per_leaf, v, first);
     }
 }
 
