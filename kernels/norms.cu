@@ -161,6 +161,46 @@ __device__ __forceinline__ double gf_warp_slot_sum(const double* __restrict__ pa
 // item s) serves all of them instead of two per slot.
 constexpr int GF_FINISH_SLOTS = 8;
 
+// A finishing thread's slots s0, s0 + T, ... (GF_FINISH_SLOTS of them; T =
+// GF_FINISH_THREADS), of which the first n exist: their bounds a .. b and,
+// as a guess, item s's partial and non-finite flag, right where slot s holds
+// exactly item s (a tree of leaves of one item each). Entries past the ends
+// are left unset and never read.
+struct gf_slot_batch {
+    long long s0;
+    int n;
+    long long a[GF_FINISH_SLOTS], b[GF_FINISH_SLOTS];
+    double x[GF_FINISH_SLOTS], bad_x[GF_FINISH_SLOTS];
+};
+
+// How many of s0, s0 + T, ... (at most GF_FINISH_SLOTS) are below `end`; 0 or
+// less if none.
+__device__ __forceinline__ int gf_batch_count(long long s0, long long end) {
+    const long long T = GF_FINISH_THREADS;
+    return (int)gf_min(GF_FINISH_SLOTS, (end - s0 + T - 1) / T);
+}
+
+// Issues every load of the batch at s0; nothing waits for them here.
+__device__ __forceinline__ void gf_load_slots(gf_slot_batch& q, long long n_items, const double* __restrict__ partial,
+                                              const long long* __restrict__ slot_items, long long n_slots,
+                                              long long s0) {
+    q.s0 = s0;
+    q.n = gf_batch_count(s0, n_slots);
+    const int guessed = gf_batch_count(s0, n_items);
+#pragma unroll
+    for (int u = 0; u < GF_FINISH_SLOTS; ++u) {
+        const long long s = s0 + u * (long long)GF_FINISH_THREADS;
+        if (u < q.n) {
+            q.a[u] = slot_items[s];
+            q.b[u] = slot_items[s + 1];
+        }
+        if (u < guessed) {
+            q.x[u] = partial[s];
+            q.bad_x[u] = partial[n_items + s];
+        }
+    }
+}
+
 // Slot s's raw sum into the thread's total `v`, its root into per_leaf and,
 // if it holds a NaN or inf, its index into `first`.
 template <int K>
@@ -171,73 +211,52 @@ __device__ __forceinline__ void gf_finish_slot(long long s, double raw, int bad,
     if (bad) first = gf_min_double(first, (double)s);
 }
 
-// Thread t's slots s0, s0 + T, ... (GF_FINISH_SLOTS of them, those below
-// n_slots; T = GF_FINISH_THREADS), in that order, through gf_finish_slot. A
-// big slot's raw sum is already in per_leaf; a small one's is 0.0 combined
-// with its items' partials in item order. Slot s's first item is loaded as
-// item s before its bounds arrive (so it is in a tree of leaves of one item
-// each, where nothing else is needed), and again from the bounds where that
-// guess was wrong.
+// The slots of batch q, in increasing order, through gf_finish_slot. A big
+// slot's raw sum is already in per_leaf; a small one's is 0.0 combined with
+// its items' partials in item order. Where a slot's first item is not item s
+// it is loaded again, from the bounds.
 template <int K>
-__device__ __forceinline__ void gf_finish_slots(long long n_items, const double* __restrict__ partial,
-                                                const long long* __restrict__ slot_items, long long n_slots,
-                                                long long s0, double p, double* __restrict__ per_leaf,
+__device__ __forceinline__ void gf_finish_slots(gf_slot_batch& q, long long n_items, const double* __restrict__ partial,
+                                                double p, double* __restrict__ per_leaf,
                                                 double& v, double& first) {
     constexpr int U = GF_FINISH_SLOTS;
     const long long T = GF_FINISH_THREADS;
-    long long a[U], b[U];
-    double x[U], bad_x[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const long long s = s0 + u * T;
-        a[u] = b[u] = 0;
-        x[u] = bad_x[u] = 0.0;
-        if (s < n_slots) {
-            a[u] = slot_items[s];
-            b[u] = slot_items[s + 1];
-        }
-        if (s < n_items) {
-            x[u] = partial[s];
-            bad_x[u] = partial[n_items + s];
-        }
-    }
     // Zero where every slot here holds exactly item s (bitwise, not
     // branches: one test for the whole batch).
     long long missed = 0;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-        const long long s = s0 + u * T;
-        if (s < n_slots) missed |= (a[u] - s) | (b[u] - s - 1);
+        const long long s = q.s0 + u * T;
+        if (u < q.n) missed |= (q.a[u] - s) | (q.b[u] - s - 1);
     }
     if (missed == 0) {
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const long long s = s0 + u * T;
-            if (s >= n_slots) break;
-            gf_finish_slot<K>(s, gf_combine<K>(0.0, x[u]), bad_x[u] != 0.0, p, per_leaf, v, first);
+        for (int u = 0; u < U && u < q.n; ++u) {
+            const long long s = q.s0 + u * T;
+            gf_finish_slot<K>(s, gf_combine<K>(0.0, q.x[u]), q.bad_x[u] != 0.0, p, per_leaf, v, first);
         }
         return;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-        if (a[u] < b[u] && a[u] != s0 + u * T) {
-            x[u] = partial[a[u]];
-            bad_x[u] = partial[n_items + a[u]];
+        if (u < q.n && q.a[u] < q.b[u] && q.a[u] != q.s0 + u * T) {
+            q.x[u] = partial[q.a[u]];
+            q.bad_x[u] = partial[n_items + q.a[u]];
         }
     }
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const long long s = s0 + u * T;
-        if (s >= n_slots) break;
+    for (int u = 0; u < U && u < q.n; ++u) {
+        const long long s = q.s0 + u * T;
+        const long long a = q.a[u], b = q.b[u];
         double raw = 0.0;
         int bad = 0;
-        if (b[u] - a[u] > GF_SMALL_SLOT_ITEMS) {
+        if (b - a > GF_SMALL_SLOT_ITEMS) {
             raw = per_leaf[s];  // its NaN or inf, if any, was noted by its warp
-        } else if (a[u] < b[u]) {
-            raw = gf_combine<K>(0.0, x[u]);
-            bad = bad_x[u] != 0.0;
+        } else if (a < b) {
+            raw = gf_combine<K>(0.0, q.x[u]);
+            bad = q.bad_x[u] != 0.0;
 #pragma unroll 4
-            for (long long k = a[u] + 1; k < b[u]; ++k) {
+            for (long long k = a + 1; k < b; ++k) {
                 raw = gf_combine<K>(raw, partial[k]);
                 bad |= partial[n_items + k] != 0.0;
             }
@@ -287,8 +306,18 @@ gpuflat_norm_finish(long long n_items, const double* __restrict__ partial,
     }
     __syncthreads();  // every big slot's sum is in per_leaf
     double v = 0.0;
-    for (long long s0 = t; s0 < n_slots; s0 += GF_FINISH_SLOTS * T)
-        gf_finish_slots<K>(n_items, partial, slot_items, n_slots, s0, p, per_leaf, v, first);
+    // The next batch's loads are in flight while this one is finished; two
+    // batches take turns, so none is copied.
+    const long long step = GF_FINISH_SLOTS * T;
+    gf_slot_batch q0, q1;
+    gf_load_slots(q0, n_items, partial, slot_items, n_slots, t);
+    while (q0.n > 0) {
+        gf_load_slots(q1, n_items, partial, slot_items, n_slots, q0.s0 + step);
+        gf_finish_slots<K>(q0, n_items, partial, p, per_leaf, v, first);
+        if (q1.n <= 0) break;
+        gf_load_slots(q0, n_items, partial, slot_items, n_slots, q1.s0 + step);
+        gf_finish_slots<K>(q1, n_items, partial, p, per_leaf, v, first);
+    }
     gf_block_reduce(red, v, first, [](double x, double y) { return gf_combine<K>(x, y); });
     if (t == 0) {
         total[0] = gf_root<K>(v, p);
