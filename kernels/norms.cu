@@ -282,8 +282,12 @@ __device__ __forceinline__ void gf_finish_slots(gf_slot_batch& q, long long n_it
 // tree over the threads. Big slots are summed first, one warp each, all warps
 // at once; then one pass, in which thread t computes each of its small slots'
 // sums (or reads a big one's) as it combines it into its total.
+//
+// Its launch bounds ask for one block per SM, so the block may have the whole
+// register file (CUDA 13's ptxas otherwise holds the inf-norm's threads to
+// 128 registers for sm_100, and spills two batches of slots in flight).
 template <int K>
-__global__ void __launch_bounds__(GF_FINISH_THREADS)
+__global__ void __launch_bounds__(GF_FINISH_THREADS, 1)
 gpuflat_norm_finish(long long n_items, const double* __restrict__ partial,
                     const long long* __restrict__ slot_items, long long n_slots,
                     const long long* __restrict__ big_slots, long long n_big, double p,
