@@ -82,21 +82,38 @@ gpuflat_norm_partial(const Item* __restrict__ items, long long n_items, const Le
     });
 }
 
-// Fixed-tree reduction over the finishing block with `op`; every thread gets
-// the result.
+__device__ __forceinline__ double gf_min_double(double a, double b) { return a < b ? a : b; }
+
+// The fixed tree over the finishing block (thread t < w takes op(its value,
+// thread t + w's), w = GF_FINISH_THREADS / 2 down to 1) of the total with
+// `op` and, beside it, of the first bad slot with min: the levels wider than
+// a warp through shared memory `red` (2 * GF_FINISH_THREADS doubles), the
+// last ones in warp 0 as shuffles (lane t plays thread t), so three barriers
+// serve both trees. Thread 0 gets both results.
 template <class Op>
-__device__ __forceinline__ double gf_block_reduce(double* red, double v, Op op) {
+__device__ __forceinline__ void gf_block_reduce(double* red, double& v, double& first, Op op) {
     const int t = (int)threadIdx.x;
+    double* red_first = red + GF_FINISH_THREADS;
     red[t] = v;
+    red_first[t] = first;
     __syncthreads();
 #pragma unroll
-    for (int w = GF_FINISH_THREADS / 2; w > 0; w >>= 1) {
-        if (t < w) red[t] = op(red[t], red[t + w]);
+    for (int w = GF_FINISH_THREADS / 2; w > GF_WARP; w >>= 1) {
+        if (t < w) {
+            red[t] = op(red[t], red[t + w]);
+            red_first[t] = gf_min_double(red_first[t], red_first[t + w]);
+        }
         __syncthreads();
     }
-    v = red[0];
-    __syncthreads();  // red is reused by the next reduction
-    return v;
+    if (t < GF_WARP) {
+        v = op(red[t], red[t + GF_WARP]);
+        first = gf_min_double(red_first[t], red_first[t + GF_WARP]);
+#pragma unroll
+        for (int off = GF_WARP / 2; off > 0; off >>= 1) {
+            v = op(v, __shfl_down_sync(GF_FULL_MASK, v, off));
+            first = gf_min_double(first, __shfl_down_sync(GF_FULL_MASK, first, off));
+        }
+    }
 }
 
 // The sum of partial[a .. b) in the order of gf_block_reduce over
@@ -139,7 +156,114 @@ __device__ __forceinline__ double gf_warp_slot_sum(const double* __restrict__ pa
     return v;
 }
 
-__device__ __forceinline__ double gf_min_double(double a, double b) { return a < b ? a : b; }
+// Slots a finishing thread takes at once: their bounds and first items are
+// loaded together, so one load latency (two where a slot's first item is not
+// item s) serves all of them instead of two per slot.
+constexpr int GF_FINISH_SLOTS = 8;
+
+// A finishing thread's slots s0, s0 + T, ... (GF_FINISH_SLOTS of them; T =
+// GF_FINISH_THREADS), of which the first n exist: their bounds a .. b and,
+// as a guess, item s's partial and non-finite flag, right where slot s holds
+// exactly item s (a tree of leaves of one item each). Entries past the ends
+// are left unset and never read.
+struct gf_slot_batch {
+    long long s0;
+    int n;
+    long long a[GF_FINISH_SLOTS], b[GF_FINISH_SLOTS];
+    double x[GF_FINISH_SLOTS], bad_x[GF_FINISH_SLOTS];
+};
+
+// How many of s0, s0 + T, ... (at most GF_FINISH_SLOTS) are below `end`; 0 or
+// less if none.
+__device__ __forceinline__ int gf_batch_count(long long s0, long long end) {
+    const long long T = GF_FINISH_THREADS;
+    return (int)gf_min(GF_FINISH_SLOTS, (end - s0 + T - 1) / T);
+}
+
+// Issues every load of the batch at s0; nothing waits for them here.
+__device__ __forceinline__ void gf_load_slots(gf_slot_batch& q, long long n_items, const double* __restrict__ partial,
+                                              const long long* __restrict__ slot_items, long long n_slots,
+                                              long long s0) {
+    q.s0 = s0;
+    q.n = gf_batch_count(s0, n_slots);
+    const int guessed = gf_batch_count(s0, n_items);
+#pragma unroll
+    for (int u = 0; u < GF_FINISH_SLOTS; ++u) {
+        const long long s = s0 + u * (long long)GF_FINISH_THREADS;
+        if (u < q.n) {
+            q.a[u] = slot_items[s];
+            q.b[u] = slot_items[s + 1];
+        }
+        if (u < guessed) {
+            q.x[u] = partial[s];
+            q.bad_x[u] = partial[n_items + s];
+        }
+    }
+}
+
+// Slot s's raw sum into the thread's total `v`, its root into per_leaf and,
+// if it holds a NaN or inf, its index into `first`.
+template <int K>
+__device__ __forceinline__ void gf_finish_slot(long long s, double raw, int bad, double p,
+                                               double* __restrict__ per_leaf, double& v, double& first) {
+    v = gf_combine<K>(v, raw);
+    per_leaf[s] = gf_root<K>(raw, p);
+    if (bad) first = gf_min_double(first, (double)s);
+}
+
+// The slots of batch q, in increasing order, through gf_finish_slot. A big
+// slot's raw sum is already in per_leaf; a small one's is 0.0 combined with
+// its items' partials in item order. Where a slot's first item is not item s
+// it is loaded again, from the bounds.
+template <int K>
+__device__ __forceinline__ void gf_finish_slots(gf_slot_batch& q, long long n_items, const double* __restrict__ partial,
+                                                double p, double* __restrict__ per_leaf,
+                                                double& v, double& first) {
+    constexpr int U = GF_FINISH_SLOTS;
+    const long long T = GF_FINISH_THREADS;
+    // Zero where every slot here holds exactly item s (bitwise, not
+    // branches: one test for the whole batch).
+    long long missed = 0;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const long long s = q.s0 + u * T;
+        if (u < q.n) missed |= (q.a[u] - s) | (q.b[u] - s - 1);
+    }
+    if (missed == 0) {
+#pragma unroll
+        for (int u = 0; u < U && u < q.n; ++u) {
+            const long long s = q.s0 + u * T;
+            gf_finish_slot<K>(s, gf_combine<K>(0.0, q.x[u]), q.bad_x[u] != 0.0, p, per_leaf, v, first);
+        }
+        return;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (u < q.n && q.a[u] < q.b[u] && q.a[u] != q.s0 + u * T) {
+            q.x[u] = partial[q.a[u]];
+            q.bad_x[u] = partial[n_items + q.a[u]];
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < U && u < q.n; ++u) {
+        const long long s = q.s0 + u * T;
+        const long long a = q.a[u], b = q.b[u];
+        double raw = 0.0;
+        int bad = 0;
+        if (b - a > GF_SMALL_SLOT_ITEMS) {
+            raw = per_leaf[s];  // its NaN or inf, if any, was noted by its warp
+        } else if (a < b) {
+            raw = gf_combine<K>(0.0, q.x[u]);
+            bad = q.bad_x[u] != 0.0;
+#pragma unroll 4
+            for (long long k = a + 1; k < b; ++k) {
+                raw = gf_combine<K>(raw, partial[k]);
+                bad |= partial[n_items + k] != 0.0;
+            }
+        }
+        gf_finish_slot<K>(s, raw, bad, p, per_leaf, v, first);
+    }
+}
 
 // Kernel 2: one block of exactly GF_FINISH_THREADS threads.
 //
@@ -150,36 +274,31 @@ __device__ __forceinline__ double gf_min_double(double a, double b) { return a <
 // the max for inf, so a sum of squares needs no squaring of a rounded root),
 // and first_bad[0], the first slot holding a NaN or inf, or -1.
 //
-// Small slots are summed by one thread each, items in order; big slots by
-// one warp each, all warps at once (gf_warp_slot_sum); then the total over
-// the unrounded per-leaf sums, thread t taking the slots s = t (mod
-// GF_FINISH_THREADS) in order, and a fixed tree. Every order is fixed by the
-// plan alone.
+// The order, fixed by the plan alone: a small slot's sum is 0.0 combined
+// with its items' partials in item order; a big slot's is the fixed tree of
+// gf_warp_slot_sum (the block's tree, played by one warp); the total combines
+// the unrounded slot sums, thread t taking the slots s = t (mod
+// GF_FINISH_THREADS) in increasing order from 0.0, then the block's fixed
+// tree over the threads. Big slots are summed first, one warp each, all warps
+// at once; then one pass, in which thread t computes each of its small slots'
+// sums (or reads a big one's) as it combines it into its total.
+//
+// Its launch bounds ask for one block per SM, so the block may have the whole
+// register file (CUDA 13's ptxas otherwise holds the inf-norm's threads to
+// 128 registers for sm_100, and spills two batches of slots in flight).
 template <int K>
-__global__ void __launch_bounds__(GF_FINISH_THREADS)
+__global__ void __launch_bounds__(GF_FINISH_THREADS, 1)
 gpuflat_norm_finish(long long n_items, const double* __restrict__ partial,
                     const long long* __restrict__ slot_items, long long n_slots,
                     const long long* __restrict__ big_slots, long long n_big, double p,
                     double* __restrict__ per_leaf, double* __restrict__ total, long long* __restrict__ first_bad) {
-    __shared__ double red[GF_FINISH_THREADS];
+    __shared__ double red[2 * GF_FINISH_THREADS];
     const int t = (int)threadIdx.x;
     const int lane = t % GF_WARP;
     const long long T = GF_FINISH_THREADS;
     // The first bad slot, as a double (slots are far below 2^53): n_slots for none.
     double first = (double)n_slots;
 
-    for (long long s = t; s < n_slots; s += T) {
-        const long long a = slot_items[s], b = slot_items[s + 1];
-        if (b - a > GF_SMALL_SLOT_ITEMS) continue;
-        double v = 0.0;
-        int bad = 0;
-        for (long long k = a; k < b; ++k) {
-            v = gf_combine<K>(v, partial[k]);
-            bad |= partial[n_items + k] != 0.0;
-        }
-        per_leaf[s] = v;
-        if (bad) first = gf_min_double(first, (double)s);
-    }
     for (long long q = t / GF_WARP; q < n_big; q += T / GF_WARP) {
         const long long s = big_slots[q];
         int bad;
@@ -189,15 +308,21 @@ gpuflat_norm_finish(long long n_items, const double* __restrict__ partial,
             if (bad) first = gf_min_double(first, (double)s);
         }
     }
-    __syncthreads();  // every per-leaf sum is written
+    __syncthreads();  // every big slot's sum is in per_leaf
     double v = 0.0;
-    for (long long s = t; s < n_slots; s += T) {
-        const double raw = per_leaf[s];
-        v = gf_combine<K>(v, raw);
-        per_leaf[s] = gf_root<K>(raw, p);
+    // The next batch's loads are in flight while this one is finished; two
+    // batches take turns, so none is copied.
+    const long long step = GF_FINISH_SLOTS * T;
+    gf_slot_batch q0, q1;
+    gf_load_slots(q0, n_items, partial, slot_items, n_slots, t);
+    while (q0.n > 0) {
+        gf_load_slots(q1, n_items, partial, slot_items, n_slots, q0.s0 + step);
+        gf_finish_slots<K>(q0, n_items, partial, p, per_leaf, v, first);
+        if (q1.n <= 0) break;
+        gf_load_slots(q0, n_items, partial, slot_items, n_slots, q1.s0 + step);
+        gf_finish_slots<K>(q1, n_items, partial, p, per_leaf, v, first);
     }
-    v = gf_block_reduce(red, v, [](double x, double y) { return gf_combine<K>(x, y); });
-    first = gf_block_reduce(red, first, [](double x, double y) { return gf_min_double(x, y); });
+    gf_block_reduce(red, v, first, [](double x, double y) { return gf_combine<K>(x, y); });
     if (t == 0) {
         total[0] = gf_root<K>(v, p);
         total[1] = v;

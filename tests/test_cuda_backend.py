@@ -423,6 +423,47 @@ def test_same_bits_for_any_grid_and_alignment(p):
     assert (r.total.tobytes(), r.per_leaf.tobytes()) == results[0]
 
 
+def _tiny_leaf_trees(rng):
+    """(name, arrays) of trees whose slots mostly hold one work item each, in
+    counts on and around multiples of the finishing block's 256 threads and
+    of the slots one of its threads takes at once: slot s's item is item s;
+    the same shifted by empty leaves (slot s's item is not item s), with
+    slots of 2, 16 and 17 items among them; NaN and inf in a few slots."""
+    trees = []
+    for n in (1, 255, 256, 257, 2047, 2049, 4613):
+        trees.append((f"one item each, {n}", [rand(int(k), np.float32, rng) for k in rng.integers(1, 8, n)]))
+    arrays = [rand(int(k), np.float32, rng) for k in rng.integers(0, 8, 3000)]
+    arrays[0] = np.zeros(0, np.float32)
+    for i, items in ((5, 2), (700, 16), (1500, 17), (2900, 3)):
+        arrays[i] = rand(items * ITEM - 1, np.float32, rng)
+    arrays[2600] = rand(3, np.float32, rng)
+    trees.append(("empty and multi-item leaves", arrays))
+    bad = [a.copy() for a in arrays]
+    bad[1500][0], bad[2600][-1], bad[700][15 * ITEM] = np.inf, np.nan, np.nan
+    trees.append(("NaN and inf", bad))
+    bad = [a.copy() for a in trees[6][1]]
+    bad[2100][0], bad[300][-1] = np.nan, -np.inf
+    trees.append(("NaN and inf in one-item slots", bad))
+    return trees
+
+
+@pytest.mark.parametrize("p", [1, 2, math.inf, 3])
+def test_finisher_gives_the_host_backends_bits_for_trees_of_tiny_leaves(p):
+    """The host backend finishes the norm on one thread in the finishing
+    block's order: the same bits for every slot, the total and its unrooted
+    sum, and the same first non-finite slot (a NaN only has to be a NaN)."""
+    from gpuflat.backends.host import HostBackend
+
+    for name, arrays in _tiny_leaf_trees(np.random.default_rng(17)):
+        plan, leaves = planned(arrays)
+        got = CudaBackend(_RUNTIME, grid=3).norms(plan, leaves, p, True)
+        want = HostBackend().norms(plan, leaves, p, True)
+        for field in ("total", "per_leaf", "power_sum"):
+            assert same(getattr(got, field), getattr(want, field)), (name, field)
+        assert int(got.first_nonfinite) == int(want.first_nonfinite), name
+    assert int(got.first_nonfinite) == 300
+
+
 def test_resident_flat_gives_the_same_bits(be):
     rng = np.random.default_rng(9)
     arrays = [rand(n, np.float32, rng) for n in (ITEM + 1, 17, 0, 3 * ITEM)]

@@ -75,6 +75,21 @@ def test_hot_kernels_fit_64_registers_without_spills_or_stack(name, major, arch)
         f"{where}: stack {stack} B, spills {spill_st}/{spill_ld} B, expected at most {ceiling}"
 
 
+@pytest.mark.parametrize("major,arch", kernel_builds.GATED)
+@pytest.mark.parametrize("name", [kl.norm_finish_name(k) for k in kl.NORM_KINDS])
+def test_norm_finisher_keeps_its_slot_batches_in_registers(name, major, arch):
+    # The finisher is one block of 256 threads, so each may use 255
+    # registers; two batches of slot loads in flight take about 130 of them.
+    # Spilled, they would go through local memory (CUDA 13's ptxas held the
+    # inf-norm's to 128 registers for sm_100, and spilled, until the launch
+    # bounds asked for one block per SM).
+    lowered = kernel_builds.build(major, arch).lowered[name]
+    regs, stack, spill_st, spill_ld = kernel_builds.resources(major, arch)[lowered]
+    where = f"{name} (CUDA {major}, {arch})"
+    assert regs <= 255 and (stack, spill_st, spill_ld) == (0, 0, 0), \
+        f"{where}: {regs} registers, stack {stack} B, spills {spill_st}/{spill_ld} B, expected none"
+
+
 @pytest.mark.parametrize("name", [kl.norm_partial_name(k) for k in ("l1", "l2", "inf")]
                          + [kl.gather_name(d) for d in CUDA_NAMES])
 @pytest.mark.parametrize("major", [12, 13])

@@ -150,3 +150,17 @@ def test_norm_partial_loads_the_leaf_with_the_item(kind):
     # one before chose made three.
     loads = _first_block_loads(kl.norm_partial_name(kind))
     assert loads >= 6, f"norm_partial {kind}: {loads} loads before the first branch, expected at least 6"
+
+
+# Block barriers of the norm finisher: one after the big slots, and three for
+# its two block trees together (levels within a warp are shuffles). Each tree
+# with a barrier per level, one after the other, took 21.
+MAX_FINISH_BARRIERS = 4
+
+
+@pytest.mark.parametrize("kind", list(kl.NORM_KINDS))
+def test_norm_finisher_barriers(kind):
+    instructions, _ = _sass()[kl.norm_finish_name(kind)]
+    barriers = sum(ins.startswith("BAR") for ins in instructions)
+    assert barriers <= MAX_FINISH_BARRIERS, \
+        f"norm_finish {kind}: {barriers} block barriers, expected at most {MAX_FINISH_BARRIERS}"
