@@ -45,6 +45,7 @@ from gpuflat import kernel_loader as kl
 from gpuflat.dtypes import CUDA_NAMES, TAGS
 from gpuflat.identity import Layout, SameArrays
 
+from .host import array_facts
 from .protocol import LeafRows, NormResult
 
 # Elements per work item. A multiple of 32 lanes * 8 elements per 16-byte
@@ -241,23 +242,34 @@ def plan_items(plan) -> np.ndarray:
 
 
 class _TableEntry:
-    """One uploaded per-call table and what it was built for: the arrays (by
-    weak reference: the cache never keeps gradients alive, and a dead or
-    recycled array never matches) and a hashable ``key`` (tie counts, or a
-    resident buffer's address)."""
+    """One uploaded per-call table and what it was built for: the arrays and
+    a hashable ``key`` (tie counts, or a resident buffer's address).
+
+    The arrays are recognised by weak reference (the cache never keeps
+    gradients alive, and a dead or recycled array never matches), and NumPy
+    arrays, whose strides a caller may set in place (the emulated device's),
+    by their layout too. Where the host library reads NumPy arrays' facts
+    (identity, address, dtype, flags, dims, strides: all a table row holds,
+    and more), those alone decide, in one native pass: equal facts mean
+    equal rows."""
 
     def __init__(self, arrays, key, host, uploaded):
-        self.arrays = SameArrays(arrays)
-        # NumPy lets a caller set an array's strides in place, under its
-        # identity (the emulated device's arrays); CuPy does not.
-        self.layout = Layout(arrays) if arrays and isinstance(arrays[0], np.ndarray) else None
+        numpy = bool(arrays) and isinstance(arrays[0], np.ndarray)
+        words = 4 * len(arrays) + 2 * sum(a.ndim for a in arrays) if numpy else 0
+        self.facts = array_facts(arrays, words) if numpy else None
+        self.arrays = SameArrays(arrays) if self.facts is None else None
+        self.layout = Layout(arrays) if numpy and self.facts is None else None
         self.key = key
         self.host = host
         self.uploaded = uploaded  # a runtime.DeviceTable
 
     def holds(self, arrays, key) -> bool:
-        return (self.key == key and self.arrays.holds(arrays)
-                and (self.layout is None or self.layout.holds(arrays)))
+        if self.key != key:
+            return False
+        if self.facts is not None:
+            now = array_facts(arrays, len(self.facts))
+            return now is not None and np.array_equal(now, self.facts)
+        return self.arrays.holds(arrays) and (self.layout is None or self.layout.holds(arrays))
 
 
 class _StaticTables:
