@@ -263,13 +263,21 @@ class _TableEntry:
         self.host = host
         self.uploaded = uploaded  # a runtime.DeviceTable
 
-    def holds(self, arrays, key) -> bool:
+    def holds(self, arrays, key, facts) -> bool:
+        """Whether this table is ``arrays``'s (``facts``: theirs, as
+        :func:`_current_facts` read them once for every entry)."""
         if self.key != key:
             return False
         if self.facts is not None:
-            now = array_facts(arrays, len(self.facts))
-            return now is not None and np.array_equal(now, self.facts)
+            return facts is not None and np.array_equal(facts, self.facts)
         return self.arrays.holds(arrays) and (self.layout is None or self.layout.holds(arrays))
+
+
+def _current_facts(arrays, entries):
+    """The facts of ``arrays`` read once, in room for the longest an entry
+    keeps (longer ones match no entry: None), or None where no entry keeps any."""
+    words = max((len(e.facts) for e in entries if e.facts is not None), default=0)
+    return array_facts(arrays, words) if words else None
 
 
 class _StaticTables:
@@ -310,8 +318,9 @@ class _StaticTables:
         else built with ``build()`` and uploaded unless a kept table has the
         same words (new array objects at the same addresses)."""
         with self.lock:
+            facts = _current_facts(arrays, self.entries)
             for entry in reversed(self.entries):
-                if entry.holds(arrays, key):
+                if entry.holds(arrays, key, facts):
                     return self._touch(entry).uploaded
         host = np.ascontiguousarray(build(), np.int64).ravel()
         with self.lock:
