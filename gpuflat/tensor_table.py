@@ -206,7 +206,7 @@ def _build(tensors, reading, name_of):
     ties = _ties(tensors) if len(set(facts.pointers)) < len(tensors) else None
     # A tensor passed twice counts once.
     unique = range(len(tensors)) if ties is None else [i for i, first in enumerate(ties) if first == i]
-    table = Table(_groups(tensors, unique, devices, facts, name_of), _promoted(facts.dtypes), reading, ties)
+    table = Table(_groups(tensors, unique, devices, facts, name_of), returned_dtype(facts.dtypes), reading, ties)
     if reading is not None and all(isinstance(g.leaves, LeafRows) for g in table.groups):
         with _lock:
             _tables.append(table)
@@ -236,12 +236,25 @@ def _check_readable(tensors, dtypes, devices, name_of):
             and {d.type for d in devices} <= {"cpu", "cuda"}
             and not any(map(torch.Tensor.is_conj, tensors)) and not any(map(torch.Tensor.is_neg, tensors))):
         return
+    check_floating(tensors, name_of)
+    for i, t in enumerate(tensors):
+        _named(name_of(i), _readable, t)
+
+
+def check_floating(tensors, name_of):
+    """NonFloatingTensorError naming (``name_of(i)``) the first tensor that is
+    neither floating point nor complex: an integer or bool tensor has no
+    trainable values, and PyTorch's vector_norm refuses it too.
+
+    >>> check_floating([torch.ones(2), torch.ones(2, dtype=torch.int64)], "tensors[{}]".format)
+    Traceback (most recent call last):
+    ...
+    gpuflat.errors.NonFloatingTensorError: leaf 'tensors[1]': expected a floating point or complex tensor, found dtype torch.int64
+    """
     for i, t in enumerate(tensors):
         if not (t.is_floating_point() or t.is_complex()):
-            # An integer or bool tensor has no trainable values: PyTorch's vector_norm refuses it too.
             raise NonFloatingTensorError(f"leaf {name_of(i)!r}: expected a floating point or "
                                          f"complex tensor, found dtype {t.dtype}")
-        _named(name_of(i), _readable, t)
 
 
 def _readable(t):
@@ -259,8 +272,12 @@ def _named(name, check, t):
         raise type(err)(f"leaf {name!r}: {err}") from None
 
 
-def _promoted(dtypes):
-    """The dtype PyTorch returns a norm in: the promoted real dtype of the tensors."""
+def returned_dtype(dtypes):
+    """The dtype PyTorch returns a norm of tensors of ``dtypes`` in: their promoted real dtype.
+
+    >>> returned_dtype([torch.bfloat16, torch.complex64, torch.float16])
+    torch.float32
+    """
     return functools.reduce(torch.promote_types, {d.to_real() for d in set(dtypes)})
 
 

@@ -81,10 +81,10 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
     table = tensor_table.read(tensors, name_of)
     if table is None:  # DTensors: over the ranks of their mesh
         tensors, names = _unique((t, name_of(i)) for i, t in enumerate(tensors))
-        _check_floating(tensors, names)
+        tensor_table.check_floating(tensors, names.__getitem__)
         with _torch_nonfinite_error():
             total = _gfd.global_norm(tensors, p, error_if_nonfinite=error_if_nonfinite)
-        return total.to(_returned_dtype(tensors))
+        return total.to(tensor_table.returned_dtype([t.dtype for t in tensors]))
     total = _total_norm(table, tensors, p)
     if error_if_nonfinite:
         _check_finite(total, p, table, tensors, name_of)
@@ -145,10 +145,10 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     table = tensor_table.read(grads, name_of, in_place=True)
     if table is None:  # DTensors: over the ranks of their mesh, the norm a replicated DTensor
         grads, names = _unique((g, name_of(i)) for i, g in enumerate(grads))
-        _check_floating(grads, names)
+        tensor_table.check_floating(grads, names.__getitem__)
         with _torch_nonfinite_error():
             total = _gfd.clip_grad_norm_(grads, max_norm, p, eps=_EPS, error_if_nonfinite=error_if_nonfinite)
-        return total.to(_returned_dtype(grads))
+        return total.to(tensor_table.returned_dtype([g.dtype for g in grads]))
     total = _total_norm(table, grads, p)
     if error_if_nonfinite:
         _check_finite(total, p, table, grads, name_of)
@@ -195,14 +195,6 @@ def _unique(named):
     return tensors, names
 
 
-def _returned_dtype(tensors):
-    """The dtype PyTorch returns: the promoted real dtype of the tensors."""
-    dtype = tensors[0].dtype.to_real()
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype.to_real())
-    return dtype
-
-
 # ---------------------------------------------------------------- DTensors
 
 @contextlib.contextmanager
@@ -212,15 +204,6 @@ def _torch_nonfinite_error():
         yield
     except NonFiniteError as err:
         raise NonFiniteNormError(str(err)) from None
-
-
-def _check_floating(tensors, names):
-    # An integer or bool tensor has no trainable values: gpuflat's plan would
-    # leave it out, and PyTorch's vector_norm refuses it.
-    for t, name in zip(tensors, names):
-        if not (t.is_floating_point() or t.is_complex()):
-            raise NonFloatingTensorError(
-                f"leaf {name!r}: expected a floating point or complex tensor, found dtype {t.dtype}")
 
 
 # ---------------------------------------------------------------- the work, per device
