@@ -227,3 +227,65 @@ def test_cpu_and_cuda_tensors_in_one_call_are_reduced_per_device(cuda):
     p.grad, q.grad = host, device
     gft.clip_grad_norm_([p, q], 1.3)
     assert host.tolist() == pytest.approx([0.3, 0.4], rel=1e-6) and device.tolist() == pytest.approx([1.2], rel=1e-6)
+
+
+# ---------------------------------------------------------------- a PyTorch training loop, as users break it
+
+class TiedFrozen(torch.nn.Module):
+    """A tied embedding and output, a frozen layer, a trainable one."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 8)
+        self.frozen = torch.nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.hidden = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 11, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.hidden(torch.tanh(self.frozen(self.embed(tokens))))))
+
+
+def test_a_training_loop_with_the_drop_in_trains_as_plain_pytorch():
+    """AdamW with zero_grad()'s default set_to_none, a GradScaler that skips a
+    step, model.to(float64), a layer unfrozen: the drop-in's tables follow
+    every change, step by step as torch.nn.utils.clip_grad_norm_."""
+    torch.manual_seed(0)
+    ours = TiedFrozen()
+    theirs = TiedFrozen()
+    theirs.load_state_dict(ours.state_dict())
+    runs = [(ours, gft.clip_grad_norm_), (theirs, torch.nn.utils.clip_grad_norm_)]
+    frozen_at_first = ours.frozen.weight.detach().clone()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m, _ in runs]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) for _ in runs]
+    for step in range(8):
+        if step == 4:
+            for m, _ in runs:
+                m.to(torch.float64)  # the same parameters, new storage and dtype
+            # AdamW's float32 state cannot take float64 gradients: PyTorch users start a new optimizer.
+            opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m, _ in runs]
+        if step == 6:
+            for m, _ in runs:
+                m.frozen.requires_grad_(True)  # new gradients appear
+        tokens = torch.randint(0, 11, (5, 3), generator=torch.Generator().manual_seed(step))
+        norms = []
+        for (model, clip), opt, scaler in zip(runs, opts, scalers):
+            scaler.scale(model(tokens).square().mean()).backward()
+            if step == 2:
+                model.hidden.weight.grad[0, 0] = float("inf")  # an overflow: this step is skipped
+            scaler.unscale_(opt)
+            norms.append(float(clip(model.parameters(), max_norm=0.05)))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()  # set_to_none: the next backward makes new gradient tensors
+        if step == 2:
+            assert math.isinf(norms[0]) and math.isinf(norms[1])
+        else:
+            assert norms[0] == pytest.approx(norms[1], rel=1e-5), step
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"step {step}: {name}")
+    assert all(s.get_scale() == scalers[0].get_scale() for s in scalers)
+    # The unfrozen layer trained in float64 (and equally in both runs, above).
+    assert ours.frozen.weight.dtype == torch.float64
+    assert not torch.equal(ours.frozen.weight.float(), frozen_at_first)
