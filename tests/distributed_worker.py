@@ -12,12 +12,9 @@ every other rank's data and check the collective results against plain NumPy.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
 import time
-import traceback
 from datetime import timedelta
 
 import ml_dtypes
@@ -25,6 +22,7 @@ import numpy as np
 
 import gpuflat as gf
 from gpuflat import distributed as gfd
+from ranks import run_cases
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 ORDS = (1, 2, math.inf, 3)
@@ -407,6 +405,40 @@ def ddp_with_a_resident_model(ctx):
                                            err_msg=f"{order}, bucket view {bucket_view}: {n}")
 
 
+@case(transports=TORCH_ONLY)
+def ddp_with_the_drop_in_clip(ctx):
+    """gpuflat.torch.clip_grad_norm_ under DDP, with and without
+    gradient_as_bucket_view (each step's gradients new tensors, or views of
+    DDP's buckets), zero_grad()'s default set_to_none: as torch's clip."""
+    import copy
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gpuflat.torch as gft
+
+    for bucket_view in (False, True):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+        plain = copy.deepcopy(net)
+        runs = [(DDP(m, gradient_as_bucket_view=bucket_view, process_group=ctx.group), m, clip)
+                for m, clip in ((net, gft.clip_grad_norm_), (plain, torch.nn.utils.clip_grad_norm_))]
+        opts = [torch.optim.AdamW(m.parameters(), lr=0.05) for _, m, _ in runs]
+        for step in range(4):
+            rng = np.random.default_rng(10 * step + ctx.rank)
+            x = torch.from_numpy(rng.standard_normal((4, 5)).astype(np.float32))
+            norms = []
+            for (model, m, clip), opt in zip(runs, opts):
+                model(x).pow(2).sum().backward()
+                norms.append(float(clip(m.parameters(), 0.5)))
+                opt.step()
+                opt.zero_grad()
+            assert_close(norms[0], norms[1], 1e-5, f"bucket view {bucket_view}, step {step}")
+        for (n, a), b in zip(net.named_parameters(), plain.parameters()):
+            np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-5, atol=1e-6,
+                                       err_msg=f"bucket view {bucket_view}: {n}")
+
+
 @case
 def a_refusal_on_one_rank_changes_nothing_anywhere(ctx):
     for problem in ("read-only", "another tree"):
@@ -542,17 +574,7 @@ def connect(transport, argv):
 
 def main(out_dir, transport, *argv):
     ctx = connect(transport, argv)
-    results = {}
-    for name, transports in CASES:
-        if transport not in transports:
-            continue
-        try:
-            globals()[name](ctx)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc(limit=4)
-        with open(os.path.join(out_dir, f"rank{ctx.rank}.json"), "w") as f:
-            json.dump(results, f)
+    run_cases([(name, globals()[name]) for name, transports in CASES if transport in transports], ctx, out_dir)
     if transport == "gloo":
         import torch.distributed as dist
 

@@ -11,11 +11,8 @@ norm of its DTensors against the single-process norm of the whole tensors.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
-import traceback
 from datetime import timedelta
 
 import numpy as np
@@ -30,6 +27,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import gpuflat as gf
 import gpuflat.torch as gft
 from gpuflat import distributed as gfd
+from ranks import run_cases
 
 ORDS = (1, 2, math.inf, 3)
 CASES = []  # (name, the world sizes it runs on; None: any)
@@ -406,17 +404,7 @@ def main(out_dir, rank, size, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=timedelta(seconds=60))
     ctx = Ctx(rank, size)
-    results = {}
-    for name, sizes in CASES:
-        if sizes is not None and size not in sizes:
-            continue
-        try:
-            globals()[name](ctx)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc(limit=4)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
+    run_cases([(name, globals()[name]) for name, sizes in CASES if sizes is None or size in sizes], ctx, out_dir)
     dist.destroy_process_group()
 
 

@@ -4,8 +4,10 @@ tests/test_dtensor.py), whose workers write ``rank<r>.json`` into a folder."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
+import traceback
 
 
 def free_port() -> int:
@@ -31,3 +33,18 @@ def collect(procs, out_dir, size, timeout):
         path = out_dir / f"rank{r}.json"
         reports.append(json.loads(path.read_text()) if path.exists() else {})
     return reports, "\n".join(output)
+
+
+def run_cases(cases, ctx, out_dir):
+    """In a worker: run each (name, function) of ``cases`` on ``ctx``, and
+    rewrite ``rank<ctx.rank>.json`` after each with every case's "ok" or
+    traceback, so a rank that hangs or dies still reports what it finished."""
+    results = {}
+    for name, run in cases:
+        try:
+            run(ctx)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc(limit=4)
+        with open(os.path.join(out_dir, f"rank{ctx.rank}.json"), "w") as f:
+            json.dump(results, f)
