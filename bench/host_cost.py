@@ -25,6 +25,7 @@ builds its table again).
 """
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 
 import numpy as np
@@ -108,13 +109,12 @@ def _torch_calls(leaves, backend):
     import gpuflat.torch as gft
 
     grads = [_tensor(torch, a).view(-1) for a in leaves]
-    params = [torch.nn.Parameter(torch.empty(0, device=g.device)) for g in grads]
+    params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
     for p, g in zip(params, grads):
-        p.data = torch.empty_like(g)
         p.grad = g
     moved = ([[g.clone() for g in grads] for _ in range(MOVED_SETS)]
              if sum(a.nbytes for a in leaves) * MOVED_SETS <= MOVED_BYTES else None)
-    turn = iter(range(1 << 62))
+    turn = itertools.count()
 
     def clip():
         with tensor_table.serve_with(backend):
