@@ -177,31 +177,20 @@ def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None) -> An
     """
     sources, like, recorded = slot_sources(plan, tree)
     if recorded is not None:  # a recorded tree: one array per slot, its checks remembered
-        return _flatten_recorded(plan, sources, like, recorded, out, backend)
-    present = [(leaf.path, s[0]) for leaf, s in zip(plan.leaves, sources) if s]
+        seen, arrays = recorded
+        return _gather(plan, sources, like, arrays, plan.paths.__getitem__, out, backend,
+                       seen.verdicts(arrays) if out is not None else None)
     # Every gradient chooses the backend, not only the first of each slot: a
     # tied weight's NumPy and CuPy gradients must meet the mixed-kinds error.
-    present += [(plan.leaves[slot].path, a) for slot, s in enumerate(sources) for a in s[1:]]
-    if out is not None:
-        target = _writable_flat(plan, out, "out")
-        _refuse_aliases([a for s in sources for a in s], target, "out",
-                        lambda k: plan.leaves[[slot for slot, s in enumerate(sources) for _ in s][k]].path)
-        present.append(("<out>", target))
-    be = select(backend, [a for _, a in present], lambda i: present[i][0])
-    with _arrays.device_scope(be, like if like is not None else out):
-        if out is not None:
-            be.gather(plan, sources, target)
-            return out
-        flat = be.empty(plan.size, plan.dtype)
-        be.gather(plan, sources, flat)
-        return flat if like is None else _arrays.to_caller(flat, like)
+    arrays = [a for s in sources for a in s]
+    slot_at = [slot for slot, s in enumerate(sources) for _ in s]
+    return _gather(plan, sources, like, arrays, lambda k: plan.leaves[slot_at[k]].path, out, backend)
 
 
-def _flatten_recorded(plan, sources, like, recorded, out, backend):
-    """``flatten`` of a recorded tree (``recorded``: its record and its
-    arrays, one per slot), with no list built per leaf."""
-    seen, arrays = recorded
-    path_of = plan.paths.__getitem__
+def _gather(plan, sources, like, arrays, path_of, out, backend, verdicts=None):
+    """``flatten``'s work once its ``arrays`` are known (every source,
+    ``path_of(k)`` naming the k-th): they choose the backend and are checked
+    apart from ``out`` (``verdicts``: a recorded tree's, see ``_refuse_aliases``)."""
     if out is None:
         be = select(backend, arrays, path_of)
         with _arrays.device_scope(be, like):
@@ -209,7 +198,7 @@ def _flatten_recorded(plan, sources, like, recorded, out, backend):
             be.gather(plan, sources, flat)
             return flat if like is None else _arrays.to_caller(flat, like)
     target = _writable_flat(plan, out, "out")
-    _refuse_aliases(arrays, target, "out", path_of, seen.verdicts(arrays))
+    _refuse_aliases(arrays, target, "out", path_of, verdicts)
     be = select(backend, arrays + [target], lambda i: "<out>" if i == len(arrays) else path_of(i))
     with _arrays.device_scope(be, like if like is not None else out):
         be.gather(plan, sources, target)
