@@ -273,6 +273,9 @@ def test_the_device_script_passes_its_dry_run(tmp_path):
     ran = {(r["workload"], r["dtype"]) for r in results["rows"] if r["impl"] == "gpuflat (cuda)"
            and r["status"] == "ok"}
     assert ran == set(run.QUICK_UNITS["cuda"])
+    # Every host-cost call ran on the CUDA runtime too (the drop-in's among them).
+    on_cuda = [r for r in results["host_cost"] if r["runtime"] == "cuda"]
+    assert on_cuda and all(r["status"] == "ok" for r in on_cuda), [r for r in on_cuda if r["status"] != "ok"]
     assert {t["unit"] for t in results["targets"] if t["met"] is not None} >= {"gpt2-small float32",
                                                                                  "gpt2-small bfloat16"}
     assert json_file.with_suffix(".png").stat().st_size > 10_000
