@@ -85,7 +85,7 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
         with _torch_nonfinite_error():
             total = _gfd.global_norm(tensors, p, error_if_nonfinite=error_if_nonfinite)
         return total.to(tensor_table.returned_dtype([t.dtype for t in tensors]))
-    total = _total_norm(table, tensors, p)
+    total, _ = _total_norm(table, tensors, p)
     if error_if_nonfinite:
         _check_finite(total, p, table, tensors, name_of)
     return total.to(table.returned_dtype)
@@ -149,10 +149,10 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         with _torch_nonfinite_error():
             total = _gfd.clip_grad_norm_(grads, max_norm, p, eps=_EPS, error_if_nonfinite=error_if_nonfinite)
         return total.to(tensor_table.returned_dtype([g.dtype for g in grads]))
-    total = _total_norm(table, grads, p)
+    total, on_backend = _total_norm(table, grads, p)
     if error_if_nonfinite:
         _check_finite(total, p, table, grads, name_of)
-    _scale(table, grads, max_norm, total)
+    _scale(table, grads, max_norm, total, on_backend)
     return total.to(table.returned_dtype)
 
 
@@ -209,17 +209,19 @@ def _torch_nonfinite_error():
 # ---------------------------------------------------------------- the work, per device
 
 def _total_norm(table, tensors, p):
-    """The float64 norm of all tensors, as a 0-d tensor on the first group's device."""
+    """(the float64 norm of all tensors as a 0-d tensor on the first group's
+    device; with one group, the same norm as its backend's own 0-d array,
+    which the clip reads where it lies)."""
     norms = []
     for g in table.groups:
         like = table.first(tensors, g)
         with device_scope(g.backend, like):
             result = g.backend.norms(g.plan, g.leaves, p, per_leaf=False)
-            norms.append(to_caller(result.total, like))
+            norms.append((to_caller(result.total, like), result.total))
     if len(norms) == 1:
         return norms[0]
-    first = norms[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), p)
+    first = norms[0][0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(first) for n, _ in norms]), p), None
 
 
 def _check_finite(total, p, table, tensors, name_of):
@@ -238,12 +240,16 @@ def _check_finite(total, p, table, tensors, name_of):
     )
 
 
-def _scale(table, tensors, max_norm, total_norm):
+def _scale(table, tensors, max_norm, total_norm, on_backend=None):
+    """Scale every group by the factor of ``total_norm`` (a tensor), or of
+    ``on_backend``, the one group's norm as its backend's array (no import)."""
     for g in table.groups:
         like = table.first(tensors, g)
         with device_scope(g.backend, like):
-            total = torch.as_tensor(total_norm, dtype=torch.float64).to(like.device)
-            g.backend.clip_(g.plan, g.leaves, adopt(total), max_norm_for(g.backend, max_norm), _EPS)
+            total = on_backend
+            if total is None:
+                total = adopt(torch.as_tensor(total_norm, dtype=torch.float64).to(like.device))
+            g.backend.clip_(g.plan, g.leaves, total, max_norm_for(g.backend, max_norm), _EPS)
 
 
 from .torch_optim import SGD, AdamW, GradScaler
