@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from . import dtensor
+from . import dtensor, tensor_facts
 from .arrays import adopt, plain_tensor, tensor_refusal
 from .backends.cuda import LEAF_ROW_WORDS, MAX_DIMS, leaf_row
 from .backends.protocol import LeafRows
@@ -68,17 +68,30 @@ class Group:
     leaves: object
 
 
-class Reading(NamedTuple):
-    """What decides a table, read from the tensors each call with one C-level
-    pass per field: addresses, element counts, dtypes, the layout (True when
-    every tensor is contiguous, else their shapes and strides) and the
-    backend :func:`serve_with` put in place."""
+@dataclass(frozen=True, eq=False)
+class Reading:
+    """What decides a table, read from the tensors each call: their facts
+    (``gpuflat.tensor_facts``: address, element count, dtype and contiguity,
+    one native pass), their layout (True when every tensor is contiguous,
+    else their shapes and strides) and the backend :func:`serve_with` put in
+    place."""
+
+    facts: np.ndarray
+    layout: object
+    override: object
+
+    def same(self, other) -> bool:
+        return (self.override is other.override and self.layout == other.layout
+                and np.array_equal(self.facts, other.facts))
+
+
+class _Described(NamedTuple):
+    """The tensors' facts, one tuple per field, as a table is built from them."""
 
     pointers: tuple
     numels: tuple
     dtypes: tuple
     layout: object
-    override: object
 
 
 @dataclass(eq=False)
@@ -127,18 +140,19 @@ def serve_with(backend):
         _override.reset(token)
 
 
-def read(tensors, name_of, in_place=False) -> Table | None:
+def read(tensors, name_of, in_place=False, facts=None) -> Table | None:
     """The table of ``tensors`` (each counted once), checked, and with
     ``in_place`` checked fit to be written in place; None when some are
     DTensors (``gpuflat.distributed`` reduces those). ``name_of(i)`` names
-    ``tensors[i]`` in errors.
+    ``tensors[i]`` in errors; ``facts``: theirs, if already read
+    (``tensor_facts.gradients``).
 
     >>> import torch
     >>> t = read([torch.ones(2), torch.ones(3, dtype=torch.float64)], lambda i: f"tensors[{i}]")
     >>> [g.plan.size for g in t.groups], t.returned_dtype
     ([5], torch.float64)
     """
-    reading = _reading(tensors)
+    reading = _reading(tensors, tensor_facts.of_tensors(tensors) if facts is None else facts)
     table = _remembered(reading, tensors) if reading is not None else None
     if table is None:
         table = _build(tensors, reading, name_of)
@@ -150,28 +164,14 @@ def read(tensors, name_of, in_place=False) -> Table | None:
     return table
 
 
-def _reading(tensors) -> Reading | None:
+def _reading(tensors, facts) -> Reading | None:
     """The tensors' Reading; None for tensors checked in full when built (of a
-    type that is no plain tensor, or without storage of their own)."""
-    if not all(map(_is_plain_type, set(map(type, tensors)))):
+    type that is no plain tensor, or without storage of their own: no facts)."""
+    if facts is None:
         return None
-    # Tensor's own methods: half the cost of a by-name lookup on each tensor.
-    try:
-        pointers = tuple(map(torch.Tensor.data_ptr, tensors))
-    except RuntimeError:  # no storage of its own (a sparse tensor)
-        return None
-    layout = (True if all(map(torch.Tensor.is_contiguous, tensors))
+    layout = (True if np.all(facts[:, 2] & tensor_facts.CONTIGUOUS)
               else (tuple(map(_shape, tensors)), tuple(map(torch.Tensor.stride, tensors))))
-    return Reading(pointers, tuple(map(torch.Tensor.numel, tensors)), tuple(map(_dtype, tensors)), layout,
-                   _override.get())
-
-
-@functools.lru_cache(maxsize=64)
-def _is_plain_type(cls) -> bool:
-    """A tensor type whose memory holds its values (not a DTensor or another wrapper)."""
-    # A DTensor, like every wrapper subclass, overrides __torch_dispatch__.
-    return cls in _PLAIN or (issubclass(cls, torch.Tensor)
-                             and cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
+    return Reading(facts, layout, _override.get())
 
 
 def _ties(tensors) -> tuple:
@@ -185,7 +185,7 @@ def _remembered(reading, tensors):
         for table in reversed(_tables):
             # Repeated addresses are the same tensor passed twice (counted
             # once) or two views of one memory (counted twice): which, is read again.
-            if table.reading == reading and (table.ties is None or table.ties == _ties(tensors)):
+            if table.reading.same(reading) and (table.ties is None or table.ties == _ties(tensors)):
                 _tables.remove(table)
                 _tables.append(table)
                 return table
@@ -198,11 +198,8 @@ def _build(tensors, reading, name_of):
     if not _all_plain(tensors, name_of):
         return None
     devices = list(map(_device, tensors))
-    _check_readable(tensors, reading.dtypes if reading else tuple(map(_dtype, tensors)), set(devices), name_of)
-    facts = reading or Reading(  # read in full, never remembered
-        tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(torch.Tensor.numel, tensors)),
-        tuple(map(_dtype, tensors)), (tuple(map(_shape, tensors)), tuple(map(torch.Tensor.stride, tensors))),
-        _override.get())
+    _check_readable(tensors, tuple(map(_dtype, tensors)), set(devices), name_of)
+    facts = _described(tensors, reading)
     ties = _ties(tensors) if len(set(facts.pointers)) < len(tensors) else None
     # A tensor passed twice counts once.
     unique = range(len(tensors)) if ties is None else [i for i, first in enumerate(ties) if first == i]
@@ -213,6 +210,17 @@ def _build(tensors, reading, name_of):
             while len(_tables) > TABLES_KEPT:
                 _tables.pop(0)
     return table
+
+
+def _described(tensors, reading) -> _Described:
+    """The facts as tuples: from the Reading, or read in full (then never remembered)."""
+    if reading is None:
+        return _Described(tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(torch.Tensor.numel, tensors)),
+                          tuple(map(_dtype, tensors)),
+                          (tuple(map(_shape, tensors)), tuple(map(torch.Tensor.stride, tensors))))
+    codes = (reading.facts[:, 2] & (tensor_facts.CONTIGUOUS - 1)).tolist()
+    return _Described(tuple(reading.facts[:, 0].tolist()), tuple(reading.facts[:, 1].tolist()),
+                      tuple(map(tensor_facts.DTYPES.__getitem__, codes)), reading.layout)
 
 
 def _all_plain(tensors, name_of) -> bool:

@@ -38,13 +38,11 @@ import contextlib
 import types
 import warnings
 from collections.abc import Iterable
-from functools import partial
-from operator import attrgetter, is_not
 
 import torch
 
 from . import distributed as _gfd
-from . import dtensor, tensor_table
+from . import dtensor, tensor_facts, tensor_table
 from .arrays import adopt, device_scope, to_caller
 from .binding import max_norm_for
 from .checks import check_ord, clip_arguments
@@ -106,13 +104,13 @@ def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max
     >>> w.grad
     tensor([0.6000, 0.8000])
     """
-    grads, name_of = _gradients(_parameter_list(parameters, warn_empty=False))
+    grads, facts, name_of = _gradients(_parameter_list(parameters, warn_empty=False))
     max_norm, _, _ = clip_arguments(max_norm, 2, _EPS)  # the norm comes given: any order passes
     if dtensor.is_dtensor(total_norm):
         total_norm = total_norm.full_tensor()  # a replicated norm's own local value
     if not grads:
         return
-    table = tensor_table.read(grads, name_of, in_place=True)
+    table = tensor_table.read(grads, name_of, in_place=True, facts=facts)
     if table is None:  # DTensors: their local shards are scaled, with no redistribution
         grads = [dtensor.local(g) if dtensor.is_dtensor(g) else g for g in grads]
         table = tensor_table.read(grads, name_of, in_place=True)
@@ -137,12 +135,12 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     >>> round(float(torch.cat([p.grad.flatten() for p in net.parameters()]).norm()), 5)
     1.0
     """
-    grads, name_of = _gradients(_parameter_list(parameters, warn_empty=True))
+    grads, facts, name_of = _gradients(_parameter_list(parameters, warn_empty=True))
     max_norm, p, _ = clip_arguments(max_norm, norm_type, _EPS)
     if not grads:
         return torch.tensor(0.0)
     # Each gradient is read once, for the norm and the scale, and checked before either.
-    table = tensor_table.read(grads, name_of, in_place=True)
+    table = tensor_table.read(grads, name_of, in_place=True, facts=facts)
     if table is None:  # DTensors: over the ranks of their mesh, the norm a replicated DTensor
         grads, names = _unique((g, name_of(i)) for i, g in enumerate(grads))
         tensor_table.check_floating(grads, names.__getitem__)
@@ -169,19 +167,15 @@ def _parameter_list(parameters, warn_empty):
     return parameters
 
 
-_grad_of = attrgetter("grad")
-_is_present = partial(is_not, None)
-
-
 def _gradients(parameters):
-    """(the gradients of the parameters that have one, a function naming the i-th of them)."""
-    grads = list(map(_grad_of, parameters))
-    present = list(filter(_is_present, grads))
+    """(the gradients of the parameters that have one, their facts
+    (``tensor_facts``), a function naming the i-th of them)."""
+    grads, facts = tensor_facts.gradients(parameters)
 
     def name_of(i):  # only on error: which parameter the i-th gradient belongs to
-        return f"parameters[{[k for k, g in enumerate(grads) if g is not None][i]}].grad"
+        return f"parameters[{[k for k, p in enumerate(parameters) if p.grad is not None][i]}].grad"
 
-    return present, name_of
+    return grads, facts, name_of
 
 
 def _unique(named):
