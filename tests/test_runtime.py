@@ -261,3 +261,21 @@ def test_flatten_chooses_the_backend_from_every_gradient_of_a_tied_slot(cupy):
     grads = {"enc": np.ones(3, np.float32), "dec": cupy.on_device(np.ones(3, np.float32), 0)}
     with pytest.raises(TypeError, match=r"mixes NumPy and CuPy.*\['enc'\].*\['enc'\]"):
         gf.flatten(plan, grads)
+
+
+@pytest.mark.parametrize("kinds, backend, error", [
+    ("nnn", None, None),
+    ("ccc", None, None),
+    ("nnn", "cuda", r"backend 'cuda' works on CuPy arrays; leaf 'p0' is a numpy.ndarray"),
+    ("ccc", "host", r"backend 'host' works on NumPy arrays; leaf 'p0' is a \w+\.ndarray"),
+    ("ccn", None, r"mixes NumPy and CuPy arrays: leaf 'p2' is a NumPy array, leaf 'p0' is a CuPy array"),
+])
+def test_select_names_the_first_leaf_of_each_kind(cupy, kinds, backend, error):
+    from gpuflat.backends.selection import host_default, select
+
+    arrays = [np.ones(2) if k == "n" else cupy.on_device(np.ones(2), 0) for k in kinds]
+    if error is None:
+        assert select(backend, arrays, "p{}".format).name == ("cuda" if kinds[0] == "c" else host_default())
+    else:
+        with pytest.raises(TypeError, match=error):
+            select(backend, arrays, "p{}".format)

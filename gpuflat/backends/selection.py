@@ -65,9 +65,7 @@ def select(backend, arrays, path_of):
     ...
     TypeError: backend 'cuda' works on CuPy arrays; leaf "['w']" is a numpy.ndarray
     """
-    on_gpu = list(map(_is_cupy, arrays)) if "cupy" in sys.modules else [False] * len(arrays)
-    first_cupy = on_gpu.index(True) if True in on_gpu else None
-    first_numpy = on_gpu.index(False) if False in on_gpu else None
+    first_numpy, first_cupy = _first_of_each_kind(arrays)
     if first_numpy is not None and first_cupy is not None:
         raise TypeError(
             f"tree mixes NumPy and CuPy arrays: leaf {path_of(first_numpy)!r} is a NumPy array, "
@@ -85,6 +83,28 @@ def select(backend, arrays, path_of):
     if not wants_cupy:
         return get_backend(name)
     return get_backend(name, _one_device(arrays, path_of))
+
+
+def _first_of_each_kind(arrays):
+    """(the position of the first NumPy array, of the first CuPy array), None for a kind absent.
+
+    Read from the set of the arrays' types: one C-level pass, and none at all
+    where CuPy is not imported (no CuPy array can exist then).
+
+    >>> import numpy as np
+    >>> _first_of_each_kind([np.ones(2), np.ones(3)]), _first_of_each_kind([])
+    ((0, None), (None, None))
+    """
+    cupy = sys.modules.get("cupy")
+    if not arrays or cupy is None:
+        return (0 if arrays else None), None
+    kinds = {issubclass(k, cupy.ndarray) for k in set(map(type, arrays))}
+    if kinds == {False}:
+        return 0, None
+    if kinds == {True}:
+        return None, 0
+    on_gpu = list(map(_is_cupy, arrays))  # mixed kinds: an error will name one leaf of each
+    return on_gpu.index(False), on_gpu.index(True)
 
 
 def host_default() -> str:
