@@ -26,6 +26,13 @@ TINY_NORM_MS = 0.010
 # fixed cost.
 COPY_LIMIT, MANY_LEAVES_COPY_LIMIT = 1.2, 5.0
 MANY_LEAVES = (TINY, "mixed")
+# Host work per call on 10,000 leaves, launches counted and never run
+# (bench/host_cost.py): what a GPU step pays on the CPU besides its kernels.
+# The drop-in on the same gradient memory, whether the same tensor objects
+# or new ones (zero_grad() sets them to None), and the tree clip's walk.
+HOST_LIMITS_US = {"gpuflat.torch clip_grad_norm_ (the same gradients)": 1500.0,
+                  "gpuflat.torch clip_grad_norm_ (new gradient tensors, same memory)": 1500.0,
+                  "gf.clip_grad_norm_(tree)": 2000.0}
 
 
 def _ok(results, w, d, op, **match):
@@ -99,6 +106,21 @@ def _cpu(results) -> list:
         limit = MANY_LEAVES_COPY_LIMIT if w in MANY_LEAVES else COPY_LIMIT
         out += [_within(results, f"{op} within {limit:g}x of the copy floor", w, d, op, limit)
                 for op in ("flatten", "scatter")]
+    return out + _host_work(results)
+
+
+def _host_work(results) -> list:
+    """The host-cost rows of the 10,000-leaf tree within :data:`HOST_LIMITS_US`."""
+    out = []
+    for call, limit in HOST_LIMITS_US.items():
+        rows = [r for r in results.get("host_cost", ()) if r["workload"] == TINY and r["call"] == call
+                and r["status"] == "ok"]
+        verdict = {"target": f"{call} host work within {limit / 1e3:g} ms", "unit": f"{TINY} host cost",
+                   "measured": None, "met": None, "by": None}
+        if rows:
+            us = rows[0]["us_per_call"]
+            verdict.update(measured=f"{us / 1e3:.2f} ms", met=us <= limit, by=call)
+        out.append(verdict)
     return out
 
 

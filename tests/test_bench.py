@@ -332,3 +332,17 @@ def test_trees_of_many_tiny_leaves_are_held_to_5x_of_the_copy_floor_the_others_t
                       for unit, limit in (("gpt2-small float32", "1.2x"), ("tiny-10k float32", "5x"),
                                           ("mixed mixed", "5x"))
                       for op in ("flatten", "scatter")}
+
+
+def test_host_work_on_ten_thousand_leaves_is_judged_from_the_host_cost_rows():
+    from bench import targets
+
+    calls = list(targets.HOST_LIMITS_US)
+    host_cost = [{"workload": "tiny-10k", "call": calls[0], "status": "ok", "us_per_call": 1400.0},
+                 {"workload": "tiny-10k", "call": calls[1], "status": "ok", "us_per_call": 1600.0},
+                 {"workload": "gpt2-small", "call": calls[2], "status": "ok", "us_per_call": 10.0}]
+    judged = {t["target"]: (t["met"], t["measured"]) for t in targets.judge(
+        {"device": "cpu", "rows": [], "floors": [], "host_cost": host_cost}) if t["unit"] == "tiny-10k host cost"}
+    assert judged == {f"{calls[0]} host work within 1.5 ms": (True, "1.40 ms"),
+                      f"{calls[1]} host work within 1.5 ms": (False, "1.60 ms"),
+                      f"{calls[2]} host work within 2 ms": (None, None)}  # no tiny-10k row: not measured
