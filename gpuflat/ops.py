@@ -328,7 +328,9 @@ def global_norm(tree, ord: float = 2, *, per_leaf: bool = False, model=None,
     """The norm of all trainables taken as one vector: (sum |x|**p) ** (1/p).
 
     Accumulated in float64 whatever the leaf dtype, in a fixed order (the
-    same bits on every repeat). Returns a 0-d float64 array on the leaves'
+    same bits on every repeat): a leaf filling one dense block of memory in
+    another order than C's (transposed, channels_last) in memory order, any
+    other in its logical order. Returns a 0-d float64 array on the leaves'
     device (a tensor for PyTorch leaves); with ``per_leaf=True``,
     ``(total, per_leaf_norms)`` from the same pass, the latter in plan order.
     With ``model=``, ``tree`` is a gradient tree read through the model's

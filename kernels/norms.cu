@@ -1,7 +1,11 @@
 // Fused norms (total, per leaf, first non-finite leaf) in two launches, and
 // the clipping scale in one, with no host synchronisation.
 //
-// Determinism: every sum runs in an order fixed by the plan alone.
+// Determinism: every sum runs in an order fixed by the plan and the leaves'
+// layouts alone. A leaf filling one dense block of memory in another order
+// than C's (transposed, channels_last, reversed) comes as the contiguous row
+// of that block (gpuflat.memory_order), so it is summed in memory order; any
+// other leaf in its logical (C) order.
 // Kernel 1 gives each work item a partial computed in a fixed lane order and
 // a fixed shuffle tree, stored in the item's own slot; kernel 2 is a single
 // block of GF_FINISH_THREADS threads that combines items per leaf and leaves

@@ -374,6 +374,22 @@ def strided_variant(rng, shape, dtype, kind):
     raise ValueError(kind)
 
 
+def read_order_copy(a):
+    """A C-contiguous 1-D copy of ``a`` in the order norms and clips read it:
+    by address where its elements fill one dense block of memory (each of its
+    bytes once), else in logical (C) order. Worked out from every element's
+    address, independently of gpuflat."""
+    a = np.asarray(a)
+    if a.size <= 1:
+        return a.reshape(-1).copy()
+    index = np.indices(a.shape).reshape(a.ndim, -1)
+    addresses = (np.asarray(a.strides, np.int64)[:, None] * index).sum(axis=0)
+    order = np.argsort(addresses, kind="stable")
+    step = np.diff(addresses[order])
+    dense = bool((step == a.itemsize).all())
+    return a.reshape(-1)[order] if dense else a.reshape(-1).copy()
+
+
 # ---------------------------------------------------------------- hypothesis strategies
 
 SHAPES = [(), (0,), (1,), (3,), (2, 3), (3, 2), (2, 0), (1, 4, 2)]

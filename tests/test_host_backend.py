@@ -12,7 +12,8 @@ import gpuflat as gf
 from gpuflat.backends import get_backend
 from gpuflat.backends.host import HostBackend, available, unavailable_reason
 
-from conftest import BF16, DTYPE_IDS, DTYPES, assert_bits_equal, random_array, strided_variant, torch_scaled
+from conftest import (BF16, DTYPE_IDS, DTYPES, assert_bits_equal, random_array, read_order_copy, strided_variant,
+                      torch_scaled)
 
 # The references convert NaN bit patterns on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered")
@@ -89,10 +90,11 @@ def _root(v, p):
 
 
 def ref_norms(leaves, p):
-    """(total, per-leaf norms, first non-finite slot) in the order of kernels/norms.cu."""
+    """(total, per-leaf norms, first non-finite slot) in the order of kernels/norms.cu,
+    each leaf in the order norms read it."""
     raw, first_bad = [], -1
     for slot, leaf in enumerate(leaves):
-        x = np.asarray(leaf).reshape(-1)
+        x = read_order_copy(leaf)
         lanes_per_vector = 16 // x.dtype.itemsize
         partials = [_item_partial(_terms(x[i : i + ITEM], p), lanes_per_vector, p) for i in range(0, x.size, ITEM)]
         if len(partials) <= 16:
@@ -184,11 +186,12 @@ def test_big_slots_of_any_item_count_give_the_block_tree_bits(p):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_strided_leaves_give_the_contiguous_bits(dtype, layout):
+    """A transposed or reversed leaf is summed in memory order, a sliced one in logical order."""
     rng = np.random.default_rng(10)
     leaf = strided_variant(rng, (70, 130), dtype, layout)
     for p in ORDS:
         got = host_norms([leaf], p)
-        assert_same_norms(got, host_norms([np.ascontiguousarray(leaf)], p))
+        assert_same_norms(got, host_norms([read_order_copy(leaf)], p))
         assert_same_norms(got, ref_norms([leaf], p))
 
 

@@ -11,7 +11,11 @@ work. The tables:
   take one item each; where each slot's items begin; the slots the norm
   finisher sums with the whole block; the identity CSR of plain flattens;
 - per call: one row per source array (address, dtype tag, merged shape and
-  byte strides), plus the CSR slot -> sources for tied gradients. The last
+  byte strides), plus the CSR slot -> sources for tied gradients. Norms and
+  clips read a leaf whose elements fill one dense block (transposed,
+  channels_last, reversed) as that block, lowest address first, through the
+  contiguous row (``gpuflat.memory_order``); gather and scatter keep the
+  logical order of every leaf. The last
   few tables are kept per plan, found again by the identity of the arrays
   (weak references, so a table never keeps old gradients alive and a
   recycled id never matches), so the norm and the scale of one clip, and
@@ -44,6 +48,7 @@ import numpy as np
 from gpuflat import kernel_loader as kl
 from gpuflat.dtypes import CUDA_NAMES, TAGS
 from gpuflat.identity import Layout, SameArrays
+from gpuflat.memory_order import dense_start
 
 from .host import array_facts
 from .protocol import LeafRows, NormResult
@@ -63,6 +68,11 @@ ITEM_WORDS = 4
 # Per-call tables kept per plan and device, so alternating between parameter
 # and gradient trees does not upload every time.
 TABLES_KEPT = 8
+# The key of the norms' and clips' tables (memory-order rows), apart from the
+# gather and scatter tables of the same arrays (logical-order rows).
+MEMORY_ORDER = "memory order"
+
+_DTYPE_OF_TAG = {tag: dt for dt, tag in TAGS.items()}
 
 _sig = attrgetter("shape", "strides", "dtype")
 
@@ -137,14 +147,17 @@ class CudaBackend:
         """leaves[i][...] = flat slice i cast to the leaf's dtype, in place, rounded
         once whatever flat's dtype (any of gpuflat.dtypes.TAGS) (1 launch)."""
         st = _static_tables(plan, self.runtime)
-        table = self._leaf_table(st, plan, leaves, None)
+        table = st.table(leaves, None, lambda: _leaf_rows(st, plan, leaves, range(len(leaves)), self.runtime))
         self._launch(kl.scatter_name(flat.dtype), st, [st.items, np.int64(st.n_items), table.array, flat], table)
 
     def norms(self, plan, leaves, ord, per_leaf, flat=None) -> NormResult:
         """Total and per-leaf norms and the first non-finite slot (2 launches).
 
-        ``flat``: the buffer the leaves are views of (a resident model), whose
-        table is cheaper to build; the results are the same bits.
+        A leaf filling one dense block of memory in another order than C's
+        (transposed, channels_last, reversed) is summed in memory order, any
+        other leaf in its logical order. ``flat``: the buffer the leaves are
+        views of (a resident model), whose table is cheaper to build; the
+        results are the same bits.
         """
         kind, p = _norm_kind(ord)
         rt = self.runtime
@@ -183,17 +196,18 @@ class CudaBackend:
     # ------------------------------------------------------------ helpers
 
     def _leaf_table(self, st, plan, leaves, flat):
+        """The memory-order table of the norms and clips."""
         def build():
-            return _leaf_rows(st, plan, leaves, range(len(leaves)), self.runtime)
+            return _leaf_rows(st, plan, leaves, range(len(leaves)), self.runtime, memory_order=True)
 
         if isinstance(leaves, LeafRows):
             # Built once from tensors' metadata and never changed: found by its identity.
-            return st.table((leaves,), "rows", lambda: leaves.words)
+            return st.table((leaves,), "rows", lambda: memory_order_rows(leaves.words))
         if flat is not None:
             # The leaves are fixed views of ``flat`` (a resident model's): their
             # table depends on its address alone, found without a per-leaf look.
             return st.table((), ("flat", self.runtime.pointer(flat)), build)
-        return st.table(leaves, None, build)
+        return st.table(leaves, MEMORY_ORDER, build)
 
     def _launch(self, name, st, args, table):
         grid = self.grid or self.runtime.grid_for(st.n_items)
@@ -307,7 +321,7 @@ class _StaticTables:
         # The caches below are shared by every thread using this plan.
         self.lock = threading.Lock()
         self.entries: list = []  # _TableEntry, most recently used last
-        self.rows: OrderedDict = OrderedDict()  # host rows by array signature
+        self.rows: OrderedDict = OrderedDict()  # host rows and starts by reading order and array signatures
         # Every table alive, released when the plan (and so this object) goes;
         # not at exit, when the device may be gone already.
         self.alive = [self.uploaded]
@@ -412,6 +426,43 @@ def leaf_row(shape, strides, dtype):
             + [sum(k << (8 * d) for d, k in enumerate(shifts))])
 
 
+def memory_order_row(row):
+    """(``row``, a :func:`leaf_row`, read in memory order; the byte offset of
+    its first element from the array's address): the contiguous row at the
+    lowest address where the leaf's merged dims fill one dense block, else
+    (``row``, 0).
+
+    >>> row, start = memory_order_row(leaf_row((2, 3), (8, -16), np.float64))
+    >>> row[:3], start
+    ([3, 0, 6], -32)
+    """
+    ndim = row[1]
+    if ndim == 0:
+        return row, 0
+    dtype = _DTYPE_OF_TAG[row[0]]
+    start = dense_start(row[3 : 3 + ndim], row[3 + MAX_DIMS : 3 + MAX_DIMS + ndim], dtype.itemsize)
+    if start is None:
+        return row, 0
+    return leaf_row((row[2],), (dtype.itemsize,), dtype), start
+
+
+def memory_order_rows(words) -> np.ndarray:
+    """A leaf table (address, then a :func:`leaf_row`, per row) whose rows are
+    read in memory order (see :func:`memory_order_row`).
+
+    >>> words = np.zeros((1, LEAF_ROW_WORDS), np.int64)
+    >>> words[0, 0], words[0, 1:] = 1000, leaf_row((3,), (-4,), np.float32)
+    >>> memory_order_rows(words)[0, :4].tolist()
+    [992, 2, 0, 3]
+    """
+    out = np.array(words, np.int64)
+    for i in np.flatnonzero(out[:, 2]).tolist():
+        row, start = memory_order_row(out[i, 1:].tolist())
+        out[i, 0] += start
+        out[i, 1:] = row
+    return out
+
+
 def fast_division(d: int) -> tuple[int, int]:
     """(magic, shift) with ``i // d == (i * magic >> 64) >> shift`` for every
     0 <= i < 2**63 and 2 <= d < 2**63: the kernels' division by a dim's length.
@@ -431,16 +482,18 @@ def fast_division(d: int) -> tuple[int, int]:
     return (1 << (63 + lg)) // d + 1, lg - 1
 
 
-def _leaf_rows(st, plan, arrays, slots, runtime) -> np.ndarray:
-    """Host table (n, LEAF_ROW_WORDS) of ``arrays`` (``slots[i]`` is array i's slot)."""
-    sig = tuple(map(_sig, arrays))
+def _leaf_rows(st, plan, arrays, slots, runtime, memory_order=False) -> np.ndarray:
+    """Host table (n, LEAF_ROW_WORDS) of ``arrays`` (``slots[i]`` is array i's
+    slot), its rows read in memory order with ``memory_order`` (see
+    :func:`memory_order_row`)."""
+    sig = (memory_order, *map(_sig, arrays))
     with st.lock:
-        template = st.rows.get(sig)
-        if template is not None:
+        found = st.rows.get(sig)
+        if found is not None:
             st.rows.move_to_end(sig)
-    if template is None:
+    if found is None:
         rows = []
-        for (shape, strides, dtype), slot in zip(sig, slots):
+        for (shape, strides, dtype), slot in zip(sig[1:], slots):
             row = leaf_row(shape, strides, dtype)
             if row is None:
                 raise ValueError(
@@ -448,14 +501,17 @@ def _leaf_rows(st, plan, arrays, slots, runtime) -> np.ndarray:
                     f"more than {MAX_DIMS} dimensions after merging; the CUDA kernels take at most "
                     f"{MAX_DIMS}: pass a contiguous copy"
                 )
-            rows.append(row)
+            rows.append(memory_order_row(row) if memory_order else (row, 0))
         template = np.zeros((len(rows), LEAF_ROW_WORDS), np.int64)
         if rows:
-            template[:, 1:] = rows
+            template[:, 1:] = [row for row, _ in rows]
+        # Each row's byte offset from its array's address to its first element read.
+        found = template, np.array([start for _, start in rows], np.int64)
         with st.lock:
-            st.rows[sig] = template
+            st.rows[sig] = found
             while len(st.rows) > TABLES_KEPT:
                 st.rows.popitem(last=False)
+    template, starts = found
     table = template.copy()
-    table[:, 0] = np.fromiter(map(runtime.pointer, arrays), np.int64, count=len(arrays))
+    table[:, 0] = np.fromiter(map(runtime.pointer, arrays), np.int64, count=len(arrays)) + starts
     return table

@@ -8,7 +8,10 @@ kernels' own (``kernels/gpuflat_math.cuh``, compiled for the host) and its
 summation order theirs (work items of ``ITEM`` elements, 32 lanes, the fixed
 trees), so its norms are the same bits as the CUDA and emulated backends',
 whatever the number of threads; gather, scatter and clip the same bits as
-every backend. Arrays are read in native code (no Python work per leaf), and
+every backend. As there, norms and clips read a leaf that fills one dense
+block of memory in another order than C's (transposed, channels_last,
+reversed) as that block, contiguously, in memory order; any other leaf in its
+logical order. Arrays are read in native code (no Python work per leaf), and
 a resident model's norms read its one flat buffer at the plan's offsets.
 
 Where no compiler (or no Python or NumPy headers) is found, every operation
@@ -204,9 +207,10 @@ class HostBackend(HostMemory):
 
     def norms(self, plan, leaves, ord, per_leaf, flat=None) -> NormResult:
         """Total and per-leaf norms (always both) and the first non-finite slot, in
-        the CUDA kernels' order; with ``flat`` (the buffer the leaves are views
-        of) every slot is read from it at the plan's offsets: the same bits,
-        with no per-leaf Python work.
+        the CUDA kernels' order (a dense-permuted leaf summed in memory order);
+        with ``flat`` (the buffer the leaves are views of) every slot is read
+        from it at the plan's offsets: the same bits, with no per-leaf Python
+        work.
 
         >>> import numpy as np, gpuflat as gf
         >>> flat = np.array([3.0, 4.0, 12.0])

@@ -4,6 +4,10 @@ Norms accumulate in float64 whatever the leaf dtype: leaves are converted
 in pieces of at most PIECE elements (small leaves packed together, large ones
 cut), so the float64 copy stays in cache and memory use stays flat. Pieces are
 fixed by the plan, so every repeat adds the same numbers in the same order.
+Norms and clips read a leaf that fills one dense block of memory in another
+order than C's (transposed, channels_last, reversed) in memory order, as the
+1-D view of that block (``gpuflat.memory_order``); any other leaf in its
+logical order.
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import math
 import weakref
 
 import numpy as np
+
+from gpuflat.memory_order import in_memory_order
 
 from .protocol import NormResult
 
@@ -125,12 +131,22 @@ class NumpyBackend(HostMemory):
             cast_copy(target, flat[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape))
 
     def norms(self, plan, leaves, ord, per_leaf, flat=None):
-        """Fused norms; with ``flat`` (a resident model) pieces are read from it directly."""
+        """Fused norms, a dense-permuted leaf summed in memory order; with
+        ``flat`` (a resident model) pieces are read from it directly.
+
+        >>> import numpy as np, gpuflat as gf
+        >>> leaves = [np.array([[3.0, 0.0], [4.0, 12.0]]).T]
+        >>> r = NumpyBackend().norms(gf.plan(leaves), leaves, 2, per_leaf=True)
+        >>> float(r.total), r.per_leaf
+        (13.0, array([13.]))
+        """
         # Past float64, powers and roots give inf silently, as the kernels do.
         with np.errstate(over="ignore"):
             return self._norms(plan, leaves, float(ord), per_leaf, flat)
 
     def _norms(self, plan, leaves, p, per_leaf, flat):
+        if flat is None:
+            leaves = list(map(in_memory_order, leaves))
         sums = np.zeros(len(plan.leaves))
         partials = []
         for first, end, count, is_complex in _layout(plan):
@@ -156,7 +172,8 @@ class NumpyBackend(HostMemory):
         # NumPy's warnings: the caller asked for exactly that.
         with np.errstate(invalid="ignore", over="ignore"):
             coef = _clip_coef(total, max_norm, eps)
-            for target in leaves:  # never all of ``flat``: a resident model's padding stays zero
+            # Never all of ``flat``: a resident model's padding stays zero.
+            for target in map(in_memory_order, leaves):
                 _scale(target, coef)
 
     def on_device(self):

@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -91,6 +92,32 @@ long long itemsize_of(int tag) {
     return sizes[tag];
 }
 
+// Whether merged dims (`kept` pairs of extent and byte stride in `n_s`, no
+// extent 1) fill one dense block of memory: sorted by |stride|, a C-contiguous
+// layout's (gpuflat/memory_order.py's dense_start). If so, `start` is the byte
+// offset of the block's lowest address. Norms and clips read such a leaf as
+// that block, contiguously, in memory order.
+bool dense_block(const long long* n_s, int kept, long long itemsize, long long& start) {
+    int order[NPY_MAXDIMS];
+    for (int d = 0; d < kept; ++d) order[d] = d;
+    // Equal |strides| never pass (each extent is at least 2), whatever their order here.
+    std::sort(order, order + kept,
+              [&](int a, int b) { return std::llabs(n_s[2 * a + 1]) < std::llabs(n_s[2 * b + 1]); });
+    long long expected = itemsize;
+    start = 0;
+    for (int k = 0; k < kept; ++k) {
+        const long long n = n_s[2 * order[k]], stride = n_s[2 * order[k] + 1];
+        if (std::llabs(stride) != expected) return false;
+        expected *= n;
+        if (stride < 0) start += (n - 1) * stride;
+    }
+    return true;
+}
+
+// Which order a strided leaf is read in: its logical (C) order (gather,
+// scatter), or its memory's where it fills one dense block (norms, clips).
+enum class Order { logical, memory };
+
 // Leaves of one call; merged dims live in `dims`, pointed to once all are read
 // (the vector may move while it grows).
 struct LeafSet {
@@ -98,8 +125,9 @@ struct LeafSet {
     std::vector<long long> dims;
     std::vector<long long> dims_at;
 
-    // Adds array `obj`; false if it is not a native-order ndarray of a gpuflat dtype.
-    bool add(PyObject* obj) {
+    // Adds array `obj`, read in `order`; false if it is not a native-order
+    // ndarray of a gpuflat dtype.
+    bool add(PyObject* obj, Order order) {
         if (!PyObject_TypeCheck(obj, g_ndarray)) return false;
         PyArrayObject* a = (PyArrayObject*)obj;
         const int tag = tag_of(a);
@@ -127,7 +155,13 @@ struct LeafSet {
                 ++kept;
             }
         }
-        const bool contiguous = kept == 0 || (kept == 1 && n_s[1] == itemsize);
+        bool contiguous = kept == 0 || (kept == 1 && n_s[1] == itemsize);
+        char* ptr = (char*)PyArray_DATA(a);
+        long long start = 0;
+        if (!contiguous && order == Order::memory && dense_block(n_s, kept, itemsize, start)) {
+            ptr += start;  // the lowest address; an aligned array's is aligned too
+            contiguous = true;
+        }
         int ndim = 0;
         if (size > 0 && !(contiguous && PyArray_ISALIGNED(a))) {
             if (contiguous) {
@@ -140,7 +174,7 @@ struct LeafSet {
             for (int d = 0; d < ndim; ++d) dims.push_back(n_s[2 * d + 1]);
         }
         dims_at.push_back(at);
-        leaves.push_back(Leaf{(char*)PyArray_DATA(a), tag, ndim, size, nullptr, nullptr});
+        leaves.push_back(Leaf{ptr, tag, ndim, size, nullptr, nullptr});
         return true;
     }
 
@@ -163,7 +197,8 @@ struct LeafSet {
     }
 
     // The leaves of a leaf table (LeafRef rows, gpuflat/backends/cuda.py's
-    // layout), as gpuflat.torch builds it from tensors' metadata. A
+    // layout), as gpuflat.torch builds it from tensors' metadata, for norms
+    // and clips: a row filling one dense block reads as that block. A
     // contiguous row whose address is not a multiple of its itemsize reads
     // through the strided (memcpy) path, as an unaligned array does.
     void add_rows(const LeafRef* rows, long long n) {
@@ -173,8 +208,22 @@ struct LeafSet {
             const LeafRef& r = rows[i];
             const int tag = (int)r.tag;
             int ndim = (int)r.ndim;
+            char* ptr = (char*)r.ptr;
+            long long n_s[2 * GF_MAX_DIMS];
+            int kept = 0;
+            for (int d = 0; d < ndim; ++d) {
+                if (r.shape[d] == 1) continue;
+                n_s[2 * kept] = r.shape[d];
+                n_s[2 * kept + 1] = r.stride[d];
+                ++kept;
+            }
+            long long start = 0;
+            if (ndim > 0 && r.size > 0 && dense_block(n_s, kept, itemsize_of(tag), start)) {
+                ptr += start;
+                ndim = 0;
+            }
             dims_at.push_back((long long)dims.size());
-            if (ndim == 0 && r.size > 0 && r.ptr % itemsize_of(tag) != 0) {
+            if (ndim == 0 && r.size > 0 && (long long)ptr % itemsize_of(tag) != 0) {
                 ndim = 1;
                 dims.push_back(r.size);
                 dims.push_back(itemsize_of(tag));
@@ -182,7 +231,7 @@ struct LeafSet {
                 for (int d = 0; d < ndim; ++d) dims.push_back(r.shape[d]);
                 for (int d = 0; d < ndim; ++d) dims.push_back(r.stride[d]);
             }
-            leaves.push_back(Leaf{(char*)r.ptr, tag, ndim, r.size, nullptr, nullptr});
+            leaves.push_back(Leaf{ptr, tag, ndim, r.size, nullptr, nullptr});
         }
         finish();
     }
@@ -201,8 +250,8 @@ struct LeafSet {
     }
 };
 
-// Reads a sequence of arrays; returns the index of the first unreadable one, or -1.
-long long read_leaves(PyObject* seq, LeafSet& set) {
+// Reads a sequence of arrays in `order`; returns the index of the first unreadable one, or -1.
+long long read_leaves(PyObject* seq, LeafSet& set, Order order) {
     PyObject* fast = PySequence_Fast(seq, "expected a sequence of arrays");
     if (!fast) return 0;
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -211,7 +260,7 @@ long long read_leaves(PyObject* seq, LeafSet& set) {
     set.dims_at.reserve(n);
     long long bad = -1;
     for (Py_ssize_t i = 0; i < n && bad < 0; ++i)
-        if (!set.add(items[i])) bad = i;
+        if (!set.add(items[i], order)) bad = i;
     Py_DECREF(fast);
     set.finish();
     return bad;
@@ -232,7 +281,7 @@ long long read_sources(PyObject* seq, LeafSet& set, std::vector<long long>& csr)
     long long bad = -1;
     for (Py_ssize_t s = 0; s < n && bad < 0; ++s) {
         if (PyObject_TypeCheck(slots[s], g_ndarray)) {  // an array: the slot's one source
-            if (!set.add(slots[s])) bad = (long long)set.leaves.size();
+            if (!set.add(slots[s], Order::logical)) bad = (long long)set.leaves.size();
             csr[s + 1] = (long long)set.leaves.size();
             continue;
         }
@@ -244,7 +293,7 @@ long long read_sources(PyObject* seq, LeafSet& set, std::vector<long long>& csr)
         const Py_ssize_t m = PySequence_Fast_GET_SIZE(sources);
         PyObject** arrays = PySequence_Fast_ITEMS(sources);
         for (Py_ssize_t k = 0; k < m && bad < 0; ++k)
-            if (!set.add(arrays[k])) bad = (long long)set.leaves.size();
+            if (!set.add(arrays[k], Order::logical)) bad = (long long)set.leaves.size();
         Py_DECREF(sources);
         csr[s + 1] = (long long)set.leaves.size();
     }
@@ -854,7 +903,7 @@ long long run_clip(Workspace& w, const long long* offsets, double total, double 
 GF_EXPORT long long gf_host_norms(PyObject* leaves, PyObject* offsets, int kind, double p, int threads,
                                   PyObject* per_leaf, PyObject* total, PyObject* first_bad) {
     Workspace& w = workspace();
-    long long bad = read_leaves(leaves, w.set);
+    long long bad = read_leaves(leaves, w.set, Order::memory);
     if (bad < 0) bad = check_sizes(w.set, data_of<long long>(offsets));
     if (bad >= 0) return bad;
     return run_norms(w, data_of<long long>(offsets), kind, p, threads, per_leaf, total, first_bad);
@@ -946,7 +995,7 @@ GF_EXPORT long long gf_host_gather(PyObject* sources, PyObject* offsets, PyObjec
 
 GF_EXPORT long long gf_host_scatter(PyObject* flat, PyObject* leaves, PyObject* offsets, int threads) {
     Workspace& w = workspace();
-    long long bad = read_leaves(leaves, w.set);
+    long long bad = read_leaves(leaves, w.set, Order::logical);
     if (bad < 0) bad = check_sizes(w.set, data_of<long long>(offsets));
     if (bad >= 0) return bad;
     const int tag = tag_of((PyArrayObject*)flat);
@@ -964,7 +1013,7 @@ GF_EXPORT long long gf_host_scatter(PyObject* flat, PyObject* leaves, PyObject* 
 GF_EXPORT long long gf_host_clip(PyObject* leaves, PyObject* offsets, double total, double max_norm, double eps,
                                  int threads) {
     Workspace& w = workspace();
-    long long bad = read_leaves(leaves, w.set);
+    long long bad = read_leaves(leaves, w.set, Order::memory);
     if (bad < 0) bad = check_sizes(w.set, data_of<long long>(offsets));
     if (bad >= 0) return bad;
     return run_clip(w, data_of<long long>(offsets), total, max_norm, eps, threads);
