@@ -13,6 +13,7 @@ None) are held.
 """
 from __future__ import annotations
 
+import itertools
 import operator
 import threading
 import weakref
@@ -26,6 +27,7 @@ from . import flatplan
 from . import tree as _tree
 from .dtypes import TAGS
 from .backends.host import array_facts
+from .backends.protocol import Recorded
 from .identity import Layout
 
 _shape, _dtype = attrgetter("shape"), attrgetter("dtype")
@@ -36,6 +38,8 @@ _HELD = (type(None), bool, int, float, complex, str)
 # The containers a record re-reads without a walk: those with no values of
 # their own (a defaultdict's factory, a module, an object's other fields).
 _PLAIN = (dict, list, tuple)
+# A record's token, never given twice in a process (see Recorded).
+_TOKENS = itertools.count(1)
 
 
 class SeenTree:
@@ -56,7 +60,7 @@ class SeenTree:
     """
 
     __slots__ = ("node", "treedef", "refs", "ids", "alive", "array_at", "static_at", "held", "static_arrays",
-                 "shapes", "dtypes", "facts", "slot_of", "first", "key", "_plans", "_verdicts", "__weakref__")
+                 "shapes", "dtypes", "facts", "token", "slot_of", "first", "key", "_plans", "_verdicts", "__weakref__")
 
     @classmethod
     def of(cls, tree, walked) -> "SeenTree | None":
@@ -96,6 +100,9 @@ class SeenTree:
         # Identities, shapes, dtypes, flags and strides in one native read,
         # where the host library is built (None: compared in Python instead).
         self.facts = array_facts(arrays, 4 * len(arrays) + 2 * sum(map(len, self.shapes)))
+        # Where those facts are compared, arrays read again are the very arrays
+        # recorded, unchanged: a native backend may keep what it read from them.
+        self.token = next(_TOKENS) if self.facts is not None else 0
         self.slot_of, unique, self.key = flatplan.key_of(treedef, arrays)
         self.first = None if len(unique) == len(arrays) else [self.slot_of.index(s) for s in range(len(unique))]
         self._plans = weakref.WeakSet()
@@ -105,10 +112,10 @@ class SeenTree:
         """``tree``'s Walked if it is the tree recorded, unchanged (the same
         containers' contents, the same objects, of the same shapes and
         dtypes), else None."""
-        values: list = []
+        values = Recorded()
         if not _read_again(tree, self.node, values):
             return None
-        arrays = values if self.array_at is None else [values[i] for i in self.array_at]
+        arrays = values if self.array_at is None else Recorded(values[i] for i in self.array_at)
         # The ids before the liveness: an array that died while they were
         # read has marked the record dead by the time it is asked.
         if self.facts is not None:
@@ -121,6 +128,7 @@ class SeenTree:
         statics = [values[i] for i in self.static_at]
         if statics and not self._same_statics(statics):
             return None
+        arrays.token = self.token
         return _tree.Walked(self.treedef, arrays, statics, {})
 
     def _same_statics(self, statics) -> bool:

@@ -531,3 +531,43 @@ def test_the_host_library_splits_leaves_into_the_cuda_backends_items():
 
     source = (kernel_dir() / "host" / "host_backend.cpp").read_text()
     assert re.search(r"constexpr long long ITEM = (\d+);", source).group(1) == str(cuda.ITEM)
+
+
+def _recorded_list(arrays, token):
+    from gpuflat.backends.protocol import Recorded
+
+    out = Recorded(arrays)
+    out.token = token
+    return out
+
+
+def test_a_token_holds_only_for_the_very_arrays_it_came_with():
+    # What the library keeps under a token is checked against the list's
+    # array objects: other arrays under the same token are read afresh.
+    be = HostBackend()
+    first = [np.full(3, 1.0, np.float32), np.full(2, 2.0)]
+    other = [np.full(3, 5.0, np.float32), np.full(2, 7.0)]
+    plan = gf.plan(first)
+    for arrays in (first, other, first):
+        out = np.empty(plan.size)
+        be.gather(plan, [[a] for a in arrays], out)
+        want = out.copy()
+        be.gather(plan, gf.backends.protocol.OneSourcePerSlot(_recorded_list(arrays, 991)), out)
+        assert out.tolist() == want.tolist()
+        assert float(be.norms(plan, _recorded_list(arrays, 991), 2, per_leaf=False).total) == pytest.approx(
+            math.sqrt(sum(float(np.sum(a.astype(np.float64) ** 2)) for a in arrays)))
+
+
+def test_kept_leaves_are_found_again_among_several_tokens_and_plans():
+    be = HostBackend()
+    trees = [[np.full(n, float(n), np.float32), np.full(2 * n, -1.0)] for n in (1, 2, 3, 4, 5, 6)]
+    for _ in range(3):
+        for token, arrays in enumerate(trees, start=500):
+            plan = gf.plan(arrays)
+            leaves = _recorded_list(arrays, token)
+            out = np.empty(plan.size)
+            be.gather(plan, gf.backends.protocol.OneSourcePerSlot(leaves), out)
+            assert out.tolist() == np.concatenate(arrays).astype(np.float64).tolist()
+            be.scatter(plan, out * 2, leaves)
+            be.scatter(plan, out, leaves)
+            assert np.concatenate(arrays).tolist() == out.tolist()

@@ -284,3 +284,39 @@ def test_a_layout_of_arrays_without_numpy_flags_compares_their_strides():
     assert layout.holds([a])
     a.strides = (0,)
     assert not layout.holds([a])
+
+
+def test_a_record_gives_its_arrays_a_token_only_where_their_facts_are_compared(facts_reader):
+    from gpuflat.backends.protocol import Recorded
+
+    tree = _recorded(_tree())
+    walked, record = _seen.trees.walk(tree)
+    assert type(walked.arrays) is Recorded and walked.arrays.token == record.token
+    assert (record.token != 0) == (record.facts is not None)
+    again = _recorded({"a": np.ones(2)})
+    assert _seen.trees.walk(again)[1].token != record.token or record.token == 0
+
+
+@pytest.mark.parametrize("op", ["flatten", "scatter", "global_norm", "clip"])
+def test_values_changed_in_place_are_read_through_a_recorded_tree(backend, op):
+    # The native backend keeps what it read from a recorded tree's arrays:
+    # their addresses and layouts, never their values.
+    tree = {"w": np.ones((3, 2), np.float32).T, "b": [np.ones(4)], "s": np.ones((), np.float64)}
+    plan = gf.plan(tree)
+    for k in range(REPEATS + 3):
+        values = [np.full((2, 3), k + 1.0, np.float32), np.arange(4.0) * k, np.full((), -k, np.float64)]
+        tree["w"][...], tree["b"][0][...], tree["s"][...] = values
+        flat = np.concatenate([v.ravel() for v in values]).astype(np.float64)
+        if op == "flatten":
+            assert gf.flatten(plan, tree, out=np.empty(plan.size), backend=backend).tolist() == flat.tolist()
+        elif op == "scatter":
+            gf.scatter(plan, flat * 2, tree, backend=backend)
+            assert [tree["w"].tolist(), tree["b"][0].tolist(), float(tree["s"])] == [
+                (values[0] * 2).tolist(), (values[1] * 2).tolist(), float(values[2]) * 2]
+        elif op == "global_norm":
+            assert float(gf.global_norm(tree, backend=backend)) == pytest.approx(_norm(values), rel=1e-12)
+        else:
+            norm = float(gf.clip_grad_norm_(tree, 1.0, backend=backend))
+            assert norm == pytest.approx(_norm(values), rel=1e-12)
+            scaled = _norm([tree["w"], tree["b"][0], tree["s"]])
+            assert scaled == pytest.approx(min(norm, 1.0), rel=1e-6)

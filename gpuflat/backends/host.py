@@ -41,7 +41,7 @@ from gpuflat.dtypes import BFLOAT16, TAGS
 from gpuflat.kernel_loader import NORM_KINDS, kernel_dir, norm_kind
 
 from .numpy_backend import HostMemory, NumpyBackend
-from .protocol import LeafRows, NormResult, OneSourcePerSlot
+from .protocol import LeafRows, NormResult, OneSourcePerSlot, Recorded
 
 # The arithmetic must stay the kernels': no fast-math, and no contraction of
 # a*b+c into one fma (the kernels are built with --fmad=false). -march=native
@@ -97,15 +97,16 @@ def _load():
     obj, i64, f64, c_int = ctypes.py_object, ctypes.c_longlong, ctypes.c_double, ctypes.c_int
     lib.gf_host_init.argtypes = [obj, c_int]
     lib.gf_host_init.restype = None
-    lib.gf_host_norms.argtypes = [obj, obj, c_int, f64, c_int, obj, obj, obj]
     lib.gf_host_norms_flat.argtypes = [obj, obj, c_int, f64, c_int, obj, obj, obj]
-    lib.gf_host_gather.argtypes = [obj, obj, obj, c_int]
-    lib.gf_host_scatter.argtypes = [obj, obj, obj, c_int]
-    lib.gf_host_clip.argtypes = [obj, obj, f64, f64, f64, c_int]
+    lib.gf_host_norms_rows.argtypes = lib.gf_host_norms_flat.argtypes
+    lib.gf_host_clip_rows.argtypes = [obj, obj, f64, f64, f64, c_int]
     lib.gf_host_clip_flat.argtypes = [obj, f64, f64, f64, c_int]
     lib.gf_host_facts.argtypes = [obj, obj]
-    lib.gf_host_norms_rows.argtypes = lib.gf_host_norms.argtypes
-    lib.gf_host_clip_rows.argtypes = lib.gf_host_clip.argtypes
+    # The last argument of these four is a Recorded list's token (0: none).
+    lib.gf_host_norms.argtypes = [*lib.gf_host_norms_flat.argtypes, i64]
+    lib.gf_host_clip.argtypes = [*lib.gf_host_clip_rows.argtypes, i64]
+    lib.gf_host_gather.argtypes = [obj, obj, obj, c_int, i64]
+    lib.gf_host_scatter.argtypes = [obj, obj, obj, c_int, i64]
     for fn in (lib.gf_host_norms, lib.gf_host_norms_flat, lib.gf_host_gather, lib.gf_host_scatter, lib.gf_host_clip,
                lib.gf_host_clip_flat, lib.gf_host_norms_rows, lib.gf_host_clip_rows, lib.gf_host_facts):
         fn.restype = i64
@@ -135,6 +136,16 @@ def array_facts(arrays, words: int):
     out = np.empty(words, np.int64)
     n = lib.gf_host_facts(arrays, out)
     return out[:n] if n >= 0 else None
+
+
+def _token(arrays) -> int:
+    """The token under which the library may keep what it read from ``arrays``
+    (a :class:`~gpuflat.backends.protocol.Recorded` list's), else 0.
+
+    >>> _token([np.ones(2)])
+    0
+    """
+    return getattr(arrays, "token", 0) if type(arrays) is Recorded else 0
 
 
 def _cpu_identity() -> str:
@@ -185,7 +196,7 @@ class HostBackend(HostMemory):
             return self._numpy.gather(plan, sources, out)
         # One array per slot passes as the arrays themselves (the library takes an array as a slot's one source).
         given = sources.arrays if isinstance(sources, OneSourcePerSlot) else sources
-        bad = lib.gf_host_gather(given, plan.offsets, out, self.threads)
+        bad = lib.gf_host_gather(given, plan.offsets, out, self.threads, _token(given))
         if bad >= 0:
             counts = np.cumsum([len(s) for s in sources])
             slot = int(np.searchsorted(counts, bad, side="right"))
@@ -203,7 +214,7 @@ class HostBackend(HostMemory):
         lib = _library()
         if lib is None:
             return self._numpy.scatter(plan, flat, leaves)
-        _check(plan, leaves, lib.gf_host_scatter(flat, leaves, plan.offsets, self.threads))
+        _check(plan, leaves, lib.gf_host_scatter(flat, leaves, plan.offsets, self.threads, _token(leaves)))
 
     def norms(self, plan, leaves, ord, per_leaf, flat=None) -> NormResult:
         """Total and per-leaf norms (always both) and the first non-finite slot, in
@@ -230,7 +241,7 @@ class HostBackend(HostMemory):
         if isinstance(leaves, LeafRows):
             _check(plan, leaves, lib.gf_host_norms_rows(leaves.words, *args))
         elif flat is None or lib.gf_host_norms_flat(flat, *args) >= 0:
-            _check(plan, leaves, lib.gf_host_norms(leaves, *args))
+            _check(plan, leaves, lib.gf_host_norms(leaves, *args, _token(leaves)))
         return NormResult(totals[:1].reshape(()), per, first, totals[1:].reshape(()))
 
     def clip_(self, plan, leaves, total, max_norm, eps, flat=None) -> None:
@@ -257,7 +268,7 @@ class HostBackend(HostMemory):
             return _check(plan, leaves, lib.gf_host_clip_rows(leaves.words, plan.offsets, *args, self.threads))
         if flat is not None and lib.gf_host_clip_flat(flat, *args, self.threads) < 0:
             return
-        _check(plan, leaves, lib.gf_host_clip(leaves, plan.offsets, *args, self.threads))
+        _check(plan, leaves, lib.gf_host_clip(leaves, plan.offsets, *args, self.threads, _token(leaves)))
 
     def on_device(self):
         """Host memory needs no device context.

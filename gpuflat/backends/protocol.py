@@ -64,6 +64,23 @@ class OneSourcePerSlot(Sequence):
         return zip(self.arrays)
 
 
+class Recorded(list):
+    """Arrays that a recorded tree (``gpuflat.seen``) found unchanged in this
+    call. ``token`` names exactly these arrays, at the addresses and with the
+    dtypes, shapes, strides and flags they had when first read, for the life
+    of the process (a token is never given twice); a backend may keep what it
+    read from them under it and skip reading them again.
+
+    >>> import numpy as np
+    >>> arrays = Recorded([np.ones(2)])
+    >>> arrays.token = 7
+    >>> len(arrays), arrays.token
+    (1, 7)
+    """
+
+    __slots__ = ("token",)
+
+
 class LeafRows:
     """Leaves given by address instead of as arrays: one leaf-table row per
     slot (``words``, int64, shape (slots, LEAF_ROW_WORDS) in the layout of

@@ -30,6 +30,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 #if defined(__x86_64__)
@@ -251,8 +252,19 @@ struct LeafSet {
 };
 
 // Reads a sequence of arrays in `order`; returns the index of the first unreadable one, or -1.
+// `seq` as a list or tuple (a new reference): itself where it is one, a
+// subclass included (PySequence_Fast would copy a list subclass), else a
+// new list; nullptr with a Python error set if it is no sequence.
+PyObject* fast_sequence(PyObject* seq, const char* message) {
+    if (PyList_Check(seq) || PyTuple_Check(seq)) {
+        Py_INCREF(seq);
+        return seq;
+    }
+    return PySequence_Fast(seq, message);
+}
+
 long long read_leaves(PyObject* seq, LeafSet& set, Order order) {
-    PyObject* fast = PySequence_Fast(seq, "expected a sequence of arrays");
+    PyObject* fast = fast_sequence(seq, "expected a sequence of arrays");
     if (!fast) return 0;
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject** items = PySequence_Fast_ITEMS(fast);
@@ -271,7 +283,7 @@ long long read_leaves(PyObject* seq, LeafSet& set, Order order) {
 // is its slot's one source); returns the position of the first unreadable
 // array in that list, or -1.
 long long read_sources(PyObject* seq, LeafSet& set, std::vector<long long>& csr) {
-    PyObject* fast = PySequence_Fast(seq, "expected a sequence of sequences of arrays");
+    PyObject* fast = fast_sequence(seq, "expected a sequence of sequences of arrays");
     if (!fast) return 0;
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject** slots = PySequence_Fast_ITEMS(fast);
@@ -285,7 +297,7 @@ long long read_sources(PyObject* seq, LeafSet& set, std::vector<long long>& csr)
             csr[s + 1] = (long long)set.leaves.size();
             continue;
         }
-        PyObject* sources = PySequence_Fast(slots[s], "expected a sequence of arrays");
+        PyObject* sources = fast_sequence(slots[s], "expected a sequence of arrays");
         if (!sources) {
             bad = (long long)set.leaves.size();
             break;
@@ -319,8 +331,14 @@ struct Workspace {
     std::vector<double> partial;
 };
 
-Workspace& workspace() {
+Workspace& thread_workspace() {
     thread_local Workspace w;
+    return w;
+}
+
+// The calling thread's workspace, its leaf set emptied.
+Workspace& workspace() {
+    Workspace& w = thread_workspace();
     w.set.clear();
     return w;
 }
@@ -849,6 +867,89 @@ long long check_sizes(const LeafSet& set, const long long* offsets) {
     return -1;
 }
 
+// ------------------------------------------------------------ arrays read once
+
+// Leaves and their work items for one plan's offsets, one array per slot
+// (`csr` the identity).
+struct Prepared {
+    LeafSet set;
+    std::vector<long long> csr;
+    std::vector<Item> items;
+};
+
+// Arrays read once and kept under the token Python gives arrays it has found
+// unchanged since they were read (gpuflat/seen.py: the same objects, at the
+// same addresses, of the same dtypes, shapes, strides and flags): a tree met
+// again costs no read of its arrays here, only the work. A few per thread,
+// the most recently used first.
+struct Kept {
+    long long token;
+    Order order;
+    std::vector<long long> offsets;
+    std::vector<PyObject*> arrays;  // compared, never dereferenced: the token vouches for them
+    Prepared prep;
+};
+constexpr size_t KEPT_PER_THREAD = 4;
+
+std::vector<std::unique_ptr<Kept>>& kept() {
+    thread_local std::vector<std::unique_ptr<Kept>> k;
+    return k;
+}
+
+// The kept leaves of `token` read in `order` for these offsets, from these
+// very array objects (a token is for one list of arrays; checking costs a
+// pointer per array).
+Prepared* find_kept(long long token, Order order, const long long* offsets, long long n, PyObject** arrays,
+                    Py_ssize_t n_arrays) {
+    auto& ks = kept();
+    for (size_t i = 0; i < ks.size(); ++i) {
+        const Kept& k = *ks[i];
+        if (k.token == token && k.order == order && (long long)k.offsets.size() == n &&
+            std::equal(k.offsets.begin(), k.offsets.end(), offsets) && (Py_ssize_t)k.arrays.size() == n_arrays &&
+            std::equal(k.arrays.begin(), k.arrays.end(), arrays)) {
+            std::rotate(ks.begin(), ks.begin() + i, ks.begin() + i + 1);
+            return &ks[0]->prep;
+        }
+    }
+    return nullptr;
+}
+
+// `arrays` (one per slot) read in `order`, their sizes checked against the
+// plan's `offsets`, and their items: those kept under `token` (0: none),
+// else read now (kept when a token is given). nullptr with `bad` set to the
+// first unreadable or missized slot.
+const Prepared* prepare(PyObject* arrays, PyObject* offsets, long long token, Order order, long long& bad) {
+    const long long* offs = data_of<long long>(offsets);
+    const long long n = PyArray_DIMS((PyArrayObject*)offsets)[0];
+    bad = -1;
+    const bool listed = PyList_Check(arrays);
+    if (!listed) token = 0;  // a token comes with a list
+    PyObject** items = listed ? PySequence_Fast_ITEMS(arrays) : nullptr;
+    const Py_ssize_t n_arrays = listed ? PyList_GET_SIZE(arrays) : 0;
+    if (token != 0) {
+        if (Prepared* found = find_kept(token, order, offs, n, items, n_arrays)) return found;
+    }
+    thread_local Prepared scratch;
+    std::unique_ptr<Kept> fresh = token != 0 ? std::make_unique<Kept>() : nullptr;
+    Prepared& p = fresh ? fresh->prep : scratch;
+    p.set.clear();
+    bad = read_leaves(arrays, p.set, order);
+    if (bad < 0) bad = check_sizes(p.set, offs);
+    if (bad >= 0) return nullptr;
+    p.csr.resize(n);
+    for (long long s = 0; s < n; ++s) p.csr[s] = s;
+    plan_items(offs, n - 1, p.items);
+    if (!fresh) return &p;
+    fresh->token = token;
+    fresh->order = order;
+    fresh->offsets.assign(offs, offs + n);
+    fresh->arrays.assign(items, items + n_arrays);
+    auto& ks = kept();
+    ks.insert(ks.begin(), std::move(fresh));
+    if (ks.size() > KEPT_PER_THREAD) ks.pop_back();
+    return &ks[0]->prep;
+}
+
 }  // namespace
 
 // ------------------------------------------------------------ entry points
@@ -864,20 +965,21 @@ GF_EXPORT void gf_host_init(PyObject* ndarray_type, int bfloat16_num) {
 
 namespace {
 
-long long run_norms(Workspace& w, const long long* offsets, int kind, double p, int threads, PyObject* per_leaf,
-                    PyObject* total, PyObject* first_bad) {
-    const LeafSet& set = w.set;
+// The norms of `set`'s leaves over their `items` (partials in the calling
+// thread's workspace).
+long long run_norms(const LeafSet& set, const std::vector<Item>& items, int kind, double p, int threads,
+                    PyObject* per_leaf, PyObject* total, PyObject* first_bad) {
     const long long n_slots = (long long)set.leaves.size();
+    std::vector<double>& partial = thread_workspace().partial;  // not workspace(): `set` may be its own
     double* per = data_of<double>(per_leaf);
     double* tot = data_of<double>(total);
     long long* first = data_of<long long>(first_bad);
     Py_BEGIN_ALLOW_THREADS
-    plan_items(offsets, n_slots, w.items);
     switch (kind) {
-        case GF_NORM_L1: norms<GF_NORM_L1>(set, w.items, w.partial, n_slots, p, threads, per, tot, first); break;
-        case GF_NORM_L2: norms<GF_NORM_L2>(set, w.items, w.partial, n_slots, p, threads, per, tot, first); break;
-        case GF_NORM_INF: norms<GF_NORM_INF>(set, w.items, w.partial, n_slots, p, threads, per, tot, first); break;
-        default: norms<GF_NORM_P>(set, w.items, w.partial, n_slots, p, threads, per, tot, first); break;
+        case GF_NORM_L1: norms<GF_NORM_L1>(set, items, partial, n_slots, p, threads, per, tot, first); break;
+        case GF_NORM_L2: norms<GF_NORM_L2>(set, items, partial, n_slots, p, threads, per, tot, first); break;
+        case GF_NORM_INF: norms<GF_NORM_INF>(set, items, partial, n_slots, p, threads, per, tot, first); break;
+        default: norms<GF_NORM_P>(set, items, partial, n_slots, p, threads, per, tot, first); break;
     }
     Py_END_ALLOW_THREADS
     return -1;
@@ -886,27 +988,26 @@ long long run_norms(Workspace& w, const long long* offsets, int kind, double p, 
 // Every leaf of the workspace *= min(1, max_norm / (total + eps)), as
 // gpuflat_scale: a NaN total gives a NaN factor, and a factor of exactly 1
 // writes nothing.
-long long run_clip(Workspace& w, const long long* offsets, double total, double max_norm, double eps,
+long long run_clip(const LeafSet& set, const std::vector<Item>& items, double total, double max_norm, double eps,
                    int threads) {
     const double c = max_norm / (total + eps);
     const double coef = c > 1.0 ? 1.0 : c;
     if (coef == 1.0) return -1;
     Py_BEGIN_ALLOW_THREADS
-    plan_items(offsets, (long long)w.set.leaves.size(), w.items);
-    scale(w.set, w.items, coef, threads);
+    scale(set, items, coef, threads);
     Py_END_ALLOW_THREADS
     return -1;
 }
 
 }  // namespace
 
+// token: see prepare (0: none).
 GF_EXPORT long long gf_host_norms(PyObject* leaves, PyObject* offsets, int kind, double p, int threads,
-                                  PyObject* per_leaf, PyObject* total, PyObject* first_bad) {
-    Workspace& w = workspace();
-    long long bad = read_leaves(leaves, w.set, Order::memory);
-    if (bad < 0) bad = check_sizes(w.set, data_of<long long>(offsets));
-    if (bad >= 0) return bad;
-    return run_norms(w, data_of<long long>(offsets), kind, p, threads, per_leaf, total, first_bad);
+                                  PyObject* per_leaf, PyObject* total, PyObject* first_bad, long long token) {
+    long long bad;
+    const Prepared* prep = prepare(leaves, offsets, token, Order::memory, bad);
+    if (!prep) return bad;
+    return run_norms(prep->set, prep->items, kind, p, threads, per_leaf, total, first_bad);
 }
 
 // The same norms with every slot read from the one buffer `flat` at the
@@ -917,8 +1018,10 @@ GF_EXPORT long long gf_host_norms_flat(PyObject* flat, PyObject* offsets, int ki
                                        PyObject* per_leaf, PyObject* total, PyObject* first_bad) {
     Workspace& w = workspace();
     const long long* offs = data_of<long long>(offsets);
-    if (!w.set.add_slots(flat, offs, PyArray_DIMS((PyArrayObject*)offsets)[0] - 1)) return 0;
-    return run_norms(w, offs, kind, p, threads, per_leaf, total, first_bad);
+    const long long n_slots = PyArray_DIMS((PyArrayObject*)offsets)[0] - 1;
+    if (!w.set.add_slots(flat, offs, n_slots)) return 0;
+    plan_items(offs, n_slots, w.items);
+    return run_norms(w.set, w.items, kind, p, threads, per_leaf, total, first_bad);
 }
 
 // The same norms over a leaf table (`rows`: an int64 array of LeafRef rows,
@@ -929,7 +1032,8 @@ GF_EXPORT long long gf_host_norms_rows(PyObject* rows, PyObject* offsets, int ki
     w.set.add_rows(data_of<LeafRef>(rows), PyArray_DIMS((PyArrayObject*)rows)[0]);
     const long long bad = check_sizes(w.set, data_of<long long>(offsets));
     if (bad >= 0) return bad;
-    return run_norms(w, data_of<long long>(offsets), kind, p, threads, per_leaf, total, first_bad);
+    plan_items(data_of<long long>(offsets), (long long)w.set.leaves.size(), w.items);
+    return run_norms(w.set, w.items, kind, p, threads, per_leaf, total, first_bad);
 }
 
 // What a tree record (gpuflat/seen.py) compares from call to call about
@@ -939,7 +1043,7 @@ GF_EXPORT long long gf_host_norms_rows(PyObject* rows, PyObject* offsets, int ki
 // words written, or -1 if an item is not an ndarray or `out` is too small
 // (the record then takes the tree as changed).
 GF_EXPORT long long gf_host_facts(PyObject* arrays, PyObject* out) {
-    PyObject* fast = PySequence_Fast(arrays, "expected a sequence of arrays");
+    PyObject* fast = fast_sequence(arrays, "expected a sequence of arrays");
     if (!fast) {
         PyErr_Clear();
         return -1;
@@ -972,8 +1076,23 @@ GF_EXPORT long long gf_host_facts(PyObject* arrays, PyObject* out) {
     return k;
 }
 
-// sources: one sequence of arrays per slot, added in order.
-GF_EXPORT long long gf_host_gather(PyObject* sources, PyObject* offsets, PyObject* out, int threads) {
+// sources: one sequence of arrays per slot, added in order; with a token
+// (see prepare; 0: none), one array per slot.
+GF_EXPORT long long gf_host_gather(PyObject* sources, PyObject* offsets, PyObject* out, int threads,
+                                   long long token) {
+    const int out_tag = tag_of((PyArrayObject*)out);
+    if (token != 0) {
+        long long bad;
+        const Prepared* prep = prepare(sources, offsets, token, Order::logical, bad);
+        if (!prep) return bad;
+        Py_BEGIN_ALLOW_THREADS
+        gf_dispatch(out_tag, [&](auto z) {
+            using T = decltype(z);
+            gather<T>(prep->set, prep->csr.data(), prep->items, data_of<T>(out), threads);
+        });
+        Py_END_ALLOW_THREADS
+        return -1;
+    }
     Workspace& w = workspace();
     const long long bad = read_sources(sources, w.set, w.csr);
     if (bad >= 0) return bad;
@@ -982,10 +1101,9 @@ GF_EXPORT long long gf_host_gather(PyObject* sources, PyObject* offsets, PyObjec
     for (long long s = 0; s < n_slots; ++s)
         for (long long k = w.csr[s]; k < w.csr[s + 1]; ++k)
             if (w.set.leaves[k].size != offs[s + 1] - offs[s]) return k;
-    const int tag = tag_of((PyArrayObject*)out);
     Py_BEGIN_ALLOW_THREADS
     plan_items(offs, n_slots, w.items);
-    gf_dispatch(tag, [&](auto z) {
+    gf_dispatch(out_tag, [&](auto z) {
         using T = decltype(z);
         gather<T>(w.set, w.csr.data(), w.items, data_of<T>(out), threads);
     });
@@ -993,30 +1111,30 @@ GF_EXPORT long long gf_host_gather(PyObject* sources, PyObject* offsets, PyObjec
     return -1;
 }
 
-GF_EXPORT long long gf_host_scatter(PyObject* flat, PyObject* leaves, PyObject* offsets, int threads) {
-    Workspace& w = workspace();
-    long long bad = read_leaves(leaves, w.set, Order::logical);
-    if (bad < 0) bad = check_sizes(w.set, data_of<long long>(offsets));
-    if (bad >= 0) return bad;
+// token: see prepare (0: none).
+GF_EXPORT long long gf_host_scatter(PyObject* flat, PyObject* leaves, PyObject* offsets, int threads,
+                                    long long token) {
+    long long bad;
+    const Prepared* prep = prepare(leaves, offsets, token, Order::logical, bad);
+    if (!prep) return bad;
     const int tag = tag_of((PyArrayObject*)flat);
     Py_BEGIN_ALLOW_THREADS
-    plan_items(data_of<long long>(offsets), (long long)w.set.leaves.size(), w.items);
     gf_dispatch(tag, [&](auto z) {
         using T = decltype(z);
-        scatter<T>(data_of<T>(flat), w.set, w.items, threads);
+        scatter<T>(data_of<T>(flat), prep->set, prep->items, threads);
     });
     Py_END_ALLOW_THREADS
     return -1;
 }
 
 // Every leaf *= min(1, max_norm / (total + eps)) (run_clip).
+// token: see prepare (0: none).
 GF_EXPORT long long gf_host_clip(PyObject* leaves, PyObject* offsets, double total, double max_norm, double eps,
-                                 int threads) {
-    Workspace& w = workspace();
-    long long bad = read_leaves(leaves, w.set, Order::memory);
-    if (bad < 0) bad = check_sizes(w.set, data_of<long long>(offsets));
-    if (bad >= 0) return bad;
-    return run_clip(w, data_of<long long>(offsets), total, max_norm, eps, threads);
+                                 int threads, long long token) {
+    long long bad;
+    const Prepared* prep = prepare(leaves, offsets, token, Order::memory, bad);
+    if (!prep) return bad;
+    return run_clip(prep->set, prep->items, total, max_norm, eps, threads);
 }
 
 // The same clip over a leaf table (as gf_host_norms_rows).
@@ -1026,7 +1144,8 @@ GF_EXPORT long long gf_host_clip_rows(PyObject* rows, PyObject* offsets, double 
     w.set.add_rows(data_of<LeafRef>(rows), PyArray_DIMS((PyArrayObject*)rows)[0]);
     const long long bad = check_sizes(w.set, data_of<long long>(offsets));
     if (bad >= 0) return bad;
-    return run_clip(w, data_of<long long>(offsets), total, max_norm, eps, threads);
+    plan_items(data_of<long long>(offsets), (long long)w.set.leaves.size(), w.items);
+    return run_clip(w.set, w.items, total, max_norm, eps, threads);
 }
 
 // flat *= min(1, max_norm / (total + eps)) over the whole buffer at once, for
