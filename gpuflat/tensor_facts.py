@@ -3,8 +3,9 @@
 ``gpuflat.torch`` finds a call's table again by each tensor's address,
 element count, dtype and contiguity (``gpuflat.tensor_table``). Those facts
 come back as one int64 array of three words per tensor: the address, the
-element count, and the dtype's position in :data:`DTYPES` with
-:data:`CONTIGUOUS` set for a contiguous tensor. A small C++ library built
+element count, and a code: the dtype's position in :data:`DTYPES`,
+:data:`CONTIGUOUS` set for a contiguous tensor, :data:`LAZY_VIEW` for a
+conjugate or negative view, and the device (:func:`device_keys`). A small C++ library built
 against the installed PyTorch's headers (``kernels/host/tensor_facts.cpp``,
 built with g++ on first use and cached on disk) reads them, and the
 gradients of a list of parameters, at about 40 ns per tensor; Python reads
@@ -14,8 +15,10 @@ result.
 >>> import torch
 >>> w = torch.nn.Parameter(torch.zeros(3)); w.grad = torch.ones(3)
 >>> grads, facts = gradients([w, torch.nn.Parameter(torch.zeros(2))])
->>> grads[0] is w.grad, facts.tolist() == [[w.grad.data_ptr(), 3, DTYPES.index(torch.float32) | CONTIGUOUS]]
+>>> grads[0] is w.grad, facts[:, :2].tolist() == [[w.grad.data_ptr(), 3]]
 (True, True)
+>>> [DTYPES[c] for c in dtype_codes(facts)], bool(facts[0, 2] & CONTIGUOUS)
+([torch.float32], True)
 """
 from __future__ import annotations
 
@@ -31,11 +34,16 @@ import torch
 from . import host_compiler
 from .kernel_loader import kernel_dir
 
-__all__ = ["CONTIGUOUS", "DTYPES", "available", "gradients", "is_plain_type", "of_tensors", "unavailable_reason"]
+__all__ = ["CONTIGUOUS", "DTYPES", "LAZY_VIEW", "available", "device_keys", "dtype_codes", "gradients",
+           "is_plain_type", "of_tensors", "unavailable_reason"]
 
 # Every torch dtype, in a fixed order: a dtype's code is its position here.
 DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 CONTIGUOUS = 1 << 16
+LAZY_VIEW = 1 << 17  # a conjugate or negative view: its memory holds other values than it shows
+# Bits 24 and up: the device's kind (1 the CPU, 2 CUDA, 3 anything else), then its index + 1.
+_DEVICE_SHIFT = 24
+_DEVICE_KINDS = {"cpu": 1, "cuda": 2}
 _CODE = {dtype: i for i, dtype in enumerate(DTYPES)}
 _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 _grad_of, _dtype = attrgetter("grad"), attrgetter("dtype")
@@ -90,7 +98,38 @@ def _python_facts(tensors):
     rows[:, 1] = np.fromiter(map(torch.Tensor.numel, tensors), np.int64, len(tensors))
     rows[:, 2] = np.fromiter(map(_CODE.__getitem__, map(_dtype, tensors)), np.int64, len(tensors))
     rows[:, 2] |= np.fromiter(map(torch.Tensor.is_contiguous, tensors), bool, len(tensors)) * CONTIGUOUS
+    lazy = np.fromiter(map(torch.Tensor.is_conj, tensors), bool, len(tensors))
+    lazy |= np.fromiter(map(torch.Tensor.is_neg, tensors), bool, len(tensors))
+    rows[:, 2] |= lazy * LAZY_VIEW
+    rows[:, 2] |= np.fromiter(map(_device_code, map(attrgetter("device"), tensors)), np.int64, len(tensors))
     return rows
+
+
+@functools.lru_cache(maxsize=64)
+def _device_code(device) -> int:
+    kind = _DEVICE_KINDS.get(device.type, 3)
+    index = -1 if device.index is None else device.index
+    return (kind | (index + 1) << 8) << _DEVICE_SHIFT
+
+
+def dtype_codes(facts: np.ndarray) -> np.ndarray:
+    """Each tensor's dtype as its position in :data:`DTYPES`.
+
+    >>> [DTYPES[c] for c in dtype_codes(of_tensors([torch.ones(1, dtype=torch.float16)]))]
+    [torch.float16]
+    """
+    return facts[:, 2] & (CONTIGUOUS - 1)
+
+
+def device_keys(facts: np.ndarray) -> np.ndarray:
+    """A number per tensor, equal for tensors on the same device: its kind
+    (``key & 255``: 1 the CPU, 2 CUDA, 3 any other) and index.
+
+    >>> keys = device_keys(of_tensors([torch.ones(1), torch.ones(2)]))
+    >>> bool(keys[0] == keys[1]), int(keys[0] & 255)
+    (True, 1)
+    """
+    return facts[:, 2] >> _DEVICE_SHIFT
 
 
 @functools.lru_cache(maxsize=64)

@@ -50,6 +50,8 @@ _NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np
 if BFLOAT16 is not None:
     _NUMPY_DTYPES[torch.bfloat16] = np.dtype(BFLOAT16)
 _ITEMSIZE_BY_TAG = np.array([2, 2, 4, 8, 8, 16], np.int64)  # gpuflat.dtypes.TAGS order
+# Whether gpuflat holds each dtype of tensor_facts.DTYPES, by its code.
+_HELD_CODES = np.array([d in _NUMPY_DTYPES for d in tensor_facts.DTYPES])
 
 _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 _shape, _dtype, _device, _layout = attrgetter("shape"), attrgetter("dtype"), attrgetter("device"), attrgetter("layout")
@@ -80,9 +82,14 @@ class Reading:
     layout: object
     override: object
 
+    @functools.cached_property
+    def key(self) -> bytes:
+        # Bytes compare with memcmp and stop at the first difference: a
+        # table of other tensors is told apart at its first address.
+        return self.facts.tobytes()
+
     def same(self, other) -> bool:
-        return (self.override is other.override and self.layout == other.layout
-                and np.array_equal(self.facts, other.facts))
+        return self.override is other.override and self.key == other.key and self.layout == other.layout
 
 
 class _Described(NamedTuple):
@@ -197,12 +204,13 @@ def _remembered(reading, tensors):
 def _build(tensors, reading, name_of):
     if not _all_plain(tensors, name_of):
         return None
-    devices = list(map(_device, tensors))
-    _check_readable(tensors, tuple(map(_dtype, tensors)), set(devices), name_of)
+    if reading is None or not _all_readable(reading.facts):
+        _check_readable(tensors, name_of)
     facts = _described(tensors, reading)
     ties = _ties(tensors) if len(set(facts.pointers)) < len(tensors) else None
     # A tensor passed twice counts once.
     unique = range(len(tensors)) if ties is None else [i for i, first in enumerate(ties) if first == i]
+    devices = tensor_facts.device_keys(reading.facts).tolist() if reading else list(map(_device, tensors))
     table = Table(_groups(tensors, unique, devices, facts, name_of), returned_dtype(facts.dtypes), reading, ties)
     if reading is not None and all(isinstance(g.leaves, LeafRows) for g in table.groups):
         with _lock:
@@ -218,7 +226,7 @@ def _described(tensors, reading) -> _Described:
         return _Described(tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(torch.Tensor.numel, tensors)),
                           tuple(map(_dtype, tensors)),
                           (tuple(map(_shape, tensors)), tuple(map(torch.Tensor.stride, tensors))))
-    codes = (reading.facts[:, 2] & (tensor_facts.CONTIGUOUS - 1)).tolist()
+    codes = tensor_facts.dtype_codes(reading.facts).tolist()
     return _Described(tuple(reading.facts[:, 0].tolist()), tuple(reading.facts[:, 1].tolist()),
                       tuple(map(tensor_facts.DTYPES.__getitem__, codes)), reading.layout)
 
@@ -236,12 +244,21 @@ def _all_plain(tensors, name_of) -> bool:
     return True
 
 
-def _check_readable(tensors, dtypes, devices, name_of):
+def _all_readable(facts) -> bool:
+    """Whether the tensors of these facts are all of a dtype gpuflat holds, on
+    the CPU or a CUDA device, with no conjugate or negative bit (they are
+    strided: only strided tensors have facts)."""
+    kinds = tensor_facts.device_keys(facts) & 255
+    return bool(_HELD_CODES[tensor_facts.dtype_codes(facts)].all() and ((kinds == 1) | (kinds == 2)).all()
+                and not (facts[:, 2] & tensor_facts.LAZY_VIEW).any())
+
+
+def _check_readable(tensors, name_of):
     """Every tensor floating point, strided, on the CPU or a CUDA device, with
     no conjugate or negative bit: one pass per property, and a pass per
     tensor only to name the first that is not."""
-    if (set(dtypes) <= _NUMPY_DTYPES.keys() and set(map(_layout, tensors)) == {torch.strided}
-            and {d.type for d in devices} <= {"cpu", "cuda"}
+    if (set(map(_dtype, tensors)) <= _NUMPY_DTYPES.keys() and set(map(_layout, tensors)) == {torch.strided}
+            and {d.type for d in map(_device, tensors)} <= {"cpu", "cuda"}
             and not any(map(torch.Tensor.is_conj, tensors)) and not any(map(torch.Tensor.is_neg, tensors))):
         return
     check_floating(tensors, name_of)
@@ -290,15 +307,16 @@ def returned_dtype(dtypes):
 
 
 def _groups(tensors, unique, devices, facts, name_of) -> list:
-    """The unique tensors grouped by their ``devices``, each group with its plan, backend and leaves."""
+    """The unique tensors grouped by their ``devices`` (anything equal for
+    tensors on the same device), each group with its plan, backend and leaves."""
     if len(set(devices)) == 1:  # the common case, without a pass per tensor in Python
         by_device = {devices[0]: tuple(unique)}
     else:
         by_device = {}
         for i in unique:
             by_device.setdefault(devices[i], []).append(i)
-    return [_group(tensors, tuple(members), facts, backend_for(device), name_of)
-            for device, members in by_device.items()]
+    return [_group(tensors, tuple(members), facts, backend_for(tensors[members[0]].device), name_of)
+            for members in by_device.values()]
 
 
 def _group(tensors, members, facts, backend, name_of):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpuflat import tensor_facts
-from gpuflat.tensor_facts import CONTIGUOUS, DTYPES
+from gpuflat.tensor_facts import CONTIGUOUS, DTYPES, LAZY_VIEW
 
 
 @pytest.fixture(params=["native", "python"])
@@ -26,15 +26,22 @@ def reader(request, monkeypatch):
 
 def expected(tensors):
     """The facts, one tensor at a time, from PyTorch's own accessors."""
-    return [[t.data_ptr(), t.numel(), DTYPES.index(t.dtype) | (CONTIGUOUS if t.is_contiguous() else 0)]
-            for t in tensors]
+    return [[t.data_ptr(), t.numel(), code(t)] for t in tensors]
+
+
+def code(t):
+    kind = {"cpu": 1, "cuda": 2}.get(t.device.type, 3)
+    index = -1 if t.device.index is None else t.device.index
+    return (DTYPES.index(t.dtype) | (CONTIGUOUS if t.is_contiguous() else 0)
+            | (LAZY_VIEW if t.is_conj() or t.is_neg() else 0) | (kind | (index + 1) << 8) << 24)
 
 
 def every_kind():
     base = torch.arange(24.0).reshape(2, 3, 4)
     return [base, base.transpose(0, 2), base[:, 1], base[..., ::2], torch.tensor(2.5), torch.zeros(0),
             torch.zeros(3, 0), base.expand(2, 2, 3, 4), torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last),
-            torch.nn.Parameter(torch.ones(3))] + [torch.ones(2, dtype=d) for d in (
+            torch.nn.Parameter(torch.ones(3)), torch.ones(2, dtype=torch.complex64).conj(),
+            torch.ones(2, dtype=torch.complex64).conj().imag, torch.empty(3, device="meta")] + [torch.ones(2, dtype=d) for d in (
                 torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
                 torch.int64, torch.int8, torch.bool, torch.uint8)]
 
@@ -120,3 +127,11 @@ def test_ten_thousand_gradients_in_one_read(reader):
     grads, facts = tensor_facts.gradients(params)
     assert len(grads) == 3334 and all(g is p.grad for g, p in zip(grads, params[::3]))
     assert np.array_equal(facts, np.array(expected(grads), np.int64))
+
+
+def test_the_device_and_lazy_views_are_coded(reader):
+    plain, conj, meta = torch.ones(2, dtype=torch.complex64), torch.ones(2, dtype=torch.complex64).conj(), torch.ones(2, device="meta")
+    facts = tensor_facts.of_tensors([plain, conj, meta])
+    assert [bool(c & LAZY_VIEW) for c in facts[:, 2]] == [False, True, False]
+    assert (tensor_facts.device_keys(facts) & 255).tolist() == [1, 1, 3]
+    assert [DTYPES[c] for c in tensor_facts.dtype_codes(facts)] == [torch.complex64, torch.complex64, torch.float32]

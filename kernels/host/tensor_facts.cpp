@@ -27,8 +27,17 @@ PyTypeObject* g_parameter = nullptr;
 // gpuflat's code of each c10::ScalarType: its position in the dtype list
 // given at init (so the Python fallback computes the same codes), -1 if absent.
 int64_t g_code[256];
-// Set in a tensor's code when it is contiguous.
+// The rest of a tensor's code word (gpuflat/tensor_facts.py): whether it is
+// contiguous; whether it is a conjugate or negative view (its memory holds
+// other values than it shows); its device's kind and index + 1.
 constexpr int64_t CONTIGUOUS = int64_t(1) << 16;
+constexpr int64_t LAZY_VIEW = int64_t(1) << 17;
+constexpr int DEVICE_SHIFT = 24;
+
+int64_t device_code(const c10::Device& d) {
+    const int64_t kind = d.is_cpu() ? 1 : d.is_cuda() ? 2 : 3;
+    return (kind | (int64_t(d.index() + 1) << 8)) << DEVICE_SHIFT;
+}
 
 bool plain(PyObject* obj) {
     return Py_TYPE(obj) == g_tensor || Py_TYPE(obj) == g_parameter;
@@ -42,7 +51,8 @@ bool write_row(const at::Tensor& t, int64_t* row) {
     if (code < 0) return false;
     row[0] = reinterpret_cast<int64_t>(t.data_ptr());
     row[1] = t.numel();
-    row[2] = code | (t.is_contiguous() ? CONTIGUOUS : 0);
+    row[2] = code | (t.is_contiguous() ? CONTIGUOUS : 0) | (t.is_conj() || t.is_neg() ? LAZY_VIEW : 0) |
+             device_code(t.device());
     return true;
 }
 
