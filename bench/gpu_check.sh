@@ -13,8 +13,8 @@
 #   bash bench/gpu_check.sh --dry-run    # no GPU: the plumbing, on the CuPy stand-in
 #
 # Writes into $OUT (default bench/results; $TMPDIR/gpuflat-dry-run for a dry
-# run): environment.txt, compile.log, gpu-tests.log, bench.log, the
-# benchmark's <gpu>-quick.json and .png, nvidia-smi.txt.
+# run): environment.txt, compile.log, host-builds.log, gpu-tests.log,
+# bench.log, the benchmark's <gpu>-quick.json and .png, nvidia-smi.txt.
 #
 # --dry-run: every Python started here imports bench/dry_run/sitecustomize.py,
 # which makes `import cupy` the contract stand-in of tests/cupy_stand_in.py
@@ -90,6 +90,23 @@ fi
 command -v "${GPUFLAT_CXX:-g++}" >/dev/null ||
     echo "warning: no ${GPUFLAT_CXX:-g++}: the tests comparing with the emulated backend will fail" >&2
 
+# The g++ builds (the native host backend, the kernels' emulator the GPU's
+# bits are compared with, the PyTorch tensor reader), beside the cubin's
+# build: the tests would otherwise spend their minute on them. A library that
+# does not build is reported; gpuflat then takes its slower path.
+timeout "$COMPILE_TIMEOUT" "$PY" - >"$OUT/host-builds.log" 2>&1 <<'PYEOF' &
+import time
+began = time.perf_counter()
+from gpuflat import emulator, tensor_facts
+from gpuflat.backends import host
+emulator.kernels_library()
+print("emulator built")
+for name, reason in (("host backend", host.unavailable_reason()), ("tensor facts", tensor_facts.unavailable_reason())):
+    print(name, "built" if reason is None else f"NOT BUILT: {reason[:2000]}")
+print(f"in {time.perf_counter() - began:.1f} s")
+PYEOF
+host_pid=$!
+
 # The device's cubin, built once here (NVRTC of CuPy's CUDA major) into the
 # kernel cache, which the tests and the benchmark then read.
 timeout "$COMPILE_TIMEOUT" "$PY" - 2>&1 <<'PYEOF' | tee "$OUT/compile.log"
@@ -100,6 +117,9 @@ module, lowered = kernel_loader.cupy_module(cupy.cuda.Device(0))
 print(f"{len(lowered)} kernels loaded in {time.perf_counter() - began:.1f} s; cache {host_compiler.cache_root()}")
 PYEOF
 compile_rc=${PIPESTATUS[0]}
+wait "$host_pid"
+echo "host builds: exit $?" >>"$OUT/host-builds.log"
+cat "$OUT/host-builds.log"
 
 # The tests marked gpu (tests/test_gpu.py, and the gpu tests of the other files).
 timeout "$TESTS_TIMEOUT" "$PY" -m pytest "${tests_args[@]}" tests 2>&1 | tee "$OUT/gpu-tests.log"

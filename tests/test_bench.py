@@ -263,6 +263,9 @@ def test_the_device_script_passes_its_dry_run(tmp_path):
     environment = (tmp_path / "environment.txt").read_text()
     assert "cuda runtime major 13" in environment and "nvrtc (13, " in environment
     assert re.search(r"^\d+ kernels loaded in", (tmp_path / "compile.log").read_text(), re.M)
+    builds = (tmp_path / "host-builds.log").read_text()
+    assert all(line in builds for line in ("emulator built", "host backend built", "tensor facts built",
+                                            "host builds: exit 0")), builds
     collected = (tmp_path / "gpu-tests.log").read_text()
     assert "tests/test_gpu.py::" in collected and not re.search(r"\berror", collected, re.I)
     (json_file,) = tmp_path.glob("*-quick.json")
