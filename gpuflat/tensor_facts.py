@@ -169,10 +169,11 @@ def _library():
 @functools.lru_cache(maxsize=None)
 def _load():
     """(the loaded library, None), or (None, why it cannot be built or loaded)."""
-    from torch.utils import cpp_extension
-
     python_include = sysconfig.get_paths()["include"]
-    torch_lib = Path(torch.__file__).parent / "lib"
+    # The wheel's own headers and libraries (torch.utils.cpp_extension knows
+    # them too, but imports setuptools, which a plain venv may lack).
+    torch_root = Path(torch.__file__).parent
+    torch_lib, torch_include = torch_root / "lib", torch_root / "include"
     abi = int(torch.compiled_with_cxx11_abi())
     flags = ("-O2", "-std=c++20", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
              # Linked whatever the compiler's --as-needed default, found by rpath.
@@ -181,7 +182,8 @@ def _load():
     try:
         path = host_compiler.build_library(
             "gpuflat-tensor-facts", (kernel_dir() / "host" / "tensor_facts.cpp").read_text(),
-            include_dirs=(python_include, *cpp_extension.include_paths()), flags=flags,
+            include_dirs=(python_include, torch_include, torch_include / "torch" / "csrc" / "api" / "include"),
+            flags=flags,
             key_parts=(torch.__version__, str(torch_lib)))
         lib = host_compiler.load(path, ctypes.PyDLL)
     except (host_compiler.BuildError, OSError) as exc:
