@@ -12,9 +12,10 @@ decides it: each tensor's address, element count, dtype and contiguity
 loop's next step finds its table again whether it clips the very same
 gradient tensors or new ones in the same memory (``optimizer.zero_grad()``
 sets gradients to None by default, and the next backward allocates new ones,
-usually where the last ones were): four C-level reads per tensor, then the
-kernels. Where the memory moved, the rows are rebuilt from the metadata with
-the plan and the rows' layout found again; nothing is imported.
+usually where the last ones were): the tensors' facts read in one native
+pass (``gpuflat.tensor_facts``), then the kernels. Where the memory moved,
+the rows are rebuilt from the metadata with the plan and the rows' layout
+found again; nothing is imported.
 
 Addresses are unique across the CPU and every CUDA device of a process
 (CUDA's unified virtual addressing), so equal addresses mean the same memory.
@@ -73,8 +74,9 @@ class Group:
 @dataclass(frozen=True, eq=False)
 class Reading:
     """What decides a table, read from the tensors each call: their facts
-    (``gpuflat.tensor_facts``: address, element count, dtype and contiguity,
-    one native pass), their layout (True when every tensor is contiguous,
+    (``gpuflat.tensor_facts``: address, element count, and a code for the
+    dtype, contiguity, device and conjugate or negative bit; one native
+    pass), their layout (True when every tensor is contiguous,
     else their shapes and strides) and the backend :func:`serve_with` put in
     place."""
 
