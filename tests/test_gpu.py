@@ -445,6 +445,8 @@ def test_launch_sync_and_upload_counts():
     out = cp.empty(plan.size, plan.dtype)
     count(lambda: gf.flatten(plan, dev, out=out))  # first call: the plan's tables go up
     assert count(lambda: gf.flatten(plan, dev, out=out)) == (1, 0, 0)
+    # The norms read strided leaves in memory order: their own table, uploaded once.
+    count(lambda: gf.global_norm(dev, per_leaf=True))
     assert count(lambda: gf.global_norm(dev, per_leaf=True)) == (2, 0, 0)
     assert count(lambda: gf.global_norm(dev, math.inf)) == (2, 0, 0)
     count(lambda: gf.clip_grad_norm_(dev, 1.0))

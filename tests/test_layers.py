@@ -19,9 +19,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gpuflat"
 # Lowest first. A module may import modules of its own layer or below.
 LAYERS = [
     # Facts with no gpuflat imports.
-    ["errors", "dtypes", "identity", "overlap", "host_compiler"],
-    # Arrays of every kind, the kernel sources, the backend contract.
-    ["arrays", "dtensor", "kernel_loader", "backends.protocol"],
+    ["errors", "dtypes", "identity", "overlap", "host_compiler", "memory_order"],
+    # Arrays of every kind, the kernel sources, the backend contract, PyTorch tensors' facts.
+    ["arrays", "dtensor", "kernel_loader", "backends.protocol", "tensor_facts"],
     # The tree walk, the emulator, the NumPy reference.
     ["tree", "emulator", "backends.numpy_backend"],
     # Plans, trees walked before; the devices and the backends that launch on them.
