@@ -338,7 +338,7 @@ class _StaticTables:
                     return self._touch(entry).uploaded
         host = np.ascontiguousarray(build(), np.int64).ravel()
         with self.lock:
-            same = next((e for e in self.entries if np.array_equal(e.host, host)), None)
+            same = next((e for e in self.entries if _same_words(e.host, host)), None)
             if same is not None:
                 uploaded = same.uploaded
             else:
@@ -389,6 +389,23 @@ def _static_tables(plan, runtime) -> _StaticTables:
 
 
 # ---------------------------------------------------------------- per-call tables
+
+# Every 61st word first: a prime stride meets every word of a row (an
+# address among them) every few rows.
+_SAMPLE_STRIDE = 61
+
+
+def _same_words(a, b) -> bool:
+    """Whether two host tables are equal. A sample of their words is
+    compared first: a table of memory that moved differs there, and is told
+    apart without reading all of its words (2.3 MB for 10,000 leaves).
+
+    >>> a = np.arange(200)
+    >>> _same_words(a, a.copy()), _same_words(a, a + (np.arange(200) == 150))
+    (True, False)
+    """
+    return (a.shape == b.shape and np.array_equal(a[::_SAMPLE_STRIDE], b[::_SAMPLE_STRIDE])
+            and np.array_equal(a, b))
 
 
 @lru_cache(maxsize=4096)
