@@ -251,7 +251,6 @@ struct LeafSet {
     }
 };
 
-// Reads a sequence of arrays in `order`; returns the index of the first unreadable one, or -1.
 // `seq` as a list or tuple (a new reference): itself where it is one, a
 // subclass included (PySequence_Fast would copy a list subclass), else a
 // new list; nullptr with a Python error set if it is no sequence.
@@ -263,6 +262,7 @@ PyObject* fast_sequence(PyObject* seq, const char* message) {
     return PySequence_Fast(seq, message);
 }
 
+// Reads a sequence of arrays in `order`; returns the index of the first unreadable one, or -1.
 long long read_leaves(PyObject* seq, LeafSet& set, Order order) {
     PyObject* fast = fast_sequence(seq, "expected a sequence of arrays");
     if (!fast) return 0;
