@@ -30,7 +30,9 @@ Differences that remain, on purpose:
 - the clips refuse, before writing anything, gradients that share memory
   with each other (OverlapError) or within themselves (an expanded tensor,
   ValueError), which PyTorch would scale twice; integer and bool tensors
-  raise NonFloatingTensorError, a RuntimeError, as PyTorch's norms do.
+  raise NonFloatingTensorError, a RuntimeError, as PyTorch's norms do;
+- inside a ``torch.compile``'d function the drop-ins are not traced: they
+  run as they are between two graphs (``torch.compiler.disable``).
 """
 from __future__ import annotations
 
@@ -58,8 +60,13 @@ __all__ = [
 __all__ += ["SGD", "AdamW", "GradScaler"]  # gpuflat.torch_optim: the flat optimizers
 
 _EPS = 1e-6  # PyTorch's: coef = max_norm / (total_norm + 1e-6)
+# Called inside a torch.compile'd function, a drop-in runs as it is, between
+# two graphs: its native calls and host-side tables are nothing TorchDynamo
+# can trace (it would fail on the NumPy code).
+_eager = torch.compiler.disable
 
 
+@_eager
 @torch.no_grad()
 def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: float | str = 2.0,
                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
@@ -89,6 +96,7 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
     return total.to(table.returned_dtype)
 
 
+@_eager
 @torch.no_grad()
 def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
                           total_norm: torch.Tensor, foreach: bool | None = None) -> None:
@@ -117,6 +125,7 @@ def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max
     _scale(table, grads, max_norm, total_norm)
 
 
+@_eager
 @torch.no_grad()
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
                     norm_type: float | str = 2.0, error_if_nonfinite: bool = False,

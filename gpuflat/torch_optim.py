@@ -93,6 +93,14 @@ class _FlatOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._update()
+        return loss
+
+    # Inside a torch.compile'd step the update is not traced: it runs as it
+    # is between two graphs (its native calls and host-side tables are
+    # nothing TorchDynamo can trace faithfully).
+    @torch.compiler.disable
+    def _update(self):
         for i, group in enumerate(self.param_groups):
             _check_hyper(self._rule, group, i)
         self._flat.set_hyper([_row(self._rule, g) for g in self.param_groups])
@@ -100,7 +108,6 @@ class _FlatOptimizer(torch.optim.Optimizer):
         if not self._stepped:  # every resident parameter has a state from now on
             self._expose_state(range(len(self._params)))
             self._stepped = True
-        return loss
 
     def _scaled_step(self):
         """The flat step, given what a GradScaler left on the optimizer: its

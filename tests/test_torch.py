@@ -434,3 +434,54 @@ def test_model_argument_with_tied_tensor_gradients():
     grads = {"a": torch.full((3,), 2.0), "b": torch.full((3,), 1.0)}
     norm = gf.global_norm(grads, model=model)
     assert isinstance(norm, torch.Tensor) and float(norm) == pytest.approx(math.sqrt(27))
+
+
+def _compiled_pair(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    return model, copy.deepcopy(model)
+
+
+# TorchDynamo warns where it traces into code it cannot follow faithfully.
+@pytest.mark.filterwarnings("error::UserWarning")
+def test_a_compiled_model_clipped_by_the_drop_in_trains_as_with_torchs_clip():
+    model, ref = _compiled_pair()
+    compiled = torch.compile(model, backend="aot_eager")
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    try:
+        for _ in range(4):
+            x = torch.randn(5, 8)
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            compiled(x).pow(2).sum().backward()
+            ref(x).pow(2).sum().backward()
+            got = gft.clip_grad_norm_(model.parameters(), 0.5)
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            assert float(got) == pytest.approx(float(want), rel=1e-5)
+            opt.step()
+            ref_opt.step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    finally:
+        torch._dynamo.reset()
+
+
+# TorchDynamo warns where it traces into code it cannot follow faithfully.
+@pytest.mark.filterwarnings("error::UserWarning")
+def test_the_drop_in_inside_a_compiled_step_runs_between_graphs():
+    model, ref = _compiled_pair(1)
+    x = torch.randn(5, 8)
+
+    def step(m, clip):
+        m.zero_grad()
+        m(x).pow(2).sum().backward()
+        return clip(m.parameters(), 0.5)
+
+    try:
+        got = torch.compile(step, backend="aot_eager")(model, gft.clip_grad_norm_)
+    finally:
+        torch._dynamo.reset()
+    want = step(ref, torch.nn.utils.clip_grad_norm_)
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)

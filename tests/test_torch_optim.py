@@ -345,3 +345,30 @@ def test_gpuflat_gradscaler_takes_the_flag_from_the_norm_pass(monkeypatch):
     scaler.update()
     assert not called  # no third pass over the gradients
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+
+
+# TorchDynamo warns where it traces into code it cannot follow faithfully.
+@pytest.mark.filterwarnings("error::UserWarning")
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_compiled_training_step_matches_torch(name):
+    # torch.compile traces the forward and backward; the flat update runs
+    # between its graphs, as it is.
+    torch_cls, flat_cls, kw = OPTIMIZERS[name]
+    net_t, net_f = pair(3)
+    opt_t = torch_cls(groups(net_t), foreach=True, **kw)
+    opt_f = flat_cls(groups(net_f), max_norm=1.0, **kw)
+
+    def step(x, y):
+        opt_f.zero_grad()
+        backward(net_f, x, y, scale=5.0)
+        opt_f.step()
+
+    data = batches(6, seed=3)
+    compiled = torch.compile(step, backend="aot_eager")
+    try:
+        for x, y in data:
+            compiled(x, y)
+    finally:
+        torch._dynamo.reset()
+    run_torch(net_t, opt_t, data, max_norm=1.0)
+    assert_close(net_t, opt_t, net_f, opt_f)
