@@ -74,4 +74,4 @@ __all__ = [
     "trainables",
     "unflatten",
 ]
-__version__ = "0.5.0"
+__version__ = "0.6.0"
