@@ -3,6 +3,7 @@ backend and on the CUDA kernels (emulated), against float64 references; what
 is remembered from call to call, and when it must not be."""
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -249,8 +250,9 @@ class TiedFrozen(torch.nn.Module):
 
 def test_a_training_loop_with_the_drop_in_trains_as_plain_pytorch():
     """AdamW with zero_grad()'s default set_to_none, a GradScaler that skips a
-    step, model.to(float64), a layer unfrozen: the drop-in's tables follow
-    every change, step by step as torch.nn.utils.clip_grad_norm_."""
+    step, model.to(float64), load_state_dict(assign=True), a layer unfrozen:
+    the drop-in's tables follow every change, step by step as
+    torch.nn.utils.clip_grad_norm_."""
     torch.manual_seed(0)
     ours = TiedFrozen()
     theirs = TiedFrozen()
@@ -265,6 +267,15 @@ def test_a_training_loop_with_the_drop_in_trains_as_plain_pytorch():
                 m.to(torch.float64)  # the same parameters, new storage and dtype
             # AdamW's float32 state cannot take float64 gradients: PyTorch users start a new optimizer.
             opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m, _ in runs]
+        if step == 5:
+            loaded = TiedFrozen().to(torch.float64).state_dict()
+            for m, _ in runs:
+                # New parameter objects: the tied pair becomes two parameters
+                # over one memory (PyTorch's assign wraps each key on its own).
+                m.load_state_dict(copy.deepcopy(loaded), assign=True)
+            opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m, _ in runs]
+            assert ours.out.weight is not ours.embed.weight
+            assert ours.out.weight.data_ptr() == ours.embed.weight.data_ptr()
         if step == 6:
             for m, _ in runs:
                 m.frozen.requires_grad_(True)  # new gradients appear
