@@ -34,7 +34,7 @@ import torch
 from . import host_compiler
 from .kernel_loader import kernel_dir
 
-__all__ = ["CONTIGUOUS", "DTYPES", "LAZY_VIEW", "available", "device_keys", "dtype_codes", "gradients",
+__all__ = ["CONTIGUOUS", "DTYPES", "LAZY_VIEW", "PLAIN", "available", "device_keys", "dtype_codes", "gradients",
            "is_plain_type", "of_tensors", "unavailable_reason"]
 
 # Every torch dtype, in a fixed order: a dtype's code is its position here.
@@ -45,7 +45,8 @@ LAZY_VIEW = 1 << 17  # a conjugate or negative view: its memory holds other valu
 _DEVICE_SHIFT = 24
 _DEVICE_KINDS = {"cpu": 1, "cuda": 2}
 _CODE = {dtype: i for i, dtype in enumerate(DTYPES)}
-_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+# The tensor types read natively; a subclass may define what Python sees its own way.
+PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 _grad_of, _dtype = attrgetter("grad"), attrgetter("dtype")
 
 
@@ -140,7 +141,7 @@ def is_plain_type(cls) -> bool:
     (True, False)
     """
     # A DTensor, like every wrapper subclass, overrides __torch_dispatch__.
-    return cls in _PLAIN or (isinstance(cls, type) and issubclass(cls, torch.Tensor)
+    return cls in PLAIN or (isinstance(cls, type) and issubclass(cls, torch.Tensor)
                              and cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
 
 

@@ -54,7 +54,6 @@ _ITEMSIZE_BY_TAG = np.array([2, 2, 4, 8, 8, 16], np.int64)  # gpuflat.dtypes.TAG
 # Whether gpuflat holds each dtype of tensor_facts.DTYPES, by its code.
 _HELD_CODES = np.array([d in _NUMPY_DTYPES for d in tensor_facts.DTYPES])
 
-_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 _shape, _dtype, _device, _layout = attrgetter("shape"), attrgetter("dtype"), attrgetter("device"), attrgetter("layout")
 _override: contextvars.ContextVar = contextvars.ContextVar("gpuflat_tensor_backend", default=None)
 
@@ -236,7 +235,7 @@ def _described(tensors, reading) -> _Described:
 def _all_plain(tensors, name_of) -> bool:
     """False if some tensor is a DTensor; raises for anything else that is
     not a tensor gpuflat can read."""
-    for cls in set(map(type, tensors)) - _PLAIN:
+    for cls in set(map(type, tensors)) - tensor_facts.PLAIN:
         i = next(i for i, t in enumerate(tensors) if type(t) is cls)
         if dtensor.is_dtensor(tensors[i]):
             return False
