@@ -180,9 +180,12 @@ def _gradients(parameters):
     """(the gradients of the parameters that have one, their facts
     (``tensor_facts``), a function naming the i-th of them)."""
     grads, facts = tensor_facts.gradients(parameters)
+    owners: list = []  # which parameter each gradient belongs to, found on the first call
 
-    def name_of(i):  # only on error: which parameter the i-th gradient belongs to
-        return f"parameters[{[k for k, p in enumerate(parameters) if p.grad is not None][i]}].grad"
+    def name_of(i):  # on error, or for every gradient on the DTensor path
+        if not owners:
+            owners.extend(k for k, p in enumerate(parameters) if p.grad is not None)
+        return f"parameters[{owners[i]}].grad"
 
     return grads, facts, name_of
 

@@ -485,3 +485,28 @@ def test_the_drop_in_inside_a_compiled_step_runs_between_graphs():
     assert float(got) == pytest.approx(float(want), rel=1e-5)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_naming_every_gradient_reads_each_parameter_once():
+    # The DTensor path names every gradient: reading all parameters per name
+    # would be quadratic in their number.
+    reads = []
+
+    class Counted(nn.Parameter):
+        @property
+        def grad(self):
+            reads.append(1)
+            return nn.Parameter.grad.__get__(self)
+
+        @grad.setter
+        def grad(self, value):
+            nn.Parameter.grad.__set__(self, value)
+
+    params = [Counted(torch.zeros(2)) for _ in range(50)]
+    for p in params[::2]:
+        p.grad = torch.ones(2)
+    grads, _, name_of = gft._gradients(params)
+    reads.clear()
+    names = [name_of(i) for i in range(len(grads))]
+    assert names[:2] == ["parameters[0].grad", "parameters[2].grad"] and names[-1] == "parameters[48].grad"
+    assert len(reads) == len(params)
