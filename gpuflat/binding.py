@@ -114,20 +114,15 @@ def slot_sources(plan, tree, walked=None, seen=None):
     if seen is not None and seen.ties_as(plan):
         # A recorded tree tied as the plan is: each slot's one array, one C loop.
         unique = seen.unique(values)
-        return _singles(unique), like, (seen, unique)
+        return OneSourcePerSlot(unique), like, (seen, unique)
     if exact and len(plan.slot_of) == len(plan.leaves):
-        return _singles(values), like, None  # no ties, no None: the common case
+        return OneSourcePerSlot(values), like, None  # no ties, no None: the common case
     sources: list = [[] for _ in plan.leaves]
     for slot, value in zip(plan.slot_of, values):
         # The same gradient object met twice counts once (Optimisers.jl).
         if value is not None and all(value is not seen for seen in sources[slot]):
             sources[slot].append(value)
     return sources, like, None
-
-
-def _singles(arrays) -> OneSourcePerSlot:
-    """Each array as its slot's one source (no container made per slot)."""
-    return OneSourcePerSlot(arrays)
 
 
 def norm_inputs(call, grads, model, backend):
