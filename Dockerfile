@@ -25,13 +25,14 @@ RUN python3 -m venv "$VIRTUAL_ENV"
 
 WORKDIR /src
 COPY . .
-# "." is this repository; its extras' versions are bounded in pyproject.toml.
-# The CUDA extra (cuda12 or cuda13) follows the image's CUDA major. The peers
-# extra brings JAX's CPU build only: jax[cudaXY] adds its CUDA plugin, so the
-# JAX peer runs on the GPU instead of being left out.
+# "." is this repository; the versions are constraints.txt's, so the NVRTC
+# the image loads is one whose build of the kernels the tests gate. The CUDA
+# extra (cuda12 or cuda13) follows the image's CUDA major. The peers extra
+# brings JAX's CPU build only: jax[cudaXY] adds its CUDA plugin, so the JAX
+# peer runs on the GPU instead of being left out.
 # hadolint ignore=DL3013
 RUN major="${CUDA_VERSION%%.*}" \
-    && pip install --no-cache-dir ".[cuda${major},bench,peers]" "jax[cuda${major}]"
+    && pip install --no-cache-dir -c constraints.txt ".[cuda${major},bench,peers]" "jax[cuda${major}]"
 
 # JAX would otherwise take most of the GPU's memory at import, starving CuPy.
 ENV XLA_PYTHON_CLIENT_PREALLOCATE=false

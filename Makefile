@@ -1,31 +1,61 @@
-# Two entry points, each creating its own environment: `make test` and `make bench`.
-# torch is pinned first in both, to the CPU build; an unpinned torch would pull
-# a CUDA build of several GB.
+# Each entry point creates its own environment and installs from
+# constraints.txt, the one list of pinned versions (its NVRTC pins are the
+# builds the kernel gates check). A venv is rebuilt when pyproject.toml or a
+# constraints file changes.
+#
+#   make test               the whole suite (what CI runs)
+#   make test-nvrtc-latest  the kernel gates again under the newest NVRTC of
+#                           each major (one venv holds one NVRTC per major)
+#   make bench              the benchmark against PyTorch, JAX and NumPy
+#
+# torch==2.13.0 is taken from a local wheel index where one offers the CPU
+# build (about 0.7 GB in the venv); from PyPI it is the CUDA 13 build with
+# NVIDIA's libraries (about 5.7 GB), whose own NVRTC pin is the one in
+# constraints.txt. The test environment also holds both NVRTC wheels and
+# nvdisasm (about 0.2 GB), which compile and disassemble the kernels without a
+# GPU, and JAX and MPI for the interop and multi-process tests.
 PYTHON ?= python3
 TEST_VENV := .venv-test
+LATEST_VENV := .venv-nvrtc-latest
 BENCH_VENV := .venv-bench
+PIN := -c constraints.txt
+GATE_TESTS := tests/test_kernel_resources.py tests/test_kernel_sass.py tests/test_kernel_loader.py
 
-.PHONY: test bench clean
+.PHONY: test test-nvrtc-latest bench clean
 
-$(TEST_VENV)/.ready: pyproject.toml
+$(TEST_VENV)/.ready: pyproject.toml constraints.txt
+	rm -rf $(TEST_VENV)
 	$(PYTHON) -m venv $(TEST_VENV)
 	$(TEST_VENV)/bin/python -m pip install -q --upgrade pip
-	$(TEST_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(TEST_VENV)/bin/python -m pip install -q -e '.[test]'
+	$(TEST_VENV)/bin/python -m pip install -q $(PIN) -e '.[test]'
 	touch $@
 
 test: $(TEST_VENV)/.ready
 	$(TEST_VENV)/bin/python -m pytest -q
 
-$(BENCH_VENV)/.ready: pyproject.toml
+# The gates' environment: the package, its test tools and the newest NVRTCs,
+# with every other pin of constraints.txt.
+$(LATEST_VENV)/.ready: pyproject.toml constraints.txt constraints-nvrtc-latest.txt
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip
+	grep -v '^nvidia-cuda-nvrtc' constraints.txt > $(LATEST_VENV)/constraints.txt
+	$(LATEST_VENV)/bin/python -m pip install -q -c $(LATEST_VENV)/constraints.txt -c constraints-nvrtc-latest.txt \
+		-e '.[gates]'
+	touch $@
+
+test-nvrtc-latest: $(LATEST_VENV)/.ready
+	$(LATEST_VENV)/bin/python -m pytest -q $(GATE_TESTS)
+
+$(BENCH_VENV)/.ready: pyproject.toml constraints.txt
+	rm -rf $(BENCH_VENV)
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
-	$(BENCH_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(BENCH_VENV)/bin/python -m pip install -q -e '.[bench,peers]'
+	$(BENCH_VENV)/bin/python -m pip install -q $(PIN) -e '.[bench,peers]'
 	touch $@
 
 bench: $(BENCH_VENV)/.ready
 	$(BENCH_VENV)/bin/python -m bench
 
 clean:
-	rm -rf $(TEST_VENV) $(BENCH_VENV) build dist
+	rm -rf $(TEST_VENV) $(LATEST_VENV) $(BENCH_VENV) build dist
