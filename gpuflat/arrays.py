@@ -26,7 +26,7 @@ import sys
 import numpy as np
 
 from . import dtensor
-from .dtypes import BFLOAT16
+from .dtypes import bfloat16, is_bfloat16
 from .errors import Float32OverflowError, UnsupportedLeafError
 
 _ARRAY_PROTOCOLS = ("__dlpack__", "__array__", "__array_interface__", "__cuda_array_interface__")
@@ -203,7 +203,7 @@ def _adopt_jax_gpu(x, jax, cupy):
     # Written through, a JAX buffer breaks JAX's immutability (jax issue 19123,
     # https://github.com/jax-ml/jax/issues/19123); CuPy arrays have no
     # read-only flag, so gpuflat's in-place operations must not be given them.
-    if x.dtype == BFLOAT16:
+    if is_bfloat16(x.dtype):
         # As for PyTorch, bfloat16 crosses DLPack as int16 bits; JAX cannot
         # reinterpret without a copy, so this one dtype costs a device copy.
         bits = jax.lax.bitcast_convert_type(x, np.int16)
@@ -224,12 +224,13 @@ def _cupy():
 
 
 def _bfloat16_for(library):
-    if BFLOAT16 is None:
+    dtype = bfloat16()
+    if dtype is None:
         raise UnsupportedLeafError(
             f"expected ml_dtypes to be installed for bfloat16 {library} arrays, found none "
             f"(pip install ml_dtypes)"
         )
-    return BFLOAT16
+    return dtype
 
 
 def _as_bfloat16(cupy, bits):
@@ -269,11 +270,11 @@ def _to_torch(result, like, torch):
         result = np.asarray(result)
         if not result.flags.writeable:
             result = result.copy()  # torch tensors are writable; a read-only view is not
-        if result.dtype == BFLOAT16:
+        if is_bfloat16(result.dtype):
             tensor = torch.from_numpy(result.view(np.int16)).view(torch.bfloat16)
         else:
             tensor = torch.from_numpy(result)
-    elif result.dtype == BFLOAT16:
+    elif is_bfloat16(result.dtype):
         tensor = torch.from_dlpack(result.view(np.int16)).view(torch.bfloat16)
     else:
         tensor = torch.from_dlpack(result)
@@ -284,9 +285,9 @@ def _to_jax(result, like, jax):
     result = _in_jax_precision(result, jax)
     if isinstance(result, (np.ndarray, np.generic)):
         return jax.device_put(result, like.device)
-    if result.dtype == BFLOAT16:
+    if is_bfloat16(result.dtype):
         bits = jax.dlpack.from_dlpack(result.view(np.int16))
-        return jax.device_put(jax.lax.bitcast_convert_type(bits, BFLOAT16), like.device)
+        return jax.device_put(jax.lax.bitcast_convert_type(bits, result.dtype), like.device)
     return jax.device_put(jax.dlpack.from_dlpack(result), like.device)
 
 

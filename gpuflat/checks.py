@@ -15,7 +15,7 @@ import numpy as np
 
 from . import arrays
 from . import tree as _tree
-from .dtypes import TAGS
+from .dtypes import admit
 from .errors import OverlapError, TreeMismatchError, UnsupportedLeafError
 from .identity import CONTIGUOUS, Layout, SameArrays, flag_bits
 from .overlap import find_overlap
@@ -108,7 +108,7 @@ def check_flat(plan, flat, name="flat", *, exact_dtype=True):
         raise TreeMismatchError(f"{name}: expected shape ({plan.size},), got {tuple(shape)}")
     if exact_dtype and flat.dtype != plan.dtype:
         raise TreeMismatchError(f"{name}: expected dtype {plan.dtype}, got {flat.dtype}")
-    if not exact_dtype and flat.dtype not in TAGS:
+    if not exact_dtype and not admit(flat.dtype):
         raise TreeMismatchError(f"{name}: expected a floating or complex dtype, got {flat.dtype}")
     # The kernels address a flat buffer as base + i: a strided view would be
     # read and written in its gaps and past its end.

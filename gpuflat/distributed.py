@@ -44,7 +44,7 @@ import numpy as np
 from . import checks, dtensor
 from .arrays import adopt, device_scope, is_module, module_parameters
 from .backends import get_backend
-from .dtypes import BFLOAT16
+from .dtypes import is_bfloat16
 from .binding import Call, max_norm_for
 from .errors import CollectiveError, NonFiniteError
 
@@ -486,9 +486,8 @@ def _raise_if_nonfinite(local, p, total, packets, scaled=True):
 # float16 sums overflow past 65504 (two ranks of 60000 would give inf), and
 # every addition in 16 bits rounds again. float32 holds float16's range many
 # times over, and gives bfloat16 (whose range it shares) 16 more bits.
-_WIDER = {np.dtype(np.float16): np.dtype(np.float32)}
-if BFLOAT16 is not None:
-    _WIDER[BFLOAT16] = np.dtype(np.float32)
+def _wider(dtype):
+    return np.dtype(np.float32) if dtype == np.float16 or is_bfloat16(dtype) else None
 
 
 def _check_reduce_arguments(op, bucket_bytes):
@@ -521,7 +520,7 @@ class _Reduction:
                 self.backend.gather(call.plan, [[a] for a in call.unique], flat)
             self.targets = [flat]
         with device_scope(None, self.like):
-            self.moving = [b.astype(_WIDER[b.dtype]) if b.dtype in _WIDER else b for b in self.targets]
+            self.moving = [b.astype(wide) if (wide := _wider(b.dtype)) is not None else b for b in self.targets]
 
     def signature(self) -> tuple:
         """(elements, bytes) moved: every rank must move the same."""

@@ -3,29 +3,115 @@
 Every module that needs to know which dtypes are trainable, how a dtype is
 called in the CUDA sources, or which integer tag marks it in a device table,
 reads it from here, so adding a dtype is a one-line change.
+
+bfloat16 comes from ml_dtypes, whose import takes most of a second; it is
+imported when a bfloat16 value is first met or made, not with gpuflat. An
+array can only hold ml_dtypes' bfloat16 once ml_dtypes is imported, so
+:func:`admit` registers it at the moment the first such array is seen.
+
+>>> admit(np.dtype(np.float32)), admit(np.dtype(np.int32))
+(True, False)
+>>> [name for _, name, _ in ROWS]
+['float16', 'bfloat16', 'float32', 'float64', 'complex64', 'complex128']
 """
 from __future__ import annotations
 
+import functools
+import sys
+
 import numpy as np
 
-try:  # bfloat16 is optional: NumPy has none, ml_dtypes provides one.
-    from ml_dtypes import bfloat16 as _bfloat16
-except ImportError:  # pragma: no cover - ml_dtypes is a test dependency
-    _bfloat16 = None
+# (tag in the kernel tables, NumPy name, C++ type name in kernels/): the
+# kernels are instantiated for every row, whatever is installed.
+ROWS = (
+    (0, "float16", "f16"),
+    (1, "bfloat16", "bf16"),
+    (2, "float32", "float"),
+    (3, "float64", "double"),
+    (4, "complex64", "c64"),
+    (5, "complex128", "c128"),
+)
+C_NAMES = tuple(c_name for _, _, c_name in ROWS)
+ITEMSIZES = (2, 2, 4, 8, 8, 16)  # bytes, by tag
+_BFLOAT16_TAG = 1
 
-BFLOAT16 = np.dtype(_bfloat16) if _bfloat16 is not None else None
+# dtype -> tag and dtype -> C++ name, of the dtypes NumPy knows now: bfloat16
+# joins them when registered (see bfloat16).
+TAGS = {np.dtype(name): tag for tag, name, _ in ROWS if name != "bfloat16"}
+CUDA_NAMES = {dtype: C_NAMES[tag] for dtype, tag in TAGS.items()}
+_DTYPE_OF_TAG = {tag: dtype for dtype, tag in TAGS.items()}
+_when_registered: list = []
 
-# (numpy dtype, tag in the kernel tables, C++ type name in kernels/)
-_TABLE = [
-    (np.dtype(np.float16), 0, "f16"),
-    (BFLOAT16, 1, "bf16"),
-    (np.dtype(np.float32), 2, "float"),
-    (np.dtype(np.float64), 3, "double"),
-    (np.dtype(np.complex64), 4, "c64"),
-    (np.dtype(np.complex128), 5, "c128"),
-]
-TAGS = {dt: tag for dt, tag, _ in _TABLE if dt is not None}
-CUDA_NAMES = {dt: name for dt, _, name in _TABLE if dt is not None}
+
+@functools.cache
+def bfloat16() -> np.dtype | None:
+    """ml_dtypes' bfloat16 (imported now, and registered in :data:`TAGS`), or
+    None where ml_dtypes is not installed.
+
+    >>> bfloat16().name
+    'bfloat16'
+    >>> bfloat16() in TAGS
+    True
+    """
+    try:
+        from ml_dtypes import bfloat16 as scalar
+    except ImportError:
+        return None
+    dtype = np.dtype(scalar)
+    TAGS[dtype] = _BFLOAT16_TAG
+    CUDA_NAMES[dtype] = C_NAMES[_BFLOAT16_TAG]
+    _DTYPE_OF_TAG[_BFLOAT16_TAG] = dtype
+    for callback in _when_registered:
+        callback(dtype)
+    return dtype
+
+
+def when_bfloat16(callback) -> None:
+    """Call ``callback(dtype)`` once bfloat16 is registered: now if it is,
+    else when it is (a native library that must know its type number)."""
+    _when_registered.append(callback)
+    if bfloat16.cache_info().currsize and bfloat16() is not None:
+        callback(bfloat16())
+
+
+def is_bfloat16(dtype) -> bool:
+    """Whether ``dtype`` is ml_dtypes' bfloat16, without importing ml_dtypes.
+
+    >>> is_bfloat16(np.dtype(np.float16))
+    False
+    """
+    return getattr(dtype, "name", None) == "bfloat16" and "ml_dtypes" in sys.modules \
+        and np.dtype(dtype) == bfloat16()
+
+
+def admit(dtype) -> bool:
+    """Whether gpuflat computes on arrays of ``dtype``; bfloat16 is registered
+    the first time it is asked about. Callers test ``dtype in TAGS`` first,
+    the fast path, and this where that misses."""
+    return dtype in TAGS or is_bfloat16(dtype)
+
+
+def dtype_of_tag(tag: int) -> np.dtype:
+    """The NumPy dtype a kernel-table tag stands for.
+
+    >>> dtype_of_tag(2)
+    dtype('float32')
+    """
+    if tag == _BFLOAT16_TAG:
+        bfloat16()
+    return _DTYPE_OF_TAG[tag]
+
+
+def c_name(dtype) -> str:
+    """The C++ type name of ``dtype`` in kernels/.
+
+    >>> c_name(np.float64)
+    'double'
+    """
+    dtype = np.dtype(dtype)
+    if dtype not in CUDA_NAMES:
+        admit(dtype)
+    return CUDA_NAMES[dtype]
 
 
 def flat_dtype(dtypes) -> np.dtype:
@@ -45,7 +131,7 @@ def flat_dtype(dtypes) -> np.dtype:
         return np.dtype(np.float32)
     if len(unique) == 1:
         return unique.pop()
-    widened = [np.dtype(np.float32) if d == BFLOAT16 else d for d in unique]
+    widened = [np.dtype(np.float32) if is_bfloat16(d) else d for d in unique]
     return np.result_type(*widened)
 
 
@@ -62,7 +148,7 @@ def unsupported_float(dtype) -> str | None:
     True
     """
     dtype = np.dtype(dtype)
-    if dtype in TAGS:
+    if admit(dtype):
         return None
     expected = ("expected a native-byte-order float16, bfloat16, float32, float64, complex64 or "
                 "complex128 array")

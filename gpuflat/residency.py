@@ -428,8 +428,8 @@ def _torch_parameters(owners, paths):
 
 
 def _torch_dtype(torch, dtype):
-    from .dtypes import BFLOAT16
+    from .dtypes import is_bfloat16
 
-    if dtype == BFLOAT16:
+    if is_bfloat16(dtype):
         return torch.bfloat16
     return torch.from_numpy(np.zeros(0, dtype)).dtype

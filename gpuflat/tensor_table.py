@@ -39,7 +39,7 @@ from .backends.cuda import LEAF_ROW_WORDS, MAX_DIMS, leaf_row
 from .backends.protocol import LeafRows
 from .backends.selection import get_backend, host_default
 from .checks import check_in_place, may_overlap_itself
-from .dtypes import BFLOAT16
+from .dtypes import bfloat16
 from .errors import NonFloatingTensorError, OverlapError, UnsupportedLeafError
 from .flatplan import FlatPlan, cached
 from .tree import walk
@@ -48,8 +48,8 @@ TABLES_KEPT = 8  # calls remembered: a few clips and norms over different tensor
 _NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
                  torch.float64: np.dtype(np.float64), torch.complex64: np.dtype(np.complex64),
                  torch.complex128: np.dtype(np.complex128)}
-if BFLOAT16 is not None:
-    _NUMPY_DTYPES[torch.bfloat16] = np.dtype(BFLOAT16)
+if bfloat16() is not None:
+    _NUMPY_DTYPES[torch.bfloat16] = bfloat16()
 _ITEMSIZE_BY_TAG = np.array([2, 2, 4, 8, 8, 16], np.int64)  # gpuflat.dtypes.TAGS order
 # Whether gpuflat holds each dtype of tensor_facts.DTYPES, by its code.
 _HELD_CODES = np.array([d in _NUMPY_DTYPES for d in tensor_facts.DTYPES])

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import arrays
-from .dtypes import TAGS, unsupported_float
+from .dtypes import TAGS, admit, unsupported_float
 from .errors import TreeMismatchError, UnsupportedLeafError, UnwalkableError
 
 class _Leaf:
@@ -399,7 +399,7 @@ def walk(tree, array_types=None) -> Walked:
 
 def _walk(x, out, side, array_types):
     if isinstance(x, array_types):
-        if x.dtype in TAGS:
+        if admit(x.dtype):
             out.append(x)
             return LEAF
         _refuse_unsupported_float(x, x.dtype)
@@ -436,7 +436,7 @@ def _leaf(x, out, side):
         adopted = arrays.adopt(x)
     except UnsupportedLeafError as e:
         raise _Refused(x, str(e)) from None
-    if adopted is not None and adopted.dtype in TAGS:
+    if adopted is not None and admit(adopted.dtype):
         foreign[id(x)] = (x, adopted)
         out.append(adopted)
         return LEAF

@@ -16,13 +16,11 @@ import pytest
 from hypothesis import strategies as st
 
 import gpuflat as gf
+import gpuflat.dtypes
 
-try:
-    import ml_dtypes
-
-    BF16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is a test dependency
-    BF16 = None
+# ml_dtypes' bfloat16, registered with gpuflat now, so that tables of dtypes
+# read at collection (gpuflat.dtypes.CUDA_NAMES) hold it.
+BF16 = gpuflat.dtypes.bfloat16()
 
 DTYPES = [np.dtype(np.float16)] + ([BF16] if BF16 is not None else []) + [
     np.dtype(np.float32),

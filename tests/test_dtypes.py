@@ -1,12 +1,15 @@
 """gpuflat.dtypes: every floating array is handled or refused by name, never dropped."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
 
 import gpuflat as gf
-from gpuflat.dtypes import TAGS, unsupported_float
+from gpuflat.dtypes import ITEMSIZES, ROWS, TAGS, dtype_of_tag, unsupported_float
 
 UNSUPPORTED = [np.dtype(">f4"), np.dtype(">f8"), np.dtype(">c16"), np.dtype(">f2"), np.dtype(np.longdouble),
                np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)]
@@ -33,3 +36,29 @@ def test_every_table_dtype_is_supported():
     assert all(unsupported_float(dt) is None for dt in TAGS)
     assert sorted(str(dt) for dt in TAGS) == sorted(
         ["float16", "bfloat16", "float32", "float64", "complex64", "complex128"])
+
+
+def _fresh(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_import_gpuflat_leaves_ml_dtypes_for_later():
+    # ml_dtypes' import is most of a second: gpuflat takes it when bfloat16 is
+    # first needed, not when it is imported.
+    assert _fresh("import sys, gpuflat; print('ml_dtypes' in sys.modules)") == "False"
+
+
+def test_bfloat16_made_after_import_is_admitted_at_first_sight():
+    code = ("import numpy as np, gpuflat as gf, ml_dtypes\n"
+            "from gpuflat import dtypes\n"
+            "x = np.array([3, 4], ml_dtypes.bfloat16)\n"
+            "assert np.dtype(ml_dtypes.bfloat16) not in dtypes.TAGS\n"
+            "print(float(gf.global_norm({'w': x}, backend='host')), dtypes.TAGS[x.dtype], dtypes.c_name(x.dtype))")
+    assert _fresh(code) == "5.0 1 bf16"
+
+
+def test_the_dtype_table_is_one_row_per_tag():
+    assert [tag for tag, _, _ in ROWS] == list(range(len(ROWS))) == list(range(len(ITEMSIZES)))
+    for tag, name, _ in ROWS:
+        dtype = dtype_of_tag(tag)
+        assert dtype.name == name and dtype.itemsize == ITEMSIZES[tag] and TAGS[dtype] == tag

@@ -46,7 +46,7 @@ from operator import attrgetter
 import numpy as np
 
 from gpuflat import kernel_loader as kl
-from gpuflat.dtypes import CUDA_NAMES, TAGS
+from gpuflat.dtypes import TAGS, c_name, dtype_of_tag
 from gpuflat.identity import Layout, SameArrays
 from gpuflat.memory_order import dense_start
 
@@ -71,8 +71,6 @@ TABLES_KEPT = 8
 # The key of the norms' and clips' tables (memory-order rows), apart from the
 # gather and scatter tables of the same arrays (logical-order rows).
 MEMORY_ORDER = "memory order"
-
-_DTYPE_OF_TAG = {tag: dt for dt, tag in TAGS.items()}
 
 _sig = attrgetter("shape", "strides", "dtype")
 
@@ -221,7 +219,7 @@ class CudaBackend:
         clip = total is not None
         args = [st.items, np.int64(st.n_items), slot_group, hyper, steps, params, grads, *states,
                 total if clip else steps, np.float64(max_norm), np.float64(eps), np.int64(clip), amp]
-        name = kl.optim_name(rule, CUDA_NAMES[np.dtype(params.dtype)])
+        name = kl.optim_name(rule, c_name(params.dtype))
         grid = self.grid or self.runtime.grid_for(st.n_items)
         self.runtime.launch(name, grid, min(self.runtime.block, BLOCK_THREADS), args, (st.uploaded,))
 
@@ -456,7 +454,7 @@ def memory_order_row(row):
     ndim = row[1]
     if ndim == 0:
         return row, 0
-    dtype = _DTYPE_OF_TAG[row[0]]
+    dtype = dtype_of_tag(row[0])
     start = dense_start(row[3 : 3 + ndim], row[3 + MAX_DIMS : 3 + MAX_DIMS + ndim], dtype.itemsize)
     if start is None:
         return row, 0

@@ -37,7 +37,7 @@ import sysconfig
 import numpy as np
 
 from gpuflat import host_compiler
-from gpuflat.dtypes import BFLOAT16, TAGS
+from gpuflat.dtypes import TAGS, when_bfloat16
 from gpuflat.kernel_loader import NORM_KINDS, kernel_dir, norm_kind
 
 from .numpy_backend import HostMemory, NumpyBackend
@@ -110,7 +110,9 @@ def _load():
     for fn in (lib.gf_host_norms, lib.gf_host_norms_flat, lib.gf_host_gather, lib.gf_host_scatter, lib.gf_host_clip,
                lib.gf_host_clip_flat, lib.gf_host_norms_rows, lib.gf_host_clip_rows, lib.gf_host_facts):
         fn.restype = i64
-    lib.gf_host_init(np.ndarray, BFLOAT16.num if BFLOAT16 is not None else -1)
+    # bfloat16 is ml_dtypes' type, known by its number once it is imported.
+    lib.gf_host_init(np.ndarray, -1)
+    when_bfloat16(lambda dtype: lib.gf_host_init(np.ndarray, dtype.num))
     return lib, None
 
 
