@@ -1,8 +1,11 @@
 """Build a C++ shared library with g++ from source text, and load it.
 
-One place for what every host build of gpuflat needs: the compiler
-(``$GPUFLAT_CXX``, default ``g++``), the cache directory, content hashes,
-a disk cache keyed by a hash of everything that goes into the build, an
+One place for what every build of gpuflat needs, the host libraries' and the
+GPU's cubins alike: the compiler (``$GPUFLAT_CXX``, default ``g++``), the
+cache directory, content hashes, a disk cache keyed by a hash of everything
+that goes into the build, one build per machine (:func:`build_once`: a file
+lock, so processes starting on a cold cache build once and the others wait),
+a line on the ``gpuflat`` logger when a build starts and when it ends, an
 atomic rename (concurrent builders never see a half-written library) and an
 in-process memo of loaded libraries.
 
@@ -16,17 +19,50 @@ True
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import re
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
-__all__ = ["BuildError", "build_library", "cache_dir", "cache_root", "compiler", "digest", "load", "tree_digest"]
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: builds run unlocked
+    fcntl = None
+
+__all__ = ["BuildError", "build_library", "build_once", "cache_dir", "cache_root", "compiler", "digest", "load",
+           "logger", "tree_digest"]
+
+# gpuflat's logger. A first-use build blocks its caller for seconds to
+# minutes, so its lines are shown by default (on stderr, while the
+# application has set up no logging of its own; after that they propagate to
+# its handlers): `logging.getLogger("gpuflat").setLevel(logging.WARNING)`
+# silences them.
+logger = logging.getLogger("gpuflat")
+
+
+class _ShownUntilConfigured(logging.StreamHandler):
+    def emit(self, record):
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+if not any(isinstance(h, _ShownUntilConfigured) for h in logger.handlers):
+    _handler = _ShownUntilConfigured()
+    _handler.setFormatter(logging.Formatter("gpuflat: %(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+
+# How long a process waits for another one's build of the same thing before
+# it builds too (the atomic rename keeps that safe, only slower).
+LOCK_WAIT_SECONDS = 900.0
 
 # Every library is position-independent and shared; the caller adds the rest.
 BASE_FLAGS = ("-shared", "-fPIC")
@@ -173,11 +209,72 @@ def build_library(name: str, main_source: str, include_dirs=(), flags=(), key_pa
     key = digest([cxx, _compiler_identity(cxx), *all_flags, "\0", *map(str, include_dirs), "\0",
                   main_source, *[x for n in sorted(files) for x in (n, files[n])], "\0", *key_parts])
     path = cache_dir() / f"{_safe_name(name)}-{key[:20]}.so"
-    if not path.is_file():
-        with _build_lock:
-            if not path.is_file():
-                _compile(name, cxx, main_source, files, include_dirs, all_flags, path)
+    build_once(name, path, lambda: _compile(name, cxx, main_source, files, include_dirs, all_flags, path))
     return path
+
+
+def build_once(what: str, path: Path, build) -> None:
+    """``build()``, which must leave ``path`` in place (by an atomic rename),
+    unless ``path`` is there already: once per machine and content.
+
+    A lock file beside ``path`` makes other processes (ranks starting on a
+    cold cache) wait and then find the result instead of building it again;
+    where the file system cannot lock, or after :data:`LOCK_WAIT_SECONDS`,
+    they build as well. The build's start (what, where) and end (with its
+    time) go to :data:`logger`.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     target = Path(d, "out.txt")
+    ...     build_once("a doctest file", target, lambda: target.write_text("built"))
+    ...     build_once("a doctest file", target, lambda: target.write_text("again"))
+    ...     target.read_text()
+    'built'
+    """
+    if path.is_file():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock, _file_lock(path, what):
+        if path.is_file():
+            return
+        logger.info("building %s into %s (not in the cache yet: first use on this machine, "
+                    "or new sources or tools)", what, path.parent)
+        start = time.perf_counter()
+        build()
+        logger.info("built %s in %.1f s", what, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, what: str):
+    """An exclusive lock on ``path``'s lock file, or none where locking is
+    unsupported or another holder outlasts :data:`LOCK_WAIT_SECONDS`."""
+    if fcntl is None:
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        deadline, told = time.monotonic() + LOCK_WAIT_SECONDS, False
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    logger.warning("waited %.0f s for another process building %s; building it here too",
+                                   LOCK_WAIT_SECONDS, what)
+                    yield
+                    return
+                if not told:
+                    logger.info("waiting for another process building %s", what)
+                    told = True
+                time.sleep(0.1)
+                continue
+            except OSError:  # no locks on this file system (some network ones)
+                yield
+                return
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+            return
 
 
 def _compile(name, cxx, main_source, files, include_dirs, flags, path: Path) -> None:

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from gpuflat import host_compiler
-from gpuflat.dtypes import CUDA_NAMES
+from gpuflat.dtypes import C_NAMES, c_name
 
 # NVRTC's options, for the compile checks and the GPU alike. No fast-math,
 # and flush-to-zero off (NVRTC's default): NaN, inf and subnormals must
@@ -63,6 +63,9 @@ def norm_kind(p: float) -> str:
     """
     return {1.0: "l1", 2.0: "l2", math.inf: "inf"}.get(p, "p")
 
+# The kernels templated on a dtype, by its C++ name (gpuflat.dtypes.C_NAMES).
+GATHER = "gpuflat_gather<{}>"
+SCATTER = "gpuflat_scatter<{}>"
 SCALE_NAME = "gpuflat_scale"
 # The clip with max_norm in device memory.
 SCALE_AT_NAME = "gpuflat_scale_at"
@@ -76,7 +79,7 @@ def gather_name(dtype) -> str:
     >>> gather_name(np.float32)
     'gpuflat_gather<float>'
     """
-    return f"gpuflat_gather<{CUDA_NAMES[np.dtype(dtype)]}>"
+    return GATHER.format(c_name(dtype))
 
 
 def scatter_name(dtype) -> str:
@@ -85,7 +88,7 @@ def scatter_name(dtype) -> str:
     >>> scatter_name(np.complex128)
     'gpuflat_scatter<c128>'
     """
-    return f"gpuflat_scatter<{CUDA_NAMES[np.dtype(dtype)]}>"
+    return SCATTER.format(c_name(dtype))
 
 
 def norm_partial_name(kind: str) -> str:
@@ -111,14 +114,18 @@ def name_expressions() -> list[str]:
 
     Gather and scatter are templated on the flat dtype (the leaf dtype is a
     runtime tag, so a mixed-dtype tree is one launch); the norm kernels on the
-    norm kind; the clip takes max_norm by value or from device memory.
+    norm kind; the clip takes max_norm by value or from device memory. Every
+    dtype of gpuflat.dtypes is instantiated, whether or not the package that
+    provides it (ml_dtypes, for bfloat16) is installed.
 
-    >>> len(name_expressions()) == 2 * len(CUDA_NAMES) + 2 * len(NORM_KINDS) + 2 + 2 * 4
+    >>> len(name_expressions()) == 2 * len(C_NAMES) + 2 * len(NORM_KINDS) + 2 + 2 * 4
+    True
+    >>> "gpuflat_gather<bf16>" in name_expressions()
     True
     """
     names = []
-    for dtype in CUDA_NAMES:
-        names += [gather_name(dtype), scatter_name(dtype)]
+    for c in C_NAMES:
+        names += [GATHER.format(c), SCATTER.format(c)]
     for kind in NORM_KINDS:
         names += [norm_partial_name(kind), norm_finish_name(kind)]
     names += [SCALE_NAME, SCALE_AT_NAME]
@@ -229,6 +236,13 @@ def assembled_source(directory: Path | None = None) -> str:
 # sm_100 is checked under CUDA 13, the major its machines come with.
 CUDA_ARCHS = {12: ("sm_70", "sm_80", "sm_90"), 13: ("sm_75", "sm_80", "sm_90", "sm_100")}
 
+# The NVRTC (major, minor) versions whose builds of the kernels the tests gate
+# (registers, spills, SASS): what torch's CUDA 12.6 and 13.0 wheels pin, and
+# the newest of each major. constraints.txt and constraints-nvrtc-latest.txt
+# pin exactly these (a test holds them together); another version compiles
+# the kernels with a warning that nothing checked its build.
+GATED_NVRTC = ((12, 6), (12, 9), (13, 0), (13, 5))
+
 # The PyPI wheel carrying each major's NVRTC: the cuda12 and cuda13 extras
 # install them.
 NVRTC_WHEELS = {12: "nvidia-cuda-nvrtc-cu12", 13: "nvidia-cuda-nvrtc"}
@@ -314,7 +328,20 @@ def nvrtc_library(major: int):
         ctypes.CDLL(str(builtins_lib), mode=ctypes.RTLD_GLOBAL)
     lib = ctypes.CDLL(str(path))
     lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    version = _loaded_version(lib)
+    host_compiler.logger.info("NVRTC %d.%d loaded from %s", *version, path)
+    if version not in GATED_NVRTC:
+        host_compiler.logger.warning(
+            "NVRTC %d.%d is not among the versions whose builds of the kernels are checked (%s): the kernels "
+            "compile, but their registers and spills were not gated for it", *version,
+            ", ".join(f"{a}.{b}" for a, b in GATED_NVRTC))
     return lib
+
+
+def _loaded_version(lib) -> tuple[int, int]:
+    found_major, minor = ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(found_major), ctypes.byref(minor))
+    return found_major.value, minor.value
 
 
 def nvrtc_version(major: int) -> tuple[int, int]:
@@ -323,9 +350,7 @@ def nvrtc_version(major: int) -> tuple[int, int]:
     >>> nvrtc_version(12)[0], nvrtc_version(13)[0]
     (12, 13)
     """
-    found_major, minor = ctypes.c_int(), ctypes.c_int()
-    nvrtc_library(major).nvrtcVersion(ctypes.byref(found_major), ctypes.byref(minor))
-    return found_major.value, minor.value
+    return _loaded_version(nvrtc_library(major))
 
 
 def nvrtc_compile(arch: str, major: int, directory: Path | None = None, cubin: bool = False,
@@ -438,21 +463,38 @@ def device_arch(device) -> str:
     return f"sm_{device.compute_capability}"
 
 
+def cubin_cache_path(arch: str, major: int) -> Path:
+    """Where the cubin for ``arch`` under CUDA ``major`` is cached: named by
+    a hash of everything that changes what it holds (the sources and
+    options, :func:`cache_key`; the architecture; the NVRTC's version; and
+    the sorted kernel names, as CuPy's compiler cache keys its own, so a
+    build made with another list of kernels is never taken for this one).
+
+    >>> cubin_cache_path("sm_90", 13).suffix
+    '.cubin'
+    """
+    key = host_compiler.digest([cache_key(), arch, *CUBIN_OPTIONS, *map(str, nvrtc_version(major)),
+                                *sorted(name_expressions())])[:24]
+    return host_compiler.cache_root() / "cubin" / f"{arch}-{key}.cubin"
+
+
 @functools.lru_cache(maxsize=None)
 def _device_cubin(arch: str, major: int, key: str) -> Compiled:
-    """The cubin for ``arch``, cached on disk by the sources, options and NVRTC."""
-    lib_key = host_compiler.digest([key, arch, *CUBIN_OPTIONS, *map(str, nvrtc_version(major))])[:24]
-    path = host_compiler.cache_root() / "cubin" / f"{arch}-{lib_key}"
-    cubin_file, names_file = path.with_suffix(".cubin"), path.with_suffix(".json")
-    if cubin_file.is_file() and names_file.is_file():
-        return Compiled(arch, major, "", cubin_file.read_bytes(), json.loads(names_file.read_text()), "")
-    compiled = nvrtc_compile(arch, major, cubin=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for dest, data in ((names_file, json.dumps(compiled.lowered).encode()), (cubin_file, compiled.cubin)):
-        tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, dest)  # the cubin lands last: a reader sees both files or neither
-    return compiled
+    """The cubin for ``arch``, built once per machine and cached on disk
+    (:func:`cubin_cache_path`) with its lowered names beside it."""
+    cubin_file = cubin_cache_path(arch, major)
+    names_file = cubin_file.with_suffix(".json")
+
+    def build():
+        compiled = nvrtc_compile(arch, major, cubin=True)
+        for dest, data in ((names_file, json.dumps(compiled.lowered).encode()), (cubin_file, compiled.cubin)):
+            tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, dest)  # the cubin lands last: a reader sees both files or neither
+
+    host_compiler.build_once(f"the CUDA kernels for {arch} with NVRTC {'.'.join(map(str, nvrtc_version(major)))}",
+                             cubin_file, build)
+    return Compiled(arch, major, "", cubin_file.read_bytes(), json.loads(names_file.read_text()), "")
 
 
 def device_cubin(arch: str, major: int) -> Compiled:

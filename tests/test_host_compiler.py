@@ -1,7 +1,13 @@
 """The host build's cache folder: where it is, and the temporary folder it
-falls back to when its home cannot be written."""
+falls back to when its home cannot be written, and one build per machine
+(a file lock) that says what it does."""
+import logging
 import os
+import re
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 from gpuflat import host_compiler
@@ -38,3 +44,68 @@ def test_a_build_lands_in_the_fallback(tmp_path, monkeypatch):
     path = host_compiler.build_library("fallback-test", 'extern "C" int three() { return 3; }')
     assert Path(path).parent == tmp_path / "tmp" / f"gpuflat-{os.getuid()}" / "host"
     assert host_compiler.load(path).three() == 3
+
+
+# Two processes on a cold cache, started together: each builds the same small
+# library after a barrier file appears, and prints the gpuflat log lines it
+# made (the default handler writes them to stderr).
+_RACE = r"""
+import sys, time
+from pathlib import Path
+from gpuflat import host_compiler
+go = Path(sys.argv[1])
+while not go.exists():
+    time.sleep(0.01)
+host_compiler.build_library("race-test", 'extern "C" int seven() { return 7; }')
+print(host_compiler.load(host_compiler.build_library("race-test", 'extern "C" int seven() { return 7; }')).seven())
+"""
+
+
+def test_two_processes_on_a_cold_cache_build_once(tmp_path):
+    env = {**os.environ, "GPUFLAT_CACHE_DIR": str(tmp_path / "cache")}
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", _RACE, str(go)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    time.sleep(1.0)  # both are waiting at the barrier
+    go.write_text("")
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [out.strip() for out, _ in outs] == ["7", "7"]
+    logs = "".join(err for _, err in outs)
+    assert logs.count("gpuflat: building race-test into ") == 1, logs
+    assert logs.count("gpuflat: built race-test in ") == 1, logs
+    assert len(list((tmp_path / "cache" / "host").glob("race-test-*.so"))) == 1
+
+
+def test_a_build_says_what_it_does_and_a_raised_level_silences_it(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("GPUFLAT_CACHE_DIR", str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="gpuflat"):
+        host_compiler.build_library("said-test", 'extern "C" int one() { return 1; }')
+    said = [r.getMessage() for r in caplog.records if r.name == "gpuflat"]
+    assert len(said) == 2 and said[0].startswith("building said-test into ") and str(tmp_path) in said[0], said
+    assert re.fullmatch(r"built said-test in \d+\.\d s", said[1]), said
+    caplog.clear()
+    logger = logging.getLogger("gpuflat")
+    monkeypatch.setattr(logger, "level", logging.WARNING)
+    host_compiler.build_library("quiet-test", 'extern "C" int two() { return 2; }')
+    assert not [r for r in caplog.records if r.name == "gpuflat"]
+
+
+def test_the_default_handler_shows_build_lines_on_stderr():
+    code = "import logging; from gpuflat import host_compiler as h; h.logger.info('a line')"
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert shown.stderr == "gpuflat: a line\n"
+    # Once the application configures logging, the line goes to its handlers only.
+    configured = subprocess.run([sys.executable, "-c", "import logging; logging.basicConfig(format='app %(message)s',"
+                                 " level=logging.INFO); " + code], capture_output=True, text=True, check=True)
+    assert configured.stderr == "app a line\n"
+
+
+def test_a_file_system_without_locks_builds_unlocked(tmp_path, monkeypatch):
+    def refuse(*_):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(host_compiler.fcntl, "flock", refuse)
+    target = tmp_path / "out.txt"
+    host_compiler.build_once("an unlocked file", target, lambda: target.write_text("built"))
+    assert target.read_text() == "built"

@@ -130,10 +130,11 @@ def test_device_cubin_is_the_checked_compile_and_cached_on_disk(tmp_path, monkey
     # The device build is the gated build's compile call (same arguments, so
     # the session's build stands in for a second one), then read from disk.
     calls = []
+    gated = kernel_builds.build(13, "sm_90")
 
     def compile_once(arch, major, directory=None, cubin=False, options=kl.OPTIONS):
         calls.append((arch, major, directory, cubin, options))
-        return kernel_builds.build(major, arch)
+        return gated
 
     monkeypatch.setenv("GPUFLAT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kl, "nvrtc_compile", compile_once)
@@ -145,7 +146,6 @@ def test_device_cubin_is_the_checked_compile_and_cached_on_disk(tmp_path, monkey
     finally:
         kl._device_cubin.cache_clear()
     assert calls == [("sm_90", 13, None, True, kl.OPTIONS)]
-    gated = kernel_builds.build(13, "sm_90")
     assert from_disk.cubin == built.cubin == gated.cubin
     assert from_disk.lowered == built.lowered == gated.lowered
     assert len(list(tmp_path.rglob("*.cubin"))) == 1
@@ -232,3 +232,71 @@ def test_the_kernels_norm_kinds_are_the_loaders():
     header = (kl.kernel_dir() / "gpuflat_math.cuh").read_text()
     defined = {m.group(1).lower(): int(m.group(2)) for m in re.finditer(r"#define GF_NORM_(\w+) (\d+)", header)}
     assert defined == kl.NORM_KINDS
+
+
+def test_the_disk_cache_is_keyed_by_the_kernel_list(tmp_path, monkeypatch):
+    # A build made for one list of kernels is never taken for another: the
+    # new list's kernels are built, and there.
+    monkeypatch.setenv("GPUFLAT_CACHE_DIR", str(tmp_path))
+    compiled = []
+
+    def compile_listed(arch, major, directory=None, cubin=False, options=kl.OPTIONS):
+        names = kl.name_expressions()
+        compiled.append(names)
+        return kl.Compiled(arch, major, "", b"cubin of " + ",".join(names).encode(), {n: n for n in names}, "")
+
+    monkeypatch.setattr(kl, "nvrtc_compile", compile_listed)
+    full = kl.name_expressions()
+    fewer = [n for n in full if "bf16" not in n]
+    kl._device_cubin.cache_clear()
+    try:
+        monkeypatch.setattr(kl, "name_expressions", lambda: fewer)
+        assert set(kl.device_cubin("sm_90", 13).lowered) == set(fewer)
+        kl._device_cubin.cache_clear()
+        monkeypatch.setattr(kl, "name_expressions", lambda: full)
+        built = kl.device_cubin("sm_90", 13)
+    finally:
+        kl._device_cubin.cache_clear()
+    assert compiled == [fewer, full]
+    assert "gpuflat_gather<bf16>" in built.lowered
+    assert len(list(tmp_path.rglob("*.cubin"))) == 2
+
+
+def test_bf16_kernels_are_listed_without_ml_dtypes():
+    code = ("import sys; sys.modules['ml_dtypes'] = None\n"
+            "from gpuflat import kernel_loader as kl, dtypes\n"
+            "assert dtypes.bfloat16() is None\n"
+            "print('gpuflat_gather<bf16>' in kl.name_expressions(), 'gpuflat_adamw<bf16>' in kl.name_expressions())")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.split() == ["True", "True"]
+
+
+def _pins(name: str) -> dict:
+    root = kl.kernel_dir().parent
+    lines = (root / name).read_text().splitlines()
+    return dict(line.split("==") for line in lines if line.startswith("nvidia-cuda-nvrtc"))
+
+
+def test_the_gated_nvrtcs_are_the_pinned_ones():
+    # constraints.txt pins the NVRTCs of `make test`, constraints-nvrtc-latest.txt
+    # those of `make test-nvrtc-latest`; the loader's list of gated versions
+    # is exactly theirs, and this environment loads one pinned pair.
+    pinned = [_pins("constraints.txt"), _pins("constraints-nvrtc-latest.txt")]
+    versions = {tuple(map(int, v.split(".")[:2])) for pins in pinned for v in pins.values()}
+    assert versions == set(kl.GATED_NVRTC)
+    loaded = {f"{a}.{b}" for a, b in (kl.nvrtc_version(12), kl.nvrtc_version(13))}
+    assert any(loaded == {".".join(v.split(".")[:2]) for v in pins.values()} for pins in pinned), loaded
+
+
+@pytest.mark.parametrize("major", [12, 13])
+def test_the_loaded_nvrtc_is_logged_and_an_ungated_one_warned(major):
+    code = ("import logging\n"
+            "from gpuflat import kernel_loader as kl\n"
+            "kl.GATED_NVRTC = () if %r else kl.GATED_NVRTC\n"
+            "kl.nvrtc_library(%d)\n")
+    gated = subprocess.run([sys.executable, "-c", code % (False, major)], capture_output=True, text=True, check=True)
+    a, b = kl.nvrtc_version(major)
+    assert re.search(rf"^gpuflat: NVRTC {a}\.{b} loaded from \S+libnvrtc\.so\.{major}", gated.stderr, re.M)
+    assert "not among" not in gated.stderr
+    ungated = subprocess.run([sys.executable, "-c", code % (True, major)], capture_output=True, text=True, check=True)
+    assert ungated.stderr.count(f"gpuflat: NVRTC {a}.{b} is not among the versions") == 1
