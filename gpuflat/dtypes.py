@@ -2,7 +2,8 @@
 
 Every module that needs to know which dtypes are trainable, how a dtype is
 called in the CUDA sources, or which integer tag marks it in a device table,
-reads it from here, so adding a dtype is a one-line change.
+reads it from here; the rows themselves are gpuflat.layout's DTYPES, so
+adding a dtype is a one-line change there (and its kernel conversions).
 
 bfloat16 comes from ml_dtypes, whose import takes most of a second; it is
 imported when a bfloat16 value is first met or made, not with gpuflat. An
@@ -11,8 +12,6 @@ array can only hold ml_dtypes' bfloat16 once ml_dtypes is imported, so
 
 >>> admit(np.dtype(np.float32)), admit(np.dtype(np.int32))
 (True, False)
->>> [name for _, name, _ in ROWS]
-['float16', 'bfloat16', 'float32', 'float64', 'complex64', 'complex128']
 """
 from __future__ import annotations
 
@@ -21,23 +20,13 @@ import sys
 
 import numpy as np
 
-# (tag in the kernel tables, NumPy name, C++ type name in kernels/): the
-# kernels are instantiated for every row, whatever is installed.
-ROWS = (
-    (0, "float16", "f16"),
-    (1, "bfloat16", "bf16"),
-    (2, "float32", "float"),
-    (3, "float64", "double"),
-    (4, "complex64", "c64"),
-    (5, "complex128", "c128"),
-)
-C_NAMES = tuple(c_name for _, _, c_name in ROWS)
-ITEMSIZES = (2, 2, 4, 8, 8, 16)  # bytes, by tag
-_BFLOAT16_TAG = 1
+from .layout import C_NAMES, DTYPES, TAG_OF_NAME
+
+_BFLOAT16_TAG = TAG_OF_NAME["bfloat16"]
 
 # dtype -> tag and dtype -> C++ name, of the dtypes NumPy knows now: bfloat16
 # joins them when registered (see bfloat16).
-TAGS = {np.dtype(name): tag for tag, name, _ in ROWS if name != "bfloat16"}
+TAGS = {np.dtype(name): tag for tag, name, _, _ in DTYPES if tag != _BFLOAT16_TAG}
 CUDA_NAMES = {dtype: C_NAMES[tag] for dtype, tag in TAGS.items()}
 _DTYPE_OF_TAG = {tag: dtype for dtype, tag in TAGS.items()}
 _when_registered: list = []
@@ -158,3 +147,44 @@ def unsupported_float(dtype) -> str | None:
     if dtype.kind in "fc" or (dtype.kind == "V" and dtype.name.startswith(("float", "bfloat"))):
         return f"{expected}, got {dtype.name}: cast it to one of these first"
     return None
+
+def cast_copy(target, source):
+    """target[...] = source, rounded once into ``target``'s dtype (as the kernels round).
+
+    >>> import ml_dtypes
+    >>> out = np.empty(1, ml_dtypes.bfloat16)
+    >>> cast_copy(out, np.array([1 + 2.0**-8 + 2.0**-40])); float(out[0])
+    1.0078125
+    """
+    # Complex to real keeps the real part, as the kernels do (and without NumPy's warning).
+    if source.dtype.kind == "c" and target.dtype.kind != "c":
+        source = source.real
+    if target.dtype.itemsize == 2 and source.dtype == np.float64:
+        source = _float32_rounded_to_odd(source)
+    # Past a 16-bit dtype's range the value becomes inf, as in the kernels, silently.
+    with np.errstate(over="ignore"):
+        np.copyto(target, source, casting="unsafe")
+
+
+def _float32_rounded_to_odd(x):
+    """``x`` (float64) rounded to float32 towards the neighbour whose last bit is odd.
+
+    ml_dtypes converts float64 to bfloat16 through float32, rounding twice.
+    Rounding to odd first keeps the sticky information of the dropped bits
+    in float32's last bit, so the second rounding (to nearest even, into 16
+    bits) gives the correctly rounded result, as the kernels' one rounding
+    does (Boldo and Melquiond, "Emulation of FMA and correctly rounded sums:
+    proved algorithms using rounding to odd",
+    https://doi.org/10.1109/TC.2007.70819).
+
+    >>> _float32_rounded_to_odd(np.array([1.0, 1 + 2.0**-40, 1e300]))
+    array([1.0000000e+00, 1.0000001e+00, 3.4028235e+38], dtype=float32)
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        nearest = np.asarray(x, np.float32)
+        inexact = (nearest.astype(np.float64) != x) & ~np.isnan(x)
+    even = inexact & ((nearest.view(np.uint32) & 1) == 0)
+    if even.any():
+        toward = np.where(nearest[even] < x[even], np.float32(np.inf), np.float32(-np.inf))
+        nearest[even] = np.nextafter(nearest[even], toward)
+    return nearest

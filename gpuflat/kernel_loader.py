@@ -27,7 +27,6 @@ import ctypes
 import functools
 import importlib.metadata
 import json
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import numpy as np
 
 from gpuflat import host_compiler
 from gpuflat.dtypes import C_NAMES, c_name
+from gpuflat.layout import NORM_KINDS, OPTIM_DTYPES, OPTIM_RULES, norm_kind
 
 # NVRTC's options, for the compile checks and the GPU alike. No fast-math,
 # and flush-to-zero off (NVRTC's default): NaN, inf and subnormals must
@@ -48,20 +48,6 @@ from gpuflat.dtypes import C_NAMES, c_name
 # -default-device makes the lambdas the kernels pass to their helpers device
 # code under NVRTC.
 OPTIONS = ("-std=c++17", "-default-device", "--fmad=false")
-
-# Norm kinds, the template argument of the norm kernels (kernels/norms.cu)
-# and the kind the host library takes: GF_NORM_* in kernels/gpuflat_math.cuh,
-# which a test reads back.
-NORM_KINDS = {"l1": 0, "l2": 1, "inf": 2, "p": 3}
-
-
-def norm_kind(p: float) -> str:
-    """The kind of ``NORM_KINDS`` that computes the ``p``-norm (a checked order).
-
-    >>> norm_kind(1.0), norm_kind(2.0), norm_kind(float("inf")), norm_kind(3.0)
-    ('l1', 'l2', 'inf', 'p')
-    """
-    return {1.0: "l1", 2.0: "l2", math.inf: "inf"}.get(p, "p")
 
 # The kernels templated on a dtype, by its C++ name (gpuflat.dtypes.C_NAMES).
 GATHER = "gpuflat_gather<{}>"
@@ -131,12 +117,6 @@ def name_expressions() -> list[str]:
     names += [SCALE_NAME, SCALE_AT_NAME]
     names += [optim_name(rule, d) for rule in OPTIM_RULES for d in OPTIM_DTYPES]
     return names
-
-
-# The flat optimizers' update kernels (kernels/optim.cu), templated on the
-# buffer's dtype: every real floating dtype (complex parameters are refused).
-OPTIM_RULES = ("adamw", "sgd")
-OPTIM_DTYPES = ("f16", "bf16", "float", "double")
 
 
 def optim_name(rule: str, c_name: str) -> str:

@@ -22,9 +22,9 @@ from . import distributed, dtensor
 from . import flatplan
 from . import tree as _tree
 from .backends.selection import select
-from .backends.numpy_backend import cast_copy
 from .binding import (Call, gradients_of, in_place, max_norm_for, norm_inputs, raise_if_nonfinite, slot_sources,
                       summed_wide)
+from .dtypes import cast_copy
 from .errors import OverlapError, TreeMismatchError, UnsupportedLeafError
 from .flatplan import FlatPlan
 from .overlap import first_sharing

@@ -33,7 +33,7 @@ import sys
 import numpy as np
 
 from . import checks
-from .backends.numpy_backend import HYPER
+from .layout import HYPER
 
 # The state each rule keeps per parameter, in the kernels' order.
 STATE = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}

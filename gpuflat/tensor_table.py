@@ -35,7 +35,7 @@ import torch
 
 from . import dtensor, tensor_facts
 from .arrays import adopt, plain_tensor, tensor_refusal
-from .backends.cuda import LEAF_ROW_WORDS, MAX_DIMS, leaf_row
+from .layout import ITEMSIZES, LEAF_ROW_WORDS, MAX_DIMS, leaf_row
 from .backends.protocol import LeafRows
 from .backends.selection import get_backend, host_default
 from .checks import check_in_place, may_overlap_itself
@@ -50,7 +50,7 @@ _NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np
                  torch.complex128: np.dtype(np.complex128)}
 if bfloat16() is not None:
     _NUMPY_DTYPES[torch.bfloat16] = bfloat16()
-_ITEMSIZE_BY_TAG = np.array([2, 2, 4, 8, 8, 16], np.int64)  # gpuflat.dtypes.TAGS order
+_ITEMSIZE_BY_TAG = np.array(ITEMSIZES, np.int64)
 # Whether gpuflat holds each dtype of tensor_facts.DTYPES, by its code.
 _HELD_CODES = np.array([d in _NUMPY_DTYPES for d in tensor_facts.DTYPES])
 

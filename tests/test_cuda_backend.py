@@ -262,23 +262,6 @@ def test_strided_leaves_in_place(be, dtype):
         assert same(v, cast(flat[leaf.offset : leaf.offset + leaf.size].reshape(v.shape), v.dtype))
 
 
-def test_fast_division_is_exact_for_every_index_below_two_to_the_63():
-    # The kernels divide strided indices by each dim's length with these
-    # magic numbers; check the edges of the range and random indices.
-    rng = np.random.default_rng(12)
-    top = 2**63 - 1
-    divisors = [2, 3, 5, 7, 10, 641, 2**31, 2**32 - 1, 2**32 + 1, 2**62, top]
-    divisors += [int(d) for d in rng.integers(2, 2**62, 200)] + [int(d) for d in rng.integers(2, 5000, 200)]
-    for d in divisors:
-        m, s = cuda.fast_division(d)
-        assert 0 < m < 2**64 and 0 <= s < 63
-        for i in [0, 1, d - 1, d, d + 1, top - 1, top, top - top % d, top - top % d - 1] + [
-                int(x) for x in rng.integers(0, top, 50, dtype=np.int64)]:
-            assert (i * m >> 64) >> s == i // d, (i, d)
-    with pytest.raises(ValueError, match=r"expected 2 <= d < 2\*\*63, got 1"):
-        cuda.fast_division(1)
-
-
 def test_scatter_leaves_the_rest_of_the_base_alone(be):
     base = np.arange(200, dtype=np.float32).reshape(10, 20)
     view = base[2:8:2, ::-3]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gpuflat as gf
-from gpuflat.dtypes import ITEMSIZES, ROWS, TAGS, dtype_of_tag, unsupported_float
+from gpuflat.dtypes import TAGS, unsupported_float
 
 UNSUPPORTED = [np.dtype(">f4"), np.dtype(">f8"), np.dtype(">c16"), np.dtype(">f2"), np.dtype(np.longdouble),
                np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)]
@@ -55,10 +55,3 @@ def test_bfloat16_made_after_import_is_admitted_at_first_sight():
             "assert np.dtype(ml_dtypes.bfloat16) not in dtypes.TAGS\n"
             "print(float(gf.global_norm({'w': x}, backend='host')), dtypes.TAGS[x.dtype], dtypes.c_name(x.dtype))")
     assert _fresh(code) == "5.0 1 bf16"
-
-
-def test_the_dtype_table_is_one_row_per_tag():
-    assert [tag for tag, _, _ in ROWS] == list(range(len(ROWS))) == list(range(len(ITEMSIZES)))
-    for tag, name, _ in ROWS:
-        dtype = dtype_of_tag(tag)
-        assert dtype.name == name and dtype.itemsize == ITEMSIZES[tag] and TAGS[dtype] == tag

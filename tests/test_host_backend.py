@@ -524,15 +524,6 @@ def test_gather_names_the_slot_of_an_unreadable_source_and_writes_nothing():
     assert_bits_equal(out, np.full(plan.size, 7.0, np.float32))
 
 
-def test_the_host_library_splits_leaves_into_the_cuda_backends_items():
-    # The two must cut the same work items, or their summation orders and bits part.
-    from gpuflat.backends import cuda
-    from gpuflat.kernel_loader import kernel_dir
-
-    source = (kernel_dir() / "host" / "host_backend.cpp").read_text()
-    assert re.search(r"constexpr long long ITEM = (\d+);", source).group(1) == str(cuda.ITEM)
-
-
 def _recorded_list(arrays, token):
     from gpuflat.backends.protocol import Recorded
 

@@ -41,16 +41,6 @@ def test_name_expressions_cover_every_dtype_and_norm_kind():
         assert f"gpuflat_norm_partial<{k}>" in names and f"gpuflat_norm_finish<{k}>" in names
 
 
-def test_python_constants_mirror_the_header():
-    header = kl.sources()["gpuflat_common.cuh"]
-    defines = dict(re.findall(r"^#define (GF_\w+) (\d+)", header, re.M))
-    assert int(defines["GF_MAX_DIMS"]) == cuda.MAX_DIMS
-    assert int(defines["GF_FINISH_THREADS"]) == cuda.FINISH_THREADS
-    assert int(defines["GF_SMALL_SLOT_ITEMS"]) == cuda.SMALL_SLOT_ITEMS
-    # The item size keeps every item of a leaf as aligned as the leaf (16 bytes).
-    assert cuda.ITEM % (32 * 8) == 0
-
-
 @pytest.mark.parametrize("name", ["gpuflat_common.cuh", "norms.cu", "emulator/cuda_host.h"])
 def test_cache_key_changes_when_any_file_changes(tmp_path, name):
     d = tmp_path / "kernels"
@@ -225,13 +215,6 @@ def test_gather_and_scatter_names_follow_the_dtype_table():
 def test_no_builtin_is_shadowed():
     public = {n for n in vars(kl) if not n.startswith("_")}
     assert public & set(dir(builtins)) == set()
-
-
-def test_the_kernels_norm_kinds_are_the_loaders():
-    # One table in Python; the kernels' GF_NORM_* constants must say the same.
-    header = (kl.kernel_dir() / "gpuflat_math.cuh").read_text()
-    defined = {m.group(1).lower(): int(m.group(2)) for m in re.finditer(r"#define GF_NORM_(\w+) (\d+)", header)}
-    assert defined == kl.NORM_KINDS
 
 
 def test_the_disk_cache_is_keyed_by_the_kernel_list(tmp_path, monkeypatch):

@@ -19,7 +19,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gpuflat"
 # Lowest first. A module may import modules of its own layer or below.
 LAYERS = [
     # Facts with no gpuflat imports.
-    ["errors", "dtypes", "identity", "overlap", "host_compiler", "memory_order"],
+    ["errors", "layout", "identity", "overlap", "host_compiler", "memory_order"],
+    ["dtypes"],
     # Arrays of every kind, the kernel sources, the backend contract, PyTorch tensors' facts.
     ["arrays", "dtensor", "kernel_loader", "backends.protocol", "tensor_facts"],
     # The tree walk, the emulator, the NumPy reference.

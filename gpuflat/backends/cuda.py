@@ -40,7 +40,6 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from functools import lru_cache
 from operator import attrgetter
 
 import numpy as np
@@ -48,23 +47,13 @@ import numpy as np
 from gpuflat import kernel_loader as kl
 from gpuflat.dtypes import TAGS, c_name, dtype_of_tag
 from gpuflat.identity import Layout, SameArrays
+from gpuflat.layout import (BLOCK_THREADS, FINISH_THREADS, ITEM, ITEM_WORDS, LEAF_ROW_WORDS, MAX_DIMS,
+                            SMALL_SLOT_ITEMS, leaf_row)
 from gpuflat.memory_order import dense_start
 
 from .host import array_facts
 from .protocol import LeafRows, NormResult
 
-# Elements per work item. A multiple of 32 lanes * 8 elements per 16-byte
-# vector, so every item of a leaf starts as aligned as the leaf itself. The
-# norm partials are per item, so this constant is part of the summation order.
-ITEM = 4096
-# Mirrors of kernels/gpuflat_common.cuh (a test checks they agree).
-MAX_DIMS = 8
-# The kernels' __launch_bounds__: a larger block would not launch.
-BLOCK_THREADS = 256
-FINISH_THREADS = 256
-SMALL_SLOT_ITEMS = 16
-LEAF_ROW_WORDS = 5 + 3 * MAX_DIMS
-ITEM_WORDS = 4
 # Per-call tables kept per plan and device, so alternating between parameter
 # and gradient trees does not upload every time.
 TABLES_KEPT = 8
@@ -406,41 +395,6 @@ def _same_words(a, b) -> bool:
             and np.array_equal(a, b))
 
 
-@lru_cache(maxsize=4096)
-def leaf_row(shape, strides, dtype):
-    """The table row of an array but its address (``strides`` in bytes); None
-    if it keeps too many dims.
-
-    Size-1 dims are dropped and adjacent dims merged where the strides allow,
-    so a transposed matrix keeps 2 dims and any C-contiguous array none
-    (ndim 0 marks the contiguous fast path).
-
-    >>> leaf_row((2, 3), (24, 8), np.float64)[:3], leaf_row((2, 3), (8, 16), np.float64)[:5]
-    ([3, 0, 6], [3, 2, 6, 2, 3])
-    """
-    size = int(np.prod(shape, dtype=np.int64))
-    dims = []
-    if size > 0:
-        for n, s in zip(shape, strides):
-            if n == 1:
-                continue
-            if dims and dims[-1][1] == s * n:
-                dims[-1] = (dims[-1][0] * n, s)
-            else:
-                dims.append((n, s))
-    itemsize = np.dtype(dtype).itemsize
-    if size == 0 or not dims or (len(dims) == 1 and dims[0][1] == itemsize):
-        dims = []
-    if len(dims) > MAX_DIMS:
-        return None
-    pad = [0] * (MAX_DIMS - len(dims))
-    # The outermost dim is never divided by (its index is what remains).
-    magic, shifts = zip(*[fast_division(n) if d else (0, 0) for d, (n, _) in enumerate(dims)]) if dims else ((), ())
-    return ([TAGS[np.dtype(dtype)], len(dims), size] + [n for n, _ in dims] + pad
-            + [s for _, s in dims] + pad + [m - (1 << 64) if m >= 1 << 63 else m for m in magic] + pad
-            + [sum(k << (8 * d) for d, k in enumerate(shifts))])
-
-
 def memory_order_row(row):
     """(``row``, a :func:`leaf_row`, read in memory order; the byte offset of
     its first element from the array's address): the contiguous row at the
@@ -476,25 +430,6 @@ def memory_order_rows(words) -> np.ndarray:
         out[i, 0] += start
         out[i, 1:] = row
     return out
-
-
-def fast_division(d: int) -> tuple[int, int]:
-    """(magic, shift) with ``i // d == (i * magic >> 64) >> shift`` for every
-    0 <= i < 2**63 and 2 <= d < 2**63: the kernels' division by a dim's length.
-
-    Granlund and Montgomery's theorem 4.2 with N = 63 and l = ceil(log2 d)
-    (https://gmplib.org/~tege/divcnst-pldi94.pdf): m = floor(2**(63+l) / d) + 1
-    has 2**(63+l) < m*d <= 2**(63+l) + 2**l, so floor(i*m / 2**(63+l)) is
-    i // d; m < 2**64 fits the kernels' unsigned 64-bit word.
-
-    >>> m, s = fast_division(3)
-    >>> [(i * m >> 64) >> s for i in (0, 2, 3, 2**63 - 1)] == [0, 0, 1, (2**63 - 1) // 3]
-    True
-    """
-    if not 2 <= d < 1 << 63:
-        raise ValueError(f"d: expected 2 <= d < 2**63, got {d}")
-    lg = (d - 1).bit_length()
-    return (1 << (63 + lg)) // d + 1, lg - 1
 
 
 def _leaf_rows(st, plan, arrays, slots, runtime, memory_order=False) -> np.ndarray:

@@ -38,7 +38,8 @@ import numpy as np
 
 from gpuflat import host_compiler
 from gpuflat.dtypes import TAGS, when_bfloat16
-from gpuflat.kernel_loader import NORM_KINDS, kernel_dir, norm_kind
+from gpuflat.kernel_loader import kernel_dir
+from gpuflat.layout import NORM_KINDS, norm_kind, rule_id
 
 from .numpy_backend import HostMemory, NumpyBackend
 from .protocol import LeafRows, NormResult, OneSourcePerSlot, Recorded
@@ -306,13 +307,10 @@ class HostBackend(HostMemory):
         ptr = _address
         tag = TAGS[params.dtype]
         s1 = ptr(states[1]) if len(states) > 1 else None
-        lib.gf_host_optim_step(OPTIM_RULES.index(rule), tag, ptr(plan.offsets), len(plan.leaves),
+        lib.gf_host_optim_step(rule_id(rule), tag, ptr(plan.offsets), len(plan.leaves),
                                ptr(slot_group), ptr(hyper), ptr(steps), ptr(params), ptr(grads),
                                ptr(states[0]), s1, None if total is None else ptr(total),
                                float(max_norm), float(eps), ptr(amp), self.threads)
-
-
-OPTIM_RULES = ("adamw", "sgd")  # kernels/host/host_optim.cpp's rule numbers
 
 
 def _address(a) -> int:

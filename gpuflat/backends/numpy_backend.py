@@ -17,6 +17,8 @@ import weakref
 
 import numpy as np
 
+from gpuflat.dtypes import cast_copy
+from gpuflat.layout import HYPER
 from gpuflat.memory_order import in_memory_order
 
 from .protocol import NormResult
@@ -304,51 +306,6 @@ def _first_nonfinite(leaves) -> int:
             return i
     return -1
 
-
-def cast_copy(target, source):
-    """target[...] = source, rounded once into ``target``'s dtype (as the kernels round).
-
-    >>> import ml_dtypes
-    >>> out = np.empty(1, ml_dtypes.bfloat16)
-    >>> cast_copy(out, np.array([1 + 2.0**-8 + 2.0**-40])); float(out[0])
-    1.0078125
-    """
-    # Complex to real keeps the real part, as the kernels do (and without NumPy's warning).
-    if source.dtype.kind == "c" and target.dtype.kind != "c":
-        source = source.real
-    if target.dtype.itemsize == 2 and source.dtype == np.float64:
-        source = _float32_rounded_to_odd(source)
-    # Past a 16-bit dtype's range the value becomes inf, as in the kernels, silently.
-    with np.errstate(over="ignore"):
-        np.copyto(target, source, casting="unsafe")
-
-
-def _float32_rounded_to_odd(x):
-    """``x`` (float64) rounded to float32 towards the neighbour whose last bit is odd.
-
-    ml_dtypes converts float64 to bfloat16 through float32, rounding twice.
-    Rounding to odd first keeps the sticky information of the dropped bits
-    in float32's last bit, so the second rounding (to nearest even, into 16
-    bits) gives the correctly rounded result, as the kernels' one rounding
-    does (Boldo and Melquiond, "Emulation of FMA and correctly rounded sums:
-    proved algorithms using rounding to odd",
-    https://doi.org/10.1109/TC.2007.70819).
-
-    >>> import numpy as np
-    >>> _float32_rounded_to_odd(np.array([1.0, 1 + 2.0**-40, 1e300]))
-    array([1.0000000e+00, 1.0000001e+00, 3.4028235e+38], dtype=float32)
-    """
-    with np.errstate(over="ignore", invalid="ignore"):
-        nearest = np.asarray(x, np.float32)
-        inexact = (nearest.astype(np.float64) != x) & ~np.isnan(x)
-    even = inexact & ((nearest.view(np.uint32) & 1) == 0)
-    if even.any():
-        toward = np.where(nearest[even] < x[even], np.float32(np.inf), np.float32(-np.inf))
-        nearest[even] = np.nextafter(nearest[even], toward)
-    return nearest
-
-
-HYPER = 5  # doubles per parameter group in the hyperparameter table (kernels/gpuflat_optim.cuh)
 
 
 def _clip_factor(total, max_norm, eps):

@@ -44,7 +44,7 @@
 
 namespace {
 
-constexpr long long ITEM = 4096;  // elements per work item: gpuflat.backends.cuda.ITEM
+constexpr long long ITEM = 4096;  // elements per work item: gpuflat.layout.ITEM
 // Below this many elements per thread, starting a thread costs more than it
 // saves: a start costs tens of microseconds on an idle machine, and
 // milliseconds when other processes hold the cores, while 2M elements are a

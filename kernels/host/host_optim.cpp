@@ -18,7 +18,7 @@
 
 namespace {
 
-constexpr long long ITEM = 4096;  // elements per work item: gpuflat.backends.cuda.ITEM
+constexpr long long ITEM = 4096;  // elements per work item: gpuflat.layout.ITEM
 // Below this many elements per thread, starting a thread costs more than it saves.
 constexpr long long MIN_WORK_PER_THREAD = 1 << 20;
 

@@ -1,0 +1,147 @@
+"""Every fact the kernels and the native host libraries share with Python.
+
+The CUDA kernels (``kernels/*.cu``, ``*.cuh``) and the host libraries
+(``kernels/host/*.cpp``) read tables that Python writes: the dtype tags of
+their rows, the words of a leaf row and of a work item, the hyperparameter
+row of an optimizer, the numbers of the norm kinds and optimizer rules, the
+block sizes whose trees fix a sum's bits. Each of those facts is written
+here once; the C++ side spells them out again (it cannot import Python),
+and tests/test_layout.py reads every such constant back from the sources and
+fails when one drifts from this module.
+
+>>> LEAF_ROW_WORDS, ITEM_WORDS, HYPER
+(29, 4, 5)
+>>> leaf_row((2, 3), (24, 8), "float64")[:3]
+[3, 0, 6]
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+# The dtypes of the kernel tables: (tag, NumPy name, C++ type in kernels/,
+# bytes). The kernels' gf_dispatch and the host libraries switch on the tag;
+# gpuflat.dtypes maps NumPy's dtypes onto these rows.
+DTYPES = (
+    (0, "float16", "f16", 2),
+    (1, "bfloat16", "bf16", 2),
+    (2, "float32", "float", 4),
+    (3, "float64", "double", 8),
+    (4, "complex64", "c64", 8),
+    (5, "complex128", "c128", 16),
+)
+TAG_OF_NAME = {name: tag for tag, name, _, _ in DTYPES}
+C_NAMES = tuple(c_name for _, _, c_name, _ in DTYPES)
+ITEMSIZES = tuple(size for _, _, _, size in DTYPES)
+
+# Elements per work item. A multiple of 32 lanes * 8 elements per 16-byte
+# vector, so every item of a leaf starts as aligned as the leaf itself. The
+# norm partials are per item, so this constant is part of the summation order.
+ITEM = 4096
+# A work item's int64 words: slot, start, length, flat offset (struct Item).
+ITEM_WORDS = 4
+# Dimensions a strided leaf may keep after merging what its strides allow.
+MAX_DIMS = 8
+# A leaf table row's int64 words (struct LeafRef): address, tag, ndim, size,
+# then shape, byte strides and division magic numbers of MAX_DIMS each, then
+# the packed shifts. leaf_row gives all but the address.
+LEAF_ROW_WORDS = 5 + 3 * MAX_DIMS
+# Threads per block of the grid-stride kernels, and the blocks per SM their
+# __launch_bounds__ ask for (256 * 4 threads at 64 registers fill an SM).
+BLOCK_THREADS = 256
+MIN_BLOCKS_PER_SM = 4
+# Threads of the single block that finishes a norm: its reduction tree, and
+# so the bits of the result, depend on it.
+FINISH_THREADS = 256
+# A slot with more work items than this is summed by the whole finishing
+# block; smaller ones by one thread, in item order.
+SMALL_SLOT_ITEMS = 16
+
+# Norm kinds, the template argument of the norm kernels and the kind the host
+# library takes (GF_NORM_* in kernels/gpuflat_math.cuh).
+NORM_KINDS = {"l1": 0, "l2": 1, "inf": 2, "p": 3}
+
+# The optimizer rules, numbered by their place here (the host library's rule
+# argument), each with the fields of its hyperparameter row in order: HYPER
+# doubles per parameter group (GF_HYPER in kernels/gpuflat_optim.cuh).
+OPTIM_RULES = {
+    "adamw": ("lr", "weight_decay", "beta1", "beta2", "eps"),
+    "sgd": ("lr", "weight_decay", "momentum", "dampening", "nesterov"),
+}
+HYPER = 5
+# The buffer dtypes the optimizer kernels are instantiated for: every real
+# floating one (complex parameters are refused).
+OPTIM_DTYPES = ("f16", "bf16", "float", "double")
+
+
+def norm_kind(p: float) -> str:
+    """The kind of ``NORM_KINDS`` that computes the ``p``-norm (a checked order).
+
+    >>> norm_kind(1.0), norm_kind(2.0), norm_kind(float("inf")), norm_kind(3.0)
+    ('l1', 'l2', 'inf', 'p')
+    """
+    return {1.0: "l1", 2.0: "l2", float("inf"): "inf"}.get(p, "p")
+
+
+def rule_id(rule: str) -> int:
+    """The number of an optimizer rule in the kernels and host library.
+
+    >>> rule_id("sgd")
+    1
+    """
+    return list(OPTIM_RULES).index(rule)
+
+
+@lru_cache(maxsize=4096)
+def leaf_row(shape, strides, dtype):
+    """The table row of an array but its address (``strides`` in bytes); None
+    if it keeps too many dims.
+
+    Size-1 dims are dropped and adjacent dims merged where the strides allow,
+    so a transposed matrix keeps 2 dims and any C-contiguous array none
+    (ndim 0 marks the contiguous fast path).
+
+    >>> leaf_row((2, 3), (24, 8), np.float64)[:3], leaf_row((2, 3), (8, 16), np.float64)[:5]
+    ([3, 0, 6], [3, 2, 6, 2, 3])
+    """
+    size = int(np.prod(shape, dtype=np.int64))
+    dims = []
+    if size > 0:
+        for n, s in zip(shape, strides):
+            if n == 1:
+                continue
+            if dims and dims[-1][1] == s * n:
+                dims[-1] = (dims[-1][0] * n, s)
+            else:
+                dims.append((n, s))
+    dtype = np.dtype(dtype)
+    if size == 0 or not dims or (len(dims) == 1 and dims[0][1] == dtype.itemsize):
+        dims = []
+    if len(dims) > MAX_DIMS:
+        return None
+    pad = [0] * (MAX_DIMS - len(dims))
+    # The outermost dim is never divided by (its index is what remains).
+    magic, shifts = zip(*[fast_division(n) if d else (0, 0) for d, (n, _) in enumerate(dims)]) if dims else ((), ())
+    return ([TAG_OF_NAME[dtype.name], len(dims), size] + [n for n, _ in dims] + pad
+            + [s for _, s in dims] + pad + [m - (1 << 64) if m >= 1 << 63 else m for m in magic] + pad
+            + [sum(k << (8 * d) for d, k in enumerate(shifts))])
+
+
+def fast_division(d: int) -> tuple[int, int]:
+    """(magic, shift) with ``i // d == (i * magic >> 64) >> shift`` for every
+    0 <= i < 2**63 and 2 <= d < 2**63: the kernels' division by a dim's length.
+
+    Granlund and Montgomery's theorem 4.2 with N = 63 and l = ceil(log2 d)
+    (https://gmplib.org/~tege/divcnst-pldi94.pdf): m = floor(2**(63+l) / d) + 1
+    has 2**(63+l) < m*d <= 2**(63+l) + 2**l, so floor(i*m / 2**(63+l)) is
+    i // d; m < 2**64 fits the kernels' unsigned 64-bit word.
+
+    >>> m, s = fast_division(3)
+    >>> [(i * m >> 64) >> s for i in (0, 2, 3, 2**63 - 1)] == [0, 0, 1, (2**63 - 1) // 3]
+    True
+    """
+    if not 2 <= d < 1 << 63:
+        raise ValueError(f"d: expected 2 <= d < 2**63, got {d}")
+    lg = (d - 1).bit_length()
+    return (1 << (63 + lg)) // d + 1, lg - 1

@@ -1,0 +1,111 @@
+"""gpuflat.layout against the C++ that mirrors it: every constant the kernels
+and the host libraries spell out again is read back from their sources here,
+so a drift on either side fails."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from gpuflat import dtypes, layout
+from gpuflat import kernel_loader as kl
+
+SOURCES = {**kl.sources(), **{f"host/{p.name}": p.read_text() for p in (kl.kernel_dir() / "host").glob("*.cpp")}}
+# The value literal each kernel dispatch case passes for a C++ type.
+_LITERAL_TYPE = {"0.0f": "float", "0.0": "double"}
+
+
+def _defines(name: str) -> dict:
+    return {k: int(v) for k, v in re.findall(r"^#define (GF_\w+) (\d+)", SOURCES[name], re.M)}
+
+
+def _struct_words(name: str) -> int:
+    """The int64 words of a struct of kernels/gpuflat_common.cuh, arrays counted by their length."""
+    body = re.search(rf"struct {name} \{{(.*?)\n\}};", SOURCES["gpuflat_common.cuh"], re.S).group(1)
+    words = 0
+    for fields in re.findall(r"^\s*(?:unsigned )?long long ([^;]+);", body, re.M):
+        for field in fields.split(","):
+            length = re.search(r"\[(\w+)\]", field)
+            words += 1 if length is None else {"GF_MAX_DIMS": layout.MAX_DIMS}[length.group(1)]
+    return words
+
+
+def test_the_block_constants_are_the_headers():
+    defines = _defines("gpuflat_common.cuh")
+    assert defines["GF_MAX_DIMS"] == layout.MAX_DIMS
+    assert defines["GF_BLOCK_THREADS"] == layout.BLOCK_THREADS
+    assert defines["GF_MIN_BLOCKS_PER_SM"] == layout.MIN_BLOCKS_PER_SM
+    assert defines["GF_FINISH_THREADS"] == layout.FINISH_THREADS
+    assert defines["GF_SMALL_SLOT_ITEMS"] == layout.SMALL_SLOT_ITEMS
+
+
+def test_the_table_rows_are_the_kernels_structs():
+    assert _struct_words("LeafRef") == layout.LEAF_ROW_WORDS
+    assert _struct_words("Item") == layout.ITEM_WORDS
+    row = layout.leaf_row((4, 3), (8, 64), np.float64)
+    assert len(row) == layout.LEAF_ROW_WORDS - 1  # all but the address
+
+
+def test_the_kernels_dispatch_each_tag_to_its_type():
+    cases = re.findall(r"case (\d+): f\(([\w.]+?)(?:\{\})?\); break;", SOURCES["gpuflat_common.cuh"])
+    found = {int(tag): _LITERAL_TYPE.get(value, value) for tag, value in cases}
+    assert found == {tag: c_name for tag, _, c_name, _ in layout.DTYPES}
+
+
+def test_the_host_library_reads_each_tag():
+    source = SOURCES["host/host_backend.cpp"]
+    numpy_names = {"NPY_HALF": "float16", "NPY_FLOAT": "float32", "NPY_DOUBLE": "float64",
+                   "NPY_CFLOAT": "complex64", "NPY_CDOUBLE": "complex128"}
+    cases = dict(re.findall(r"case (NPY_\w+): return (\d+);", source))
+    assert {numpy_names[k]: int(v) for k, v in cases.items()} == \
+        {name: tag for name, tag in layout.TAG_OF_NAME.items() if name != "bfloat16"}
+    assert f"num == g_bfloat16_num ? {layout.TAG_OF_NAME['bfloat16']}" in source
+    sizes = re.search(r"static const long long sizes\[\] = \{([\d, ]+)\};", source).group(1)
+    assert tuple(int(s) for s in sizes.split(",")) == layout.ITEMSIZES
+
+
+@pytest.mark.parametrize("name", ["host/host_backend.cpp", "host/host_optim.cpp"])
+def test_the_host_libraries_work_item_is_the_layouts(name):
+    assert re.search(r"constexpr long long ITEM = (\d+);", SOURCES[name]).group(1) == str(layout.ITEM)
+    # Every item of a leaf starts as aligned as the leaf: 32 lanes of 16-byte vectors of 2-byte elements.
+    assert layout.ITEM % (32 * 8) == 0
+
+
+def test_the_norm_kinds_are_the_kernels():
+    defines = _defines("gpuflat_math.cuh")
+    assert {k.removeprefix("GF_NORM_").lower(): v for k, v in defines.items() if k.startswith("GF_NORM_")} \
+        == layout.NORM_KINDS
+
+
+def test_the_optimizer_rows_and_rules_are_the_kernels():
+    assert _defines("gpuflat_optim.cuh")["GF_HYPER"] == layout.HYPER
+    assert all(len(fields) == layout.HYPER for fields in layout.OPTIM_RULES.values())
+    host = SOURCES["host/host_optim.cpp"]
+    numbered = dict(re.findall(r"(\d+): (\w+) \(states", host))
+    assert {int(k): v.lower() for k, v in numbered.items()} == {layout.rule_id(r): r for r in layout.OPTIM_RULES}
+    assert f"if (rule == {layout.rule_id('adamw')}) adamw<S>" in host
+    assert set(layout.OPTIM_DTYPES) <= set(layout.C_NAMES)
+
+
+def test_the_numpy_dtypes_follow_the_rows():
+    for tag, name, c_name, size in layout.DTYPES:
+        dtype = dtypes.dtype_of_tag(tag)
+        assert (dtype.name, dtype.itemsize, dtypes.TAGS[dtype], dtypes.c_name(dtype)) == (name, size, tag, c_name)
+
+
+def test_fast_division_is_exact_for_every_index_below_two_to_the_63():
+    # The kernels divide strided indices by each dim's length with these
+    # magic numbers; check the edges of the range and random indices.
+    rng = np.random.default_rng(12)
+    top = 2**63 - 1
+    divisors = [2, 3, 5, 7, 10, 641, 2**31, 2**32 - 1, 2**32 + 1, 2**62, top]
+    divisors += [int(d) for d in rng.integers(2, 2**62, 200)] + [int(d) for d in rng.integers(2, 5000, 200)]
+    for d in divisors:
+        m, s = layout.fast_division(d)
+        assert 0 < m < 2**64 and 0 <= s < 63
+        for i in [0, 1, d - 1, d, d + 1, top - 1, top, top - top % d, top - top % d - 1] + [
+                int(x) for x in rng.integers(0, top, 50, dtype=np.int64)]:
+            assert (i * m >> 64) >> s == i // d, (i, d)
+    with pytest.raises(ValueError, match=r"expected 2 <= d < 2\*\*63, got 1"):
+        layout.fast_division(1)
