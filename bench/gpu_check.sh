@@ -97,11 +97,10 @@ command -v "${GPUFLAT_CXX:-g++}" >/dev/null ||
 timeout "$COMPILE_TIMEOUT" "$PY" - >"$OUT/host-builds.log" 2>&1 <<'PYEOF' &
 import time
 began = time.perf_counter()
-from gpuflat import emulator, tensor_facts
-from gpuflat.backends import host
+from gpuflat import emulator, native, tensor_facts
 emulator.kernels_library()
 print("emulator built")
-for name, reason in (("host backend", host.unavailable_reason()), ("tensor facts", tensor_facts.unavailable_reason())):
+for name, reason in (("host backend", native.unavailable_reason()), ("tensor facts", tensor_facts.unavailable_reason())):
     print(name, "built" if reason is None else f"NOT BUILT: {reason[:2000]}")
 print(f"in {time.perf_counter() - began:.1f} s")
 PYEOF

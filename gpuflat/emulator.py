@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from gpuflat import host_compiler, kernel_loader
+from gpuflat.errors import BuildError, EmulatorBuildError, KernelError, UnknownKernelError
 
-__all__ = ["EmulatorBuildError", "EmulatorError", "EmulatorLibrary", "KernelError", "UnknownKernelError",
-           "load_library"]
+__all__ = ["EmulatorLibrary", "load_library"]
 
 CXX_FLAGS = (
     "-O2",
@@ -48,22 +48,6 @@ CXX_FLAGS = (
 _UNKNOWN_KERNEL = 1
 
 _MAX_BLOCK = 1024
-
-
-class EmulatorError(RuntimeError):
-    """Base class of the emulator's errors."""
-
-
-class EmulatorBuildError(EmulatorError, host_compiler.BuildError):
-    """g++ rejected the kernel sources; ``stderr`` holds its message."""
-
-
-class UnknownKernelError(EmulatorError, LookupError):
-    """The name expression is not one the library was built with."""
-
-
-class KernelError(EmulatorError):
-    """A launch failed: a trap or assert in a kernel, or a deadlock."""
 
 
 def _generated_source(sources: dict[str, str], name_expressions: list[str]) -> str:
@@ -89,7 +73,7 @@ def load_library(sources: dict[str, str], name_expressions: list[str], name: str
     found by their names. ``name_expressions`` are the kernels to launch, as
     for NVRTC (``"gather<float>"``). ``name`` names the library file; the
     build is cached by the hash of everything that goes into it
-    (``gpuflat.host_compiler``). Raises :class:`EmulatorBuildError` with
+    (``gpuflat.host_compiler``). Raises :class:`~gpuflat.errors.EmulatorBuildError` with
     g++'s message when the sources do not compile.
 
     >>> src = '''
@@ -108,7 +92,7 @@ def load_library(sources: dict[str, str], name_expressions: list[str], name: str
         path = host_compiler.build_library(
             name, _generated_source(sources, list(name_expressions)),
             flags=CXX_FLAGS + ("-include", str(header)), key_parts=[header.read_text()], files=sources)
-    except host_compiler.BuildError as exc:
+    except BuildError as exc:
         raise EmulatorBuildError(f"g++ failed to build the emulated kernels: {exc}", exc.stderr) from None
     return host_compiler.load(path, EmulatorLibrary)
 
@@ -219,9 +203,9 @@ class EmulatorLibrary:
 
         Returns when every block has run. ``args`` are NumPy scalars matching
         the kernel's parameters (pointers as ``np.uint64``). Raises
-        :class:`UnknownKernelError` for a name the library was not built
+        :class:`~gpuflat.errors.UnknownKernelError` for a name the library was not built
         with, ``TypeError`` for mismatched arguments, ``ValueError`` for a
-        bad configuration and :class:`KernelError` when the kernel traps,
+        bad configuration and :class:`~gpuflat.errors.KernelError` when the kernel traps,
         asserts or deadlocks.
 
         >>> lib = load_library({"iota.cu": '''

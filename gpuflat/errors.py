@@ -1,4 +1,9 @@
-"""The exceptions gpuflat raises; each message names the leaf path and both values."""
+"""Every exception class gpuflat raises; each message names what was
+expected and what was found (and the leaf path, where there is one).
+
+This module imports nothing of gpuflat's, so every module, down to the
+lowest (``gpuflat.host_compiler``), can raise from it without a cycle.
+"""
 
 
 class TreeMismatchError(ValueError):
@@ -126,4 +131,53 @@ class CollectiveError(RuntimeError):
     Traceback (most recent call last):
     ...
     gpuflat.errors.CollectiveError: rank 0 of 2: the all-reduce failed
+    """
+
+
+class BuildError(RuntimeError):
+    """The C++ compiler rejected the sources (or could not run); ``stderr`` holds its message.
+
+    >>> err = BuildError("g++ failed to build demo (exit 1)", "demo.cpp:1: error: expected ';'")
+    >>> str(err), err.stderr
+    ('g++ failed to build demo (exit 1)', "demo.cpp:1: error: expected ';'")
+    """
+
+    def __init__(self, message: str, stderr: str = ""):
+        super().__init__(message)
+        self.stderr = stderr
+
+
+class EmulatorError(RuntimeError):
+    """Base class of the errors of the kernels run on the host (``gpuflat.emulator``).
+
+    >>> issubclass(KernelError, EmulatorError), issubclass(EmulatorBuildError, EmulatorError)
+    (True, True)
+    """
+
+
+class EmulatorBuildError(EmulatorError, BuildError):
+    """g++ rejected the kernel sources; ``stderr`` holds its message.
+
+    >>> issubclass(EmulatorBuildError, BuildError)
+    True
+    """
+
+
+class UnknownKernelError(EmulatorError, LookupError):
+    """The name expression is not one the library was built with.
+
+    >>> raise UnknownKernelError("kernel 'k<float>' is not in the emulator library demo.so (it has: k<double>)")
+    Traceback (most recent call last):
+    ...
+    gpuflat.errors.UnknownKernelError: kernel 'k<float>' is not in the emulator library demo.so (it has: k<double>)
+    """
+
+
+class KernelError(EmulatorError):
+    """A launch failed: a trap or assert in a kernel, or a deadlock.
+
+    >>> raise KernelError("kernel 'k', block 1, thread 5: __trap()")
+    Traceback (most recent call last):
+    ...
+    gpuflat.errors.KernelError: kernel 'k', block 1, thread 5: __trap()
     """

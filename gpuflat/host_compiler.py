@@ -32,12 +32,14 @@ import threading
 import time
 from pathlib import Path
 
+from gpuflat.errors import BuildError
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX: builds run unlocked
     fcntl = None
 
-__all__ = ["BuildError", "build_library", "build_once", "cache_dir", "cache_root", "compiler", "digest", "load",
+__all__ = ["build_library", "build_once", "cache_dir", "cache_root", "compiler", "digest", "load",
            "logger", "tree_digest"]
 
 # gpuflat's logger. A first-use build blocks its caller for seconds to
@@ -66,14 +68,6 @@ LOCK_WAIT_SECONDS = 900.0
 
 # Every library is position-independent and shared; the caller adds the rest.
 BASE_FLAGS = ("-shared", "-fPIC")
-
-
-class BuildError(RuntimeError):
-    """The compiler rejected the sources (or could not run); ``stderr`` holds its message."""
-
-    def __init__(self, message: str, stderr: str = ""):
-        super().__init__(message)
-        self.stderr = stderr
 
 
 def compiler() -> str:
@@ -193,12 +187,12 @@ def build_library(name: str, main_source: str, include_dirs=(), flags=(), key_pa
     "name"`` finds them; they are hashed). The library is kept under
     :func:`cache_dir` as ``<name>-<hash>.so``, the hash covering the
     compiler and its version, the flags, the sources and ``key_parts``.
-    Raises :class:`BuildError` with the compiler's message on failure.
+    Raises :class:`~gpuflat.errors.BuildError` with the compiler's message on failure.
 
     >>> build_library("doctest-bad", "int f() { return }")
     Traceback (most recent call last):
     ...
-    gpuflat.host_compiler.BuildError: g++ failed to build doctest-bad (exit 1):
+    gpuflat.errors.BuildError: g++ failed to build doctest-bad (exit 1):
     ...
     """
     files = dict(files or {})

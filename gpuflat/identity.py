@@ -43,6 +43,26 @@ class SameArrays:
                 and all(map(operator.is_, map(_deref, refs), arrays)))
 
 
+class Recorded(list):
+    """Arrays that a recorded tree (``gpuflat.seen``) found unchanged in this
+    call. ``token`` names exactly these arrays, at the addresses and with the
+    dtypes, shapes, strides and flags they had when first read, for the life
+    of the process (a token is never given twice); a backend may keep what it
+    read from them under it and skip reading them again.
+
+    It lives here, beneath both the recorded trees that make it and the
+    backends that read it: a token is an identity of arrays, recognised again.
+
+    >>> import numpy as np
+    >>> arrays = Recorded([np.ones(2)])
+    >>> arrays.token = 7
+    >>> len(arrays), arrays.token
+    (1, 7)
+    """
+
+    __slots__ = ("token",)
+
+
 class Layout:
     """What NumPy lets a caller change in place about a list of arrays,
     besides their shapes and dtypes: their flags (writable, contiguous)

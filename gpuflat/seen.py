@@ -26,9 +26,8 @@ import numpy as np
 from . import flatplan
 from . import tree as _tree
 from .dtypes import TAGS
-from .backends.host import array_facts
-from .backends.protocol import Recorded
-from .identity import Layout
+from .identity import Layout, Recorded
+from .native import array_facts
 
 _shape, _dtype = attrgetter("shape"), attrgetter("dtype")
 

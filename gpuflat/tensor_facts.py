@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from . import host_compiler
+from .errors import BuildError
 from .kernel_loader import kernel_dir
 
 __all__ = ["CONTIGUOUS", "DTYPES", "LAZY_VIEW", "PLAIN", "available", "device_keys", "dtype_codes", "gradients",
@@ -187,7 +188,7 @@ def _load():
             flags=flags,
             key_parts=(torch.__version__, str(torch_lib)))
         lib = host_compiler.load(path, ctypes.PyDLL)
-    except (host_compiler.BuildError, OSError) as exc:
+    except (BuildError, OSError) as exc:
         return None, str(exc)
     obj = ctypes.py_object
     lib.gf_tensor_facts_init.argtypes = [obj, obj, obj]

@@ -66,7 +66,7 @@ def backend(request):
     """Every backend that runs without a GPU: "numpy", "host" (the native C++
     path) and "emulated" (the CUDA kernels on the host)."""
     if request.param == "host":
-        from gpuflat.backends.host import available
+        from gpuflat.native import available
 
         # The native path must build wherever the tests run (g++ and the
         # Python headers are test requirements): a silent NumPy fallback

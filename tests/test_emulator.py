@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from gpuflat import emulator, host_compiler
-from gpuflat.emulator import EmulatorBuildError, KernelError, UnknownKernelError
+from gpuflat.errors import EmulatorBuildError, KernelError, UnknownKernelError
 
 FULL = "0xffffffffu"
 

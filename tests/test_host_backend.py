@@ -3,14 +3,17 @@ kernels' summation order, the NumPy backend, and the emulated CUDA backend."""
 from __future__ import annotations
 
 import math
-import re
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 import gpuflat as gf
 from gpuflat.backends import get_backend
-from gpuflat.backends.host import HostBackend, available, unavailable_reason
+from gpuflat.backends.host import HostBackend
+from gpuflat.native import available, unavailable_reason
 
 from conftest import (BF16, DTYPE_IDS, DTYPES, assert_bits_equal, random_array, read_order_copy, strided_variant,
                       torch_scaled)
@@ -524,8 +527,44 @@ def test_gather_names_the_slot_of_an_unreadable_source_and_writes_nothing():
     assert_bits_equal(out, np.full(plan.size, 7.0, np.float32))
 
 
+def test_the_optimizer_step_refuses_a_dtype_it_has_no_update_for():
+    p = np.ones(3, np.complex64)
+    g, m, v = p.copy(), np.zeros(3, np.complex64), np.zeros(3, np.complex64)
+    hyper = np.array([0.1, 0.0, 0.9, 0.999, 1e-8])
+    with pytest.raises(TypeError, match=r"expected buffers of a real floating dtype \(float16, bfloat16, float32, "
+                                        r"float64\), found complex64"):
+        HostBackend().step_("adamw", gf.plan([p]), p, g, (m, v), np.zeros(1, np.int64), hyper, np.ones(1), None,
+                            0.0, 0.0, np.array([1.0, 0.0]))
+    assert p.tolist() == [1.0, 1.0, 1.0]
+
+
+# A process whose C++ compiler does not exist: the default falls back to
+# NumPy, an explicit backend="host" says why it cannot run.
+_NO_COMPILER = r"""
+import numpy as np, gpuflat as gf
+from gpuflat.backends.selection import host_default
+tree = {"w": np.array([3.0, 4.0])}
+print(host_default(), float(gf.global_norm(tree)))
+try:
+    gf.global_norm(tree, backend="host")
+except RuntimeError as err:
+    print(err)
+"""
+
+
+def test_an_explicit_host_backend_that_cannot_be_built_says_why(tmp_path):
+    env = {**os.environ, "GPUFLAT_CXX": str(tmp_path / "no-such-g++"), "GPUFLAT_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", _NO_COMPILER], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    default, message = proc.stdout.split("\n", 1)
+    assert default == "numpy 5.0"
+    assert message.startswith('backend="host": expected gpuflat\'s native host library, but it cannot be built')
+    assert 'backend="numpy" is the portable choice' in message
+    assert f"cannot run the C++ compiler {str(tmp_path / 'no-such-g++')!r}" in message
+
+
 def _recorded_list(arrays, token):
-    from gpuflat.backends.protocol import Recorded
+    from gpuflat.identity import Recorded
 
     out = Recorded(arrays)
     out.token = token

@@ -1,5 +1,8 @@
-"""The house's drawing, checked: every import inside gpuflat points down its
-layers, no module imports the package itself, and no imports form a circle.
+"""The house's drawing, checked: the layer map is the README's table (under
+"How the package is built", its one source); every import inside gpuflat
+points down its layers, only gpuflat.backends imports a backend's
+implementation, no module imports the package itself, and no imports form a
+circle.
 
 The imports are read from the source (every ``import`` statement, including
 the ones inside functions), so a lazy import that points back up fails here
@@ -15,31 +18,38 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gpuflat"
+README = PACKAGE.parent / "README.md"
 
-# Lowest first. A module may import modules of its own layer or below.
-LAYERS = [
-    # Facts with no gpuflat imports.
-    ["errors", "layout", "identity", "overlap", "host_compiler", "memory_order"],
-    ["dtypes"],
-    # Arrays of every kind, the kernel sources, the backend contract, PyTorch tensors' facts.
-    ["arrays", "dtensor", "kernel_loader", "backends.protocol", "tensor_facts"],
-    # The tree walk, the emulator, the NumPy reference.
-    ["tree", "emulator", "backends.numpy_backend"],
-    # Plans, trees walked before; the devices and the backends that launch on them.
-    ["flatplan", "seen", "backends.cuda_runtime", "backends.host", "backends.cuda"],
-    ["backends.selection", "backends", "checks"],
-    # The binding layer every front end goes through.
-    ["binding", "torch_params", "tensor_table"],
-    # Reductions over ranks, which the operations use for DTensors.
-    ["distributed"],
-    ["ops"],
-    # Front ends.
-    ["residency", "optim"],
-    ["torch_optim"],
-    ["torch"],
-    # The package and the deprecated aliases of moved modules.
-    ["__init__", "runtime", "backends.base"],
-]
+# The modules that implement a backend: only gpuflat.backends may import them.
+IMPLEMENTATIONS = {"backends.cuda", "backends.cuda_runtime", "backends.host", "backends.numpy_backend"}
+# gpuflat.runtime is the deprecated name of backends.cuda_runtime, so it imports it.
+ALIASES = {"runtime"}
+
+
+def readme_layers(text):
+    """The layers of the table under "## How the package is built", lowest first.
+
+    The table lists the highest layer first. A row names its layer, its
+    modules in backticks (``gpuflat.`` optional; ``gpuflat`` itself is the
+    package, ``__init__``) and what they are; a row with an empty layer cell
+    belongs to the layer above it.
+    """
+    section = text.split("## How the package is built", 1)[1].split("\n## ", 1)[0]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("|")]
+    assert rows[0] == ["layer", "modules", "what they are"], f"expected the layer table's header, found {rows[0]}"
+    layers = []
+    for layer, modules, _ in rows[2:]:
+        names = ["__init__" if m == "gpuflat" else m.removeprefix("gpuflat.") for m in modules.split("`")[1::2]]
+        if layer:
+            layers.append(names)
+        else:
+            assert layers, f"expected the first row to name its layer, found {modules!r} without one"
+            layers[-1] += names
+    return layers[::-1]
+
+
+LAYERS = readme_layers(README.read_text())
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
@@ -84,9 +94,26 @@ def _target(parts):
     return name if name in LAYER else ".".join(parts[:-1]) or "__init__"
 
 
-def test_every_module_has_a_layer():
+def test_every_module_has_one_row():
     assert sorted(set(module_names()) - set(LAYER)) == []
     assert sorted(set(LAYER) - set(module_names())) == []
+    named = [name for names in LAYERS for name in names]
+    assert sorted({n for n in named if named.count(n) > 1}) == []
+
+
+def test_the_table_is_read_lowest_layer_first():
+    table = """## How the package is built
+
+| layer | modules | what they are |
+|---|---|---|
+| top | `gpuflat`, `gpuflat.ops` | the package; the operations |
+| middle | `tree` | the walk |
+| | `backends.protocol` | the contract |
+| bottom | `errors` | the exceptions |
+
+## Next
+"""
+    assert readme_layers(table) == [["errors"], ["tree", "backends.protocol"], ["__init__", "ops"]]
 
 
 @pytest.mark.parametrize("name", sorted(LAYER))
@@ -94,6 +121,13 @@ def test_imports_point_down(name):
     up = [(target, line) for target, line in imports_of(name)
           if target != name and LAYER[target] > LAYER[name]]
     assert up == [], f"gpuflat.{name} imports from a higher layer: {up}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in LAYER if not n.startswith("backends") and n not in ALIASES))
+def test_front_ends_reach_a_backend_through_selection_and_protocol(name):
+    reached = sorted({target for target, _ in imports_of(name)} & IMPLEMENTATIONS)
+    assert reached == [], (f"gpuflat.{name}: expected backends through gpuflat.backends.selection and "
+                           f"gpuflat.backends.protocol, found imports of {reached}")
 
 
 @pytest.mark.parametrize("name", sorted(set(LAYER) - {"__init__"}))
@@ -148,12 +182,3 @@ def test_moved_modules_keep_a_deprecated_alias(old, new, name):
         alias = importlib.import_module(old)
     assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught)
     assert getattr(alias, name) is getattr(importlib.import_module(new), name)
-
-
-def test_the_readme_map_names_every_module():
-    readme = (PACKAGE.parent / "README.md").read_text()
-    section = readme.split("## How the package is built", 1)[1].split("\n## ", 1)[0]
-    rows = [line.split("|")[2] for line in section.splitlines() if line.startswith("| ") and "`" in line]
-    mapped = {name.removeprefix("gpuflat.") for row in rows for name in row.split("`")[1::2]}
-    modules = set(LAYER) - {"__init__", "backends", "runtime", "backends.base"}
-    assert mapped == modules

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import gpuflat as gf
-from gpuflat.backends import NormResult, get_backend
+from gpuflat.backends import Backend, NormResult, get_backend
 from gpuflat.backends.numpy_backend import PIECE
 
 from conftest import (BF16, DTYPES, DTYPE_IDS, assert_bits_equal, cast, exact_norm, random_array, rel_err,
@@ -20,6 +20,13 @@ def test_numpy_backend_is_the_default_and_named():
     be = get_backend("numpy")
     assert be.name == "numpy" and be.xp is np
     assert get_backend("numpy") is be
+
+
+def test_every_backend_meets_the_protocol_and_says_whether_it_reads_rows(backend):
+    be = get_backend(backend)
+    # reads_rows is a class attribute (never inherited from a default), as the protocol lists it.
+    assert isinstance(be, Backend) and "reads_rows" in vars(type(be))
+    assert be.reads_rows is (backend != "numpy")
 
 
 def test_gather_sums_sources_in_float64(backend):
@@ -191,7 +198,7 @@ def test_numpy_norms_at_the_edges_match_a_float64_reference(case, ord):
 @pytest.mark.parametrize("case, ord", [(c, o) for c in EDGE_CASES for o in EDGE_ORDS
                                        if (c, o) != ("inf beside nan", 2)], ids=str)
 def test_numpy_and_host_norms_agree_at_the_edges(case, ord):
-    from gpuflat.backends.host import available
+    from gpuflat.native import available
 
     assert available(), "the native host backend did not build"
     tree = _edge_trees()[case]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import gpuflat as gf
+from gpuflat import native
 from gpuflat import seen as _seen
 from gpuflat.errors import OverlapError, TreeMismatchError
 
@@ -32,7 +33,7 @@ def facts_reader(request, monkeypatch):
 def test_the_native_facts_are_what_a_record_compares(facts_reader):
     tree = _recorded(_tree())
     record = _seen.trees._entries[id(tree)]
-    assert (record.facts is not None) == (facts_reader == "native facts" and gf.backends.host.available())
+    assert (record.facts is not None) == (facts_reader == "native facts" and native.available())
 
 
 def _recorded(tree, call=lambda t: gf.global_norm(t)):
@@ -287,7 +288,7 @@ def test_a_layout_of_arrays_without_numpy_flags_compares_their_strides():
 
 
 def test_a_record_gives_its_arrays_a_token_only_where_their_facts_are_compared(facts_reader):
-    from gpuflat.backends.protocol import Recorded
+    from gpuflat.identity import Recorded
 
     tree = _recorded(_tree())
     walked, record = _seen.trees.walk(tree)

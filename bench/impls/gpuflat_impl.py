@@ -1,9 +1,9 @@
 """gpuflat itself, one row per backend the run times ("numpy", and "host" where
-gpuflat has it, on a CPU; "cuda" on a GPU)."""
+its C++ library builds, on a CPU; "cuda" on a GPU)."""
 from __future__ import annotations
 
 import gpuflat as gf
-from gpuflat.backends import BACKEND_NAMES
+from gpuflat import native
 
 from .. import arrays
 from ..case import Case
@@ -18,28 +18,25 @@ def absent(device):
 
 
 def cpu_backends() -> tuple:
-    """gpuflat's CPU backends: "numpy" always, "host" (native C++) where gpuflat has one.
+    """gpuflat's CPU backends: "numpy" always, "host" (native C++) where its library builds here.
 
     >>> cpu_backends()[0]
     'numpy'
     """
-    return ("numpy", "host") if "host" in BACKEND_NAMES else ("numpy",)
+    return ("numpy", "host") if native.available() else ("numpy",)
 
 
 def notes(device) -> list:
-    """Where a backend's rows are another backend's work in disguise: "host" runs
-    NumPy's code where its C++ library does not build (no compiler or headers).
+    """Why a CPU run has no "host" rows: its C++ library did not build here.
 
     >>> from bench.context import Device
-    >>> notes(Device("cpu", None, ("numpy",), None))
+    >>> notes(Device("cuda", None, ("cuda",), None))
     []
     """
-    if "host" not in device.backends:
+    if device.name != "cpu" or native.available():
         return []
-    from gpuflat.backends.host import available
-
-    return [] if available() else ["gpuflat (host): its C++ library did not build here, so its "
-                                   "rows time the NumPy backend's code"]
+    return [f"gpuflat (host): its C++ library did not build here, so the run has no host rows: "
+            f"{native.unavailable_reason()}"]
 
 
 def _case(backend, fn, value) -> Case:

@@ -45,13 +45,13 @@ from operator import attrgetter
 import numpy as np
 
 from gpuflat import kernel_loader as kl
-from gpuflat.dtypes import TAGS, c_name, dtype_of_tag
+from gpuflat.dtypes import c_name, dtype_of_tag
 from gpuflat.identity import Layout, SameArrays
 from gpuflat.layout import (BLOCK_THREADS, FINISH_THREADS, ITEM, ITEM_WORDS, LEAF_ROW_WORDS, MAX_DIMS,
                             SMALL_SLOT_ITEMS, leaf_row)
 from gpuflat.memory_order import dense_start
+from gpuflat.native import array_facts
 
-from .host import array_facts
 from .protocol import LeafRows, NormResult
 
 # Per-call tables kept per plan and device, so alternating between parameter

@@ -14,8 +14,10 @@ reversed) as that block, contiguously, in memory order; any other leaf in its
 logical order. Arrays are read in native code (no Python work per leaf), and
 a resident model's norms read its one flat buffer at the plan's offsets.
 
-Where no compiler (or no Python or NumPy headers) is found, every operation
-runs on the NumPy backend instead; :func:`available` says which.
+The libraries are ``gpuflat.native``'s. Where they cannot be built (no
+compiler, no Python or NumPy headers, a compiler error) this backend cannot
+be made: asking for it by name raises with the build's message, and NumPy
+arrays take the NumPy backend by default instead.
 
 >>> import numpy as np, gpuflat as gf
 >>> be = HostBackend()
@@ -28,137 +30,27 @@ runs on the NumPy backend instead; :func:`available` says which.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import os
-import platform
-import sysconfig
 
 import numpy as np
 
-from gpuflat import host_compiler
-from gpuflat.dtypes import TAGS, when_bfloat16
-from gpuflat.kernel_loader import kernel_dir
-from gpuflat.layout import NORM_KINDS, norm_kind, rule_id
+from gpuflat import native
+from gpuflat.dtypes import TAGS
+from gpuflat.identity import Recorded
+from gpuflat.layout import DTYPES, NORM_KINDS, OPTIM_DTYPES, norm_kind, rule_id
 
-from .numpy_backend import HostMemory, NumpyBackend
-from .protocol import LeafRows, NormResult, OneSourcePerSlot, Recorded
-
-# The arithmetic must stay the kernels': no fast-math, and no contraction of
-# a*b+c into one fma (the kernels are built with --fmad=false). -march=native
-# lets the compiler use the machine's widest vectors; the cache key carries
-# the CPU's identity, so a library is never loaded on a CPU it was not built for.
-FLAGS = ("-O3", "-std=c++20", "-pthread", "-march=native", "-ffp-contract=off", "-fno-math-errno",
-         "-fno-strict-aliasing", "-fvisibility=hidden")
-SHARED_HEADERS = ("gpuflat_common.cuh", "gpuflat_math.cuh")
-
-
-def available() -> bool:
-    """Whether the native library builds and loads here (else NumPy runs everything).
-
-    >>> isinstance(available(), bool)
-    True
-    """
-    return _library() is not None
-
-
-def unavailable_reason() -> str | None:
-    """Why the native library is not used here (no Python headers, or the
-    compiler's message), or None where it builds and loads.
-
-    >>> (unavailable_reason() is None) == available()
-    True
-    """
-    return _load()[1]
-
-
-def _library():
-    """The loaded library, built on first use; None where it cannot be built."""
-    return _load()[0]
-
-
-@functools.lru_cache(maxsize=None)
-def _load():
-    """(the loaded library, None), or (None, the reason it cannot be built or loaded)."""
-    numpy_include = np.get_include()
-    python_include = sysconfig.get_paths()["include"]
-    if not os.path.isfile(os.path.join(python_include, "Python.h")):
-        return None, f"no Python.h in {python_include}"
-    kernels = kernel_dir()
-    host = kernels / "host"
-    files = {name: (kernels / name).read_text() for name in SHARED_HEADERS}
-    files["host_prelude.h"] = (host / "host_prelude.h").read_text()
-    try:
-        path = host_compiler.build_library(
-            "gpuflat-host", (host / "host_backend.cpp").read_text(), include_dirs=(python_include, numpy_include),
-            flags=FLAGS, files=files, key_parts=(python_include, np.__version__, _cpu_identity()))
-        lib = host_compiler.load(path, ctypes.PyDLL)
-    except (host_compiler.BuildError, OSError) as exc:
-        return None, str(exc)
-    obj, i64, f64, c_int = ctypes.py_object, ctypes.c_longlong, ctypes.c_double, ctypes.c_int
-    lib.gf_host_init.argtypes = [obj, c_int]
-    lib.gf_host_init.restype = None
-    lib.gf_host_norms_flat.argtypes = [obj, obj, c_int, f64, c_int, obj, obj, obj]
-    lib.gf_host_norms_rows.argtypes = lib.gf_host_norms_flat.argtypes
-    lib.gf_host_clip_rows.argtypes = [obj, obj, f64, f64, f64, c_int]
-    lib.gf_host_clip_flat.argtypes = [obj, f64, f64, f64, c_int]
-    lib.gf_host_facts.argtypes = [obj, obj]
-    # The last argument of these four is a Recorded list's token (0: none).
-    lib.gf_host_norms.argtypes = [*lib.gf_host_norms_flat.argtypes, i64]
-    lib.gf_host_clip.argtypes = [*lib.gf_host_clip_rows.argtypes, i64]
-    lib.gf_host_gather.argtypes = [obj, obj, obj, c_int, i64]
-    lib.gf_host_scatter.argtypes = [obj, obj, obj, c_int, i64]
-    for fn in (lib.gf_host_norms, lib.gf_host_norms_flat, lib.gf_host_gather, lib.gf_host_scatter, lib.gf_host_clip,
-               lib.gf_host_clip_flat, lib.gf_host_norms_rows, lib.gf_host_clip_rows, lib.gf_host_facts):
-        fn.restype = i64
-    # bfloat16 is ml_dtypes' type, known by its number once it is imported.
-    lib.gf_host_init(np.ndarray, -1)
-    when_bfloat16(lambda dtype: lib.gf_host_init(np.ndarray, dtype.num))
-    return lib, None
-
-
-def array_facts(arrays, words: int):
-    """What NumPy lets change about ``arrays`` without a new object, with
-    their identities, as one int64 array read in native code (at most
-    ``words`` words: per array 4 and two per dim): identity, data address,
-    dtype, flags, ndim, dims, strides. None where the library is not built,
-    an item is not an ndarray or ``words`` is too few. Two equal results of
-    living arrays mean the same arrays, unchanged.
-
-    >>> a = np.ones((2, 3))
-    >>> facts = array_facts([a], 8)
-    >>> facts is None or (len(facts) == 8 and np.array_equal(facts, array_facts([a], 8)))
-    True
-    >>> a.flags.writeable = False
-    >>> facts is None or not np.array_equal(facts, array_facts([a], 8))
-    True
-    """
-    lib = _library()
-    if lib is None:
-        return None
-    out = np.empty(words, np.int64)
-    n = lib.gf_host_facts(arrays, out)
-    return out[:n] if n >= 0 else None
+from .numpy_backend import HostMemory
+from .protocol import LeafRows, NormResult, OneSourcePerSlot
 
 
 def _token(arrays) -> int:
     """The token under which the library may keep what it read from ``arrays``
-    (a :class:`~gpuflat.backends.protocol.Recorded` list's), else 0.
+    (a :class:`~gpuflat.identity.Recorded` list's), else 0.
 
     >>> _token([np.ones(2)])
     0
     """
     return getattr(arrays, "token", 0) if type(arrays) is Recorded else 0
-
-
-def _cpu_identity() -> str:
-    """The CPU model and feature flags (what -march=native compiled for)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.machine() + platform.processor()
 
 
 class HostBackend(HostMemory):
@@ -171,18 +63,12 @@ class HostBackend(HostMemory):
     name = "host"
     xp = np
 
+    # Made only where the native library loads, so it always takes LeafRows.
+    reads_rows = True
+
     def __init__(self, threads: int | None = None):
         self.threads = int(threads or len(os.sched_getaffinity(0)))
-        self._numpy = NumpyBackend()
-
-    @property
-    def reads_rows(self) -> bool:
-        """Whether ``norms`` and ``clip_`` take LeafRows (where the native library loads).
-
-        >>> HostBackend().reads_rows == available()
-        True
-        """
-        return available()
+        self._lib = _needed(native.host_library(), "host library")
 
     def gather(self, plan, sources, out) -> None:
         """out[slot's range] = sum of the slot's sources, cast to ``plan.dtype``.
@@ -194,12 +80,9 @@ class HostBackend(HostMemory):
         >>> out
         array([2., 2., 3.], dtype=float32)
         """
-        lib = _library()
-        if lib is None:
-            return self._numpy.gather(plan, sources, out)
         # One array per slot passes as the arrays themselves (the library takes an array as a slot's one source).
         given = sources.arrays if isinstance(sources, OneSourcePerSlot) else sources
-        bad = lib.gf_host_gather(given, plan.offsets, out, self.threads, _token(given))
+        bad = self._lib.gf_host_gather(given, plan.offsets, out, self.threads, _token(given))
         if bad >= 0:
             counts = np.cumsum([len(s) for s in sources])
             slot = int(np.searchsorted(counts, bad, side="right"))
@@ -214,10 +97,7 @@ class HostBackend(HostMemory):
         >>> leaves
         [array([[1., 2.]], dtype=float32), array([3.])]
         """
-        lib = _library()
-        if lib is None:
-            return self._numpy.scatter(plan, flat, leaves)
-        _check(plan, leaves, lib.gf_host_scatter(flat, leaves, plan.offsets, self.threads, _token(leaves)))
+        _check(plan, leaves, self._lib.gf_host_scatter(flat, leaves, plan.offsets, self.threads, _token(leaves)))
 
     def norms(self, plan, leaves, ord, per_leaf, flat=None) -> NormResult:
         """Total and per-leaf norms (always both) and the first non-finite slot, in
@@ -234,9 +114,7 @@ class HostBackend(HostMemory):
         >>> float(r.total), r.per_leaf
         (13.0, array([ 5., 12.]))
         """
-        lib = _library()
-        if lib is None:
-            return self._numpy.norms(plan, leaves, ord, per_leaf, flat=flat)
+        lib = self._lib
         p = float(ord)
         # totals[0] the norm, totals[1] the unrooted total it is the root of.
         per, totals, first = np.empty(len(plan.leaves)), np.empty(2), np.empty((), np.int64)
@@ -263,9 +141,7 @@ class HostBackend(HostMemory):
         >>> flat
         array([nan, nan,  0., nan])
         """
-        lib = _library()
-        if lib is None:
-            return self._numpy.clip_(plan, leaves, total, max_norm, eps)
+        lib = self._lib
         args = (float(total), float(max_norm), float(eps))
         if isinstance(leaves, LeafRows):
             return _check(plan, leaves, lib.gf_host_clip_rows(leaves.words, plan.offsets, *args, self.threads))
@@ -300,39 +176,35 @@ class HostBackend(HostMemory):
         >>> p.round(6)
         array([0.9, 0.9, 0.9], dtype=float32)
         """
-        lib = _optim_library()
-        if lib is None:
-            return self._numpy.step_(rule, plan, params, grads, states, slot_group, hyper, steps, total,
-                                     max_norm, eps, amp)
+        lib = _needed(native.optim_library(), "optimizer library")
         ptr = _address
-        tag = TAGS[params.dtype]
+        # A dtype the update is not built for gets -1, which the library refuses.
+        tag = TAGS.get(params.dtype, -1)
         s1 = ptr(states[1]) if len(states) > 1 else None
-        lib.gf_host_optim_step(rule_id(rule), tag, ptr(plan.offsets), len(plan.leaves),
-                               ptr(slot_group), ptr(hyper), ptr(steps), ptr(params), ptr(grads),
-                               ptr(states[0]), s1, None if total is None else ptr(total),
-                               float(max_norm), float(eps), ptr(amp), self.threads)
+        code = lib.gf_host_optim_step(rule_id(rule), tag, ptr(plan.offsets), len(plan.leaves),
+                                      ptr(slot_group), ptr(hyper), ptr(steps), ptr(params), ptr(grads),
+                                      ptr(states[0]), s1, None if total is None else ptr(total),
+                                      float(max_norm), float(eps), ptr(amp), self.threads)
+        if code != 0:
+            raise TypeError(f"the host backend's optimizer step: expected buffers of a real floating dtype "
+                            f"({_OPTIM_NAMES}), found {params.dtype}")
+
+
+# The NumPy names of the dtypes the native update is built for.
+_OPTIM_NAMES = ", ".join(name for _, name, c_name, _ in DTYPES if c_name in OPTIM_DTYPES)
 
 
 def _address(a) -> int:
     return np.asarray(a).ctypes.data
 
 
-@functools.lru_cache(maxsize=None)
-def _optim_library():
-    """The native optimizer update (kernels/host/host_optim.cpp), built on
-    first use; None where it cannot be built (NumPy serves then)."""
-    kernels = kernel_dir()
-    files = {name: (kernels / name).read_text() for name in ("gpuflat_common.cuh", "gpuflat_optim.cuh")}
-    files["host_prelude.h"] = (kernels / "host" / "host_prelude.h").read_text()
-    try:
-        path = host_compiler.build_library("gpuflat-host-optim", (kernels / "host" / "host_optim.cpp").read_text(),
-                                           flags=FLAGS, files=files, key_parts=(_cpu_identity(),))
-        lib = host_compiler.load(path, ctypes.CDLL)
-    except (host_compiler.BuildError, OSError):
-        return None
-    vp, i64, f64, c_int = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_double, ctypes.c_int
-    lib.gf_host_optim_step.argtypes = [c_int, c_int, vp, i64, vp, vp, vp, vp, vp, vp, vp, vp, f64, f64, vp, c_int]
-    lib.gf_host_optim_step.restype = c_int
+def _needed(loaded, what: str):
+    """The library of ``loaded`` (a native loader's pair), else an error naming why it is missing."""
+    lib, reason = loaded
+    if lib is None:
+        raise RuntimeError(f"backend=\"host\": expected gpuflat's native {what}, but it cannot be built or loaded "
+                           f"here; backend=\"numpy\" is the portable choice (the same operations, in NumPy). "
+                           f"Why: {reason}")
     return lib
 
 

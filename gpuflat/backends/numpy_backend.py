@@ -109,6 +109,7 @@ class NumpyBackend(HostMemory):
 
     name = "numpy"
     xp = np
+    reads_rows = False  # reads leaves as arrays only: LeafRows would need native code
 
     def gather(self, plan, sources, out):
         if not sources:  # an empty tree: np.concatenate refuses an empty list

@@ -64,30 +64,13 @@ class OneSourcePerSlot(Sequence):
         return zip(self.arrays)
 
 
-class Recorded(list):
-    """Arrays that a recorded tree (``gpuflat.seen``) found unchanged in this
-    call. ``token`` names exactly these arrays, at the addresses and with the
-    dtypes, shapes, strides and flags they had when first read, for the life
-    of the process (a token is never given twice); a backend may keep what it
-    read from them under it and skip reading them again.
-
-    >>> import numpy as np
-    >>> arrays = Recorded([np.ones(2)])
-    >>> arrays.token = 7
-    >>> len(arrays), arrays.token
-    (1, 7)
-    """
-
-    __slots__ = ("token",)
-
-
 class LeafRows:
     """Leaves given by address instead of as arrays: one leaf-table row per
-    slot (``words``, int64, shape (slots, LEAF_ROW_WORDS) in the layout of
-    ``gpuflat.backends.cuda``: address, dtype tag, merged dims, byte
-    strides), built from tensors' metadata without importing them. The
-    backends whose ``reads_rows`` is true take it as ``leaves`` in ``norms``
-    and ``clip_``; the caller keeps the memory alive and has checked every
+    slot (``words``, int64, shape (slots, LEAF_ROW_WORDS): the address,
+    then ``gpuflat.layout.leaf_row``: dtype tag, merged dims, byte strides),
+    built from tensors' metadata without importing them. The backends whose
+    ``reads_rows`` is true take it as ``leaves`` in ``norms`` and
+    ``clip_``; the caller keeps the memory alive and has checked every
     row against the plan. ``words`` never changes once built, so a backend
     may key what it derives from it by the object's identity.
 
@@ -122,13 +105,19 @@ class Backend(Protocol):
     found faster. For ``norms`` the leaves tile ``flat`` at the plan's
     offsets; ``clip_`` writes the leaves only, never the rest of ``flat``.
 
+    ``reads_rows`` says whether ``norms`` and ``clip_`` also take
+    :class:`LeafRows` as ``leaves`` (leaves given by address, read in native
+    code or on the device); a backend whose ``reads_rows`` is false is
+    given arrays.
+
     >>> from gpuflat.backends import get_backend
-    >>> isinstance(get_backend("numpy"), Backend)
-    True
+    >>> isinstance(get_backend("numpy"), Backend), get_backend("numpy").reads_rows
+    (True, False)
     """
 
     name: str
     xp: Any
+    reads_rows: bool
 
     def gather(self, plan, sources: Sequence[Sequence[Any]], out) -> None:
         """out[slot] = sum of the slot's sources, cast to ``plan.dtype``."""

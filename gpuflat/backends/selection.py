@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 import threading
 
+from gpuflat import native
+
 BACKEND_NAMES = ("numpy", "host", "cuda", "emulated")
 
 _backends: dict = {}
@@ -15,6 +17,8 @@ def get_backend(name: str, device: int | None = None):
 
     "cuda" has one backend per device (``device``: the CUDA device id;
     default: CuPy's current device), each launching on its own device.
+    "host" raises a RuntimeError, with the build's message, where its native
+    library cannot be built or loaded ("numpy" runs everywhere).
 
     >>> get_backend("numpy").name
     'numpy'
@@ -54,8 +58,10 @@ def select(backend, arrays, path_of):
     """The backend for a call on ``arrays``; ``path_of(i)`` names the i-th (only on error).
 
     The default follows the arrays: NumPy arrays take "host" (the native
-    path) where it builds, else "numpy"; CuPy arrays "cuda" on their device. A mix of kinds or of devices raises, naming one
-    leaf of each; so does a backend that cannot reach the arrays' memory.
+    path) where it builds, else "numpy"; CuPy arrays "cuda" on their device.
+    A mix of kinds or of devices raises, naming one leaf of each; so does a
+    backend that cannot reach the arrays' memory, and an explicit "host"
+    where its native library cannot be built (the build's message says why).
 
     >>> import numpy as np
     >>> select(None, [np.ones(2)], lambda i: "['w']").name in ("host", "numpy")
@@ -113,9 +119,7 @@ def host_default() -> str:
     >>> host_default() in ("host", "numpy")
     True
     """
-    from .host import available
-
-    return "host" if available() else "numpy"
+    return "host" if native.available() else "numpy"
 
 
 def _one_device(arrays, path_of):
