@@ -295,3 +295,32 @@ def _real(name, x, expected, accept) -> float:
         raise ValueError(f"{name}: expected {expected}, got {x!r}")
     return value
 
+
+def optimizer_options(rule: str, group: dict, i: int) -> None:
+    """PyTorch's checks of an optimizer's options, naming the group. A
+    tensor ``lr`` on a GPU is not read (that would wait for the device).
+
+    >>> optimizer_options("sgd", {"lr": -1.0, "weight_decay": 0.0, "momentum": 0.0, "dampening": 0.0,
+    ...                           "nesterov": False}, 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: parameter group 2: expected lr >= 0, got -1.0
+    """
+    def need(ok, what, value):
+        if not ok:
+            raise ValueError(f"parameter group {i}: expected {what}, got {value!r}")
+
+    lr = group["lr"]
+    if not hasattr(lr, "device") or lr.device.type == "cpu":
+        need(float(lr) >= 0.0, "lr >= 0", lr)
+        need(math.isfinite(float(lr)), "a finite lr", lr)
+    need(float(group["weight_decay"]) >= 0.0, "weight_decay >= 0", group["weight_decay"])
+    if rule == "adamw":
+        betas = group["betas"]
+        need(len(betas) == 2 and all(0.0 <= float(b) < 1.0 for b in betas), "betas in [0, 1)", betas)
+        need(float(group["eps"]) >= 0.0, "eps >= 0", group["eps"])
+    else:
+        m, d = float(group["momentum"]), float(group["dampening"])
+        need(m >= 0.0, "momentum >= 0", group["momentum"])
+        need(not group["nesterov"] or (m > 0.0 and d == 0.0),
+             "nesterov only with momentum > 0 and dampening 0", (m, d))

@@ -104,7 +104,7 @@ def name_expressions() -> list[str]:
     dtype of gpuflat.dtypes is instantiated, whether or not the package that
     provides it (ml_dtypes, for bfloat16) is installed.
 
-    >>> len(name_expressions()) == 2 * len(C_NAMES) + 2 * len(NORM_KINDS) + 2 + 2 * 4
+    >>> len(name_expressions()) == 2 * len(C_NAMES) + 2 * len(NORM_KINDS) + 2 + 2 * 2 * 4 + 1
     True
     >>> "gpuflat_gather<bf16>" in name_expressions()
     True
@@ -116,7 +116,22 @@ def name_expressions() -> list[str]:
         names += [norm_partial_name(kind), norm_finish_name(kind)]
     names += [SCALE_NAME, SCALE_AT_NAME]
     names += [optim_name(rule, d) for rule in OPTIM_RULES for d in OPTIM_DTYPES]
+    names += [optim_rows_name(rule, d) for rule in OPTIM_RULES for d in OPTIM_DTYPES] + [COUNT_STEPS_NAME]
     return names
+
+
+# The step counts of a tensor-list step, moved after its update.
+COUNT_STEPS_NAME = "gpuflat_count_steps"
+
+
+def optim_rows_name(rule: str, c_name: str) -> str:
+    """Name expression of an optimizer's update kernel over a table of
+    PyTorch's parameters (one ParamRow each) of C++ type ``c_name``.
+
+    >>> optim_rows_name("sgd", "bf16")
+    'gpuflat_sgd_rows<bf16>'
+    """
+    return f"gpuflat_{rule}_rows<{c_name}>"
 
 
 def optim_name(rule: str, c_name: str) -> str:

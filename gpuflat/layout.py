@@ -47,6 +47,8 @@ MAX_DIMS = 8
 # then shape, byte strides and division magic numbers of MAX_DIMS each, then
 # the packed shifts. leaf_row gives all but the address.
 LEAF_ROW_WORDS = 5 + 3 * MAX_DIMS
+# Lanes of a warp: the kernels' unit of work per item.
+WARP = 32
 # Threads per block of the grid-stride kernels, and the blocks per SM their
 # __launch_bounds__ ask for (256 * 4 threads at 64 registers fill an SM).
 BLOCK_THREADS = 256
@@ -70,6 +72,14 @@ OPTIM_RULES = {
     "sgd": ("lr", "weight_decay", "momentum", "dampening", "nesterov"),
 }
 HYPER = 5
+# A tensor-list step's row (struct ParamRow in kernels/gpuflat_optim.cuh):
+# the addresses of the parameter, its gradient, its two state tensors (0
+# where the rule keeps one) and its float32 step count (0 where it keeps
+# none), its element count, its group and flags (PARAM_ROW_FIRST: its
+# momentum buffer is new this step).
+PARAM_ROW_FIELDS = ("param", "grad", "state0", "state1", "step", "numel", "group", "flags")
+PARAM_ROW_WORDS = len(PARAM_ROW_FIELDS)
+PARAM_ROW_FIRST = 1
 # The buffer dtypes the optimizer kernels are instantiated for: every real
 # floating one (complex parameters are refused).
 OPTIM_DTYPES = ("f16", "bf16", "float", "double")
@@ -82,6 +92,21 @@ def norm_kind(p: float) -> str:
     ('l1', 'l2', 'inf', 'p')
     """
     return {1.0: "l1", 2.0: "l2", float("inf"): "inf"}.get(p, "p")
+
+
+def hyper_row(rule: str, group: dict) -> tuple:
+    """A parameter group's row of the hyperparameter table, in the order of
+    ``OPTIM_RULES[rule]`` (a tensor ``lr`` as its value: the kernels read
+    the tensor itself where it lies on their device).
+
+    >>> hyper_row("adamw", {"lr": 0.1, "weight_decay": 0.01, "betas": (0.9, 0.99), "eps": 1e-8})
+    (0.1, 0.01, 0.9, 0.99, 1e-08)
+    """
+    named = dict(group)
+    named["beta1"], named["beta2"] = group.get("betas", (0.0, 0.0))
+    lr = group["lr"]
+    named["lr"] = float(lr) if not hasattr(lr, "device") or lr.device.type == "cpu" else 0.0
+    return tuple(float(named[field]) for field in OPTIM_RULES[rule])
 
 
 def rule_id(rule: str) -> int:

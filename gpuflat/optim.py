@@ -12,8 +12,8 @@ hyperparameters in small device tables, so the host reads nothing back.
 The arithmetic is PyTorch's (``torch.optim.AdamW`` and ``SGD``, foreach
 path), computed once in ``kernels/gpuflat_optim.cuh`` for the CUDA,
 emulated and host backends; the NumPy backend is the same operations in
-NumPy. All give the same bits. ``gpuflat.torch.AdamW`` and ``SGD`` are these
-optimizers as ``torch.optim.Optimizer`` subclasses.
+NumPy. All give the same bits. ``gpuflat.torch.AdamW`` and ``SGD`` run the same
+arithmetic over PyTorch's parameters where they are, one table row each.
 
 >>> import numpy as np, gpuflat as gf
 >>> from gpuflat.optim import SGD
@@ -27,13 +27,12 @@ optimizers as ``torch.optim.Optimizer`` subclasses.
 """
 from __future__ import annotations
 
-import math
 import sys
 
 import numpy as np
 
 from . import checks
-from .layout import HYPER
+from .layout import HYPER, hyper_row
 
 # The state each rule keeps per parameter, in the kernels' order.
 STATE = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
@@ -196,7 +195,7 @@ class _Flat:
         paths = [s.path for s in resident.layout]
         self.groups, leaf_group = _groups(paths, defaults, groups)
         for i, group in enumerate(self.groups):
-            _check_hyper(self.rule, group, i)
+            checks.optimizer_options(self.rule, group, i)
         self._flat = FlatStep(resident, self.rule, leaf_group)
         self.last_grad_norm = None
 
@@ -204,8 +203,8 @@ class _Flat:
         """One update of every parameter; the gradients' norm (before the
         clip, on the device) with ``max_norm``, else None."""
         for i, group in enumerate(self.groups):
-            _check_hyper(self.rule, group, i)
-        self._flat.set_hyper([_row(self.rule, g) for g in self.groups])
+            checks.optimizer_options(self.rule, group, i)
+        self._flat.set_hyper([hyper_row(self.rule, g) for g in self.groups])
         self.last_grad_norm = self._flat.step(self.max_norm, self.norm_type)[0]
         return self.last_grad_norm
 
@@ -289,32 +288,3 @@ def _groups(paths, defaults, groups):
         filled.append({**defaults, "params": rest})
         leaf_group = [len(filled) - 1 if g is None else g for g in leaf_group]
     return filled, leaf_group
-
-
-def _row(rule, group) -> tuple:
-    """A group's row of the hyperparameter table (kernels/gpuflat_optim.cuh)."""
-    if rule == "adamw":
-        b1, b2 = group["betas"]
-        return (group["lr"], group["weight_decay"], b1, b2, group["eps"])
-    return (group["lr"], group["weight_decay"], group["momentum"], group["dampening"], bool(group["nesterov"]))
-
-
-def _check_hyper(rule, group, i) -> None:
-    """PyTorch's checks of the options, naming the group."""
-    def need(ok, what, value):
-        if not ok:
-            raise ValueError(f"parameter group {i}: expected {what}, got {value!r}")
-
-    lr, wd = float(group["lr"]), float(group["weight_decay"])
-    need(lr >= 0.0, "lr >= 0", group["lr"])
-    need(wd >= 0.0, "weight_decay >= 0", group["weight_decay"])
-    if rule == "adamw":
-        betas = group["betas"]
-        need(len(betas) == 2 and all(0.0 <= float(b) < 1.0 for b in betas), "betas in [0, 1)", betas)
-        need(float(group["eps"]) >= 0.0, "eps >= 0", group["eps"])
-    else:
-        m, d = float(group["momentum"]), float(group["dampening"])
-        need(m >= 0.0, "momentum >= 0", group["momentum"])
-        need(not group["nesterov"] or (m > 0.0 and d == 0.0),
-             "nesterov only with momentum > 0 and dampening 0", (m, d))
-    need(math.isfinite(lr), "a finite lr", group["lr"])

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from . import dtensor, tensor_facts
-from .arrays import adopt, plain_tensor, tensor_refusal
+from .arrays import adopt, device_scope, plain_tensor, tensor_refusal, to_caller
 from .layout import ITEMSIZES, LEAF_ROW_WORDS, MAX_DIMS, leaf_row
 from .backends.protocol import LeafRows
 from .backends.selection import get_backend, host_default
@@ -296,6 +296,47 @@ def _named(name, check, t):
         check(t)
     except TypeError as err:
         raise type(err)(f"leaf {name!r}: {err}") from None
+
+
+class Norm(NamedTuple):
+    """A norm pass over a table's tensors: ``total``, the float64 norm as a
+    0-d tensor on the first group's device; ``on_backend``, with one group,
+    the same norm as its backend's own 0-d array (read where it lies, no
+    import), else None; ``nonfinite``, when asked for, a 0-d float64 tensor
+    beside ``total``: 1 where some tensor holds NaN or inf, else 0."""
+
+    total: torch.Tensor
+    on_backend: object
+    nonfinite: torch.Tensor | None
+
+
+def norm_pass(table, tensors, p, detect=False) -> Norm:
+    """The norm of order ``p`` of all of ``tensors`` (read as ``table``), one
+    fused pass per device; with ``detect``, whether any holds NaN or inf (from
+    the elements themselves, not the norm, which can overflow alone).
+
+    >>> ts = [torch.tensor([3.0]), torch.tensor([4.0, float("nan")])]
+    >>> n = norm_pass(read(ts, str), ts, 2.0, detect=True)
+    >>> n.total.dtype, float(n.nonfinite)
+    (torch.float64, 1.0)
+    """
+    totals, firsts, on_backend = [], [], None
+    for g in table.groups:
+        like = table.first(tensors, g)
+        with device_scope(g.backend, like):
+            result = g.backend.norms(g.plan, g.leaves, p, per_leaf=False)
+            totals.append(to_caller(result.total, like))
+            if detect:
+                firsts.append(to_caller(result.first_nonfinite, like))
+            on_backend = result.total
+    device = totals[0].device
+    if len(totals) > 1:
+        on_backend = None
+        totals = [torch.linalg.vector_norm(torch.stack([n.to(device) for n in totals]), p)]
+    nonfinite = None
+    if detect:
+        nonfinite = (torch.stack([f.to(device) for f in firsts]) >= 0).any().double()
+    return Norm(totals[0], on_backend, nonfinite)
 
 
 def returned_dtype(dtypes):

@@ -45,7 +45,7 @@ import torch
 
 from . import distributed as _gfd
 from . import dtensor, tensor_facts, tensor_table
-from .arrays import adopt, device_scope, to_caller
+from .arrays import adopt, device_scope
 from .binding import max_norm_for
 from .checks import check_ord, clip_arguments
 from .errors import NonFiniteError, NonFiniteNormError, NonFloatingTensorError
@@ -90,7 +90,7 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
         with _torch_nonfinite_error():
             total = _gfd.global_norm(tensors, p, error_if_nonfinite=error_if_nonfinite)
         return total.to(tensor_table.returned_dtype([t.dtype for t in tensors]))
-    total, _ = _total_norm(table, tensors, p)
+    total = tensor_table.norm_pass(table, tensors, p).total
     if error_if_nonfinite:
         _check_finite(total, p, table, tensors, name_of)
     return total.to(table.returned_dtype)
@@ -156,7 +156,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         with _torch_nonfinite_error():
             total = _gfd.clip_grad_norm_(grads, max_norm, p, eps=_EPS, error_if_nonfinite=error_if_nonfinite)
         return total.to(tensor_table.returned_dtype([g.dtype for g in grads]))
-    total, on_backend = _total_norm(table, grads, p)
+    total, on_backend, _ = tensor_table.norm_pass(table, grads, p)
     if error_if_nonfinite:
         _check_finite(total, p, table, grads, name_of)
     _scale(table, grads, max_norm, total, on_backend)
@@ -213,22 +213,6 @@ def _torch_nonfinite_error():
 
 
 # ---------------------------------------------------------------- the work, per device
-
-def _total_norm(table, tensors, p):
-    """(the float64 norm of all tensors as a 0-d tensor on the first group's
-    device; with one group, the same norm as its backend's own 0-d array,
-    which the clip reads where it lies)."""
-    norms = []
-    for g in table.groups:
-        like = table.first(tensors, g)
-        with device_scope(g.backend, like):
-            result = g.backend.norms(g.plan, g.leaves, p, per_leaf=False)
-            norms.append((to_caller(result.total, like), result.total))
-    if len(norms) == 1:
-        return norms[0]
-    first = norms[0][0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(first) for n, _ in norms]), p), None
-
 
 def _check_finite(total, p, table, tensors, name_of):
     # The one host synchronisation, asked for by the caller.

@@ -1,41 +1,58 @@
-"""``gpuflat.torch.AdamW`` and ``SGD``: PyTorch optimizers over a resident model.
+"""``gpuflat.torch.AdamW`` and ``SGD``: PyTorch's optimizers with the clip
+inside the step, over PyTorch's own parameters.
 
-Constructed as ``torch.optim.AdamW`` and ``SGD`` are, plus ``max_norm=`` and
-``norm_type=``: with ``max_norm`` the step clips the gradients by their
-global norm inside the update (``gpuflat.optim``), so a clipped step reads
-the gradients twice (the norm, then the update) instead of four times, and
-``opt.last_grad_norm`` keeps that norm, before the clip, as a device tensor.
+They follow the parameters as ``torch.optim`` does and own only what they
+create: ``param_groups`` hold every parameter given (frozen ones too), and
+each step updates the parameters whose ``.grad`` is not None, where they are,
+through their addresses. A parameter without a gradient is skipped: no
+decay, no state, no step count. A layer unfrozen after the optimizer was
+built, an expert unused in some steps, ``zero_grad()`` with
+``set_to_none=True`` or not, ``load_state_dict(assign=True)`` on the model
+(its new parameters are not followed, as ``torch.optim`` does not follow
+them), ``add_param_group``: each behaves as it does with ``torch.optim``.
 
-The parameters that require grad become resident (``gf.resident``) unless a
-``Resident`` is passed as ``params``; the state lives in flat buffers beside
-them and ``opt.state[p]`` holds views into those (after the first step, as
-in PyTorch). ``state_dict()`` and ``load_state_dict()`` use PyTorch's format,
-so a state saved from ``torch.optim.AdamW`` loads here and back.
+The state is ``torch.optim``'s: ``step`` a 0-d float32 tensor on the
+parameter's device (as PyTorch's fused and capturable paths keep it),
+``exp_avg``, ``exp_avg_sq`` and ``momentum_buffer`` tensors like the
+parameter, each owning its storage, created at the parameter's first
+gradient (``_init_group``, as in PyTorch). ``state_dict()`` and
+``load_state_dict()`` go both ways with ``torch.optim.AdamW`` and ``SGD``.
 
-Differences, on purpose:
+With ``max_norm``, the gradients of every parameter in ``param_groups`` are
+clipped by their global norm inside the update, as ``clip_grad_norm_`` over
+them would: one norm pass, then one update launch per device and dtype, which
+also unscales a GradScaler's gradients and skips on the device when they hold
+NaN or inf. ``opt.last_grad_norm`` keeps that norm, before the clip, as a
+float64 tensor. A tensor ``lr`` is read where it lies, through its address:
+changing it between steps needs no host read.
 
-- ``amsgrad``, ``maximize`` and ``differentiable`` are refused;
-  ``foreach``, ``fused`` and ``capturable`` are accepted and change nothing
-  (the step is always one launch per dtype buffer, with its step counts on
-  the device);
-- ``add_param_group`` after construction is refused: the buffers are fixed.
+Differences, on purpose: ``amsgrad``, ``maximize`` and ``differentiable``
+are refused; ``foreach``, ``fused`` and ``capturable`` are accepted and
+change nothing; complex parameters, parameters whose memory is not one
+dense block, and gradients laid out unlike their parameter are refused,
+naming the parameter, before anything is written.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from .arrays import adopt
-from .checks import clip_arguments
-from .optim import CLIP_EPS, STATE, FlatStep, _check_hyper, _row
-from .residency import Resident
+from . import dtensor, tensor_table
+from .arrays import adopt, device_scope
+from .checks import clip_arguments, optimizer_options
+from .layout import PARAM_ROW_FIRST, PARAM_ROW_WORDS, TAG_OF_NAME, hyper_row
+from .memory_order import dense_start
 
 __all__ = ["AdamW", "GradScaler", "SGD"]
 
 REFUSED = ("amsgrad", "maximize", "differentiable")
+CLIP_EPS = 1e-6  # PyTorch's clip_grad_norm_: max_norm / (norm + 1e-6)
+# The dtypes the update kernels take.
+_STEPPED = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 
 
 class _FlatOptimizer(torch.optim.Optimizer):
-    """What AdamW and SGD share: the resident model, the flat step, the state views."""
+    """What AdamW and SGD share: the lazy state, the rows, the step."""
 
     _rule = ""
     # torch.amp.GradScaler hands the scale and found_inf to step() instead of
@@ -50,45 +67,15 @@ class _FlatOptimizer(torch.optim.Optimizer):
                                  f"{option}=False, or use torch.optim.{name}")
         if max_norm is not None:
             clip_arguments(max_norm, norm_type, CLIP_EPS)
-        resident = params if isinstance(params, Resident) else None
-        if resident is not None:
-            if resident._binding is None:
-                raise TypeError(f"gpuflat.torch.{name}: expected a Resident of PyTorch parameters, got one "
-                                f"of NumPy or CuPy arrays (use gpuflat.optim.{name})")
-            params = list(resident._binding.params)
-        self._ready = False
         super().__init__(params, defaults)
-        self._ready = True
-        group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
-        if resident is None:
-            resident = Resident([p for g in self.param_groups for p in g["params"] if p.requires_grad])
-        self.resident, self.max_norm, self.norm_type = resident, max_norm, norm_type
-        self._params = list(resident._binding.params)
-        self._leaf_group = [group_of[id(p)] for p in self._params]
-        self._flat = FlatStep(resident, self._rule, self._leaf_group)
-        self._views = [self._flat.state_views(k) for k in range(len(self._params))]
-        self._stepped = False
+        self.max_norm, self.norm_type = max_norm, norm_type
         self.last_grad_norm = None
-
-    def add_param_group(self, param_group):
-        """As PyTorch's during construction; refused afterwards (the buffers are fixed).
-
-        >>> opt = SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
-        >>> opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))]})
-        Traceback (most recent call last):
-        ...
-        ValueError: gpuflat.torch.SGD: a parameter group cannot be added after construction (the resident buffers are fixed); make a new optimizer over every parameter instead
-        """
-        if self._ready:
-            raise ValueError(f"gpuflat.torch.{type(self).__name__}: a parameter group cannot be added after "
-                             f"construction (the resident buffers are fixed); make a new optimizer over every "
-                             f"parameter instead")
-        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One update of every resident parameter (one launch per dtype
-        buffer, after one norm pass with ``max_norm``); returns the closure's loss."""
+        """One update of every parameter that has a gradient (one launch per
+        device and dtype, after one norm pass with ``max_norm``); returns the
+        closure's loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -96,85 +83,238 @@ class _FlatOptimizer(torch.optim.Optimizer):
         self._update()
         return loss
 
+    def _init_group(self, group, params, grads, states, firsts):
+        """The group's parameters that have a gradient, their gradients and
+        states (made here at a parameter's first gradient, as PyTorch's
+        optimizers make theirs), appended to the lists; ``firsts`` says
+        whether each one's momentum buffer is new this step."""
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            firsts.append(self._lazy_state(state, p, group))
+            params.append(p)
+            grads.append(p.grad)
+            states.append(state)
+
     # Inside a torch.compile'd step the update is not traced: it runs as it
     # is between two graphs (its native calls and host-side tables are
     # nothing TorchDynamo can trace faithfully).
     @torch.compiler.disable
     def _update(self):
+        params, grads, states, firsts, groups = [], [], [], [], []
         for i, group in enumerate(self.param_groups):
-            _check_hyper(self._rule, group, i)
-        self._flat.set_hyper([_row(self._rule, g) for g in self.param_groups])
-        self.last_grad_norm = self._scaled_step()  # skipped steps, as fused AdamW's, leave a state of step 0
-        if not self._stepped:  # every resident parameter has a state from now on
-            self._expose_state(range(len(self._params)))
-            self._stepped = True
-
-    def _scaled_step(self):
-        """The flat step, given what a GradScaler left on the optimizer: its
-        scale (unscaled inside the update) and its found_inf (skip on the
-        device), or, from gpuflat.torch.GradScaler, a found_inf to fill from
-        the step's own norm pass. Returns the norm, unscaled."""
-        scale, found = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        detect = found is not None and getattr(self, "_found_inf_from_norm", False)
-        inv_scale = skip = None
-        if scale is not None:  # GradScaler's unscale_: scale.double().reciprocal().float()
-            inv_scale = adopt(scale.double().reciprocal().float().double().reshape(()))
-        if found is not None and not detect:
-            skip = adopt(found.double().reshape(()))
-        total, flag = self._flat.step(self.max_norm, self.norm_type, inv_scale=inv_scale, skip=skip, detect=detect)
+            optimizer_options(self._rule, group, i)
+            start = len(params)
+            self._init_group(group, params, grads, states, firsts)
+            groups += [i] * (len(params) - start)
+        scale, found = self._amp()
+        self.last_grad_norm = None
+        if not params:
+            return
+        names = _Names(self.param_groups, params)
+        buckets = _buckets(params)
+        # Everything is checked before anything is written.
+        rows = {key: self._rows(members, params, grads, states, firsts, groups, names)
+                for key, members in buckets.items()}
+        detect = found is _FROM_NORM
+        total, nonfinite = self._norm(grads, scale, detect, names)
         if detect:
-            found.copy_(flag.reshape(found.shape))
-        return total
+            found = self.found_inf
+            found.copy_(nonfinite.to(found.device, found.dtype).reshape(found.shape))
+        self.last_grad_norm = total
+        hyper = np.array([hyper_row(self._rule, g) for g in self.param_groups], np.float64).reshape(-1)
+        for key, members in buckets.items():
+            self._step_bucket(params[members[0]], rows[key], hyper, total, scale, found)
+
+    def _amp(self):
+        """(the GradScaler's scale or None, its found_inf: a tensor, None, or
+        _FROM_NORM where gpuflat.torch.GradScaler leaves it to the norm pass)."""
+        scale, found = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        if getattr(self, "_found_inf_from_norm", False):
+            return scale, _FROM_NORM
+        if found is not None and not isinstance(found, torch.Tensor):
+            # torch.amp.GradScaler sums the flags of the devices it checked:
+            # with no gradient at all there were none.
+            raise RuntimeError(f"gpuflat.torch.{type(self).__name__}: no inf checks were recorded for this "
+                               f"optimizer: the GradScaler found no gradient in its param_groups")
+        return scale, found
+
+    def _norm(self, grads, scale, detect, names):
+        """(the gradients' norm, unscaled, as a float64 tensor, or None
+        without ``max_norm`` or ``detect``; with ``detect``, a 0-d tensor that
+        is 1 where some gradient holds NaN or inf)."""
+        if self.max_norm is None and not detect:
+            return None, None
+        p = clip_arguments(1.0, self.norm_type, CLIP_EPS)[1]
+        if any(map(dtensor.is_dtensor, grads)):
+            from . import distributed
+
+            total = distributed.global_norm(grads, p)
+            total = (total.to_local() if dtensor.is_dtensor(total) else total).double()
+            nonfinite = (~torch.isfinite(total)).double() if detect else None
+        else:
+            table = tensor_table.read(grads, names.gradient)
+            total, _, nonfinite = tensor_table.norm_pass(table, grads, p, detect)
+        if scale is not None:  # the norm of the unscaled gradients, as after GradScaler.unscale_
+            total = total * scale.double().reciprocal().float().double().to(total.device)
+        return total, nonfinite
+
+    def _rows(self, members, params, grads, states, firsts, groups, names) -> np.ndarray:
+        """The update table of one device's and dtype's parameters
+        (layout.PARAM_ROW_FIELDS), every tensor checked first."""
+        local = [_local(params[k]) for k in members]
+        name_of = lambda j: names.parameter(members[j])  # noqa: E731 - named only on error
+        rows = np.zeros((len(members), PARAM_ROW_WORDS), np.int64)
+        rows[:, 0] = _starts(local, name_of, "parameter")
+        rows[:, 5] = [t.numel() for t in local]
+        columns = [(1, "gradient", [_local(grads[k]) for k in members])]
+        columns += [(2 + s, key, [_local(states[k].get(key)) for k in members])
+                    for s, key in enumerate(self._state_names)]
+        for column, what, tensors in columns:
+            present = [j for j, t in enumerate(tensors) if t is not None]
+            _check_alike([local[j] for j in present], [tensors[j] for j in present],
+                         lambda i: name_of(present[i]), what)
+            rows[present, column] = _starts([tensors[j] for j in present], lambda i: name_of(present[i]), what)
+        if self._counts_steps:
+            rows[:, 4] = [states[k]["step"].data_ptr() for k in members]
+        rows[:, 6] = [groups[k] for k in members]
+        rows[:, 7] = [PARAM_ROW_FIRST if firsts[k] else 0 for k in members]
+        return rows
+
+    def _step_bucket(self, like, rows, hyper, total, scale, found):
+        like = _local(like)
+        backend = tensor_table.backend_for(like.device)
+        lr_at = _lr_addresses(self.param_groups, like.device)
+        with device_scope(backend, like):
+            amp = _amp_array(scale, found, like.device)
+            clip = None if self.max_norm is None else adopt(total.to(like.device).reshape(()))
+            backend.step_rows(self._rule, TAG_OF_NAME[str(like.dtype).removeprefix("torch.")], rows, hyper, lr_at,
+                              clip, 0.0 if self.max_norm is None else float(self.max_norm), CLIP_EPS, amp)
 
     def load_state_dict(self, state_dict) -> None:
-        """PyTorch's, then the loaded state copied into the flat buffers (views
-        of which become ``self.state``); the state of a parameter it lacks is zero."""
+        """PyTorch's, then each ``step`` as this optimizer keeps it: a 0-d
+        float32 tensor on its parameter's device."""
         super().load_state_dict(state_dict)
-        loaded = []
-        with torch.no_grad():
-            for k, p in enumerate(self._params):
-                if self._load(self._views[k], self.state.pop(p, {})):
-                    loaded.append(k)
-        self._expose_state(loaded)
-        self._stepped = len(loaded) == len(self._params)
+        for p, state in self.state.items():
+            step = state.get("step")
+            if step is not None and (not isinstance(step, torch.Tensor) or step.device != _local(p).device
+                                     or step.dtype != torch.float32 or step.dim() != 0):
+                state["step"] = torch.tensor(float(step), dtype=torch.float32, device=_local(p).device)
 
-    def _load(self, views, saved) -> bool:
-        """Copy one parameter's saved state in (zeros where it has none); whether it had one."""
-        names = STATE[self._rule]
-        present = all(saved.get(n) is not None for n in names)
-        for n in names:
-            if present:
-                views[n].copy_(saved[n])
-            else:
-                views[n].zero_()
-        # SGD keeps no count: a saved momentum buffer means the first step is past.
-        views["step"].fill_(float(saved["step"]) if present and "step" in saved else float(present))
-        return present
 
-    def _expose_state(self, leaves) -> None:
-        """self.state[p]: views of the state of the parameters ``leaves``, PyTorch's keys."""
-        for k in leaves:
-            public = self._public(self._views[k], k)
-            if public:
-                self.state[self._params[k]] = public
+_FROM_NORM = object()
 
-    def _public(self, views, k):
-        return views
+
+class _Names:
+    """Names of the step's parameters and gradients, as the user's param_groups place them (made on error)."""
+
+    def __init__(self, groups, params):
+        self.groups, self.params = groups, params
+
+    def parameter(self, k) -> str:
+        p = self.params[k]
+        for g, group in enumerate(self.groups):
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    return f"param_groups[{g}]['params'][{i}]"
+        return f"parameter {k}"
+
+    def gradient(self, k) -> str:
+        return f"{self.parameter(k)}.grad"
+
+
+def _local(t):
+    """A DTensor's local shard, any other tensor (or None) itself."""
+    return dtensor.local(t) if t is not None and dtensor.is_dtensor(t) else t
+
+
+def _buckets(params) -> dict:
+    """Positions of the parameters by (device, dtype), in order."""
+    buckets: dict = {}
+    for k, p in enumerate(params):
+        t = _local(p)
+        buckets.setdefault((t.device, t.dtype), []).append(k)
+    return buckets
+
+
+def _starts(tensors, name_of, what) -> list:
+    """Each tensor's lowest element address: its data pointer where it is
+    contiguous, else where its one dense block of memory begins. A tensor
+    whose memory is not one dense block, or of a dtype the update does not
+    take, raises naming its parameter."""
+    starts = []
+    for j, t in enumerate(tensors):
+        if t.dtype not in _STEPPED:
+            raise TypeError(f"{name_of(j)}: expected a float16, bfloat16, float32 or float64 {what}, got "
+                            f"{t.dtype}" + (": complex parameters are not supported" if t.is_complex() else ""))
+        if t.is_contiguous():
+            starts.append(t.data_ptr())
+            continue
+        size = t.element_size()
+        start = dense_start(tuple(t.shape), tuple(s * size for s in t.stride()), size)
+        if start is None:
+            raise ValueError(f"{name_of(j)}: expected a {what} whose memory is one dense block, got shape "
+                             f"{tuple(t.shape)} and strides {t.stride()}; make the parameter contiguous")
+        starts.append(t.data_ptr() + start)
+    return starts
+
+
+def _check_alike(params, tensors, name_of, what) -> None:
+    """Each tensor of its parameter's shape, dtype, device and memory layout."""
+    for j, (p, t) in enumerate(zip(params, tensors)):
+        if t.shape != p.shape or t.dtype != p.dtype or t.device != p.device or \
+                (t.stride() != p.stride() and t.numel() > 1):
+            raise ValueError(f"{name_of(j)}: expected its {what} of shape {tuple(p.shape)}, dtype {p.dtype}, "
+                             f"device {p.device} and strides {p.stride()}, got {tuple(t.shape)}, {t.dtype}, "
+                             f"{t.device} and strides {t.stride()}")
+
+
+def _lr_addresses(groups, device) -> np.ndarray:
+    """Per group, where the update reads a tensor ``lr`` (its address and
+    dtype tag), or (0, 0) where the hyperparameter row holds it."""
+    at = np.zeros(2 * max(1, len(groups)), np.int64)
+    for g, group in enumerate(groups):
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.device == device and lr.numel() == 1 \
+                and lr.dtype in (torch.float32, torch.float64):
+            at[2 * g], at[2 * g + 1] = lr.data_ptr(), TAG_OF_NAME[str(lr.dtype).removeprefix("torch.")]
+    return at
+
+
+_PLAIN_AMP: dict = {}
+
+
+def _amp_array(scale, found, device):
+    """(the unscale factor, the skip flag) as a float64 array of the backend's kind on ``device``."""
+    if scale is None and found is None:
+        amp = _PLAIN_AMP.get(device)
+        if amp is None:
+            amp = _PLAIN_AMP[device] = torch.tensor([1.0, 0.0], dtype=torch.float64, device=device)
+    else:
+        # GradScaler's unscale_ multiplies by scale.double().reciprocal().float().
+        one, zero = (torch.full((), v, dtype=torch.float64, device=device) for v in (1.0, 0.0))
+        inv = one if scale is None else scale.double().reciprocal().float().double().reshape(()).to(device)
+        flag = zero if found is None else found.double().reshape(()).to(device)
+        amp = torch.stack((inv, flag))
+    return adopt(amp)
 
 
 class AdamW(_FlatOptimizer):
-    """``torch.optim.AdamW`` over flat buffers, with the clip inside the step.
+    """``torch.optim.AdamW``, with the clip inside the step.
 
     >>> import torch, gpuflat.torch as gft
     >>> net = torch.nn.Linear(3, 2)
     >>> opt = gft.AdamW(net.parameters(), lr=1e-2, max_norm=1.0)
     >>> net(torch.ones(4, 3)).sum().backward()
     >>> opt.step()
-    >>> sorted(opt.state[net.weight]), float(opt.state[net.weight]["step"]), opt.last_grad_norm.dtype
-    (['exp_avg', 'exp_avg_sq', 'step'], 1.0, torch.float64)
+    >>> sorted(opt.state[net.weight]), opt.state[net.weight]["step"], opt.last_grad_norm.dtype
+    (['exp_avg', 'exp_avg_sq', 'step'], tensor(1.), torch.float64)
     """
 
     _rule = "adamw"
+    _state_names = ("exp_avg", "exp_avg_sq")
+    _counts_steps = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
@@ -184,9 +324,16 @@ class AdamW(_FlatOptimizer):
                         differentiable=differentiable, fused=fused, decoupled_weight_decay=True)
         super().__init__(params, defaults, max_norm, norm_type)
 
+    def _lazy_state(self, state, p, group) -> bool:
+        if len(state) == 0:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return False
+
 
 class SGD(_FlatOptimizer):
-    """``torch.optim.SGD`` over flat buffers, with the clip inside the step.
+    """``torch.optim.SGD``, with the clip inside the step.
 
     >>> import torch, gpuflat.torch as gft
     >>> w = torch.nn.Parameter(torch.ones(2))
@@ -198,6 +345,8 @@ class SGD(_FlatOptimizer):
     """
 
     _rule = "sgd"
+    _state_names = ("momentum_buffer",)
+    _counts_steps = False
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, foreach=None, differentiable=False, fused=None, max_norm=None, norm_type=2.0):
@@ -206,21 +355,26 @@ class SGD(_FlatOptimizer):
                         fused=fused)
         super().__init__(params, defaults, max_norm, norm_type)
 
-    def _public(self, views, k):
-        # PyTorch's SGD keeps a momentum buffer only where momentum is used, and no step.
-        group = self.param_groups[self._leaf_group[k]]
-        return {"momentum_buffer": views["momentum_buffer"]} if group["momentum"] != 0 else {}
+    def _lazy_state(self, state, p, group):
+        """PyTorch's SGD keeps a momentum buffer only where momentum is used,
+        made at the parameter's first gradient (then it is the gradient)."""
+        if group["momentum"] == 0 or state.get("momentum_buffer") is not None:
+            return False
+        state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return True
 
 
 class GradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` whose ``step`` makes a flat optimizer's
+    """``torch.amp.GradScaler`` whose ``step`` makes a gpuflat optimizer's
     scaled step two passes over the gradients instead of three.
 
     For an optimizer that takes the scale itself, the stock ``step`` first
     reads every gradient for NaN and inf (``_check_inf_per_device``). Here a
-    gpuflat optimizer takes that flag from its own norm pass instead and
-    records it where ``update()`` reads it; everything else (other
-    optimizers, a step after ``unscale_``) is the stock scaler's.
+    gpuflat optimizer takes that flag from its own norm pass instead (from
+    the gradients' finiteness, not the norm's: float64 gradients above about
+    1e154 overflow a 2-norm but are finite) and records it where
+    ``update()`` reads it; everything else (other optimizers, a step after
+    ``unscale_``) is the stock scaler's.
 
     >>> import torch, gpuflat.torch as gft
     >>> net = torch.nn.Linear(3, 2)

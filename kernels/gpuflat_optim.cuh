@@ -16,6 +16,29 @@
 // SGD (lr, weight_decay, momentum, dampening, nesterov).
 #define GF_HYPER 5
 
+// One row of a tensor-list step's table (gpuflat.layout.PARAM_ROW_WORDS
+// int64 words): a parameter and what it is updated with, each tensor dense
+// and laid out alike, addressed at its lowest element, so the update runs
+// over numel consecutive elements of each.
+struct ParamRow {
+    long long param, grad, state0, state1;  // state1 is 0 for SGD
+    long long step;   // the address of its float32 step count (AdamW), or 0
+    long long numel;
+    long long group;  // its parameter group: the row of the hyperparameter table
+    long long flags;  // GF_ROW_FIRST: its momentum buffer is new this step (SGD)
+};
+#define GF_ROW_FIRST 1
+
+// A group's learning rate: read on the device through lr_at[2 * group]
+// (the address of a 0-d float32 or float64 tensor, its dtype tag at
+// lr_at[2 * group + 1]) where it is a tensor, so a scheduler's write between
+// steps or graph replays needs no host read; else its hyperparameter row's.
+__device__ __forceinline__ double gf_group_lr(const double* h, const long long* lr_at, long long group) {
+    const long long at = lr_at[2 * group];
+    if (at == 0) return h[0];
+    return lr_at[2 * group + 1] == 3 ? *(const double*)at : (double)*(const float*)at;
+}
+
 template <class S> struct gf_compute { using type = float; };
 template <> struct gf_compute<double> { using type = double; };
 
@@ -63,8 +86,9 @@ struct gf_adamw_coefs {
 // One group's scalars at step `step` (already counted), as PyTorch's
 // non-capturable foreach AdamW computes them on the host.
 template <class C>
-__device__ __forceinline__ gf_adamw_coefs<C> gf_adamw_setup(const double* h, double step, double clip) {
-    const double lr = h[0], wd = h[1], b1 = h[2], b2 = h[3];
+__device__ __forceinline__ gf_adamw_coefs<C> gf_adamw_setup(const double* h, double step, double clip,
+                                                            double lr) {
+    const double wd = h[1], b1 = h[2], b2 = h[3];
     const double bc1 = 1.0 - gf_powi(b1, step), bc2 = 1.0 - gf_powi(b2, step);
     return {(C)clip, (C)(1.0 - lr * wd), (C)(1.0 - b1), (C)b2, (C)(1.0 - b2),
             (C)(-(lr / bc1)), (C)sqrt(bc2), (C)h[4]};
@@ -96,8 +120,8 @@ struct gf_sgd_coefs {
 };
 
 template <class C>
-__device__ __forceinline__ gf_sgd_coefs<C> gf_sgd_setup(const double* h, double step, double clip) {
-    return {(C)clip, (C)(-h[0]), (C)h[1], (C)h[2], (C)(1.0 - h[3]),
+__device__ __forceinline__ gf_sgd_coefs<C> gf_sgd_setup(const double* h, double step, double clip, double lr) {
+    return {(C)clip, (C)(-lr), (C)h[1], (C)h[2], (C)(1.0 - h[3]),
             h[1] != 0.0, h[2] != 0.0, step <= 1.0, h[4] != 0.0};
 }
 

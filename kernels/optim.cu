@@ -39,7 +39,7 @@ gpuflat_adamw(const Item* __restrict__ items, long long n_items, const long long
     const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
     gf_for_param_items(items, n_items, slot_group, hyper, steps, amp, [&](const double* h, double step, long long first,
                                                                           long long n) {
-        gf_adamw_range<GF_WARP>(p, g, m, v, first, n, gf_adamw_setup<C>(h, step, factor));
+        gf_adamw_range<GF_WARP>(p, g, m, v, first, n, gf_adamw_setup<C>(h, step, factor, h[0]));
     });
 }
 
@@ -53,6 +53,69 @@ gpuflat_sgd(const Item* __restrict__ items, long long n_items, const long long* 
     const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
     gf_for_param_items(items, n_items, slot_group, hyper, steps, amp, [&](const double* h, double step, long long first,
                                                                           long long n) {
-        gf_sgd_range<GF_WARP>(p, g, buf, first, n, gf_sgd_setup<C>(h, step, factor));
+        gf_sgd_range<GF_WARP>(p, g, buf, first, n, gf_sgd_setup<C>(h, step, factor, h[0]));
     });
+}
+
+// ---------------------------------------------------------------- tensor lists
+// The update of PyTorch's parameters where they are (gpuflat.torch.AdamW and
+// SGD): one launch per device and dtype over a table of ParamRow, whatever
+// the number of parameters or groups. The work items split each row's
+// elements (slot = row); the table, the items and the hyperparameters are
+// all the host writes, so a warmed-up step can be captured in a CUDA graph.
+// Step counts are read here (the count after this step is the stored one
+// plus 1, as PyTorch adds before it updates) and written by
+// gpuflat_count_steps afterwards, so no item reads a count another has
+// already moved.
+template <class Fn>
+__device__ __forceinline__ void gf_for_row_items(const Item* __restrict__ items, long long n_items,
+                                                 const ParamRow* __restrict__ rows, const double* __restrict__ amp,
+                                                 Fn fn) {
+    if (amp[1] != 0.0) return;
+    gf_for_items(items, n_items, [&](long long, const Item& item, int lane) {
+        if (lane >= item.len) return;
+        fn(rows[item.slot], item.start + lane, (item.len - lane + GF_WARP - 1) / GF_WARP);
+    });
+}
+
+template <class S>
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_adamw_rows(const Item* __restrict__ items, long long n_items, const ParamRow* __restrict__ rows,
+                   const double* __restrict__ hyper, const long long* __restrict__ lr_at,
+                   const double* __restrict__ total, double max_norm, double eps, long long clip,
+                   const double* __restrict__ amp) {
+    using C = typename gf_compute<S>::type;
+    const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
+    gf_for_row_items(items, n_items, rows, amp, [&](const ParamRow& r, long long first, long long n) {
+        const double* h = hyper + r.group * GF_HYPER;
+        const double step = (double)*(const float*)r.step + 1.0;
+        gf_adamw_range<GF_WARP>((S*)r.param, (const S*)r.grad, (S*)r.state0, (S*)r.state1, first, n,
+                                gf_adamw_setup<C>(h, step, factor, gf_group_lr(h, lr_at, r.group)));
+    });
+}
+
+template <class S>
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_sgd_rows(const Item* __restrict__ items, long long n_items, const ParamRow* __restrict__ rows,
+                 const double* __restrict__ hyper, const long long* __restrict__ lr_at,
+                 const double* __restrict__ total, double max_norm, double eps, long long clip,
+                 const double* __restrict__ amp) {
+    using C = typename gf_compute<S>::type;
+    const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
+    gf_for_row_items(items, n_items, rows, amp, [&](const ParamRow& r, long long first, long long n) {
+        const double* h = hyper + r.group * GF_HYPER;
+        // gf_sgd_setup tells the momentum buffer's first step by a count of 1.
+        const double step = (r.flags & GF_ROW_FIRST) ? 1.0 : 2.0;
+        gf_sgd_range<GF_WARP>((S*)r.param, (const S*)r.grad, (S*)r.state0, first, n,
+                              gf_sgd_setup<C>(h, step, factor, gf_group_lr(h, lr_at, r.group)));
+    });
+}
+
+// Each row's step count plus one, unless the step is skipped.
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_count_steps(const ParamRow* __restrict__ rows, long long n_rows, const double* __restrict__ amp) {
+    if (amp[1] != 0.0) return;
+    const long long stride = (long long)gridDim.x * (long long)blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n_rows; i += stride)
+        if (rows[i].step != 0) *(float*)rows[i].step += 1.0f;
 }

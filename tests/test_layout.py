@@ -33,6 +33,7 @@ def _struct_words(name: str) -> int:
 
 def test_the_block_constants_are_the_headers():
     defines = _defines("gpuflat_common.cuh")
+    assert defines["GF_WARP"] == layout.WARP
     assert defines["GF_MAX_DIMS"] == layout.MAX_DIMS
     assert defines["GF_BLOCK_THREADS"] == layout.BLOCK_THREADS
     assert defines["GF_MIN_BLOCKS_PER_SM"] == layout.MIN_BLOCKS_PER_SM
@@ -109,3 +110,11 @@ def test_fast_division_is_exact_for_every_index_below_two_to_the_63():
             assert (i * m >> 64) >> s == i // d, (i, d)
     with pytest.raises(ValueError, match=r"expected 2 <= d < 2\*\*63, got 1"):
         layout.fast_division(1)
+
+
+def test_the_tensor_list_row_is_the_kernels():
+    header = SOURCES["gpuflat_optim.cuh"]
+    body = re.search(r"struct ParamRow \{(.*?)\n\};", header, re.S).group(1)
+    fields = [name.strip() for line in re.findall(r"^\s*long long ([^;]+);", body, re.M) for name in line.split(",")]
+    assert tuple(fields) == layout.PARAM_ROW_FIELDS
+    assert f"#define GF_ROW_FIRST {layout.PARAM_ROW_FIRST}" in header

@@ -6,6 +6,9 @@ a frozen layer, BatchNorm, and a no-decay group for biases and norms. Over
 rtol 1e-5 / atol 1e-6 of torch.optim (foreach) after
 torch.nn.utils.clip_grad_norm_, parameters and state; LR schedulers, state
 dicts both ways, and a clip before a plain step must work as in PyTorch.
+Then what training loops do to a model after the optimizer was built
+(unfreezing a layer, adding a group or an adapter, replacing parameters,
+leaving a head without gradients), each beside plain PyTorch doing the same.
 """
 import copy
 
@@ -13,8 +16,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import gpuflat as gf  # noqa: E402
 import gpuflat.torch as gft  # noqa: E402
+from gpuflat import tensor_table  # noqa: E402
+from gpuflat.backends import get_backend  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
 VOCAB, DIM = 11, 8
@@ -160,13 +164,16 @@ def test_a_parameter_without_a_gradient_is_skipped_as_in_torch(name):
 
 
 @pytest.mark.parametrize("backend", ["numpy", "host", "emulated"])
-def test_a_resident_model_on_every_backend(backend):
+def test_every_backend_steps_as_torch(backend):
+    # The emulated backend runs the CUDA kernels (the update over the
+    # parameter table, the step counts) on the CPU tensors.
     net_t, net_f = pair(1)
     opt_t = torch.optim.AdamW(net_t.parameters(), lr=1e-2, foreach=True)
-    opt_f = gft.AdamW(gf.resident(net_f, backend=backend), lr=1e-2, max_norm=0.5)
+    opt_f = gft.AdamW(net_f.parameters(), lr=1e-2, max_norm=0.5)
     data = batches(20, seed=1)
     run_torch(net_t, opt_t, data, max_norm=0.5)
-    run_flat(net_f, opt_f, data)
+    with tensor_table.serve_with(get_backend(backend)):
+        run_flat(net_f, opt_f, data)
     assert_close(net_t, opt_t, net_f, opt_f)
 
 
@@ -232,19 +239,27 @@ def test_a_clip_before_a_plain_step():
     assert_close(net_t, opt_t, net_f, opt_f)
 
 
-def test_the_state_is_views_into_flat_buffers():
+def test_the_state_is_torchs_and_owns_its_storage(tmp_path):
     net = Net()
     opt = gft.AdamW(net.parameters(), lr=1e-3)
     assert not opt.state  # nothing before the first step, as in PyTorch
     backward(net, *batches(1)[0])
     opt.step()
-    exp_avg = opt._flat.states[0][0].own
-    ptrs = [opt.state[p]["exp_avg"].data_ptr() for p in net.parameters() if p.requires_grad]
-    assert len(ptrs) == 6 and len(opt.state) == 6
-    assert all(exp_avg.data_ptr() <= q < exp_avg.data_ptr() + exp_avg.numel() * 4 for q in ptrs)
+    trained = [p for p in net.parameters() if p.requires_grad]
+    assert len(opt.state) == len(trained) == 6
+    for p in trained:
+        state = opt.state[p]
+        assert state["step"].shape == () and state["step"].dtype == torch.float32 and float(state["step"]) == 1
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[key].shape == p.shape and state[key].untyped_storage().nbytes() == p.numel() * 4
+    # Saving one entry writes that entry's bytes, not a buffer of every parameter's.
+    entry, alone = tmp_path / "entry.pt", tmp_path / "alone.pt"
+    torch.save(opt.state[net.hidden.bias]["exp_avg"], entry)
+    torch.save(opt.state[net.hidden.bias]["exp_avg"].clone(), alone)
+    assert abs(entry.stat().st_size - alone.stat().st_size) < 1024
 
 
-def test_refused_options_and_late_groups():
+def test_refused_options_and_bad_hyperparameters():
     net = Net()
     with pytest.raises(ValueError, match=r"gpuflat.torch.AdamW: amsgrad=True is not implemented"):
         gft.AdamW(net.parameters(), amsgrad=True)
@@ -253,14 +268,36 @@ def test_refused_options_and_late_groups():
     with pytest.raises(ValueError, match="max_norm"):
         gft.SGD(net.parameters(), max_norm=-1.0)
     opt = gft.SGD(net.parameters(), lr=0.1, foreach=True)
-    with pytest.raises(ValueError, match="cannot be added after construction"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))]})
     opt.param_groups[0]["lr"] = float("nan")
     backward(net, *batches(1)[0])
     before = [p.detach().clone() for p in net.parameters()]
     with pytest.raises(ValueError, match="parameter group 0: expected lr >= 0, got nan"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+
+
+def test_parameters_it_cannot_update_are_refused_by_name_before_any_write():
+    w = torch.nn.Parameter(torch.ones(3))
+    z = torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))
+    opt = gft.AdamW([w, z], lr=0.1)
+    w.grad, z.grad = torch.ones(3), torch.ones(2, dtype=torch.complex64)
+    with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\]\[1\]: expected a float16, bfloat16, "
+                                        r"float32 or float64 parameter, got torch.complex64"):
+        opt.step()
+    assert torch.equal(w.detach(), torch.ones(3))
+    base = torch.ones(4, 4)
+    strided = torch.nn.Parameter(base[:, ::2])  # every other column: not one dense block
+    opt = gft.SGD([torch.nn.Parameter(torch.ones(2)), strided], lr=0.1)
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\]: expected a parameter whose "
+                                         r"memory is one dense block, got shape \(4, 2\)"):
+        opt.step()
+    transposed = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3).t())  # dense, in another order
+    opt = gft.SGD([transposed], lr=0.5)
+    transposed.grad = torch.ones(3, 2).t().contiguous().t()
+    opt.step()
+    torch.testing.assert_close(transposed.detach(), torch.arange(6.0).reshape(2, 3).t() - 0.5)
 
 
 # ---------------------------------------------------------------- GradScaler
@@ -372,3 +409,195 @@ def test_a_compiled_training_step_matches_torch(name):
         torch._dynamo.reset()
     run_torch(net_t, opt_t, data, max_norm=1.0)
     assert_close(net_t, opt_t, net_f, opt_f)
+
+
+# ---------------------------------------------------------------- what loops do to a model
+
+def torch_clip(opt, max_norm):
+    """What max_norm= means: clip_grad_norm_ over the parameters in param_groups."""
+    torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], max_norm)
+
+
+def side_by_side(name, make_params, loop, steps=8, seed=7, max_norm=1.0):
+    """The same loop with torch.optim (clipping with torch's clip) and with
+    gpuflat's optimizer (clipping inside the step); returns both models and
+    optimizers. ``loop(net, opt, k, is_torch)`` runs step k's changes."""
+    torch_cls, flat_cls, kw = OPTIMIZERS[name]
+    torch.manual_seed(seed)
+    net_t = Net()
+    net_f = copy.deepcopy(net_t)
+    opt_t = torch_cls(make_params(net_t), **kw)
+    opt_f = flat_cls(make_params(net_f), max_norm=max_norm, **kw)
+    for k, (x, y) in enumerate(batches(steps, seed=seed)):
+        for net, opt, is_torch in ((net_t, opt_t, True), (net_f, opt_f, False)):
+            opt.zero_grad()
+            loop(net, opt, k, is_torch)
+            backward(net, x, y, scale=5.0)
+            if is_torch and max_norm is not None:
+                torch_clip(opt, max_norm)
+            opt.step()
+    return net_t, opt_t, net_f, opt_f
+
+
+LOOP_OPTIMIZERS = ["adamw", "sgd"]
+
+
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+@pytest.mark.parametrize("name", LOOP_OPTIMIZERS)
+def test_a_layer_unfrozen_after_construction_is_trained(name, max_norm):
+    def unfreeze(net, opt, k, is_torch):
+        if k == 2:
+            net.frozen.requires_grad_(True)
+
+    net_t, opt_t, net_f, opt_f = side_by_side(name, lambda n: n.parameters(), unfreeze, max_norm=max_norm)
+    assert_close(net_t, opt_t, net_f, opt_f)
+    assert net_f.frozen.weight in opt_f.state
+    assert not torch.equal(net_f.frozen.weight, Net().frozen.weight)
+
+
+@pytest.mark.parametrize("name", LOOP_OPTIMIZERS)
+def test_an_adapter_added_mid_training_as_a_group(name):
+    # A LoRA-style adapter: a submodule added at step 3, its parameters given
+    # to the optimizer with add_param_group, as PyTorch users do.
+    def adapt(net, opt, k, is_torch):
+        if k == 3:
+            torch.manual_seed(11)
+            net.hidden.adapter = torch.nn.Linear(DIM, DIM, bias=False)
+            net.hidden.register_forward_hook(lambda m, i, o: o + m.adapter(i[0]))
+            opt.add_param_group({"params": list(net.hidden.adapter.parameters()), "lr": 0.02})
+
+    net_t, opt_t, net_f, opt_f = side_by_side(name, groups, adapt)
+    assert_close(net_t, opt_t, net_f, opt_f)
+    assert len(opt_f.param_groups) == 3 and net_f.hidden.adapter.weight in opt_f.state
+
+
+@pytest.mark.parametrize("name", LOOP_OPTIMIZERS)
+def test_an_adapter_outside_the_optimizer_is_neither_trained_nor_clipped(name):
+    # max_norm clips what is in param_groups, as clip_grad_norm_ over them would.
+    def adapt(net, opt, k, is_torch):
+        if k == 2:
+            torch.manual_seed(12)
+            net.hidden.adapter = torch.nn.Linear(DIM, DIM, bias=False)
+            net.hidden.register_forward_hook(lambda m, i, o: o + m.adapter(i[0]))
+
+    net_t, opt_t, net_f, opt_f = side_by_side(name, groups, adapt)
+    assert_close(net_t, opt_t, net_f, opt_f)
+    torch.testing.assert_close(net_f.hidden.adapter.weight.grad, net_t.hidden.adapter.weight.grad)
+
+
+@pytest.mark.parametrize("name", LOOP_OPTIMIZERS)
+def test_a_head_without_gradients_is_left_alone_when_gradients_are_zeroed_in_place(name):
+    # zero_grad(set_to_none=False) zeroes the gradients that exist; a head
+    # the loss never reaches keeps None and must not be decayed.
+    torch_cls, flat_cls, kw = OPTIMIZERS[name]
+    torch.manual_seed(8)
+    net_t = Net()
+    net_t.head = torch.nn.Linear(DIM, 2)
+    net_f = copy.deepcopy(net_t)
+    opt_t = torch_cls(net_t.parameters(), **kw)
+    opt_f = flat_cls(net_f.parameters(), max_norm=1.0, **kw)
+    head = net_f.head.weight.detach().clone()
+    for x, y in batches(6, seed=8):
+        for net, opt in ((net_t, opt_t), (net_f, opt_f)):
+            opt.zero_grad(set_to_none=False)
+            backward(net, x, y, scale=5.0)
+            if opt is opt_t:
+                torch_clip(opt, 1.0)
+            opt.step()
+    assert_close(net_t, opt_t, net_f, opt_f)
+    assert torch.equal(net_f.head.weight, head) and net_f.head.weight not in opt_f.state
+
+
+@pytest.mark.parametrize("name", LOOP_OPTIMIZERS)
+def test_parameters_replaced_by_an_assigning_load_are_not_followed_as_in_torch(name):
+    # load_state_dict(assign=True) puts new Parameter objects in the model:
+    # neither optimizer holds them, so neither trains them.
+    def reload(net, opt, k, is_torch):
+        if k == 4:
+            net.load_state_dict(copy.deepcopy(net.state_dict()), assign=True)
+
+    net_t, opt_t, net_f, opt_f = side_by_side(name, lambda n: n.parameters(), reload)
+    for a, b in zip(net_t.parameters(), net_f.parameters()):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    for a, b in zip(opt_t.param_groups[0]["params"], opt_f.param_groups[0]["params"]):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", LOOP_OPTIMIZERS)
+def test_a_model_moved_to_float64_before_the_first_step(name):
+    def to_double(net, opt, k, is_torch):
+        if k == 0:
+            net.double()
+
+    torch_cls, flat_cls, kw = OPTIMIZERS[name]
+    torch.manual_seed(9)
+    net_t = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    net_f = copy.deepcopy(net_t)
+    opt_t, opt_f = torch_cls(net_t.parameters(), **kw), flat_cls(net_f.parameters(), max_norm=1.0, **kw)
+    for net in (net_t, net_f):
+        net.double()
+    g = torch.Generator().manual_seed(9)
+    for _ in range(5):
+        x = torch.randn(16, 4, generator=g, dtype=torch.float64)
+        for net, opt in ((net_t, opt_t), (net_f, opt_f)):
+            opt.zero_grad()
+            (net(x) ** 2).mean().backward()
+            if opt is opt_t:
+                torch_clip(opt, 1.0)
+            opt.step()
+    for a, b in zip(net_t.parameters(), net_f.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert all(v.dtype == torch.float64 for s in opt_f.state.values() for k, v in s.items() if k != "step")
+
+
+def test_a_group_of_frozen_parameters_placed_last():
+    net_t, net_f = pair(10)
+    make = lambda n: [{"params": [p for p in n.parameters() if p.requires_grad]},  # noqa: E731
+                      {"params": list(n.frozen.parameters()), "lr": 0.5}]
+    opt_t, opt_f = torch.optim.AdamW(make(net_t), lr=1e-2), gft.AdamW(make(net_f), lr=1e-2, max_norm=1.0)
+    data = batches(5, seed=10)
+    run_torch(net_t, opt_t, data, max_norm=1.0)
+    run_flat(net_f, opt_f, data)
+    assert_close(net_t, opt_t, net_f, opt_f)
+
+
+def test_sgd_keeps_no_momentum_buffer_for_a_parameter_never_stepped():
+    # PyTorch makes a momentum buffer at a parameter's first gradient: after a
+    # save and a load, that parameter's first update is then the gradient itself.
+    torch.manual_seed(13)
+    net_t = Routed()
+    net_f = copy.deepcopy(net_t)
+    kw = dict(lr=0.1, momentum=0.9, dampening=0.5)
+    opt_t, opt_f = torch.optim.SGD(net_t.parameters(), **kw), gft.SGD(net_f.parameters(), **kw)
+    data = batches(4, seed=13)
+    for step, (x, y) in enumerate(data):
+        for net, opt in ((net_t, opt_t), (net_f, opt_f)):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x, step >= 2), y).backward()
+            opt.step()
+        if step == 0:
+            saved = opt_f.state_dict()
+            assert sorted(saved["state"]) == sorted(opt_t.state_dict()["state"])
+            opt_f = gft.SGD(net_f.parameters(), **kw)
+            opt_f.load_state_dict(saved)
+    assert_close(net_t, opt_t, net_f, opt_f)
+
+
+def test_a_gradscaler_with_no_gradients_raises_clearly():
+    net = Net()
+    opt = gft.AdamW(net.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))  # as a loop's scaler.scale(loss) would, before any backward
+    with pytest.raises((RuntimeError, AssertionError), match="inf checks"):
+        scaler.step(opt)
+
+
+def test_gpuflat_gradscaler_skips_on_nonfinite_gradients_not_an_overflowing_norm():
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+    opt, scaler = gft.SGD([w], lr=1e-200), gft.GradScaler("cpu", init_scale=1.0)
+    w.grad = torch.full((4,), 1e200, dtype=torch.float64)  # finite, but its 2-norm's square overflows
+    scaler.scale(torch.ones(()))  # as a loop's scaler.scale(loss) would
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 1.0  # not backed off
+    assert torch.equal(w.detach(), torch.zeros(4, dtype=torch.float64))  # stepped: 1 - 1e-200 * 1e200

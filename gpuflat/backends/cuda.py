@@ -40,6 +40,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
+from functools import lru_cache
 from operator import attrgetter
 
 import numpy as np
@@ -47,7 +48,7 @@ import numpy as np
 from gpuflat import kernel_loader as kl
 from gpuflat.dtypes import c_name, dtype_of_tag
 from gpuflat.identity import Layout, SameArrays
-from gpuflat.layout import (BLOCK_THREADS, FINISH_THREADS, ITEM, ITEM_WORDS, LEAF_ROW_WORDS, MAX_DIMS,
+from gpuflat.layout import (BLOCK_THREADS, C_NAMES, FINISH_THREADS, ITEM, ITEM_WORDS, LEAF_ROW_WORDS, MAX_DIMS, WARP,
                             SMALL_SLOT_ITEMS, leaf_row)
 from gpuflat.memory_order import dense_start
 from gpuflat.native import array_facts
@@ -211,6 +212,47 @@ class CudaBackend:
         name = kl.optim_name(rule, c_name(params.dtype))
         grid = self.grid or self.runtime.grid_for(st.n_items)
         self.runtime.launch(name, grid, min(self.runtime.block, BLOCK_THREADS), args, (st.uploaded,))
+
+
+    def step_rows(self, rule, tag, rows, hyper, lr_at, total, max_norm, eps, amp) -> None:
+        """One optimizer update of parameters where they are (2 launches, no
+        synchronisation): the update over the rows' work items, then the
+        step counts. The rows, the groups' hyperparameters and the items
+        are uploaded with no host wait; the clip factor is taken from
+        ``total`` on the device."""
+        rt = self.runtime
+        rows = np.ascontiguousarray(rows, np.int64)
+        items = _row_items(rows[:, 5].tobytes())
+        tables = [rt.upload_table(a, "the optimizer step") for a in (rows, items, hyper, lr_at)]
+        on_device = [t.array for t in tables]
+        clip = total is not None
+        n_items = len(items) // ITEM_WORDS
+        args = [on_device[1], np.int64(n_items), on_device[0], on_device[2], on_device[3],
+                total if clip else on_device[2], np.float64(max_norm), np.float64(eps), np.int64(clip), amp]
+        block = min(rt.block, BLOCK_THREADS)
+        rt.launch(kl.optim_rows_name(rule, C_NAMES[tag]), self.grid or rt.grid_for(n_items), block, args, tables)
+        rt.launch(kl.COUNT_STEPS_NAME, self.grid or rt.grid_for(-(-len(rows) // WARP)), block,
+                  [on_device[0], np.int64(len(rows)), amp], tables[:1])
+        for table in tables:
+            rt.release(table)
+
+
+@lru_cache(maxsize=16)
+def _row_items(numels: bytes) -> np.ndarray:
+    """The work items (flat, ITEM_WORDS per item) of parameters of these
+    element counts (int64 bytes): each split into items of at most ITEM
+    elements, slot = its row.
+
+    >>> _row_items(np.array([3, ITEM + 1], np.int64).tobytes()).reshape(-1, ITEM_WORDS).tolist()
+    [[0, 0, 3, 0], [1, 0, 4096, 0], [1, 4096, 1, 0]]
+    """
+    sizes = np.frombuffer(numels, np.int64)
+    counts = -(-sizes // ITEM)
+    slot = np.repeat(np.arange(len(sizes), dtype=np.int64), counts)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    start = (np.arange(len(slot), dtype=np.int64) - first[slot]) * ITEM
+    length = np.minimum(ITEM, sizes[slot] - start)
+    return np.stack([slot, start, length, np.zeros_like(slot)], axis=1).astype(np.int64).reshape(-1)
 
 
 def _norm_kind(ord):

@@ -190,6 +190,29 @@ class HostBackend(HostMemory):
                             f"({_OPTIM_NAMES}), found {params.dtype}")
 
 
+    def step_rows(self, rule, tag, rows, hyper, lr_at, total, max_norm, eps, amp) -> None:
+        """One optimizer update of parameters where they are, in native code (see the protocol).
+
+        >>> import numpy as np
+        >>> p, g, buf = np.ones(2, np.float32), np.full(2, 4.0, np.float32), np.zeros(2, np.float32)
+        >>> rows = np.array([[p.ctypes.data, g.ctypes.data, buf.ctypes.data, 0, 0, 2, 0, 1]], np.int64)
+        >>> hyper = np.array([0.5, 0.0, 0.9, 0.0, 0.0])
+        >>> HostBackend().step_rows("sgd", 2, rows, hyper, np.zeros(2, np.int64), None, 0.0, 0.0,
+        ...                         np.array([0.25, 0.0]))
+        >>> p, buf
+        (array([0.5, 0.5], dtype=float32), array([1., 1.], dtype=float32))
+        """
+        lib = _needed(native.optim_library(), "optimizer library")
+        ptr = _address
+        rows = np.ascontiguousarray(rows, np.int64)
+        code = lib.gf_host_optim_rows(rule_id(rule), tag, ptr(rows), len(rows), ptr(hyper), ptr(lr_at),
+                                      None if total is None else ptr(total), float(max_norm), float(eps), ptr(amp),
+                                      self.threads)
+        if code != 0:
+            raise TypeError(f"the host backend's optimizer step: expected parameters of a real floating dtype "
+                            f"({_OPTIM_NAMES}), found dtype tag {tag}")
+
+
 # The NumPy names of the dtypes the native update is built for.
 _OPTIM_NAMES = ", ".join(name for _, name, c_name, _ in DTYPES if c_name in OPTIM_DTYPES)
 

@@ -12,13 +12,14 @@ logical order.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import weakref
 
 import numpy as np
 
-from gpuflat.dtypes import cast_copy
-from gpuflat.layout import HYPER
+from gpuflat.dtypes import cast_copy, dtype_of_tag
+from gpuflat.layout import HYPER, PARAM_ROW_FIRST
 from gpuflat.memory_order import in_memory_order
 
 from .protocol import NormResult
@@ -216,6 +217,48 @@ class NumpyBackend(HostMemory):
                 update(params[part], grads[part], [s[part] for s in states],
                        [float(x) for x in hyper[group * HYPER : (group + 1) * HYPER]],
                        float(steps[slot]), factor, compute)
+
+    def step_rows(self, rule, tag, rows, hyper, lr_at, total, max_norm, eps, amp):
+        """One optimizer update of parameters where they are (host memory),
+        row by row: the kernels' operations in the same order and precision.
+
+        >>> p, g, buf = np.ones(2, np.float32), np.full(2, 4.0, np.float32), np.zeros(2, np.float32)
+        >>> rows = np.array([[p.ctypes.data, g.ctypes.data, buf.ctypes.data, 0, 0, 2, 0, 1]], np.int64)
+        >>> NumpyBackend().step_rows("sgd", 2, rows, np.array([0.5, 0.0, 0.9, 0.0, 0.0]), np.zeros(2, np.int64),
+        ...                          None, 0.0, 0.0, np.array([0.25, 0.0]))
+        >>> p, buf
+        (array([0.5, 0.5], dtype=float32), array([1., 1.], dtype=float32))
+        """
+        if amp[1] != 0.0:  # a loss scaler found NaN or inf: skip, steps uncounted
+            return
+        factor = (1.0 if total is None else _clip_factor(total, max_norm, eps)) * float(amp[0])
+        _rows_step(rule, dtype_of_tag(tag), np.asarray(rows, np.int64), hyper, lr_at, factor)
+
+
+def _at(address: int, dtype, n: int) -> np.ndarray:
+    """The ``n`` elements of ``dtype`` at ``address`` (host memory), as a writable view."""
+    dtype = np.dtype(dtype)
+    return np.frombuffer((ctypes.c_byte * (n * dtype.itemsize)).from_address(address), dtype) if n else \
+        np.empty(0, dtype)
+
+
+def _rows_step(rule, dtype, rows, hyper, lr_at, factor):
+    """The reference of the kernels' update over a parameter table (gpuflat_adamw_rows /
+    gpuflat_sgd_rows, then gpuflat_count_steps), one row at a time."""
+    update = _adamw if rule == "adamw" else _sgd
+    compute = np.float64 if dtype == np.float64 else np.float32
+    with np.errstate(all="ignore"):  # NaN and inf follow IEEE rules, as in the kernels
+        for param, grad, s0, s1, step_at, numel, group, flags in rows.tolist():
+            h = [float(x) for x in hyper[group * HYPER : (group + 1) * HYPER]]
+            if lr_at[2 * group]:
+                h[0] = float(_at(int(lr_at[2 * group]), dtype_of_tag(int(lr_at[2 * group + 1])), 1)[0])
+            step = float(_at(step_at, np.float32, 1)[0]) + 1.0 if step_at else (1.0 if flags & PARAM_ROW_FIRST
+                                                                                  else 2.0)
+            states = [_at(s, dtype, numel) for s in (s0, s1) if s]
+            update(_at(param, dtype, numel), _at(grad, dtype, numel), states, h, step, factor, compute)
+    for step_at in rows[:, 4].tolist():
+        if step_at:
+            _at(step_at, np.float32, 1)[0] += np.float32(1.0)
 
 
 def _scale(target, coef):

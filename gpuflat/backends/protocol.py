@@ -168,3 +168,14 @@ class Backend(Protocol):
         by min(1, max_norm / (total + eps)), never written back. ``amp`` holds
         two float64: every gradient is also multiplied by ``amp[0]`` (a loss
         scaler's 1 / scale), and a nonzero ``amp[1]`` skips the update."""
+
+    def step_rows(self, rule: str, tag: int, rows, hyper, lr_at, total, max_norm: float, eps: float, amp) -> None:
+        """One optimizer update of parameters where they are (PyTorch's, one
+        table row each), in place: ``rows`` is a host int64 array of
+        gpuflat.layout.PARAM_ROW_FIELDS per parameter, every tensor of dtype
+        tag ``tag``, dense and laid out alike, addressed at its lowest
+        element; ``hyper`` the groups' rows (host float64) and ``lr_at`` where
+        a tensor ``lr`` is read instead (host int64, address and dtype tag per
+        group). ``total``, ``max_norm``, ``eps`` and ``amp`` as for
+        :meth:`step_`. Each AdamW row's float32 step count is read as the count
+        before this step and then incremented, unless ``amp[1]`` skips."""

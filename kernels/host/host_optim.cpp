@@ -59,7 +59,8 @@ template <class S>
 void adamw(const Step& s, void* p, void* g, void* m, void* v, int threads) {
     using C = typename gf_compute<S>::type;
     for_items(s, threads, [&](const Item& it) {
-        const auto k = gf_adamw_setup<C>(s.hyper + s.slot_group[it.slot] * GF_HYPER, s.steps[it.slot], s.factor);
+        const double* h = s.hyper + s.slot_group[it.slot] * GF_HYPER;
+        const auto k = gf_adamw_setup<C>(h, s.steps[it.slot], s.factor, h[0]);
         gf_adamw_range<1>((S*)p, (const S*)g, (S*)m, (S*)v, it.flat, it.len, k);
     });
 }
@@ -68,9 +69,56 @@ template <class S>
 void sgd(const Step& s, void* p, void* g, void* buf, int threads) {
     using C = typename gf_compute<S>::type;
     for_items(s, threads, [&](const Item& it) {
-        const auto k = gf_sgd_setup<C>(s.hyper + s.slot_group[it.slot] * GF_HYPER, s.steps[it.slot], s.factor);
+        const double* h = s.hyper + s.slot_group[it.slot] * GF_HYPER;
+        const auto k = gf_sgd_setup<C>(h, s.steps[it.slot], s.factor, h[0]);
         gf_sgd_range<1>((S*)p, (const S*)g, (S*)buf, it.flat, it.len, k);
     });
+}
+
+// body(row, first element, count) over every row's items, shared among
+// threads as for_items shares a buffer's.
+template <class Body>
+void for_row_items(const ParamRow* rows, long long n_rows, int threads, Body body) {
+    std::vector<Item> items;
+    long long total = 0;
+    for (long long r = 0; r < n_rows; ++r) {
+        for (long long start = 0; start < rows[r].numel; start += ITEM)
+            items.push_back(Item{r, start, std::min(ITEM, rows[r].numel - start), 0});
+        total += rows[r].numel;
+    }
+    const long long t = std::max(1LL, std::min<long long>(threads, total / MIN_WORK_PER_THREAD));
+    auto run = [&](size_t a, size_t b) {
+        for (size_t i = a; i < b; ++i) body(rows[items[i].slot], items[i].start, items[i].len);
+    };
+    if (t == 1) return run(0, items.size());
+    std::vector<std::thread> pool;
+    const size_t n = items.size(), per = (n + t - 1) / t;
+    for (size_t k = 1; k < (size_t)t; ++k) pool.emplace_back(run, std::min(n, k * per), std::min(n, (k + 1) * per));
+    run(0, std::min(n, per));
+    for (auto& th : pool) th.join();
+}
+
+// The kernels' gpuflat_adamw_rows and gpuflat_sgd_rows (optim.cu), then
+// gpuflat_count_steps: every update reads its count before any is moved.
+template <class S>
+void rows_step(int rule, const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at,
+               double factor, int threads) {
+    using C = typename gf_compute<S>::type;
+    for_row_items(rows, n_rows, threads, [&](const ParamRow& r, long long first, long long n) {
+        const double* h = hyper + r.group * GF_HYPER;
+        const double lr = gf_group_lr(h, lr_at, r.group);
+        if (rule == 0) {
+            const double step = (double)*(const float*)r.step + 1.0;
+            gf_adamw_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, (S*)r.state1, first, n,
+                              gf_adamw_setup<C>(h, step, factor, lr));
+        } else {
+            const double step = (r.flags & GF_ROW_FIRST) ? 1.0 : 2.0;
+            gf_sgd_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, first, n,
+                            gf_sgd_setup<C>(h, step, factor, lr));
+        }
+    });
+    for (long long i = 0; i < n_rows; ++i)
+        if (rows[i].step != 0) *(float*)rows[i].step += 1.0f;
 }
 
 // f(S{}) for the dtype tags of gpuflat.dtypes.TAGS the optimizers take.
@@ -102,6 +150,22 @@ GF_EXPORT int gf_host_optim_step(int rule, int tag, const long long* offsets, lo
         using S = decltype(z);
         if (rule == 0) adamw<S>(s, p, g, s0, s1, threads);
         else sgd<S>(s, p, g, s0, threads);
+    });
+    return ok ? 0 : -1;
+}
+
+// The update of a table of PyTorch's parameters where they are (ParamRow,
+// gpuflat_optim.cuh), as the kernels' gpuflat_adamw_rows / gpuflat_sgd_rows
+// and gpuflat_count_steps: rule numbers, total, amp and the return value as
+// for gf_host_optim_step; lr_at as the kernels read it.
+GF_EXPORT int gf_host_optim_rows(int rule, int tag, const long long* rows, long long n_rows, const double* hyper,
+                                 const long long* lr_at, const double* total, double max_norm, double eps,
+                                 const double* amp, int threads) {
+    if (amp[1] != 0.0) return tag >= 0 && tag <= 3 ? 0 : -1;
+    const double factor = gf_grad_factor(total, max_norm, eps, total != nullptr, amp);
+    const bool ok = dispatch(tag, [&](auto z) {
+        rows_step<decltype(z)>(rule, reinterpret_cast<const ParamRow*>(rows), n_rows, hyper, lr_at, factor,
+                               threads);
     });
     return ok ? 0 : -1;
 }
