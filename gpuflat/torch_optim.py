@@ -37,18 +37,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import dtensor, tensor_table
+from . import distributed, dtensor, param_rows, tensor_table
 from .arrays import adopt, device_scope
 from .checks import clip_arguments, optimizer_options
-from .layout import PARAM_ROW_FIRST, PARAM_ROW_WORDS, TAG_OF_NAME, hyper_row
-from .memory_order import dense_start
+from .layout import TAG_OF_NAME, hyper_row
 
 __all__ = ["AdamW", "GradScaler", "SGD"]
 
 REFUSED = ("amsgrad", "maximize", "differentiable")
 CLIP_EPS = 1e-6  # PyTorch's clip_grad_norm_: max_norm / (norm + 1e-6)
-# The dtypes the update kernels take.
-_STEPPED = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 
 
 class _FlatOptimizer(torch.optim.Optimizer):
@@ -83,49 +80,34 @@ class _FlatOptimizer(torch.optim.Optimizer):
         self._update()
         return loss
 
-    def _init_group(self, group, params, grads, states, firsts):
-        """The group's parameters that have a gradient, their gradients and
-        states (made here at a parameter's first gradient, as PyTorch's
-        optimizers make theirs), appended to the lists; ``firsts`` says
-        whether each one's momentum buffer is new this step."""
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            firsts.append(self._lazy_state(state, p, group))
-            params.append(p)
-            grads.append(p.grad)
-            states.append(state)
+    def _init_group(self, state, p, group) -> bool:
+        """Make ``p``'s state where it has none, as PyTorch's optimizers make
+        theirs at a parameter's first gradient; whether a momentum buffer was
+        made now (its first update is then the gradient itself)."""
+        return self._lazy_state(state, p, group)
 
     # Inside a torch.compile'd step the update is not traced: it runs as it
     # is between two graphs (its native calls and host-side tables are
     # nothing TorchDynamo can trace faithfully).
     @torch.compiler.disable
     def _update(self):
-        params, grads, states, firsts, groups = [], [], [], [], []
         for i, group in enumerate(self.param_groups):
             optimizer_options(self._rule, group, i)
-            start = len(params)
-            self._init_group(group, params, grads, states, firsts)
-            groups += [i] * (len(params) - start)
         scale, found = self._amp()
         self.last_grad_norm = None
-        if not params:
+        # Everything is read and checked before anything is written.
+        step = param_rows.read(self, self._state_names, self._init_group)
+        if step is None:
             return
-        names = _Names(self.param_groups, params)
-        buckets = _buckets(params)
-        # Everything is checked before anything is written.
-        rows = {key: self._rows(members, params, grads, states, firsts, groups, names)
-                for key, members in buckets.items()}
         detect = found is _FROM_NORM
-        total, nonfinite = self._norm(grads, scale, detect, names)
+        total, nonfinite = self._norm(step, scale, detect)
         if detect:
             found = self.found_inf
             found.copy_(nonfinite.to(found.device, found.dtype).reshape(found.shape))
         self.last_grad_norm = total
         hyper = np.array([hyper_row(self._rule, g) for g in self.param_groups], np.float64).reshape(-1)
-        for key, members in buckets.items():
-            self._step_bucket(params[members[0]], rows[key], hyper, total, scale, found)
+        for table in step.tables:
+            self._step_table(table, hyper, total, scale, found)
 
     def _amp(self):
         """(the GradScaler's scale or None, its found_inf: a tensor, None, or
@@ -140,62 +122,40 @@ class _FlatOptimizer(torch.optim.Optimizer):
                                f"optimizer: the GradScaler found no gradient in its param_groups")
         return scale, found
 
-    def _norm(self, grads, scale, detect, names):
+    def _norm(self, step, scale, detect):
         """(the gradients' norm, unscaled, as a float64 tensor, or None
         without ``max_norm`` or ``detect``; with ``detect``, a 0-d tensor that
         is 1 where some gradient holds NaN or inf)."""
         if self.max_norm is None and not detect:
             return None, None
         p = clip_arguments(1.0, self.norm_type, CLIP_EPS)[1]
-        if any(map(dtensor.is_dtensor, grads)):
-            from . import distributed
-
+        grads = step.grads
+        if not step.plain:  # DTensors: over the ranks of their mesh
             total = distributed.global_norm(grads, p)
             total = (total.to_local() if dtensor.is_dtensor(total) else total).double()
             nonfinite = (~torch.isfinite(total)).double() if detect else None
         else:
-            table = tensor_table.read(grads, names.gradient)
+            table = tensor_table.read(grads, step.name_of_gradient)
             total, _, nonfinite = tensor_table.norm_pass(table, grads, p, detect)
         if scale is not None:  # the norm of the unscaled gradients, as after GradScaler.unscale_
             total = total * scale.double().reciprocal().float().double().to(total.device)
         return total, nonfinite
 
-    def _rows(self, members, params, grads, states, firsts, groups, names) -> np.ndarray:
-        """The update table of one device's and dtype's parameters
-        (layout.PARAM_ROW_FIELDS), every tensor checked first."""
-        local = [_local(params[k]) for k in members]
-        name_of = lambda j: names.parameter(members[j])  # noqa: E731 - named only on error
-        rows = np.zeros((len(members), PARAM_ROW_WORDS), np.int64)
-        rows[:, 0] = _starts(local, name_of, "parameter")
-        rows[:, 5] = [t.numel() for t in local]
-        columns = [(1, "gradient", [_local(grads[k]) for k in members])]
-        columns += [(2 + s, key, [_local(states[k].get(key)) for k in members])
-                    for s, key in enumerate(self._state_names)]
-        for column, what, tensors in columns:
-            present = [j for j, t in enumerate(tensors) if t is not None]
-            _check_alike([local[j] for j in present], [tensors[j] for j in present],
-                         lambda i: name_of(present[i]), what)
-            rows[present, column] = _starts([tensors[j] for j in present], lambda i: name_of(present[i]), what)
-        if self._counts_steps:
-            rows[:, 4] = [states[k]["step"].data_ptr() for k in members]
-        rows[:, 6] = [groups[k] for k in members]
-        rows[:, 7] = [PARAM_ROW_FIRST if firsts[k] else 0 for k in members]
-        return rows
-
-    def _step_bucket(self, like, rows, hyper, total, scale, found):
-        like = _local(like)
+    def _step_table(self, table, hyper, total, scale, found):
+        like = table.like
         backend = tensor_table.backend_for(like.device)
         lr_at = _lr_addresses(self.param_groups, like.device)
         with device_scope(backend, like):
             amp = _amp_array(scale, found, like.device)
             clip = None if self.max_norm is None else adopt(total.to(like.device).reshape(()))
-            backend.step_rows(self._rule, TAG_OF_NAME[str(like.dtype).removeprefix("torch.")], rows, hyper, lr_at,
-                              clip, 0.0 if self.max_norm is None else float(self.max_norm), CLIP_EPS, amp)
+            backend.step_rows(self._rule, TAG_OF_NAME[str(like.dtype).removeprefix("torch.")], table.rows, hyper,
+                              lr_at, clip, 0.0 if self.max_norm is None else float(self.max_norm), CLIP_EPS, amp)
 
     def load_state_dict(self, state_dict) -> None:
         """PyTorch's, then each ``step`` as this optimizer keeps it: a 0-d
         float32 tensor on its parameter's device."""
         super().load_state_dict(state_dict)
+        param_rows.forget(self)
         for p, state in self.state.items():
             step = state.get("step")
             if step is not None and (not isinstance(step, torch.Tensor) or step.device != _local(p).device
@@ -206,68 +166,9 @@ class _FlatOptimizer(torch.optim.Optimizer):
 _FROM_NORM = object()
 
 
-class _Names:
-    """Names of the step's parameters and gradients, as the user's param_groups place them (made on error)."""
-
-    def __init__(self, groups, params):
-        self.groups, self.params = groups, params
-
-    def parameter(self, k) -> str:
-        p = self.params[k]
-        for g, group in enumerate(self.groups):
-            for i, q in enumerate(group["params"]):
-                if q is p:
-                    return f"param_groups[{g}]['params'][{i}]"
-        return f"parameter {k}"
-
-    def gradient(self, k) -> str:
-        return f"{self.parameter(k)}.grad"
-
-
 def _local(t):
-    """A DTensor's local shard, any other tensor (or None) itself."""
-    return dtensor.local(t) if t is not None and dtensor.is_dtensor(t) else t
-
-
-def _buckets(params) -> dict:
-    """Positions of the parameters by (device, dtype), in order."""
-    buckets: dict = {}
-    for k, p in enumerate(params):
-        t = _local(p)
-        buckets.setdefault((t.device, t.dtype), []).append(k)
-    return buckets
-
-
-def _starts(tensors, name_of, what) -> list:
-    """Each tensor's lowest element address: its data pointer where it is
-    contiguous, else where its one dense block of memory begins. A tensor
-    whose memory is not one dense block, or of a dtype the update does not
-    take, raises naming its parameter."""
-    starts = []
-    for j, t in enumerate(tensors):
-        if t.dtype not in _STEPPED:
-            raise TypeError(f"{name_of(j)}: expected a float16, bfloat16, float32 or float64 {what}, got "
-                            f"{t.dtype}" + (": complex parameters are not supported" if t.is_complex() else ""))
-        if t.is_contiguous():
-            starts.append(t.data_ptr())
-            continue
-        size = t.element_size()
-        start = dense_start(tuple(t.shape), tuple(s * size for s in t.stride()), size)
-        if start is None:
-            raise ValueError(f"{name_of(j)}: expected a {what} whose memory is one dense block, got shape "
-                             f"{tuple(t.shape)} and strides {t.stride()}; make the parameter contiguous")
-        starts.append(t.data_ptr() + start)
-    return starts
-
-
-def _check_alike(params, tensors, name_of, what) -> None:
-    """Each tensor of its parameter's shape, dtype, device and memory layout."""
-    for j, (p, t) in enumerate(zip(params, tensors)):
-        if t.shape != p.shape or t.dtype != p.dtype or t.device != p.device or \
-                (t.stride() != p.stride() and t.numel() > 1):
-            raise ValueError(f"{name_of(j)}: expected its {what} of shape {tuple(p.shape)}, dtype {p.dtype}, "
-                             f"device {p.device} and strides {p.stride()}, got {tuple(t.shape)}, {t.dtype}, "
-                             f"{t.device} and strides {t.stride()}")
+    """A DTensor's local shard, any other tensor itself."""
+    return dtensor.local(t) if dtensor.is_dtensor(t) else t
 
 
 def _lr_addresses(groups, device) -> np.ndarray:
