@@ -41,6 +41,7 @@ from . import distributed, dtensor, param_rows, tensor_table
 from .arrays import adopt, device_scope
 from .checks import clip_arguments, optimizer_options
 from .layout import TAG_OF_NAME, hyper_row
+from .residency import Resident
 
 __all__ = ["AdamW", "GradScaler", "SGD"]
 
@@ -64,6 +65,10 @@ class _FlatOptimizer(torch.optim.Optimizer):
                                  f"{option}=False, or use torch.optim.{name}")
         if max_norm is not None:
             clip_arguments(max_norm, norm_type, CLIP_EPS)
+        if isinstance(params, Resident):
+            raise TypeError(f"gpuflat.torch.{name}: expected parameters or param groups, as torch.optim.{name} "
+                            f"takes them, got a Resident; pass model.parameters(): the optimizer follows the "
+                            f"parameters wherever their memory is, a resident model's buffers included")
         super().__init__(params, defaults)
         self.max_norm, self.norm_type = max_norm, norm_type
         self.last_grad_norm = None

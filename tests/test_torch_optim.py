@@ -16,6 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import gpuflat as gf  # noqa: E402
 import gpuflat.torch as gft  # noqa: E402
 from gpuflat import tensor_table  # noqa: E402
 from gpuflat.backends import get_backend  # noqa: E402
@@ -261,6 +262,8 @@ def test_the_state_is_torchs_and_owns_its_storage(tmp_path):
 
 def test_refused_options_and_bad_hyperparameters():
     net = Net()
+    with pytest.raises(TypeError, match=r"got a Resident; pass model.parameters\(\)"):
+        gft.AdamW(gf.resident(Net()))
     with pytest.raises(ValueError, match=r"gpuflat.torch.AdamW: amsgrad=True is not implemented"):
         gft.AdamW(net.parameters(), amsgrad=True)
     with pytest.raises(ValueError, match=r"gpuflat.torch.SGD: maximize=True is not implemented"):
