@@ -30,7 +30,9 @@ is CuPy's calling contract, enforced on every call (a breach raises
 - while a stream captures a graph (``Stream.begin_capture``, CUDA's global
   capture mode, the one ``torch.cuda.graph`` uses): an allocation from the
   memory pool (one through ``cuda.using_allocator`` is allowed), a host
-  synchronisation, an upload, a read-back and a DLPack import on a stream
+  synchronisation, an event query (``Event.done``: cudaEventQuery, which
+  invalidates a capture in that mode from any thread, whatever its stream),
+  an upload, a read-back and a DLPack import on a stream
   other than the capturing one raise; launches and element-wise
   work on the capturing stream are recorded, not run, and run when the graph
   is launched.
@@ -395,6 +397,7 @@ class _StandIn:
 
             @property
             def done(self):
+                standin.refuse_in_capture("an event query (cudaEventQuery)")
                 if self.mark is None:
                     return True
                 key, count = self.mark

@@ -205,3 +205,28 @@ def test_a_cupy_max_norm_is_read_on_the_device(cp):
     assert float(norm) == float(want) > 0.5
     for k in host:
         assert cp.asnumpy(dev[k]).tobytes() == host[k].tobytes()
+
+
+# ---------------------------------------------------------------- event queries
+# The stand-ins refuse an event query while any stream captures (it would
+# invalidate the capture): every capture test above fails on a runtime that
+# asks whether a table's upload landed before it checks for a capture.
+
+def test_a_table_released_during_a_capture_is_freed_after_it(cp):
+    # A garbage collector's finaliser may release a table at any moment: the
+    # release queries no event while a stream captures, and the table is
+    # freed by the first release after the capture.
+    from gpuflat.backends.cuda_runtime import CupyRuntime
+
+    rt = CupyRuntime(0)
+    uploaded = rt.upload_table(np.arange(4, dtype=np.int64))
+    other = rt.upload_table(np.arange(2, dtype=np.int64))
+    cp.cuda.get_current_stream().synchronize()
+    capturing = cp.cuda.Stream()
+    with capturing:
+        capturing.begin_capture()
+        rt.release(uploaded)
+        capturing.end_capture()
+    assert uploaded in rt._retired
+    rt.release(other)
+    assert uploaded not in rt._retired and other not in rt._retired

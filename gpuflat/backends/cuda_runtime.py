@@ -116,7 +116,7 @@ class Runtime:
 
     def __init__(self):
         self.stats = Stats()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a finaliser may release a table while it is held
 
     # What the backend calls.
     @property
@@ -295,6 +295,7 @@ class CupyRuntime(Runtime):
         self._module = None
         self._retired: list = []  # released tables other streams may still read
         self._kept: list = []  # tables read by captured graphs
+        self._streams: set = set()  # the streams that uploaded or launched: asked whether they capture
 
     @property
     def device_key(self):
@@ -326,6 +327,7 @@ class CupyRuntime(Runtime):
                     f"{purpose} needs a table uploaded while stream {stream.ptr:#x} captures a CUDA "
                     f"graph, and an upload cannot be captured: make the same call once before "
                     f"capturing (a warm-up call on the same arrays), so its tables are uploaded and kept")
+            self._streams.add(stream.ptr)
             self._free_finished()
             table = self.xp.empty(host.shape, host.dtype)
             staging = cuda.alloc_pinned_memory(max(host.nbytes, 1))
@@ -340,11 +342,15 @@ class CupyRuntime(Runtime):
         stream = self.xp.cuda.get_current_stream()
         if stream.ptr == table.stream or stream.ptr in table.waited:
             return
-        if not table.ready.done:
-            if stream.is_capturing():
-                raise CaptureError(f"a table uploaded on stream {table.stream:#x} is still in flight while "
-                                   f"stream {stream.ptr:#x} captures a CUDA graph: synchronise before "
-                                   f"capturing (torch.cuda.graph does)")
+        self._streams.add(stream.ptr)
+        # No event is queried here: in the global capture mode torch.cuda.graph
+        # uses, an event query from any thread while any stream captures
+        # invalidates the capture (PyTorch's allocator defers its own event
+        # queries while a capture is under way for this reason). A capturing
+        # stream needs no wait: torch.cuda.graph synchronises the device
+        # before it begins, so a table uploaded before has landed, and an
+        # upload during a capture raises. Any other stream waits on the device.
+        if not stream.is_capturing():
             stream.wait_event(table.ready)  # on the device: the host does not wait
         table.waited.add(stream.ptr)
 
@@ -360,7 +366,10 @@ class CupyRuntime(Runtime):
 
     def release(self, table: DeviceTable) -> None:
         """Free ``table`` once every other stream that read it is done with it;
-        never if a captured graph reads it."""
+        never if a captured graph reads it. ``release`` may run from a garbage
+        collector's finaliser at any moment, a capture's included: the
+        freeing (event queries) then waits for a later release or upload
+        outside any capture."""
         with self._lock:
             if table.captured:
                 self._kept.append(table)
@@ -369,8 +378,15 @@ class CupyRuntime(Runtime):
         self._free_finished()
 
     def _free_finished(self):
-        """Drop the released tables no stream can still read (event queries, no wait)."""
+        """Drop the released tables no stream can still read (event queries,
+        no wait), unless the current stream or one this runtime used is
+        capturing a graph (``cudaStreamIsCapturing`` may be asked during a
+        capture; an event query may not)."""
         with self.device, self._lock:
+            cuda = self.xp.cuda
+            if cuda.get_current_stream().is_capturing() or \
+                    any(cuda.ExternalStream(ptr).is_capturing() for ptr in self._streams):
+                return
             self._retired = [t for t in self._retired
                              if not (t.ready.done and all(e.done for e in t.last_use.values()))]
 
