@@ -42,10 +42,20 @@ __device__ __forceinline__ double gf_group_lr(const double* h, const long long* 
 template <class S> struct gf_compute { using type = float; };
 template <> struct gf_compute<double> { using type = double; };
 
+// An element in the compute type and back. A 16-bit float and float convert
+// directly (one instruction each way on the GPU: the widening is exact and
+// the narrowing rounds once to nearest even, the bits of rounding the same
+// value through double); the other types go through gf_wide.
 template <class C, class S>
-__device__ __forceinline__ C gf_load(const S& x) { return (C)gf_widen(x).re; }
+__device__ __forceinline__ C gf_load(const S& x) {
+    if constexpr (gf_in_float<S>::value && gf_same<C, float>::value) return gf_to_float(x);
+    else return (C)gf_widen(x).re;
+}
 template <class S, class C>
-__device__ __forceinline__ void gf_store(S& x, C c) { x = gf_narrow<S>(gf_wide{(double)c, 0.0}); }
+__device__ __forceinline__ void gf_store(S& x, C c) {
+    if constexpr (gf_in_float<S>::value && gf_same<C, float>::value) x = gf_from_float<S>(c);
+    else x = gf_narrow<S>(gf_wide{(double)c, 0.0});
+}
 
 // base**n for a whole n >= 0 by repeated squaring: IEEE products only, so
 // every device and the host give the same bits (a library pow may differ in

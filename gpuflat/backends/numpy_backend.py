@@ -254,7 +254,8 @@ def _rows_step(rule, dtype, rows, hyper, lr_at, factor):
                 h[0] = float(_at(int(lr_at[2 * group]), dtype_of_tag(int(lr_at[2 * group + 1])), 1)[0])
             step = float(_at(step_at, np.float32, 1)[0]) + 1.0 if step_at else (1.0 if flags & PARAM_ROW_FIRST
                                                                                   else 2.0)
-            states = [_at(s, dtype, numel) for s in (s0, s1) if s]
+            kept = 2 if rule == "adamw" else int(h[2] != 0.0)  # SGD keeps a buffer only with momentum
+            states = [_at(s, dtype, numel) for s in (s0, s1)[:kept]]
             update(_at(param, dtype, numel), _at(grad, dtype, numel), states, h, step, factor, compute)
     for step_at in rows[:, 4].tolist():
         if step_at:
