@@ -82,15 +82,38 @@ class Rank:
             dist.all_reduce(torch.from_numpy(array), group=self.group)
 
 
-def median_ms(rank, fn, repeats):
+def median_ms(rank, fn, repeats, before=None):
+    """The median wall time of ``fn`` over ``repeats`` calls after a warm-up,
+    the ranks lined up before each; ``before()``, if given, runs untimed
+    ahead of every call (a clip's gradients put back)."""
+    if before is not None:
+        before()
     fn()  # warm-up: plans, tables and transport buffers
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         rank.barrier()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
     return 1e3 * float(np.median(times))
+
+
+def restorer(arrays):
+    """A function putting ``arrays`` (NumPy arrays or tensors) back to their
+    values now: every clip is timed on the same gradients, and each really
+    scales them (a clip whose factor is 1 may skip the scale, which would
+    time a norm against a clip)."""
+    saved = [a.copy() if isinstance(a, np.ndarray) else a.detach().clone() for a in arrays]
+
+    def restore():
+        for a, s in zip(arrays, saved):
+            if isinstance(a, np.ndarray):
+                np.copyto(a, s)
+            else:
+                a.copy_(s)
+    return restore
 
 
 def peer_clip(rank, tensors, max_norm):
@@ -119,12 +142,16 @@ def fsdp2_clip(rank, scale, repeats):
     params = list(model.parameters())
     for p in params:
         p.grad = p.detach() * 0.5
-    row = {"elements": sum(p.numel() for p in params), "arrays": len(params)}
+    # Half the gradients' norm: every timed clip really scales them by 1/2.
+    max_norm = float(gft.get_total_norm([p.grad for p in params]).full_tensor()) / 2
+    restore = restorer([p.grad.to_local() for p in params])
+    row = {"elements": sum(p.numel() for p in params), "arrays": len(params), "max_norm": max_norm}
     for label, clip in (("gpuflat.torch clip_grad_norm_", gft.clip_grad_norm_),
                         ("torch clip_grad_norm_", torch.nn.utils.clip_grad_norm_)):
+        restore()
         with CommDebugMode() as mode:
-            clip(params, 1e9)
-        row[label] = {"ms": median_ms(rank, lambda: clip(params, 1e9), max(3, repeats // 4)),
+            clip(params, max_norm)
+        row[label] = {"ms": median_ms(rank, lambda: clip(params, max_norm), max(3, repeats // 4), restore),
                       "collectives": mode.get_total_counts()}
     return row
 
@@ -144,6 +171,9 @@ def run_rank(transport, argv, scale, repeats, out):
         grads = {f"p{i}": t.numpy() for i, t in enumerate(tensors)}
         flat = np.concatenate([g.ravel() for g in grads.values()])
         n = max(3, repeats // 4) if name == "gpt2-small" else repeats
+        # Half the global norm: every timed clip really scales (see restorer).
+        max_norm = float(gfd.global_norm(grads, group=rank.group)) / 2
+        restore = restorer(list(grads.values()))
         results[name] = {
             "elements": int(flat.size),
             "arrays": len(tensors),
@@ -156,8 +186,9 @@ def run_rank(transport, argv, scale, repeats, out):
             },
             "clip_ms": {
                 "gpuflat clip_grad_norm_": median_ms(
-                    rank, lambda: gfd.clip_grad_norm_(grads, 1e9, group=rank.group), n),
-                "torch foreach norm + all-reduce": median_ms(rank, lambda: peer_clip(rank, tensors, 1e9), n),
+                    rank, lambda: gfd.clip_grad_norm_(grads, max_norm, group=rank.group), n, restore),
+                "torch foreach norm + all-reduce": median_ms(rank, lambda: peer_clip(rank, tensors, max_norm), n,
+                                                             restore),
             },
         }
     if transport == "gloo":
