@@ -184,11 +184,20 @@ def max_norm_for(backend, max_norm):
         return max_norm
     if backend.name != "cuda":
         return float(max_norm)  # host memory, or a device value for a host backend: one read
+    found, expected = _device_index(max_norm), backend.runtime.device.id
+    if found != expected:
+        raise ValueError(f"max_norm: expected a number or a 0-d tensor on CUDA device {expected}, the "
+                         f"gradients' device, got one on CUDA device {found}")
     if _arrays.kind(max_norm) == "torch":
         import torch
 
         return _arrays.adopt(max_norm.detach().to(torch.float64))
     return max_norm.astype(np.float64, copy=False)
+
+
+def _device_index(x) -> int:
+    """The CUDA device of a CuPy array or a PyTorch CUDA tensor."""
+    return x.device.index if _arrays.kind(x) == "torch" else x.device.id
 
 
 def raise_if_nonfinite(be, plan, result, p, where="") -> None:

@@ -207,6 +207,17 @@ def test_a_cupy_max_norm_is_read_on_the_device(cp):
         assert cp.asnumpy(dev[k]).tobytes() == host[k].tobytes()
 
 
+def test_a_max_norm_on_another_gpu_is_refused_before_any_write(cp):
+    host = {"w": np.full(4, 3.0, np.float32)}
+    dev = {"w": cp.asarray(host["w"])}
+    with cp.cuda.Device(1):
+        elsewhere = cp.asarray(np.float32(0.5))
+    with pytest.raises(ValueError, match="max_norm: expected a number or a 0-d tensor on CUDA device 0, the "
+                                         "gradients' device, got one on CUDA device 1"):
+        gf.clip_grad_norm_(dev, elsewhere)
+    assert cp.asnumpy(dev["w"]).tobytes() == host["w"].tobytes()
+
+
 # ---------------------------------------------------------------- event queries
 # The stand-ins refuse an event query while any stream captures (it would
 # invalidate the capture): every capture test above fails on a runtime that
