@@ -274,13 +274,14 @@ def _device_scalar(name, x):
     return x
 
 
-def check_ord(ord) -> float:
-    """The norm order as a float: 1, 2, inf or any p > 0; else ValueError.
+def check_ord(ord, name: str = "ord") -> float:
+    """The norm order as a float: 1, 2, inf or any p > 0; else ValueError
+    naming the argument ``name``.
 
     >>> check_ord(2), check_ord(float("inf"))
     (2.0, inf)
     """
-    return _real("ord", ord, "1, 2, inf or a number p > 0", lambda v: v > 0)
+    return _real(name, ord, "1, 2, inf or a number p > 0", lambda v: v > 0)
 
 
 def _real(name, x, expected, accept) -> float:

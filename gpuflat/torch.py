@@ -79,7 +79,7 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
     tensor(0.)
     """
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    p = check_ord(norm_type)
+    p = _norm_type(norm_type)
     if not tensors:
         return torch.tensor(0.0)
     name_of = "tensors[{}]".format
@@ -145,7 +145,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     1.0
     """
     grads, facts, name_of = _gradients(_parameter_list(parameters, warn_empty=True))
-    max_norm, p, _ = clip_arguments(max_norm, norm_type, _EPS)
+    max_norm, p, _ = clip_arguments(max_norm, _norm_type(norm_type), _EPS)
     if not grads:
         return torch.tensor(0.0)
     # Each gradient is read once, for the norm and the scale, and checked before either.
@@ -164,6 +164,22 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
 
 
 # ---------------------------------------------------------------- arguments
+
+def _norm_type(norm_type) -> float:
+    """``norm_type`` read as PyTorch reads it (``float(norm_type)``, so the
+    string ``'inf'`` too), checked: 1, 2, inf or any p > 0.
+
+    >>> _norm_type("inf"), _norm_type(1.5)
+    (inf, 1.5)
+    """
+    value = norm_type
+    if isinstance(norm_type, str):
+        try:
+            value = float(norm_type)
+        except ValueError:
+            pass
+    return check_ord(value, "norm_type")
+
 
 def _parameter_list(parameters, warn_empty):
     if isinstance(parameters, torch.Tensor):

@@ -14,7 +14,8 @@ import gpuflat as gf
 import gpuflat.torch as gft
 from conftest import exact_norm, torch_scaled
 
-NORM_TYPES = [1.0, 2.0, math.inf, 3.0]
+# PyTorch's own suite's orders, the string 'inf' among them (float(norm_type)).
+NORM_TYPES = [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, math.inf, "inf"]
 GRAD_DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 # Relative agreement with PyTorch's own result: PyTorch reduces in the
 # gradients' dtype, gpuflat in float64, so they differ by the dtype's rounding.
@@ -103,7 +104,7 @@ def grads_of(model):
 
 def exact(grads, norm_type):
     wide = {True: torch.complex128, False: torch.float64}
-    return exact_norm([g.detach().to(wide[g.dtype.is_complex]).numpy() for g in grads], norm_type)
+    return exact_norm([g.detach().to(wide[g.dtype.is_complex]).numpy() for g in grads], float(norm_type))
 
 
 def expected_clipped(grads, max_norm, total):
@@ -237,10 +238,12 @@ def test_requires_grad_gradients_and_the_autograd_state_are_left_alone():
     torch.testing.assert_close(p.grad.detach(), torch.full((3,), 2.0 / (math.sqrt(12) + 1e-6)))
 
 
-@pytest.mark.parametrize("norm_type", [0, -1, "two"])
-def test_bad_norm_type_raises(norm_type):
-    with pytest.raises(ValueError):
-        gft.get_total_norm([torch.ones(2)], norm_type)
+@pytest.mark.parametrize("norm_type", [0, -1, "two", float("nan")])
+def test_bad_norm_type_raises_naming_pytorchs_argument(norm_type):
+    for call in (lambda: gft.get_total_norm([torch.ones(2)], norm_type),
+                 lambda: gft.clip_grad_norm_(with_grads(torch.ones(2)), 1.0, norm_type)):
+        with pytest.raises(ValueError, match=r"^norm_type: expected 1, 2, inf or a number p > 0, got "):
+            call()
 
 
 
@@ -510,3 +513,20 @@ def test_naming_every_gradient_reads_each_parameter_once():
     names = [name_of(i) for i in range(len(grads))]
     assert names[:2] == ["parameters[0].grad", "parameters[2].grad"] and names[-1] == "parameters[48].grad"
     assert len(reads) == len(params)
+
+
+@pytest.mark.parametrize("foreach", [None, True, False])
+@pytest.mark.parametrize("max_norm", [0.0, 0.5, 1e9])
+def test_max_norm_zero_and_foreach_as_in_pytorch(max_norm, foreach):
+    # torch.nn.utils' own suite: max_norm 0 zeroes every gradient (the factor
+    # is 0 / (norm + 1e-6)); foreach picks PyTorch's implementation, never the result.
+    g = torch.Generator().manual_seed(21)
+    ours = with_grads(torch.randn(7, generator=g), torch.randn(3, 2, generator=g))
+    theirs = with_grads(*[p.grad.clone() for p in ours])
+    total = gft.clip_grad_norm_(ours, max_norm, foreach=foreach)
+    want = nn.utils.clip_grad_norm_(theirs, max_norm, foreach=foreach)
+    torch.testing.assert_close(total, want, rtol=1e-6, atol=0)
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+    if max_norm == 0.0:
+        assert all(not p.grad.any() for p in ours)
