@@ -104,22 +104,29 @@ __device__ __forceinline__ gf_adamw_coefs<C> gf_adamw_setup(const double* h, dou
             (C)(-(lr / bc1)), (C)sqrt(bc2), (C)h[4]};
 }
 
+// One element of the four buffers, in place.
+template <class S>
+__device__ __forceinline__ void gf_adamw_one(S& p, const S& g, S& m, S& v,
+                                             const gf_adamw_coefs<typename gf_compute<S>::type>& k) {
+    using C = typename gf_compute<S>::type;
+    const C gc = gf_load<C>(g) * k.clip;
+    const C pc = gf_load<C>(p) * k.decay;
+    const C mc = gf_lerp(gf_load<C>(m), gc, k.w1);
+    const C vc = gf_load<C>(v) * k.beta2 + k.one_minus_beta2 * gc * gc;
+    const C denom = sqrt(vc) / k.bc2_sqrt + k.eps;
+    gf_store(p, pc + k.step_size * (mc / denom));
+    gf_store(m, mc);
+    gf_store(v, vc);
+}
+
 // Elements first, first + STRIDE, ... (n of them) of the four buffers.
 template <int STRIDE, class S>
 __device__ __forceinline__ void gf_adamw_range(S* __restrict__ p, const S* __restrict__ g, S* __restrict__ m,
                                                S* __restrict__ v, long long first, long long n,
                                                gf_adamw_coefs<typename gf_compute<S>::type> k) {
-    using C = typename gf_compute<S>::type;
     for (long long j = 0; j < n; ++j) {
         const long long i = first + j * STRIDE;
-        const C gc = gf_load<C>(g[i]) * k.clip;
-        const C pc = gf_load<C>(p[i]) * k.decay;
-        const C mc = gf_lerp(gf_load<C>(m[i]), gc, k.w1);
-        const C vc = gf_load<C>(v[i]) * k.beta2 + k.one_minus_beta2 * gc * gc;
-        const C denom = sqrt(vc) / k.bc2_sqrt + k.eps;
-        gf_store(p[i], pc + k.step_size * (mc / denom));
-        gf_store(m[i], mc);
-        gf_store(v[i], vc);
+        gf_adamw_one(p[i], g[i], m[i], v[i], k);
     }
 }
 
@@ -138,21 +145,27 @@ __device__ __forceinline__ gf_sgd_coefs<C> gf_sgd_setup(const double* h, double 
 // PyTorch's SGD: d = g + wd * p; buf = d on the first step, else
 // buf * momentum + (1 - dampening) * d; d = d + momentum * buf (nesterov) or
 // buf; p = p - lr * d. The branches are uniform over a range.
+template <class S>
+__device__ __forceinline__ void gf_sgd_one(S& p, const S& g, S& buf,
+                                           const gf_sgd_coefs<typename gf_compute<S>::type>& k) {
+    using C = typename gf_compute<S>::type;
+    const C pc = gf_load<C>(p);
+    C d = gf_load<C>(g) * k.clip;
+    if (k.has_wd) d = d + k.wd * pc;
+    if (k.has_momentum) {
+        const C b = k.first ? d : gf_load<C>(buf) * k.momentum + k.one_minus_dampening * d;
+        gf_store(buf, b);
+        d = k.nesterov ? d + k.momentum * b : b;
+    }
+    gf_store(p, pc + k.neg_lr * d);
+}
+
 template <int STRIDE, class S>
 __device__ __forceinline__ void gf_sgd_range(S* __restrict__ p, const S* __restrict__ g, S* __restrict__ buf,
                                              long long first, long long n,
                                              gf_sgd_coefs<typename gf_compute<S>::type> k) {
-    using C = typename gf_compute<S>::type;
     for (long long j = 0; j < n; ++j) {
         const long long i = first + j * STRIDE;
-        const C pc = gf_load<C>(p[i]);
-        C d = gf_load<C>(g[i]) * k.clip;
-        if (k.has_wd) d = d + k.wd * pc;
-        if (k.has_momentum) {
-            const C b = k.first ? d : gf_load<C>(buf[i]) * k.momentum + k.one_minus_dampening * d;
-            gf_store(buf[i], b);
-            d = k.nesterov ? d + k.momentum * b : b;
-        }
-        gf_store(p[i], pc + k.neg_lr * d);
+        gf_sgd_one(p[i], g[i], buf[i], k);
     }
 }
