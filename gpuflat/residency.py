@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ from . import checks
 from . import dtensor
 from . import tree as _tree
 from .backends.selection import select
-from .errors import NonFiniteError
+from .errors import CaptureError, NonFiniteError
 from .flatplan import FlatPlan, LeafSpec
 from .binding import Call, max_norm_for, raise_if_nonfinite
 from .torch_params import Binding
@@ -125,27 +126,37 @@ class Resident:
     (for PyTorch parameters, the parameters themselves, whose storage now is
     the view); ``grads`` the gradient views into ``grad_buffers`` (for
     PyTorch, every ``p.grad`` is set to its view, so autograd accumulates into
-    the buffer, and ``grads`` maps each parameter's path to it; gradients the
-    parameters already had are kept). ``layout`` gives each trainable's
-    buffer and offset.
+    the buffer, and ``grads`` maps each parameter's path to its view, which
+    is ``p.grad`` while the parameter has a gradient; gradients the
+    parameters already had are kept, and None ones stay None). ``layout``
+    gives each trainable's buffer and offset.
 
     What a PyTorch resident model follows, checked first in every per-step
     call and whenever ``grads`` or ``grad_buffers`` is read:
 
     - gradients rebound by ``optimizer.zero_grad()`` (set to None, PyTorch's
       default) and allocated anew by autograd, or assigned by hand: copied
-      into the buffer and ``p.grad`` rebound to its view (None counts as
-      zero); ``optimizer.zero_grad(set_to_none=False)`` or ``r.zero_grad()``
-      avoid the copy;
+      into the buffer and ``p.grad`` rebound to its view. A gradient that is
+      None stays None, when the model is made too: its view is zero and
+      counts nothing, and optimizers skip its parameter;
+      ``optimizer.zero_grad(set_to_none=False)`` or ``r.zero_grad()`` avoid
+      the copy;
     - parameters given new storage of the same dtype, shape and device
-      (``p.data = ...``), or replaced in their module by such a parameter
-      (``load_state_dict(..., assign=True)``): copied in and rebound.
+      (``p.data = ...``): copied in and rebound.
 
-    What makes it raise ``gf.StaleResidentError``, naming the parameter and
-    what changed: a dtype, shape or device change (``model.to(torch.bfloat16)``,
-    ``.double()``), a parameter removed, and a new gradient on a parameter
-    the resident model left out (one frozen when it was made and unfrozen
-    since, or added since). Rebuild with ``gf.resident(model)`` then.
+    What makes it raise ``gf.StaleResidentError`` at its next call, naming
+    the parameter and what changed, before anything is written: a dtype,
+    shape or device change (``model.to(torch.bfloat16)``, ``.double()``), a
+    parameter replaced by another Parameter object (``load_state_dict(...,
+    assign=True)``, ``resize_token_embeddings``) or removed, a parameter
+    that requires grad added (a new submodule: an adapter), and a new
+    gradient on a parameter the resident model left out (one frozen when it
+    was made and unfrozen since, or added frozen since). Rebuild with
+    ``gf.resident(model)`` then.
+
+    Each thread calling a resident model gets scratch of its own, so that
+    ``grad_norm`` in one thread and ``clip_grad_norm_`` in another each get
+    their own norm.
 
     >>> import numpy as np, gpuflat as gf
     >>> r = gf.resident({"w": np.array([3.0, 0.0]), "b": np.array([4.0], np.float32)})
@@ -172,14 +183,11 @@ class Resident:
         # Per-leaf norms come out grouped by buffer; leaf k of the plan is grouped[_grouped_index[k]].
         grouped = [k for b in range(len(dtypes)) for k, s in enumerate(self.layout) if s.buffer == b]
         self._grouped_index = np.argsort(grouped).tolist()
+        # Each thread's places for each buffer's norm (see _totals_places).
+        self._scratch = threading.local()
         with self._scope():
             self._params = [self._allocate(g) for g in self._groups]
             self._grads = [self._allocate(g) for g in self._groups] if grads else None
-            # Each buffer's norm lands here before they are combined: fixed
-            # addresses, so the combine's table is found again on every call
-            # (and under CUDA-graph capture, where it cannot be uploaded).
-            totals = self._zeros(len(dtypes), np.float64)[1]
-            self._group_totals = [totals[b : b + 1].reshape(()) for b in range(len(dtypes))]
             if pairs is None:
                 self._binding = None
                 self._bind_arrays(call, unique)
@@ -249,12 +257,30 @@ class Resident:
 
     def _sync(self):
         if self._binding is not None:
-            self._binding.sync()
+            self._binding.sync(self._refuse_capture)
+
+    def _refuse_capture(self, what):
+        """Following ``what`` copies into the buffers: refused while PyTorch's
+        current stream captures a CUDA graph, which would record the copy
+        instead of running it."""
+        if self._backend.name == "cuda" and _arrays.launch_stream(self._like).is_capturing():
+            raise CaptureError(f"{what} has a new gradient or new storage to copy into the resident buffers "
+                               f"while PyTorch's current stream captures a CUDA graph, and a capture records "
+                               f"copies instead of running them: make the same call once before capturing "
+                               f"(a warm-up call after the gradients are set), so nothing is left to follow")
 
     def _gradless(self) -> frozenset:
         """The leaves (in layout order) whose PyTorch gradient is None: they
         count as zero in norms, and the flat optimizers skip them."""
         return frozenset() if self._binding is None else self._binding.gradless()
+
+    def _give_grads(self, leaves) -> None:
+        """Make each of ``leaves`` (in layout order, gradless until now) hold its
+        view as its PyTorch gradient: a gradient all-reduce wrote one there,
+        as DDP gives every rank the average gradient of a parameter that
+        some other rank used."""
+        if self._binding is not None:
+            self._binding.give_grads(leaves)
 
     # ---------------------------------------------------------- per step
 
@@ -327,8 +353,7 @@ class Resident:
         array([0., 0.])
         """
         buffers = self._require_grads()
-        if self._binding is not None:
-            self._binding.sync()  # adopts rebound gradients first
+        self._sync()  # adopts rebound gradients first
         with self._scope():
             for buf in buffers:
                 buf.array.fill(0)
@@ -355,10 +380,23 @@ class Resident:
         if len(results) == 1:
             return results[0].total
         # Copied into fixed places, the same values: the same bits as norming
-        # the results themselves. One call at a time per resident model uses them.
-        for place, r in zip(self._group_totals, results):
+        # the results themselves.
+        places = self._totals_places()
+        for place, r in zip(places, results):
             place[...] = r.total
-        return self._backend.norms(self._totals_plan, self._group_totals, p, False).total
+        return self._backend.norms(self._totals_plan, places, p, False).total
+
+    def _totals_places(self) -> list:
+        """This thread's 0-d float64 places, one per buffer, where each buffer's
+        norm lands before they are combined. Their addresses stay the same
+        from call to call, so the combine's table is found again (and under
+        CUDA-graph capture, where it could not be uploaded); a thread of
+        their own, so that two threads' calls never read each other's norms."""
+        places = getattr(self._scratch, "places", None)
+        if places is None:
+            totals = self._zeros(len(self._groups), np.float64)[1]
+            places = self._scratch.places = [totals[b : b + 1].reshape(()) for b in range(len(self._groups))]
+        return places
 
     def _per_leaf(self, results):
         """Each leaf's norm in plan order, padding left out (one gather)."""

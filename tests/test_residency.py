@@ -156,6 +156,45 @@ def test_backend_calls_per_step_do_not_grow_with_the_leaves():
     assert counts == [1, 1]
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_a_host_clip_reads_each_buffer_whole_whatever_the_leaf_count(kind, monkeypatch):
+    # The buffers are contiguous and zero between the leaves: one native
+    # norm and one native scale per buffer, never the per-leaf ones, for 20
+    # leaves or 10,000 holding the same elements. A PyTorch model's checks
+    # read the parameters in one native pass for their storage and one for
+    # their gradients, and follow nothing when nothing changed.
+    from gpuflat import native, tensor_facts
+
+    lib = native.host_library()[0]
+    if lib is None or (kind == "torch" and not tensor_facts.available()):
+        pytest.skip(f"the native libraries do not build here: {native.unavailable_reason()}")
+    calls = []
+    for name in ("gf_host_norms", "gf_host_norms_flat", "gf_host_norms_rows",
+                 "gf_host_clip", "gf_host_clip_flat", "gf_host_clip_rows"):
+        monkeypatch.setattr(lib, name, lambda *a, _f=getattr(lib, name), _n=name: calls.append(_n) or _f(*a))
+    if kind == "torch":
+        for name in ("of_tensors", "gradients"):
+            f = getattr(tensor_facts, name)
+            monkeypatch.setattr(tensor_facts, name, lambda *a, _f=f, _n=name: calls.append(_n) or _f(*a))
+    for leaves in (20, 10_000):
+        if kind == "numpy":
+            model = {f"w{i}": np.ones(200_000 // leaves, np.float32) for i in range(leaves)}
+        else:
+            model = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(200_000 // leaves)) for _ in range(leaves))
+            for p in model:
+                p.grad = torch.ones_like(p)
+        r = gf.resident(model, backend="host")
+        if kind == "numpy":
+            for g in r.grads.values():
+                g[:] = 1
+        else:
+            monkeypatch.setattr(r._binding, "_adopt_grad", lambda *a: calls.append("a gradient followed"))
+        del calls[:]
+        assert float(r.clip_grad_norm_(1.0)) == pytest.approx(math.sqrt(200_000))
+        checks = ["of_tensors", "gradients"] if kind == "torch" else []
+        assert calls == [*checks, "gf_host_norms_flat", "gf_host_clip_flat"], leaves
+
+
 def test_jax_trees_are_refused_with_the_functional_way_named():
     jnp = pytest.importorskip("jax.numpy")
     with pytest.raises(TypeError, match="clip_by_global_norm"):
@@ -210,7 +249,7 @@ def test_a_resident_training_loop_matches_plain_pytorch(one_thread):
         if p.requires_grad:  # the parameter's storage is its view into the buffer
             buf = r.param_buffers[0]
             assert buf.data_ptr() <= p.data_ptr() < buf.data_ptr() + buf.numel() * buf.element_size()
-            assert p.grad is r.grads[name]
+            assert p.grad is None and not r.grads[name].any()  # no gradient yet: None stays None
     opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
     opt_plain = torch.optim.SGD([p for p in plain.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
@@ -297,3 +336,40 @@ def test_per_step_table_lookups_do_not_look_at_each_leaf(monkeypatch):
     r.grad_norm()
     r.clip_grad_norm_(1.0)
     assert looked_at and all(n == 0 for n in looked_at)  # found by the buffer's address alone
+
+
+# ---------------------------------------------------------------- threads
+
+
+def test_two_threads_each_get_their_own_norm():
+    # A mixed-dtype model combines its buffers' norms through scratch; a
+    # thread of its own must never read another thread's.
+    import sys
+    import threading
+
+    rng = np.random.default_rng(6)
+    r = gf.resident({"w": random_array(rng, (300,), np.float32), "d": random_array(rng, (200,), np.float64)})
+    _fill_grads(r, rng)
+    want = {"grad": float(r.grad_norm()), "param": float(r.param_norm())}
+    assert want["grad"] != want["param"]
+    # The gradient thread alternates a clip (its factor 1: nothing scaled) and a norm.
+    calls = {"grad": lambda i: r.clip_grad_norm_(1e30) if i % 2 else r.grad_norm(), "param": lambda i: r.param_norm()}
+    wrong = {"grad": 0, "param": 0}
+    start = threading.Barrier(2)
+
+    def run(which):
+        start.wait()
+        for i in range(10_000):
+            wrong[which] += float(calls[which](i)) != want[which]
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        threads = [threading.Thread(target=run, args=(which,)) for which in calls]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert wrong == {"grad": 0, "param": 0}

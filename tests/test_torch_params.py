@@ -145,25 +145,58 @@ def test_a_dtype_change_raises_naming_the_parameter(change):
             call()
 
 
-def test_load_state_dict_assign_is_followed():
-    # Untied: assign=True gives each name a Parameter of its own, which
-    # would break a tie in plain PyTorch too.
-    net, plain = _twins(tied=False)
+def _buffers(r):
+    """Copies of every parameter and gradient buffer, read without the checks."""
+    return [b.own.clone() for b in (*r._params, *r._grads)]
+
+
+def _raises_and_writes_nothing(r, pattern):
+    """Every per-step call raises StaleResidentError matching ``pattern``, and no buffer changes."""
+    before = _buffers(r)
+    for call in (r.grad_norm, lambda: r.clip_grad_norm_(1.0), r.param_norm, r.zero_grad, lambda: r.grad_buffers):
+        with pytest.raises(gf.StaleResidentError, match=pattern):
+            call()
+    for a, b in zip(before, _buffers(r)):
+        assert torch.equal(a, b)
+
+
+def _clip_and_step_like_pytorch(net, plain, steps=3, tokens=11):
+    """Train ``net`` made resident now and ``plain`` alike: the same clipped norms and parameters."""
     r = gf.resident(net)
-    other = Net(tied=False)
-    net.load_state_dict(copy.deepcopy(other.state_dict()), assign=True)
-    plain.load_state_dict(copy.deepcopy(other.state_dict()), assign=True)
-    assert float(r.param_norm()) == pytest.approx(_norm(_trainable(plain)), rel=1e-12)
     opt, opt_plain = torch.optim.SGD(_trainable(net), lr=0.1), torch.optim.SGD(_trainable(plain), lr=0.1)
-    for x, y in _batches(3):
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        x, y = torch.randint(0, tokens, (6,), generator=gen), torch.randint(0, tokens, (6,), generator=gen)
         for model in (net, plain):
             _backward(model, x, y)
         assert float(r.clip_grad_norm_(0.5)) == pytest.approx(
             float(torch.nn.utils.clip_grad_norm_(_trainable(plain), 0.5)), rel=1e-5)
         opt.step(), opt_plain.step(), opt.zero_grad(), opt_plain.zero_grad()
     _assert_same_model(net, plain)
-    buffer = r.param_buffers[0]
-    assert all(buffer.data_ptr() <= p.data_ptr() < buffer.data_ptr() + buffer.nbytes for p in _trainable(net))
+
+
+def test_load_state_dict_assign_raises_naming_the_parameter():
+    # assign=True puts new Parameter objects in the modules; an optimizer
+    # made before still holds (and updates) the old ones.
+    net, plain = _twins(tied=False)
+    r = gf.resident(net)
+    other = Net(tied=False)
+    net.load_state_dict(copy.deepcopy(other.state_dict()), assign=True)
+    _raises_and_writes_nothing(r, r"parameter 'embed.weight' was replaced by another Parameter object \(of the "
+                                  r"same dtype, shape and device\), as load_state_dict\(\.\.\., assign=True\).*"
+                                  r"rebuild it with gf.resident\(model\)")
+    # The advice works: rebuilt (and a new optimizer), it trains as PyTorch does.
+    plain.load_state_dict(copy.deepcopy(other.state_dict()), assign=True)
+    _clip_and_step_like_pytorch(net, plain)
+
+
+def test_load_state_dict_without_assign_copies_into_the_buffers():
+    net, plain = _twins(tied=False)
+    r = gf.resident(net)
+    state = Net(tied=False).state_dict()
+    net.load_state_dict(state)
+    plain.load_state_dict(state)
+    assert float(r.param_norm()) == pytest.approx(_norm(_trainable(plain)), rel=1e-12)
 
 
 def test_storage_moved_in_place_is_copied_in():
@@ -198,8 +231,8 @@ def test_a_replaced_parameter_of_another_shape_raises():
     net, _ = _twins()
     r = gf.resident(net)
     net.norm.weight = torch.nn.Parameter(torch.ones(9))
-    with pytest.raises(gf.StaleResidentError, match=r"'norm.weight' was replaced by one with shape \(9,\)"):
-        r.grad_norm()
+    _raises_and_writes_nothing(r, r"'norm.weight' was replaced by another Parameter object \(shape \(9,\) where "
+                                  r"the resident model holds \(8,\)\)")
 
 
 def test_torch_compile_trains_on_the_resident_buffers():
@@ -256,3 +289,160 @@ def test_a_layer_frozen_mid_training_matches_pytorch():
             o.step()
             o.zero_grad()
     _assert_same_model(net, plain)
+
+
+# ---------------------------------------------------------------- gradients that are None
+
+
+class TwoHeads(Net):
+    """Net with a second output layer, used only when asked: on other steps
+    its parameters get no gradient, as an unused branch's."""
+
+    def __init__(self):
+        super().__init__(tied=False)
+        self.aux = torch.nn.Linear(8, 11)
+
+    def forward(self, x, aux=False):
+        return (self.aux if aux else self.out)(self.norm(self.body(self.embed(x))))
+
+
+def test_a_none_gradient_stays_none_and_adamw_trains_as_pytorch():
+    # AdamW's weight decay moves a parameter whose gradient is a zero tensor
+    # but skips one whose gradient is None: a None turned into zeros shows.
+    torch.manual_seed(0)
+    net = TwoHeads()
+    plain = copy.deepcopy(net)
+    x, y = _batches(1)[0]
+    for model in (net, plain):
+        _backward(model, x, y)  # every parameter but aux's gets a gradient
+    r = gf.resident(net)
+    assert net.aux.weight.grad is None and net.aux.bias.grad is None
+    assert not r.grads["aux.weight"].any()  # its slot is zero
+    opt, opt_plain = torch.optim.AdamW(_trainable(net), lr=1e-2), torch.optim.AdamW(_trainable(plain), lr=1e-2)
+    for step, (x, y) in enumerate(_batches(4, seed=3)):
+        if step == 2:  # new storage for a parameter without a gradient: it stays without one
+            for model in (net, plain):
+                model.aux.weight.data = torch.full((11, 8), 0.5)
+            r.grad_norm()
+            assert net.aux.weight.grad is None
+        if step:
+            for model in (net, plain):
+                torch.nn.functional.cross_entropy(model(x, aux=step == 3), y).backward()
+        assert (net.aux.weight.grad is None) == (plain.aux.weight.grad is None)
+        got = r.clip_grad_norm_(0.5)
+        want = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+        assert float(got) == pytest.approx(float(want), rel=1e-5)
+        for o in (opt, opt_plain):
+            o.step()
+            o.zero_grad()
+    _assert_same_model(net, plain)
+
+
+# ---------------------------------------------------------------- modules that change
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+class LoRA(torch.nn.Module):
+    """A low-rank adapter added to a linear layer's output (its forward hook)."""
+
+    def __init__(self, base, rank=2):
+        super().__init__()
+        self.a = torch.nn.Linear(base.in_features, rank, bias=False)
+        self.b = torch.nn.Linear(rank, base.out_features, bias=False)
+        base.register_forward_hook(lambda module, args, out: out + self.b(self.a(args[0])))
+
+
+def test_an_adapter_added_as_a_submodule_raises_naming_it():
+    torch.manual_seed(0)
+    net = Encoder()
+    plain = copy.deepcopy(net)
+    r = gf.resident(net)
+    for model in (net, plain):
+        torch.manual_seed(1)
+        model.encoder.layers[0].linear1.lora = LoRA(model.encoder.layers[0].linear1)
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(2))
+    for model in (net, plain):
+        model(x).sum().backward()
+    assert net.encoder.layers[0].linear1.lora.a.weight.grad is not None  # the adapter trains
+    _raises_and_writes_nothing(r, r"parameter 'encoder.layers.0.linear1.lora.a.weight' was added to the model "
+                                  r"after gf.resident .* rebuild it with gf.resident\(model\)")
+    r = gf.resident(net)  # the advice: rebuilt, it counts the adapter
+    assert float(r.clip_grad_norm_(0.5)) == pytest.approx(
+        float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)), rel=1e-5)
+
+
+def test_new_storage_and_a_registration_in_the_same_step_are_both_followed():
+    net, plain = _twins()
+    r = gf.resident(net)
+    for model in (net, plain):
+        model.norm.weight.data = torch.full((8,), 2.0)
+        model.act = torch.nn.ReLU()  # a registration that changes the root's table of submodules
+    assert float(r.param_norm()) == pytest.approx(_norm(_trainable(plain)), rel=1e-12)
+    buffer = r.param_buffers[0]
+    assert buffer.data_ptr() <= net.norm.weight.data_ptr() < buffer.data_ptr() + buffer.nbytes
+    opt, opt_plain = torch.optim.SGD(_trainable(net), lr=0.1), torch.optim.SGD(_trainable(plain), lr=0.1)
+    for x, y in _batches(2):
+        for model in (net, plain):
+            _backward(model, x, y)
+        assert float(r.clip_grad_norm_(0.5)) == pytest.approx(
+            float(torch.nn.utils.clip_grad_norm_(_trainable(plain), 0.5)), rel=1e-5)
+        opt.step(), opt_plain.step(), opt.zero_grad(), opt_plain.zero_grad()
+    _assert_same_model(net, plain)
+
+
+def _resized_in_place(net, weight):
+    # Hugging Face's resize_token_embeddings: the new rows copied into new
+    # storage for the old Parameter, then set_input_embeddings registers
+    # the module again.
+    net.embed.weight.data = weight
+    net.embed.num_embeddings = weight.shape[0]
+    net.embed = net.embed
+
+
+def _resized_by_a_new_parameter(net, weight):
+    net.embed.weight = torch.nn.Parameter(weight)
+    net.out.weight = net.embed.weight  # tied again
+
+
+def _resized_by_a_new_module(net, weight):
+    net.embed = torch.nn.Embedding.from_pretrained(weight, freeze=False)
+    net.out.weight = net.embed.weight
+
+
+RESIZES = {
+    "weight.data in place": (_resized_in_place, r"parameter 'embed.weight' now has shape \(13, 8\) where the "
+                                                r"resident model holds \(11, 8\); rebuild it with gf.resident"),
+    "a new Parameter": (_resized_by_a_new_parameter, r"parameter 'embed.weight' was replaced by another Parameter "
+                                                     r"object \(shape \(13, 8\) where the resident model holds "
+                                                     r"\(11, 8\)\).*rebuild it with gf.resident\(model\)"),
+    "a new Embedding": (_resized_by_a_new_module, r"parameter 'embed.weight' was replaced by another Parameter "
+                                                  r"object \(shape \(13, 8\) .*rebuild it with gf.resident\(model\)"),
+}
+
+
+@pytest.mark.parametrize("resize", list(RESIZES))
+def test_a_resized_embedding_raises_naming_it(resize):
+    how, pattern = RESIZES[resize]
+    net, plain = _twins()
+    r = gf.resident(net)
+    weight = torch.randn(13, 8, generator=torch.Generator().manual_seed(3))
+    for model in (net, plain):
+        how(model, weight.clone())
+        model.out.out_features = 13
+    x = torch.tensor([12, 0, 5, 7, 1, 3])
+    for model in (net, plain):  # the resized model trains in PyTorch
+        _backward(model, x, x)
+    _raises_and_writes_nothing(r, pattern)
+    for model in (net, plain):
+        model.zero_grad()
+    _clip_and_step_like_pytorch(net, plain, tokens=13)  # rebuilt as advised
