@@ -139,6 +139,13 @@ def all_reduce_(grads, op: str = "mean", *, group=None, bucket_bytes: int | None
     that rank and its error) and no rank changes anything. DTensor
     gradients are refused: their ranks hold different shards.
 
+    A resident PyTorch model's parameters whose ``.grad`` is None (unused in
+    this rank's forward, after ``zero_grad()``) add zeros, as DDP's
+    ``find_unused_parameters=True`` does: where another rank had a gradient,
+    every rank's ``.grad`` is then the average (or the sum), and where no
+    rank had one, it stays None everywhere. Which ones those are takes one
+    more small collective, only when some rank has such a parameter.
+
     >>> import numpy as np
     >>> from gpuflat import distributed as gfd
     >>> g = {"w": np.array([1.0, 2.0], np.float32), "b": np.array([3.0], np.float32)}
@@ -152,10 +159,13 @@ def all_reduce_(grads, op: str = "mean", *, group=None, bucket_bytes: int | None
         reduction, failure = _Reduction(grads), None
     except Exception as err:  # re-raised below on this rank, once every rank knows
         reduction, failure = None, err
-    _agree(comm, "all_reduce_", failure, reduction)
+    gradless_somewhere = _agree(comm, "all_reduce_", failure, reduction)
+    given = reduction.gradients_given(comm) if gradless_somewhere else ()
     for buf in reduction.moving:
         _reduce_buffer(comm, buf, bucket_bytes)
     reduction.finish(op, comm.size)
+    if given:
+        reduction.resident._give_grads(given)
 
 
 # ---------------------------------------------------------------- ownership
@@ -504,11 +514,16 @@ class _Reduction:
     def __init__(self, grads):
         if is_module(grads):
             grads = _module_grads(grads)
-        buffers = getattr(grads, "grad_buffers", None)
+        buffers = getattr(grads, "grad_buffers", None)  # read first: a resident model follows its parameters
         self.leaves = None
+        # A resident PyTorch model's parameters: 1 where one has a gradient, 0 where its .grad is None.
+        self.resident, self.held = None, np.zeros(0)
         if buffers is not None:
             self.targets = [_checked_buffer(f"grad_buffers[{i}]", b) for i, b in enumerate(buffers)]
             self.like = buffers[0] if buffers else None
+            if hasattr(grads, "_give_grads"):
+                self.resident, self.held = grads, np.ones(len(grads.layout))
+                self.held[sorted(grads._gradless())] = 0
         else:
             call = Call(grads)
             _refuse_dtensors(call)
@@ -523,8 +538,19 @@ class _Reduction:
             self.moving = [b.astype(wide) if (wide := _wider(b.dtype)) is not None else b for b in self.targets]
 
     def signature(self) -> tuple:
-        """(elements, bytes) moved: every rank must move the same."""
-        return sum(b.size for b in self.moving), sum(b.nbytes for b in self.moving)
+        """(elements, bytes, resident parameters) moved: every rank must move the same."""
+        return sum(b.size for b in self.moving), sum(b.nbytes for b in self.moving), self.held.size
+
+    def gradless(self) -> int:
+        """How many of a resident model's parameters have no gradient here."""
+        return int(self.held.size - self.held.sum())
+
+    def gradients_given(self, comm) -> list:
+        """The resident parameters (in layout order) without a gradient here
+        that some rank has one for: after the reduction their views hold it."""
+        anywhere = self.held.copy()
+        comm.sum_on_host(anywhere, "all_reduce_")
+        return np.flatnonzero((anywhere > 0) & (self.held == 0)).tolist()
 
     def finish(self, op, size):
         """Divide for "mean", then write the sums back, each rounded once."""
@@ -569,32 +595,36 @@ def _checked_buffer(name, buffer):
     return view
 
 
-def _agree(comm, caller, failure, reduction):
-    """Every rank's verdict and size, in one small collective before any data moves.
+def _agree(comm, caller, failure, reduction) -> bool:
+    """Every rank's verdict and size, in one small collective before any data
+    moves; returns whether some rank's resident model has a parameter
+    without a gradient.
 
     A failure anywhere makes every rank raise: the failing rank its own
     error, the others a CollectiveError naming it (its message travels in a
     second collective, on this error path only). Ranks moving different
     sizes all raise ValueError.
     """
-    if comm.size > 1:
-        rows = comm.gather_rows([failure is not None, *(reduction.signature() if reduction else (0, 0))],
-                                caller)
-        failed = np.flatnonzero(rows[:, 0])
-        if failed.size:
-            rank = int(failed[0])
-            told = comm.broadcast_text(f"{type(failure).__name__}: {failure}" if comm.rank == rank else None,
-                                       rank)
-            if failure is None:
-                raise CollectiveError(f"{caller}: rank {rank} of {comm.size} raised before the collective, "
-                                      f"so no rank changed anything: {told}")
-        elif (rows[:, 1:] != rows[0, 1:]).any():
-            sizes = ", ".join(f"rank {r}: {int(n)} elements ({int(b)} bytes)" for r, (n, b) in
-                              enumerate(rows[:, 1:]))
-            raise ValueError(f"{caller}: expected the same gradients on every rank, got {sizes}; "
-                             f"no rank changed anything")
-    if failure is not None:
+    if comm.size == 1:
+        if failure is not None:
+            raise failure
+        return False
+    row = [failure is not None, *reduction.signature(), reduction.gradless()] if reduction else [True, 0, 0, 0, 0]
+    rows = comm.gather_rows(row, caller)
+    failed = np.flatnonzero(rows[:, 0])
+    if failed.size:
+        rank = int(failed[0])
+        told = comm.broadcast_text(f"{type(failure).__name__}: {failure}" if comm.rank == rank else None, rank)
+        if failure is None:
+            raise CollectiveError(f"{caller}: rank {rank} of {comm.size} raised before the collective, "
+                                  f"so no rank changed anything: {told}")
         raise failure
+    if (rows[:, 1:4] != rows[0, 1:4]).any():
+        sizes = ", ".join(f"rank {r}: {int(n)} elements ({int(b)} bytes)" + (f" of {int(k)} parameters" if k else "")
+                          for r, (n, b, k) in enumerate(rows[:, 1:4]))
+        raise ValueError(f"{caller}: expected the same gradients on every rank, got {sizes}; "
+                         f"no rank changed anything")
+    return bool(rows[:, 4].any())
 
 
 def _reduce_buffer(comm, buf, bucket_bytes):
@@ -654,14 +684,19 @@ class _Comm:
         """Every rank's ``row`` of a few numbers, as a (ranks, len(row)) float64 host array."""
         packet = np.zeros((self.size, len(row)))
         packet[self.rank] = row
+        self.sum_on_host(packet.reshape(-1), caller)
+        return packet
+
+    def sum_on_host(self, packet, caller) -> None:
+        """Sum the contiguous 1-D float64 host array ``packet`` over the ranks, in place."""
         if self.nccl():  # NCCL moves device memory only
             import torch
 
             on_device = torch.from_numpy(packet).cuda()
-            self.all_reduce(on_device.view(-1), caller)
-            return on_device.cpu().numpy()
-        self.all_reduce(packet.reshape(-1), caller)
-        return packet
+            self.all_reduce(on_device, caller)
+            packet[...] = on_device.cpu().numpy()
+        else:
+            self.all_reduce(packet, caller)
 
     def nccl(self) -> bool:
         """Whether the group runs on NCCL, so even an empty shard's buffer lives on the GPU."""

@@ -406,6 +406,58 @@ def ddp_with_a_resident_model(ctx):
 
 
 @case(transports=TORCH_ONLY)
+def a_layer_used_on_one_rank_trains_as_ddp(ctx):
+    """all_reduce_ of a resident model one of whose layers only rank 0 uses,
+    after zero_grad() (set to None): as DDP with find_unused_parameters=True,
+    every rank's .grad of that layer is the average, a layer no rank uses
+    keeps None everywhere, and after 5 SGD steps every rank holds DDP's
+    parameters, the same on every rank."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = torch.nn.Linear(5, 7), torch.nn.Linear(7, 3)
+            self.aux, self.never = torch.nn.Linear(7, 3), torch.nn.Linear(7, 3)
+
+        def forward(self, x, aux):
+            h = torch.tanh(self.body(x))
+            return self.head(h) + self.aux(h) if aux else self.head(h)
+
+    torch.manual_seed(0)
+    net = TwoHeads()
+    plain = copy.deepcopy(net)
+    r = gf.resident(net)
+    ddp = DDP(plain, find_unused_parameters=True, process_group=ctx.group)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    for step in range(5):
+        x = torch.from_numpy(np.random.default_rng(10 * step + ctx.rank).standard_normal((4, 5)).astype(np.float32))
+        net(x, ctx.rank == 0).pow(2).sum().backward()
+        ddp(x, ctx.rank == 0).pow(2).sum().backward()
+        gfd.all_reduce_(r, "mean", group=ctx.group)
+        for (n, p), q in zip(net.named_parameters(), plain.parameters()):
+            assert (p.grad is None) == (q.grad is None) == n.startswith("never"), f"step {step}: {n}"
+            if p.grad is not None:
+                np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=1e-5, atol=1e-7,
+                                           err_msg=f"step {step}: {n}")
+        for o in (opt, opt_plain):
+            o.step()
+            o.zero_grad()
+    mine = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    every = [torch.empty_like(mine) for _ in range(ctx.size)]
+    dist.all_gather(every, mine, group=ctx.group)
+    for rank, theirs in enumerate(every):
+        assert torch.equal(theirs, mine), f"rank {rank} holds other parameters than rank {ctx.rank}"
+    for (n, a), b in zip(net.named_parameters(), plain.parameters()):
+        np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=n)
+
+
+@case(transports=TORCH_ONLY)
 def ddp_with_the_drop_in_clip(ctx):
     """gpuflat.torch.clip_grad_norm_ under DDP, with and without
     gradient_as_bucket_view (each step's gradients new tensors, or views of
