@@ -55,7 +55,11 @@ class Net(torch.nn.Module):
 
 def set_grads(net, rng, scale=1.0):
     for p in net.parameters():
-        p.grad.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * scale).to(p.dtype))
+        g = torch.from_numpy(rng.standard_normal(tuple(p.shape)) * scale).to(p.dtype)
+        if p.grad is None:  # a resident model keeps a gradient that is None as None
+            p.grad = tcs.cuda(g)
+        else:
+            p.grad.copy_(g)
 
 
 def device_work(cp, start):
