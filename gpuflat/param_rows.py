@@ -127,7 +127,7 @@ def _found(optimizer, key, everything, group_of, have, state_names, lazy_state):
     steps = [s["step"] for s in states] if states and "step" in states[0] else None
     all_plain = plain(params)
     if not all_plain:
-        columns = [[_local(t) for t in column] for column in columns]
+        columns = [dtensor.local_shards(column) for column in columns]
     found = _Found(key, optimizer.state, params, groups, columns, kept, steps, all_plain)
     optimizer._gpuflat_found = found
     return found, firsts if firsts.any() else None
@@ -139,10 +139,10 @@ def forget(optimizer) -> None:
 
 
 def _tables(found, grads, grad_facts, firsts, names) -> list:
-    params = found.params if found.plain else [_local(p) for p in found.params]
+    params = found.params if found.plain else dtensor.local_shards(found.params)
     param_facts = tensor_facts.of_tensors(params)
     if not found.plain:
-        grads = [_local(g) for g in grads]
+        grads = dtensor.local_shards(grads)
         grad_facts = tensor_facts.of_tensors(grads)
     if param_facts is None or grad_facts is None:
         raise TypeError(f"{names.parameter(0)}, or another parameter or gradient: expected strided tensors "
@@ -183,11 +183,6 @@ def _state_words(found, params, param_facts, names) -> np.ndarray:
 def plain(tensors) -> bool:
     """Whether every tensor is of a plain type (no DTensor, no subclass)."""
     return set(map(type, tensors)) <= tensor_facts.PLAIN
-
-
-def _local(t):
-    """A DTensor's local shard, any other tensor (or None) itself."""
-    return dtensor.local(t) if t is not None and dtensor.is_dtensor(t) else t
 
 
 def _buckets(facts) -> list:
