@@ -40,7 +40,7 @@ import torch
 from . import distributed, dtensor, param_rows, tensor_table
 from .arrays import adopt, device_scope
 from .checks import clip_arguments, optimizer_options
-from .layout import TAG_OF_NAME, hyper_row
+from .layout import HYPER, TAG_OF_NAME, hyper_row
 from .residency import Resident
 
 __all__ = ["AdamW", "GradScaler", "SGD"]
@@ -149,7 +149,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
     def _step_table(self, table, hyper, total, scale, found):
         like = table.like
         backend = tensor_table.backend_for(like.device)
-        lr_at = _lr_addresses(self.param_groups, like.device)
+        hyper, lr_at = _learning_rates(self.param_groups, like.device, hyper)
         with device_scope(backend, like):
             amp = _amp_array(scale, found, like.device)
             clip = None if self.max_norm is None else adopt(total.to(like.device).reshape(()))
@@ -176,16 +176,28 @@ def _local(t):
     return dtensor.local(t) if dtensor.is_dtensor(t) else t
 
 
-def _lr_addresses(groups, device) -> np.ndarray:
-    """Per group, where the update reads a tensor ``lr`` (its address and
-    dtype tag), or (0, 0) where the hyperparameter row holds it."""
-    at = np.zeros(2 * max(1, len(groups)), np.int64)
+def _learning_rates(groups, device, hyper) -> tuple:
+    """(``hyper`` with each group's lr as the update on ``device`` reads it,
+    where a tensor ``lr`` is read: its address and dtype tag per group, or
+    (0, 0) where the row holds the value). A 0-d float32 or float64 ``lr``
+    on ``device`` is read there, through its address (a scheduler's write
+    needs no host read); any other tensor ``lr`` is read on the host into the
+    row (on a GPU other than the parameters', that read waits for it).
+
+    >>> hyper, at = _learning_rates([{"lr": torch.tensor(0.5)}], torch.device("cpu"), np.zeros(5))
+    >>> bool(at[0] != 0), int(at[1])
+    (True, 2)
+    """
+    hyper, at = hyper.copy(), np.zeros(2 * max(1, len(groups)), np.int64)
     for g, group in enumerate(groups):
         lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and lr.device == device and lr.numel() == 1 \
-                and lr.dtype in (torch.float32, torch.float64):
+        if not isinstance(lr, torch.Tensor):
+            continue
+        if lr.device == device and lr.numel() == 1 and lr.dtype in (torch.float32, torch.float64):
             at[2 * g], at[2 * g + 1] = lr.data_ptr(), TAG_OF_NAME[str(lr.dtype).removeprefix("torch.")]
-    return at
+        else:
+            hyper[g * HYPER] = float(lr)
+    return hyper, at
 
 
 _PLAIN_AMP: dict = {}

@@ -661,3 +661,16 @@ def test_the_host_library_and_the_kernels_give_the_same_bits_on_every_dtype(name
     for a, b, c in zip(results["host"], results["emulated"], results["numpy"]):
         assert torch.equal(bits(a), bits(b))
         torch.testing.assert_close(c, a, rtol=1e-12 if dtype == torch.float64 else 1e-2, atol=0)
+
+
+def test_a_tensor_lr_the_kernels_cannot_read_is_read_on_the_host():
+    # A float16 lr is no type the kernels read through its address (nor is a
+    # GPU lr beside CPU parameters): its value goes into the group's row.
+    net_t, net_f = pair(15)
+    lr = torch.tensor(0.05, dtype=torch.float16)
+    opt_t = torch.optim.SGD(net_t.parameters(), lr=float(lr), momentum=0.5)
+    opt_f = gft.SGD(net_f.parameters(), lr=lr, momentum=0.5)
+    data = batches(4, seed=15)
+    run_torch(net_t, opt_t, data)
+    run_flat(net_f, opt_f, data)
+    assert_close(net_t, opt_t, net_f, opt_f)
