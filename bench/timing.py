@@ -40,27 +40,47 @@ class HostTimer:
         return time.perf_counter() - t0, result
 
 
+# A kernel that keeps one thread of the GPU busy for a number of clock cycles.
+_SPIN = r"""
+extern "C" __global__ void gpuflat_bench_spin(long long cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) {}
+}
+"""
+
+
 class CudaEventTimer:
-    """GPU time of one call between two CUDA events on the null stream.
+    """Device time of one call: from the GPU reaching a start event queued
+    before the call's first launch to its reaching an end event after its last.
 
     Before each call a scratch buffer twice the L2 size is rewritten, so every
     repeat reads its operands from memory rather than from the 60 MB L2 (the
-    DESIGN's protocol: rotate buffers larger than L2). The events also
-    catch host launch overhead: the end event waits for the last launch.
+    DESIGN's protocol: rotate buffers larger than L2). Then a spin kernel
+    holds the GPU, ahead of the start event, for twice the host time the
+    last call took (1 ms at least): every launch of the call is queued before
+    the GPU reaches the start event, so the events time the kernels and the
+    gaps the GPU leaves between them, not the host work (Python, tables)
+    around and between the launches.
     """
 
-    clock = "cuda events"
+    clock = "cuda events, launches queued behind a spin kernel (device time)"
 
     def __init__(self, cupy):
         self.cp = cupy
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
         self.scratch = cupy.empty(2 * int(props.get("l2CacheSize", 64 << 20)), cupy.uint8)
         self.start, self.end = cupy.cuda.Event(), cupy.cuda.Event()
+        self.spin = cupy.RawKernel(_SPIN, "gpuflat_bench_spin")
+        self.cycles_per_s = float(props.get("clockRate", 2_000_000)) * 1e3  # clockRate is in kHz
+        self.host_s = 1e-3
 
     def once(self, fn):
         self.scratch.fill(1)
+        self.spin((1,), (1,), (int(self.cycles_per_s * max(1e-3, 2 * self.host_s)),))
         self.start.record()
+        began = time.perf_counter()
         result = fn()
+        self.host_s = time.perf_counter() - began
         self.end.record()
         self.end.synchronize()
         return self.cp.cuda.get_elapsed_time(self.start, self.end) / 1e3, result

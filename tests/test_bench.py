@@ -349,3 +349,16 @@ def test_host_work_on_ten_thousand_leaves_is_judged_from_the_host_cost_rows():
     assert judged == {f"{calls[0]} host work within 1.5 ms": (True, "1.40 ms"),
                       f"{calls[1]} host work within 1.5 ms": (False, "1.60 ms"),
                       f"{calls[2]} host work within 2 ms": (None, None)}  # no tiny-10k row: not measured
+
+
+@pytest.mark.parametrize("major", [12, 13])
+def test_the_timers_spin_kernel_compiles_for_the_gpu(tmp_path, monkeypatch, major):
+    # The GPU timer's spin kernel runs only on a device: compile it here with
+    # each NVRTC a GPU may load, as CuPy's RawKernel would.
+    from bench import timing
+    from gpuflat import kernel_loader as kl
+
+    (tmp_path / "spin.cu").write_text(timing._SPIN)
+    monkeypatch.setattr(kl, "name_expressions", lambda: ["gpuflat_bench_spin"])
+    out = kl.compile_ptx("sm_90", major, tmp_path)
+    assert ".entry gpuflat_bench_spin(" in out.ptx and "clock64" not in out.log
