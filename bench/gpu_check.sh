@@ -120,13 +120,19 @@ wait "$host_pid"
 echo "host builds: exit $?" >>"$OUT/host-builds.log"
 cat "$OUT/host-builds.log"
 
+echo "compile step: exit $compile_rc in $((SECONDS - began)) s" | tee -a "$OUT/compile.log"
+
 # The tests marked gpu (tests/test_gpu.py, and the gpu tests of the other files).
+step_began=$SECONDS
 timeout "$TESTS_TIMEOUT" "$PY" -m pytest "${tests_args[@]}" tests 2>&1 | tee "$OUT/gpu-tests.log"
 tests_rc=${PIPESTATUS[0]}
+echo "tests step: exit $tests_rc in $((SECONDS - step_began)) s" | tee -a "$OUT/gpu-tests.log"
 
 # The benchmark, whatever the tests said: its numbers are wanted either way.
+step_began=$SECONDS
 timeout "$BENCH_TIMEOUT" "$PY" -m bench "${bench_args[@]}" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
+echo "benchmark step: exit $bench_rc in $((SECONDS - step_began)) s" | tee -a "$OUT/bench.log"
 
 # What the machine was: GPU, driver, memory in use after the run.
 timeout 10 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || echo "nvidia-smi failed" >&2

@@ -171,6 +171,13 @@ def run_unit(name, label, spec, device, providers, settings, progress):
     return rows, floors, None
 
 
+def _write(results, out, stem) -> list:
+    """The results' JSON (with their verdicts) and chart, from what was measured so far."""
+    paths = report.write(results, out, stem)
+    paths.append(chart.write(results, out, stem))
+    return paths
+
+
 def _setup_error(provider, op, ctx, exc) -> dict:
     library = provider.library_name(ctx.device)
     return {"workload": ctx.workload, "dtype": ctx.dtype, "op": op, "impl": f"{library} (setup)",
@@ -199,20 +206,23 @@ def main(argv=None) -> int:
     stem = (args.name or machine.name(device.name, device.xp)) + ("-quick" if args.quick else "")
     began, progress = time.perf_counter(), progress_bar.bar(len(todo) * len(OPS))
     try:
+        # The host-cost rows first, then the workloads in order (the targets'
+        # first): after each, the JSON, its verdicts and the chart are written
+        # from what was measured, so a run cut short keeps all it finished.
+        progress.set_description("host cost per call")
+        results["host_cost"] = host_cost.measure(spec, settings, device.xp if device.name == "cuda" else None)
+        _write(results, args.out, stem)
         for name, label in todo:
             rows, floors, note = run_unit(name, label, spec[name], device, providers, settings, progress)
             results["rows"] += rows
             results["floors"] += floors
             results["notes"] += [note] if note else []
-            report.write(results, args.out, stem)  # a run cut short keeps every workload it finished
+            _write(results, args.out, stem)
             gc.collect()
-        progress.set_description("host cost per call")
-        results["host_cost"] = host_cost.measure(spec, settings, device.xp if device.name == "cuda" else None)
     finally:
         progress.close()
     results["wall_s"] = time.perf_counter() - began
-    paths = report.write(results, args.out, stem)
-    paths.append(chart.write(results, args.out, stem))
+    paths = _write(results, args.out, stem)
     print(report.text(results, every=args.all))
     print("\nwrote " + ", ".join(str(p) for p in paths if p))
     return 0
