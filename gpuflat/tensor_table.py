@@ -38,6 +38,7 @@ from .arrays import adopt, device_scope, plain_tensor, tensor_refusal, to_caller
 from .layout import ITEMSIZES, LEAF_ROW_WORDS, MAX_DIMS, leaf_row
 from .backends.protocol import LeafRows
 from .backends.selection import get_backend, host_default
+from .binding import max_norm_for
 from .checks import check_in_place, may_overlap_itself
 from .dtypes import bfloat16
 from .errors import NonFloatingTensorError, OverlapError, UnsupportedLeafError
@@ -337,6 +338,25 @@ def norm_pass(table, tensors, p, detect=False) -> Norm:
     if detect:
         nonfinite = (torch.stack([f.to(device) for f in firsts]) >= 0).any().double()
     return Norm(totals[0], on_backend, nonfinite)
+
+
+def scale_by_norm(table, tensors, max_norm, total_norm, eps, on_backend=None) -> None:
+    """Scale every tensor of ``table`` in place by min(1, max_norm / (total_norm
+    + eps)): ``total_norm`` a tensor, or ``on_backend``, the one group's norm
+    as its backend's own array (read where it lies, no import).
+
+    >>> ts = [torch.tensor([3.0, 4.0])]
+    >>> scale_by_norm(read(ts, str, in_place=True), ts, 1.0, torch.tensor(5.0), 0.0)
+    >>> ts[0]
+    tensor([0.6000, 0.8000])
+    """
+    for g in table.groups:
+        like = table.first(tensors, g)
+        with device_scope(g.backend, like):
+            total = on_backend
+            if total is None:
+                total = adopt(torch.as_tensor(total_norm, dtype=torch.float64).to(like.device))
+            g.backend.clip_(g.plan, g.leaves, total, max_norm_for(g.backend, max_norm), eps)
 
 
 def returned_dtype(dtypes):

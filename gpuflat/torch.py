@@ -45,8 +45,6 @@ import torch
 
 from . import distributed as _gfd
 from . import dtensor, tensor_facts, tensor_table
-from .arrays import adopt, device_scope
-from .binding import max_norm_for
 from .checks import check_ord, clip_arguments
 from .errors import NonFiniteError, NonFiniteNormError, NonFloatingTensorError
 
@@ -122,7 +120,7 @@ def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max
     if table is None:  # DTensors: their local shards are scaled, with no redistribution
         grads = [dtensor.local(g) if dtensor.is_dtensor(g) else g for g in grads]
         table = tensor_table.read(grads, name_of, in_place=True)
-    _scale(table, grads, max_norm, total_norm)
+    tensor_table.scale_by_norm(table, grads, max_norm, total_norm, _EPS)
 
 
 @_eager
@@ -159,7 +157,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     total, on_backend, _ = tensor_table.norm_pass(table, grads, p)
     if error_if_nonfinite:
         _check_finite(total, p, table, grads, name_of)
-    _scale(table, grads, max_norm, total, on_backend)
+    tensor_table.scale_by_norm(table, grads, max_norm, total, _EPS, on_backend)
     return total.to(table.returned_dtype)
 
 
@@ -244,18 +242,6 @@ def _check_finite(total, p, table, tensors, name_of):
         f"disable this error and scale the gradients by the non-finite norm anyway, set "
         f"`error_if_nonfinite=False`"
     )
-
-
-def _scale(table, tensors, max_norm, total_norm, on_backend=None):
-    """Scale every group by the factor of ``total_norm`` (a tensor), or of
-    ``on_backend``, the one group's norm as its backend's array (no import)."""
-    for g in table.groups:
-        like = table.first(tensors, g)
-        with device_scope(g.backend, like):
-            total = on_backend
-            if total is None:
-                total = adopt(torch.as_tensor(total_norm, dtype=torch.float64).to(like.device))
-            g.backend.clip_(g.plan, g.leaves, total, max_norm_for(g.backend, max_norm), _EPS)
 
 
 from .torch_optim import SGD, AdamW, GradScaler
