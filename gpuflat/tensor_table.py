@@ -365,7 +365,11 @@ def returned_dtype(dtypes):
     >>> returned_dtype([torch.bfloat16, torch.complex64, torch.float16])
     torch.float32
     """
-    return functools.reduce(torch.promote_types, {d.to_real() for d in set(dtypes)})
+    # A dict rather than dtype.to_real(), which TorchDynamo cannot trace.
+    return functools.reduce(torch.promote_types, {_REAL.get(d, d) for d in set(dtypes)})
+
+
+_REAL = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
 
 
 def _groups(tensors, unique, devices, facts, name_of) -> list:

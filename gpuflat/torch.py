@@ -31,8 +31,10 @@ Differences that remain, on purpose:
   with each other (OverlapError) or within themselves (an expanded tensor,
   ValueError), which PyTorch would scale twice; integer and bool tensors
   raise NonFloatingTensorError, a RuntimeError, as PyTorch's norms do;
-- inside a ``torch.compile``'d function the drop-ins are not traced: they
-  run as they are between two graphs (``torch.compiler.disable``).
+- inside a ``torch.compile``'d function (``fullgraph=True`` too) the
+  drop-ins are gpuflat's operators in the graph (``gpuflat.torch_ops``),
+  with the eager call's bits; there ``max_norm`` must be a number, and
+  DTensor gradients are not supported.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ from collections.abc import Iterable
 import torch
 
 from . import distributed as _gfd
-from . import dtensor, tensor_facts, tensor_table
+from . import dtensor, tensor_facts, tensor_table, torch_ops
 from .checks import check_ord, clip_arguments
 from .errors import NonFiniteError, NonFiniteNormError, NonFloatingTensorError
 
@@ -58,13 +60,8 @@ __all__ = [
 __all__ += ["SGD", "AdamW", "GradScaler"]  # gpuflat.torch_optim: the flat optimizers
 
 _EPS = 1e-6  # PyTorch's: coef = max_norm / (total_norm + 1e-6)
-# Called inside a torch.compile'd function, a drop-in runs as it is, between
-# two graphs: its native calls and host-side tables are nothing TorchDynamo
-# can trace (it would fail on the NumPy code).
-_eager = torch.compiler.disable
 
 
-@_eager
 @torch.no_grad()
 def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: float | str = 2.0,
                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
@@ -80,6 +77,8 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
     p = _norm_type(norm_type)
     if not tensors:
         return torch.tensor(0.0)
+    if torch.compiler.is_compiling():  # gpuflat's operator, opaque in the graph
+        return torch_ops.total_norm(tensors, p).to(tensor_table.returned_dtype([t.dtype for t in tensors]))
     name_of = "tensors[{}]".format
     table = tensor_table.read(tensors, name_of)
     if table is None:  # DTensors: over the ranks of their mesh
@@ -94,7 +93,6 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
     return total.to(table.returned_dtype)
 
 
-@_eager
 @torch.no_grad()
 def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
                           total_norm: torch.Tensor, foreach: bool | None = None) -> None:
@@ -110,6 +108,11 @@ def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max
     >>> w.grad
     tensor([0.6000, 0.8000])
     """
+    if torch.compiler.is_compiling():  # gpuflat's operator, opaque in the graph
+        grads = [p.grad for p in _parameter_list(parameters, warn_empty=False) if p.grad is not None]
+        if grads:
+            torch_ops.scale_by_norm_(grads, _compiled_max_norm(max_norm), total_norm, _EPS)
+        return
     grads, facts, name_of = _gradients(_parameter_list(parameters, warn_empty=False))
     max_norm, _, _ = clip_arguments(max_norm, 2, _EPS)  # the norm comes given: any order passes
     if dtensor.is_dtensor(total_norm):
@@ -123,7 +126,6 @@ def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max
     tensor_table.scale_by_norm(table, grads, max_norm, total_norm, _EPS)
 
 
-@_eager
 @torch.no_grad()
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
                     norm_type: float | str = 2.0, error_if_nonfinite: bool = False,
@@ -142,6 +144,9 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     >>> round(float(torch.cat([p.grad.flatten() for p in net.parameters()]).norm()), 5)
     1.0
     """
+    if torch.compiler.is_compiling():
+        return _compiled_clip(_parameter_list(parameters, warn_empty=True), max_norm, _norm_type(norm_type),
+                              error_if_nonfinite)
     grads, facts, name_of = _gradients(_parameter_list(parameters, warn_empty=True))
     max_norm, p, _ = clip_arguments(max_norm, _norm_type(norm_type), _EPS)
     if not grads:
@@ -159,6 +164,32 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         _check_finite(total, p, table, grads, name_of)
     tensor_table.scale_by_norm(table, grads, max_norm, total, _EPS, on_backend)
     return total.to(table.returned_dtype)
+
+
+# ---------------------------------------------------------------- inside torch.compile
+
+def _compiled_clip(parameters, max_norm, p, error_if_nonfinite):
+    """clip_grad_norm_ as TorchDynamo traces it: the gradients listed in
+    Python, then gpuflat's operators (the norm in float64, the scale by its
+    factor), so the clip's bits are the eager call's."""
+    grads = [q.grad for q in parameters if q.grad is not None]
+    max_norm = _compiled_max_norm(max_norm)
+    if not grads:
+        return torch.tensor(0.0)
+    total = torch_ops.total_norm(grads, p)
+    if error_if_nonfinite and not torch.isfinite(total):  # a host read: the graph breaks here, as PyTorch's does
+        raise NonFiniteNormError(f"the total norm of order {p:g} for gradients from `parameters` is non-finite, "
+                                 f"so it cannot be clipped; no gradient was scaled")
+    torch_ops.scale_by_norm_(grads, max_norm, total, _EPS)
+    return total.to(tensor_table.returned_dtype([g.dtype for g in grads]))
+
+
+def _compiled_max_norm(max_norm) -> float:
+    """``max_norm`` checked, as a number: the compiled operators take it by value."""
+    if isinstance(max_norm, torch.Tensor):
+        raise TypeError("max_norm: inside torch.compile expected a number, got a tensor; pass float(max_norm), "
+                        "or call the clip outside the compiled function")
+    return clip_arguments(max_norm, 2, _EPS)[0]
 
 
 # ---------------------------------------------------------------- arguments

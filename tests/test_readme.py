@@ -17,7 +17,7 @@ def run(index):
 
 
 def test_every_example_is_tested():
-    assert len(BLOCKS) == 7
+    assert len(BLOCKS) == 8
 
 
 def test_tree_example():
@@ -89,3 +89,15 @@ def test_flat_optimizer_example():
         assert opt.state[p]["exp_avg"].untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
     assert opt.param_groups[1]["weight_decay"] == 0.0 and opt.param_groups[0]["lr"] < 1e-3  # the schedule ran
     assert scope["scaler"].get_scale() > 0 and float(opt.last_grad_norm) < 1e3  # unscaled
+
+
+def test_compiled_clip_example():
+    torch = pytest.importorskip("torch")
+    try:
+        scope = run(7)
+    finally:
+        torch._dynamo.reset()
+    norm, net = scope["norm"], scope["net"]
+    assert norm.dtype == torch.float32 and float(norm) > 0
+    clipped = math.sqrt(sum(float(p.grad.double().square().sum()) for p in net.parameters()))
+    assert clipped == pytest.approx(min(float(norm), 0.5), rel=1e-5)

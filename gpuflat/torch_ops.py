@@ -1,0 +1,58 @@
+"""gpuflat's norm and clip as PyTorch operators, for ``torch.compile``.
+
+Inside a compiled function TorchDynamo cannot trace gpuflat's native calls
+and host-side tables; as operators (``torch.library.custom_op``) they stay
+in the graph, opaque, and run as they are when the graph runs, their table
+caches inside them, so new gradient tensors in a later step neither
+recompile nor re-trace anything. Each has a fake implementation that gives
+its result's metadata without running. The operators take plain tensors:
+DTensors are unwrapped, and their collectives run, outside any operator, or
+ranks could reach them in different orders.
+
+Eager calls never go through the dispatcher: a Python operator costs
+milliseconds on lists of 10,000 tensors, more than the whole eager clip.
+``gpuflat.torch`` calls these only while compiling
+(``torch.compiler.is_compiling()``).
+
+>>> ts = [torch.tensor([3.0]), torch.tensor([4.0])]
+>>> total = torch.ops.gpuflat.total_norm(ts, 2.0)
+>>> total.dtype, float(total)
+(torch.float64, 5.0)
+>>> torch.ops.gpuflat.scale_by_norm_(ts, 1.0, total, 1e-6)
+>>> [round(float(t), 4) for t in ts]
+[0.6, 0.8]
+"""
+from __future__ import annotations
+
+import torch
+
+from . import tensor_table
+
+__all__ = ["scale_by_norm_", "total_norm"]
+
+
+@torch.library.custom_op("gpuflat::total_norm", mutates_args=())
+def total_norm(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The float64 norm of order ``norm_type`` of all ``tensors`` as one
+    vector, a 0-d tensor on the first one's device (one fused pass per device).
+    """
+    table = tensor_table.read(tensors, "tensors[{}]".format)
+    return tensor_table.norm_pass(table, tensors, norm_type).total.clone()
+
+
+@total_norm.register_fake
+def _(tensors, norm_type):
+    return tensors[0].new_empty((), dtype=torch.float64)
+
+
+@torch.library.custom_op("gpuflat::scale_by_norm_", mutates_args=("tensors",))
+def scale_by_norm_(tensors: list[torch.Tensor], max_norm: float, total: torch.Tensor, eps: float) -> None:
+    """Scale every tensor in place by min(1, max_norm / (total + eps)), the
+    factor taken from ``total`` on the device (no host read)."""
+    table = tensor_table.read(tensors, "tensors[{}]".format, in_place=True)
+    tensor_table.scale_by_norm(table, tensors, max_norm, total, eps)
+
+
+@scale_by_norm_.register_fake
+def _(tensors, max_norm, total, eps):
+    return None
