@@ -84,9 +84,10 @@ __device__ __noinline__ void gf_scatter_strided(const LeafRef& L, long long star
     });
 }
 
-// dst[i] = the sum of sources[s0 .. s1) at element start + i, out of line:
-// ties are rare, and gf_load_any's general addressing would cost the plain
-// flatten registers.
+// dst[i] = the sum of sources[s0 .. s1) at element start + i, one element
+// at a time through gf_load_any's general addressing: ties are rare. It is
+// inlined: out of line (__noinline__), the call cost the flatten spills
+// under CUDA 13.5 for sm_90.
 template <class T>
 __device__ __forceinline__ void gf_gather_tied(const LeafRef* sources, long long s0, long long s1, long long start,
                                             long long len, int lane, T* dst) {
@@ -139,12 +140,11 @@ template <class T>
 __global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
 gpuflat_scatter(const Item* __restrict__ items, long long n_items, const LeafRef* __restrict__ leaves,
                 const T* __restrict__ flat) {
-    // The leaf's fields where the compiler reads them: loaded early, they
-    // would cost this kernel spills (see gf_on_leaf).
-    gf_for_leaf_items<false>(items, n_items, leaves, [&](const Item& item, const LeafRef& L, int lane, auto z) {
+    // The leaf's fields are loaded with the item (see gf_on_leaf).
+    gf_for_leaf_items<true>(items, n_items, leaves, [&](const Item& item, const auto& L, int lane, auto z) {
         using S = decltype(z);
         const T* const src = flat + item.flat;
-        if (L.ndim != 0) return gf_scatter_strided<T, S>(L, item.start, item.len, lane, src);
+        if (L.ndim != 0) return gf_scatter_strided<T, S>(gf_row(L), item.start, item.len, lane, src);
         const bool aligned = gf_aligned16(src);
         gf_item_loop<S, false, true, gf_unroll<S, T>()>(L, item.start, item.len, lane,
                                                      [&](long long i0, S (&v)[gf_vec<S>::V], int n) {

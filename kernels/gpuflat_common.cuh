@@ -237,6 +237,10 @@ __device__ __forceinline__ char* gf_addr(const LeafRef& L, long long i, long lon
     const int nd = (int)L.ndim;
     if (nd == 0) return p + i * itemsize;
     long long off = 0;
+    // One dim at a time: unrolled, the loop had several dims' shapes, strides
+    // and magic numbers loaded at once, and set the register peak of the
+    // kernels (spills under CUDA 13 for sm_90).
+#pragma unroll 1
     for (int d = nd - 1; d > 0; --d) {
         const int shift = (int)((unsigned long long)L.shifts >> (8 * d)) & 63;
         const long long q = (long long)(__umul64hi((unsigned long long)i, L.magic[d]) >> shift);
@@ -303,25 +307,22 @@ struct gf_leaf {
 __device__ __forceinline__ const LeafRef& gf_row(const LeafRef& L) { return L; }
 __device__ __forceinline__ const LeafRef& gf_row(const gf_leaf& L) { return L.row; }
 
-// Elements [i0, i0 + n) of an item, one at a time, each as a vector of one
-// (the same order as whole vectors).
-template <class S, bool READ, bool WRITE, bool STRIDED, class Leaf, class Op>
-__device__ __forceinline__ void gf_elements(const Leaf& L, long long start, long long i0, long long n, Op op) {
-    // A strided leaf's address is computed where the run enters a row of its
-    // innermost dim, and stepped along the row from there.
-    char* at = (char*)((S*)L.ptr + start + i0);
-    long long step = (long long)sizeof(S), left = n;
-    if constexpr (STRIDED) {
-        step = gf_row(L).stride[L.ndim - 1];
-        left = 0;
-    }
-    for (long long i = i0; i < i0 + n; ++i, at += step, --left) {
-        if (STRIDED && left == 0) at = gf_addr(gf_row(L), start + i, (long long)sizeof(S), &left);
-        S* const p = (S*)at;
-        S v[gf_vec<S>::V];
-        if constexpr (READ) v[0] = *p;
-        op(i, v, 1);
-        if constexpr (WRITE) *p = v[0];
+// The first n elements of vector i0 / V of a contiguous item, one at a time
+// (the item's last vector, or any vector of an item not 16-byte aligned),
+// each as a vector of one (the same order as whole vectors). The loop runs
+// V guarded trips, a bound the compiler knows: bounded by n alone, it was
+// unrolled sixteen times, with sixteen elements' loads held in registers.
+template <class S, bool READ, bool WRITE, class Leaf, class Op>
+__device__ __forceinline__ void gf_elements(const Leaf& L, long long start, long long i0, int n, Op op) {
+    S* const p = (S*)L.ptr + start + i0;
+#pragma unroll
+    for (int k = 0; k < gf_vec<S>::V; ++k) {
+        if (k < n) {
+            S v[gf_vec<S>::V];
+            if constexpr (READ) v[0] = p[k];
+            op(i0 + k, v, 1);
+            if constexpr (WRITE) p[k] = v[0];
+        }
     }
 }
 
@@ -347,6 +348,10 @@ __device__ __forceinline__ void gf_item_loop(const Leaf& L, long long start, lon
                 for (int r = 0; r < U; ++r) vecs[j + r * GF_WARP] = u[r].raw;
             }
         }
+        // Fewer than U trips, which the compiler cannot tell: left to it, this
+        // loop was unrolled sixteen times, with sixteen vectors held in
+        // registers, and so was the element loop below.
+#pragma unroll 1
         for (; j < nfull; j += GF_WARP) {
             gf_vec<S> u;
             if constexpr (READ) u.raw = vecs[j];
@@ -354,14 +359,40 @@ __device__ __forceinline__ void gf_item_loop(const Leaf& L, long long start, lon
             if constexpr (WRITE) vecs[j] = u.raw;
         }
     }
-    for (; j < nvec; j += GF_WARP) gf_elements<S, READ, WRITE, false>(L, start, j * V, gf_min((long long)V, len - j * V), op);
+#pragma unroll 1
+    for (; j < nvec; j += GF_WARP) gf_elements<S, READ, WRITE>(L, start, j * V, (int)gf_min((long long)V, len - j * V), op);
 }
 
+// A strided item, one element at a time in the same order: element i
+// belongs to lane (i / V) % 32, and each lane takes its vectors' elements
+// in increasing i. An element's address is computed where the lane enters a
+// vector or a row of the leaf's innermost dim, and stepped along the row
+// from there. One index walks the lane's elements (no vector index and
+// bound beside it), so fewer values stay live beside gf_addr's arithmetic.
 template <class S, bool READ, bool WRITE, class Leaf, class Op>
 __device__ __forceinline__ void gf_strided_loop(const Leaf& L, long long start, long long len, int lane, Op op) {
-    constexpr int V = gf_vec<S>::V;
-    for (long long j = lane; j * V < len; j += GF_WARP)
-        gf_elements<S, READ, WRITE, true>(L, start, j * V, gf_min((long long)V, len - j * V), op);
+    constexpr long long V = gf_vec<S>::V;
+    constexpr long long SKIP = (GF_WARP - 1) * V;  // the other lanes' elements between two of this lane's vectors
+    const LeafRef& row = gf_row(L);
+    const long long step = row.stride[L.ndim - 1];
+    char* at = nullptr;
+    long long left = 0;  // elements from `at` on left in its row
+#pragma unroll 1
+    for (long long i = lane * V; i < len;) {
+        if (left == 0) at = gf_addr(row, start + i, (long long)sizeof(S), &left);
+        S* const p = (S*)at;
+        S v[gf_vec<S>::V];
+        if constexpr (READ) v[0] = *p;
+        op(i, v, 1);
+        if constexpr (WRITE) *p = v[0];
+        ++i;
+        at += step;
+        --left;
+        if ((i & (V - 1)) == 0) {
+            i += SKIP;
+            left = 0;
+        }
+    }
 }
 
 // f(x) for the first n elements of a vector, in order.
@@ -399,14 +430,27 @@ __device__ __forceinline__ long long gf_warp_count() {
 // and a kernel is a small body per item. The order of the elements within an
 // item is gf_item_loop's, so a body's sums keep their bits.
 
+// This thread's lane, read from the thread index where it is used. Kept from
+// the kernel's start instead, the lane (and the thread index the compiler
+// derives lane offsets from) stayed live through every item's loops: two
+// registers fewer for them, which CUDA 13's ptxas made up for with spills.
+__device__ __forceinline__ int gf_lane() {
+#ifdef __CUDA_ARCH__
+    unsigned t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return (int)(t % GF_WARP);
+#else
+    return (int)(threadIdx.x % GF_WARP);
+#endif
+}
+
 // fn(it, item, lane) for every work item `it`, one warp each, grid-stride.
 template <class Fn>
 __device__ __forceinline__ void gf_for_items(const Item* __restrict__ items, long long n_items, Fn fn) {
-    const int lane = (int)(threadIdx.x % GF_WARP);
     const long long nwarps = gf_warp_count();
     for (long long it = gf_global_warp(); it < n_items; it += nwarps) {
         const Item item = items[it];
-        fn(it, item, lane);
+        fn(it, item, gf_lane());
     }
 }
 

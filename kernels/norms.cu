@@ -13,10 +13,17 @@
 // changes a bit. No atomics anywhere.
 #include "gpuflat_math.cuh"
 
-// pow makes the p-norm compute-bound: one vector in flight is enough, and
-// the registers go to pow.
-template <int K>
-constexpr int gf_norm_unroll() { return K == GF_NORM_P ? 1 : GF_UNROLL; }
+// Vectors in flight per lane (gf_item_loop's U; the order of the sum is the
+// same for any). pow makes the p-norm compute-bound: one vector in flight
+// is enough, and the registers go to pow. The 1- and inf-norms of complex
+// leaves take a hypot per element, which needs registers too: with four
+// vectors in flight CUDA 13's ptxas spilled for sm_90, with two it does not.
+template <int K, class S>
+constexpr int gf_norm_unroll() {
+    if constexpr (K == GF_NORM_P) return 1;
+    else if constexpr (gf_is_complex<S>::value && K != GF_NORM_L2) return 2;
+    else return GF_UNROLL;
+}
 
 // A lane's share of one item: its sum (or max) of terms, and whether it met
 // a NaN or inf.
@@ -51,7 +58,7 @@ __device__ __forceinline__ void gf_add_terms(gf_lane_sum& s, S (&v)[gf_vec<S>::V
 template <int K, class S, class Leaf>
 __device__ __forceinline__ gf_lane_sum gf_item_terms(const Leaf& L, const Item& item, int lane, double p) {
     gf_lane_sum s = {0.0, 0};
-    gf_leaf_loop<S, true, false, gf_norm_unroll<K>()>(L, item, lane, [&](long long, S (&v)[gf_vec<S>::V], int n) {
+    gf_leaf_loop<S, true, false, gf_norm_unroll<K, S>()>(L, item, lane, [&](long long, S (&v)[gf_vec<S>::V], int n) {
         gf_add_terms<K>(s, v, n, p);
     });
     if constexpr (gf_bad_from_sum<K, S>()) s.bad = !isfinite(s.acc);
@@ -69,7 +76,7 @@ gpuflat_norm_partial(const Item* __restrict__ items, long long n_items, const Le
     gf_for_items(items, n_items, [&](long long it, const Item& item, int lane) {
         gf_lane_sum sum = {0.0, 0};
         // The leaf's fields are loaded early except for the inf-norm, which
-        // CUDA 13's ptxas then spills more for sm_100.
+        // CUDA 13's ptxas then spills (for sm_90 too).
         gf_on_leaf<K != GF_NORM_INF>(leaves[item.slot], [&](const auto& L, auto z) {
             sum = gf_item_terms<K, decltype(z)>(L, item, lane, p);
         });
@@ -79,7 +86,7 @@ gpuflat_norm_partial(const Item* __restrict__ items, long long n_items, const Le
         for (int off = GF_WARP / 2; off > 0; off >>= 1)
             acc = gf_combine<K>(acc, __shfl_down_sync(GF_FULL_MASK, acc, off));
         const int bad = __any_sync(GF_FULL_MASK, sum.bad);
-        if (lane == 0) {
+        if (gf_lane() == 0) {  // read again (see gf_lane)
             partial[it] = acc;
             partial[n_items + it] = bad ? 1.0 : 0.0;
         }

@@ -2,12 +2,22 @@
 
 The kernels are compiled by NVRTC with the project's options, exactly as the
 CUDA backend builds them, and NVRTC's own ptxas reports each kernel's
-registers, stack frame and spills (``-Xptxas -v``), for sm_90 under CUDA 12
-and 13 and sm_100 under CUDA 13 (tests/kernel_builds.py). At most 64
+registers, stack frame and spills (``-Xptxas -v``; a kernel's own and those
+of the functions it calls), for sm_90 under CUDA 12 and 13 and sm_100 under
+CUDA 13 (tests/kernel_builds.py). At most 64
 registers (4 blocks of 256 threads per SM), no spills and no stack frame
-keep the grid-stride kernels at full occupancy (under CUDA 13 some kernels
-spill: see SPILL_CEILINGS); several 16-byte loads per lane per loop
-iteration keep enough bytes in flight to approach the memory bandwidth.
+keep the grid-stride kernels at full occupancy; several 16-byte loads per
+lane per loop iteration keep enough bytes in flight to approach the memory
+bandwidth.
+
+Each NVRTC's ptxas allocates registers its own way, so the gates are held
+for the NVRTCs pinned in constraints.txt (12.6 and 13.0, what CUDA 12.6 and
+13.0 environments with torch load) and constraints-nvrtc-latest.txt (12.9
+and 13.5, gated in a second environment): gpuflat.kernel_loader.GATED_NVRTC.
+For sm_90, the H200's, no hot kernel spills or has a stack frame under any
+of them; sm_100 keeps the spill ceilings measured per NVRTC (SPILL_CEILINGS),
+and a build by an NVRTC with no measurements fails rather than passing
+unmeasured.
 """
 from __future__ import annotations
 
@@ -23,30 +33,26 @@ from gpuflat.dtypes import CUDA_NAMES
 HOT = ([kl.gather_name(d) for d in CUDA_NAMES] + [kl.scatter_name(d) for d in CUDA_NAMES]
        + [kl.norm_partial_name(k) for k in kl.NORM_KINDS] + [kl.SCALE_NAME, kl.SCALE_AT_NAME])
 MAX_REGISTERS = 64
-# CUDA 13's ptxas (NVRTC 13.5) keeps these kernels within the 64 registers
-# that __launch_bounds__ asks for by spilling to the stack, where CUDA 12's
-# fits every one in registers: (stack frame, spill store, spill load) bytes,
-# as the gated builds reported them. They are ceilings, so more spilling
-# fails; bringing them to zero needs fewer live values in those loops under
-# CUDA 13, and another CUDA 13 minor may need them measured again.
+# (stack frame, spill store, spill load) bytes each hot kernel may have, by
+# the NVRTC (major, minor) that built it and the architecture; a kernel not
+# listed may have none. For sm_100, CUDA 13's ptxas keeps the p-norm within
+# the 64 registers that __launch_bounds__ asks for by spilling values of the
+# item loop (its index, the warp count) around the element loops, whose pow
+# is a subroutine holding most registers: stored and loaded once per item,
+# none inside the element loops. They are ceilings, so more spilling fails;
+# a new NVRTC is measured and added here (and to GATED_NVRTC and the
+# constraints files) before it is gated.
 SPILL_CEILINGS = {
-    (13, "sm_90"): {
-        **{kl.scatter_name(d): (8, 16, 16) for d in CUDA_NAMES},
-        "gpuflat_norm_partial<0>": (8, 8, 8),
-        "gpuflat_norm_partial<1>": (8, 8, 8),
-        "gpuflat_norm_partial<2>": (16, 16, 56),
-    },
-    (13, "sm_100"): {
-        "gpuflat_gather<float>": (8, 8, 8),
-        "gpuflat_gather<double>": (8, 12, 20),
-        "gpuflat_gather<c64>": (16, 12, 12),
-        "gpuflat_gather<c128>": (8, 8, 16),
-        "gpuflat_scatter<float>": (8, 8, 16),
-        "gpuflat_norm_partial<2>": (8, 8, 8),
-        "gpuflat_norm_partial<3>": (16, 20, 68),
-    },
+    ((12, 6), "sm_90"): {},
+    ((12, 9), "sm_90"): {},
+    ((13, 0), "sm_90"): {},
+    ((13, 5), "sm_90"): {},
+    ((13, 0), "sm_100"): {"gpuflat_norm_partial<3>": (8, 8, 8)},
+    ((13, 5), "sm_100"): {"gpuflat_norm_partial<3>": (24, 28, 28)},
 }
-VECTOR_LOAD = re.compile(r"^\s*ld(?:\.global)?(?:\.nc)?\.v4\.", re.M)
+# A 16-byte load in the PTX: four 32-bit words, or two 64-bit ones (double
+# and complex128 leaves).
+VECTOR_LOAD = re.compile(r"^\s*ld(?:\.global)?(?:\.nc)?\.(?:v4\.[bfsu]32|v2\.[bfsu]64)\b", re.M)
 
 
 def _entry_ptx(major: int, arch: str, name: str) -> str:
@@ -54,6 +60,37 @@ def _entry_ptx(major: int, arch: str, name: str) -> str:
     start = re.search(rf"^\.(?:visible|weak) \.entry {compiled.lowered[name]}\(", compiled.ptx, re.M).start()
     end = compiled.ptx.find("\n}\n", start)
     return compiled.ptx[start:end]
+
+
+def _ceilings(major: int, arch: str) -> dict:
+    """SPILL_CEILINGS of the NVRTC that built the (major, arch) target here;
+    fails, naming it, where that NVRTC was never measured."""
+    version = kl.nvrtc_version(major)
+    if (version, arch) not in SPILL_CEILINGS:
+        gated = ", ".join(f"{a}.{b}" for a, b in kl.GATED_NVRTC)
+        pytest.fail(f"CUDA {major}, {arch}: NVRTC {version[0]}.{version[1]} is not a gated NVRTC, so its "
+                    f"registers and spills have no measured ceilings; the gated versions ({gated}) are those "
+                    "pinned in constraints.txt and constraints-nvrtc-latest.txt: install one of those pairs "
+                    "(pip's -c), or measure this NVRTC and add it to SPILL_CEILINGS and the constraints")
+    return SPILL_CEILINGS[(version, arch)]
+
+
+def test_the_ceilings_cover_exactly_the_gated_nvrtcs():
+    # One entry per gated NVRTC and gated target of its major: a version
+    # pinned in the constraints but never measured fails here, not silently.
+    expected = {(version, arch) for version in kl.GATED_NVRTC for major, arch in kernel_builds.GATED
+                if version[0] == major}
+    assert set(SPILL_CEILINGS) == expected
+
+
+def test_sm_90_has_no_spill_ceilings():
+    # The H200's kernels keep every value in registers under every gated NVRTC.
+    assert all(not ceilings for (_, arch), ceilings in SPILL_CEILINGS.items() if arch == "sm_90")
+
+
+@pytest.mark.parametrize("major,arch", kernel_builds.GATED)
+def test_the_loaded_nvrtc_has_measured_ceilings(major, arch):
+    _ceilings(major, arch)
 
 
 def test_every_gated_build_reports_every_kernel():
@@ -68,9 +105,9 @@ def test_every_gated_build_reports_every_kernel():
 def test_hot_kernels_fit_64_registers_without_spills_or_stack(name, major, arch):
     lowered = kernel_builds.build(major, arch).lowered[name]
     regs, stack, spill_st, spill_ld = kernel_builds.resources(major, arch)[lowered]
-    where = f"{name} (CUDA {major}, {arch})"
+    where = f"{name} (NVRTC %d.%d, {arch})" % kl.nvrtc_version(major)
     assert regs <= MAX_REGISTERS, f"{where}: {regs} registers, expected at most {MAX_REGISTERS}"
-    ceiling = SPILL_CEILINGS.get((major, arch), {}).get(name, (0, 0, 0))
+    ceiling = _ceilings(major, arch).get(name, (0, 0, 0))
     assert all(found <= most for found, most in zip((stack, spill_st, spill_ld), ceiling)), \
         f"{where}: stack {stack} B, spills {spill_st}/{spill_ld} B, expected at most {ceiling}"
 
@@ -85,7 +122,7 @@ def test_norm_finisher_keeps_its_slot_batches_in_registers(name, major, arch):
     # bounds asked for one block per SM).
     lowered = kernel_builds.build(major, arch).lowered[name]
     regs, stack, spill_st, spill_ld = kernel_builds.resources(major, arch)[lowered]
-    where = f"{name} (CUDA {major}, {arch})"
+    where = f"{name} (NVRTC %d.%d, {arch})" % kl.nvrtc_version(major)
     assert regs <= 255 and (stack, spill_st, spill_ld) == (0, 0, 0), \
         f"{where}: {regs} registers, stack {stack} B, spills {spill_st}/{spill_ld} B, expected none"
 
@@ -94,8 +131,9 @@ def test_norm_finisher_keeps_its_slot_batches_in_registers(name, major, arch):
                          + [kl.gather_name(d) for d in CUDA_NAMES])
 @pytest.mark.parametrize("major", [12, 13])
 def test_hot_loops_keep_several_vector_loads_in_flight(name, major):
-    # Each dtype branch unrolls its lane loop into four 16-byte loads (one per
-    # branch before the unrolling); the compiler merges a few identical
+    # Each dtype branch unrolls its lane loop into four 16-byte loads (two
+    # for the complex leaves of the 1- and inf-norms, see gf_norm_unroll),
+    # and one more for the last vectors; the compiler merges a few identical
     # branches (f16 and bf16 load the same way), so ask for three per dtype.
     loads = len(VECTOR_LOAD.findall(_entry_ptx(major, "sm_90", name)))
     assert loads >= 3 * len(CUDA_NAMES), f"{name}: {loads} 16-byte loads, expected at least {3 * len(CUDA_NAMES)}"

@@ -1,16 +1,20 @@
 """Instruction-count gates of the hot loops, from the sm_90 SASS (no GPU needed).
 
-The kernels are compiled as the GPU loads them (an sm_90 cubin from CUDA
-12's NVRTC with the project's options, the build tests/kernel_builds.py
-shares) and disassembled with the nvdisasm of the nvidia-cuda-nvdisasm
-wheel. A hot loop is a loop of
-the SASS (a backward branch) holding several 16-byte loads; its static
-instruction count over the elements one pass handles is what each element
-costs to issue. An H200 moves about 2e12 bfloat16 elements a second through a
-norm; at 32 lanes per issued warp instruction and about 1e12 warp instructions
-a second over its 132 SMs, the loops below stay well under the issue rate the
-memory allows, which the issue's 38 instructions per bfloat16 norm element
-(8 for float32) did not.
+The kernels are compiled as an H200 loads them: the sm_90 cubin of CUDA 12's
+NVRTC and of CUDA 13's, with the project's options (the builds
+tests/kernel_builds.py shares; a GPU's runtime major picks one, see
+gpuflat.kernel_loader.cupy_module), and disassembled with the nvdisasm of the
+nvidia-cuda-nvdisasm wheel. Which NVRTC of each major runs the gates is
+pinned: constraints.txt pins the builds that CUDA 12.6 and 13.0 environments
+load, constraints-nvrtc-latest.txt the newest of each major, gated in a
+second environment. A hot loop is a loop of the SASS (a backward branch)
+holding several 16-byte loads; its static instruction count over the
+elements one pass handles is what each element costs to issue. An H200
+moves about 2e12 bfloat16 elements a second through a norm; at 32 lanes per
+issued warp instruction and about 1e12 warp instructions a second over its
+132 SMs, the loops below stay well under the issue rate the memory allows,
+which the earlier kernels' 38 instructions per bfloat16 norm element (8 for
+float32) did not.
 """
 from __future__ import annotations
 
@@ -24,13 +28,14 @@ import numpy as np
 import pytest
 
 from gpuflat import kernel_loader as kl
-from gpuflat.dtypes import BFLOAT16
+from gpuflat.dtypes import bfloat16
 
 import kernel_builds
 
-# Instructions per element of each hot loop, with the measured value when the
-# gates were set in brackets: norm_partial l2 (float32 3.6, bfloat16 5.0),
-# gather with matching dtypes, a raw 16-byte copy (float32 3.4, bfloat16 2.9).
+# Instructions per element of each hot loop, with what every gated NVRTC's
+# build measures (CUDA 12 and 13 alike) in brackets: norm_partial l2
+# (float32 3.5, bfloat16 5.0), gather with matching dtypes, a raw 16-byte
+# copy (float32 3.1 to 3.4, bfloat16 2.9).
 MAX_NORM_FLOAT32 = 4.5
 MAX_NORM_BFLOAT16 = 6.0
 MAX_COPY_FLOAT32 = 4.0
@@ -51,10 +56,16 @@ def _tool(name: str) -> Path:
     raise FileNotFoundError(f"{name} not found in the NVIDIA wheels")
 
 
-@lru_cache(maxsize=1)
-def _sass() -> dict:
-    """Lowered entry name -> its SASS instructions (opcode and operands) and labels."""
-    compiled = kernel_builds.build(12, "sm_90")  # the cubin the resource gates read, built once
+# The CUDA majors whose sm_90 cubin is gated: a CUDA 12 and a CUDA 13
+# environment each load their own major's build.
+MAJORS = [12, 13]
+
+
+@lru_cache(maxsize=None)
+def _sass(major: int) -> dict:
+    """Lowered entry name -> its SASS instructions (opcode and operands) and
+    labels, in CUDA ``major``'s sm_90 cubin."""
+    compiled = kernel_builds.build(major, "sm_90")  # the cubin the resource gates read, built once
     tmp = Path("/dev/shm" if Path("/dev/shm").is_dir() else "/tmp")
     cubin = tmp / f"gpuflat-sass-{id(compiled)}.cubin"
     cubin.write_bytes(compiled.cubin)
@@ -75,9 +86,9 @@ def _sass() -> dict:
     return {name: functions[lowered] for name, lowered in compiled.lowered.items()}
 
 
-def _loops(name: str) -> list[Counter]:
+def _loops(major: int, name: str) -> list[Counter]:
     """Opcode counts of every loop of kernel ``name``, with '' -> its length."""
-    instructions, labels = _sass()[name]
+    instructions, labels = _sass(major)[name]
     loops = []
     for i, ins in enumerate(instructions):
         m = re.match(r"BRA `?\(?(\.L_x_\d+)", ins)
@@ -93,45 +104,47 @@ def _count(ops: Counter, pattern: re.Pattern) -> int:
     return sum(n for op, n in ops.items() if op and pattern.match(op))
 
 
-def _norm_loops(values_per_vector: int, half: bool) -> list[float]:
+def _norm_loops(major: int, values_per_vector: int, half: bool) -> list[float]:
     """Instructions per element of the norm_partial l2 hot loops whose 16-byte
     vectors hold ``values_per_vector`` reals (one DMUL squares each), float16
     ones (HADD2.F32 widens them) told apart from bfloat16 by ``half``."""
     per = []
-    for ops in _loops(kl.norm_partial_name("l2")):
+    for ops in _loops(major, kl.norm_partial_name("l2")):
         loads = _count(ops, VECTOR_LOAD)
         if loads >= 4 and ops["DMUL"] == values_per_vector * loads and bool(ops["HADD2.F32"]) == half:
             per.append(ops[""] / ops["DMUL"])
     return per
 
 
-def _copy_loops(dtype, itemsize: int) -> list[float]:
+def _copy_loops(major: int, dtype, itemsize: int) -> list[float]:
     """Instructions per element of gather<dtype>'s loops that copy 16-byte
     words unconverted (a source of the flat buffer's own dtype)."""
     per = []
-    for ops in _loops(kl.gather_name(dtype)):
+    for ops in _loops(major, kl.gather_name(dtype)):
         loads, stores = _count(ops, VECTOR_LOAD), _count(ops, VECTOR_STORE)
         if loads >= 4 and stores == loads and not _count(ops, CONVERSION) and not ops["DMUL"] + ops["FMUL"]:
             per.append(ops[""] / (stores * 16 // itemsize))
     return per
 
 
+@pytest.mark.parametrize("major", MAJORS)
 @pytest.mark.parametrize("what, per, limit", [
-    ("l2 norm of float32 (and complex64) leaves", lambda: _norm_loops(4, False), MAX_NORM_FLOAT32),
-    ("l2 norm of bfloat16 leaves", lambda: _norm_loops(8, False), MAX_NORM_BFLOAT16),
-    ("float32 gather of float32 leaves", lambda: _copy_loops(np.float32, 4), MAX_COPY_FLOAT32),
-    ("bfloat16 gather of bfloat16 leaves", lambda: _copy_loops(BFLOAT16, 2), MAX_COPY_BFLOAT16),
+    ("l2 norm of float32 (and complex64) leaves", lambda m: _norm_loops(m, 4, False), MAX_NORM_FLOAT32),
+    ("l2 norm of bfloat16 leaves", lambda m: _norm_loops(m, 8, False), MAX_NORM_BFLOAT16),
+    ("float32 gather of float32 leaves", lambda m: _copy_loops(m, np.float32, 4), MAX_COPY_FLOAT32),
+    ("bfloat16 gather of bfloat16 leaves", lambda m: _copy_loops(m, bfloat16(), 2), MAX_COPY_BFLOAT16),
 ], ids=["norm-float32", "norm-bfloat16", "copy-float32", "copy-bfloat16"])
-def test_hot_loop_instructions_per_element(what, per, limit):
-    found = per()
-    assert found, f"{what}: no hot loop found in the SASS"
-    assert max(found) <= limit, f"{what}: {max(found):.2f} SASS instructions per element, expected at most {limit}"
+def test_hot_loop_instructions_per_element(what, per, limit, major):
+    found = per(major)
+    assert found, f"{what}: no hot loop found in the CUDA {major} SASS"
+    assert max(found) <= limit, \
+        f"{what}: {max(found):.2f} SASS instructions per element (CUDA {major}), expected at most {limit}"
 
 
-def _first_block_loads(name: str) -> int:
+def _first_block_loads(major: int, name: str) -> int:
     """Global loads of kernel ``name``'s straight-line code (no branch in
     between) around its first global load, an item's."""
-    instructions, _ = _sass()[name]
+    instructions, _ = _sass(major)[name]
     first = next(i for i, ins in enumerate(instructions) if ins.startswith("LDG"))
     branch = re.compile(r"^(BRA|EXIT)")
     start, end = first, first
@@ -142,14 +155,15 @@ def _first_block_loads(name: str) -> int:
     return sum(ins.startswith("LDG") for ins in instructions[start:end])
 
 
+@pytest.mark.parametrize("major", MAJORS)
 @pytest.mark.parametrize("kind", ["l1", "l2", "p"])
-def test_norm_partial_loads_the_leaf_with_the_item(kind):
+def test_norm_partial_loads_the_leaf_with_the_item(kind, major):
     # The item's slot, start and len, then its leaf's data pointer, dtype tag
     # and ndim, all before the first branch: one load latency between the
     # item and its data, where reading each leaf field inside the branch the
     # one before chose made three.
-    loads = _first_block_loads(kl.norm_partial_name(kind))
-    assert loads >= 6, f"norm_partial {kind}: {loads} loads before the first branch, expected at least 6"
+    loads = _first_block_loads(major, kl.norm_partial_name(kind))
+    assert loads >= 6, f"norm_partial {kind} (CUDA {major}): {loads} loads before the first branch, expected at least 6"
 
 
 # Block barriers of the norm finisher: one after the big slots, and three for
@@ -158,9 +172,10 @@ def test_norm_partial_loads_the_leaf_with_the_item(kind):
 MAX_FINISH_BARRIERS = 4
 
 
+@pytest.mark.parametrize("major", MAJORS)
 @pytest.mark.parametrize("kind", list(kl.NORM_KINDS))
-def test_norm_finisher_barriers(kind):
-    instructions, _ = _sass()[kl.norm_finish_name(kind)]
+def test_norm_finisher_barriers(kind, major):
+    instructions, _ = _sass(major)[kl.norm_finish_name(kind)]
     barriers = sum(ins.startswith("BAR") for ins in instructions)
     assert barriers <= MAX_FINISH_BARRIERS, \
-        f"norm_finish {kind}: {barriers} block barriers, expected at most {MAX_FINISH_BARRIERS}"
+        f"norm_finish {kind} (CUDA {major}): {barriers} block barriers, expected at most {MAX_FINISH_BARRIERS}"
