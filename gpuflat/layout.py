@@ -59,6 +59,9 @@ FINISH_THREADS = 256
 # A slot with more work items than this is summed by the whole finishing
 # block; smaller ones by one thread, in item order.
 SMALL_SLOT_ITEMS = 16
+# A slot with more items than this is summed by the whole finishing block, in
+# the same tree that one warp plays for the other large slots.
+BLOCK_SLOT_ITEMS = 4096
 
 # Norm kinds, the template argument of the norm kernels and the kind the host
 # library takes (GF_NORM_* in kernels/gpuflat_math.cuh).

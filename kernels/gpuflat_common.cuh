@@ -17,9 +17,14 @@
 // Threads of the single block that finishes a norm. A compile-time constant
 // because the reduction tree, and so the bits of the result, depend on it.
 #define GF_FINISH_THREADS 256
-// A slot with more work items than this is summed by the whole finishing block
-// (a fixed tree); smaller slots are summed by one thread, in item order.
+// A slot with more work items than this is summed in the finishing block's
+// fixed tree; smaller slots are summed by one thread, in item order.
 #define GF_SMALL_SLOT_ITEMS 16
+// A slot with more items than this (a 16M-element leaf, or a resident
+// model's whole buffer) is summed by the whole finishing block; the others
+// in the tree are played by one warp each, all warps at once. The tree, and
+// so the bits, is the same either way.
+#define GF_BLOCK_SLOT_ITEMS 4096
 // Threads per block of the grid-stride kernels, and the blocks per SM their
 // __launch_bounds__ ask for: 256 * 4 threads at 64 registers each fill an
 // SM's 65,536 registers, so the compiler keeps every kernel within 64.

@@ -287,12 +287,14 @@ __device__ __forceinline__ void gf_finish_slots(gf_slot_batch& q, long long n_it
 //
 // The order, fixed by the plan alone: a small slot's sum is 0.0 combined
 // with its items' partials in item order; a big slot's is the fixed tree of
-// gf_warp_slot_sum (the block's tree, played by one warp); the total combines
-// the unrounded slot sums, thread t taking the slots s = t (mod
-// GF_FINISH_THREADS) in increasing order from 0.0, then the block's fixed
-// tree over the threads. Big slots are summed first, one warp each, all warps
-// at once; then one pass, in which thread t computes each of its small slots'
-// sums (or reads a big one's) as it combines it into its total.
+// the block's tree (played by the whole block for a slot of more than
+// GF_BLOCK_SLOT_ITEMS items, by one warp, gf_warp_slot_sum, for the others);
+// the total combines the unrounded slot sums, thread t taking the slots s = t
+// (mod GF_FINISH_THREADS) in increasing order from 0.0, then the block's
+// fixed tree over the threads. Big slots are summed first: the largest one
+// after another by the whole block, then the others one warp each, all warps
+// at once; then one pass, in which thread t computes each of its small
+// slots' sums (or reads a big one's) as it combines it into its total.
 //
 // Its launch bounds ask for one block per SM, so the block may have the whole
 // register file (CUDA 13's ptxas otherwise holds the inf-norm's threads to
@@ -310,8 +312,30 @@ gpuflat_norm_finish(long long n_items, const double* __restrict__ partial,
     // The first bad slot, as a double (slots are far below 2^53): n_slots for none.
     double first = (double)n_slots;
 
+    // The largest slots, one after another, by the whole block: thread t sums
+    // the items a + t, a + t + T, ... in order, then the block's tree, the
+    // order gf_warp_slot_sum plays with one warp.
+    for (long long q = 0; q < n_big; ++q) {
+        const long long s = big_slots[q], a = slot_items[s], b = slot_items[s + 1];
+        if (b - a <= GF_BLOCK_SLOT_ITEMS) continue;
+        double r = 0.0;
+        int bad = 0;
+        for (long long k = a + t; k < b; k += T) {
+            r = gf_combine<K>(r, partial[k]);
+            bad |= partial[n_items + k] != 0.0;
+        }
+        double bad_slot = bad ? (double)s : (double)n_slots;
+        gf_block_reduce(red, r, bad_slot, [](double x, double y) { return gf_combine<K>(x, y); });
+        if (t == 0) {
+            per_leaf[s] = r;
+            first = gf_min_double(first, bad_slot);
+        }
+        __syncthreads();  // red is free for the next slot
+    }
+    // The other large slots, one warp each, all warps at once.
     for (long long q = t / GF_WARP; q < n_big; q += T / GF_WARP) {
         const long long s = big_slots[q];
+        if (slot_items[s + 1] - slot_items[s] > GF_BLOCK_SLOT_ITEMS) continue;
         int bad;
         const double v = gf_warp_slot_sum<K>(partial, n_items, slot_items[s], slot_items[s + 1], lane, bad);
         if (lane == 0) {

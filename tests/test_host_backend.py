@@ -186,6 +186,25 @@ def test_big_slots_of_any_item_count_give_the_block_tree_bits(p):
     assert_same_norms(got, host_norms(leaves, p))
 
 
+def test_the_largest_slots_summed_by_the_whole_block_keep_the_tree_bits():
+    """A slot of more than 4096 items is summed by the CUDA finisher's whole
+    block, the others one warp each: the same tree, so the same bits, on any
+    grid, as the host backend's."""
+    from gpuflat.backends.cuda import CudaBackend
+    from gpuflat.backends.cuda_runtime import EmulatedRuntime
+    from gpuflat.layout import BLOCK_SLOT_ITEMS
+
+    rng = np.random.default_rng(11)
+    leaves = [rng.standard_normal((BLOCK_SLOT_ITEMS + 3) * ITEM + 5).astype(np.float32),
+              rng.standard_normal(40 * ITEM).astype(np.float32), rng.standard_normal(9).astype(np.float32)]
+    want = host_norms(leaves, 2)
+    assert_same_norms(want, ref_norms(leaves, 2))
+    plan = gf.plan(leaves)
+    for grid in (1, 3):
+        r = CudaBackend(EmulatedRuntime(), grid=grid).norms(plan, leaves, 2, per_leaf=True)
+        assert_same_norms((r.total, r.per_leaf, int(r.first_nonfinite)), want)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_strided_leaves_give_the_contiguous_bits(dtype, layout):

@@ -166,10 +166,11 @@ def test_norm_partial_loads_the_leaf_with_the_item(kind, major):
     assert loads >= 6, f"norm_partial {kind} (CUDA {major}): {loads} loads before the first branch, expected at least 6"
 
 
-# Block barriers of the norm finisher: one after the big slots, and three for
-# its two block trees together (levels within a warp are shuffles). Each tree
-# with a barrier per level, one after the other, took 21.
-MAX_FINISH_BARRIERS = 4
+# Block barriers of the norm finisher: three for each of its two block trees
+# (the largest slots' and the total's; levels within a warp are shuffles),
+# one between two of the largest slots and one after the big slots. Each tree
+# with a barrier per level took 21 for the total's alone.
+MAX_FINISH_BARRIERS = 8
 
 
 @pytest.mark.parametrize("major", MAJORS)

@@ -39,6 +39,7 @@ def test_the_block_constants_are_the_headers():
     assert defines["GF_MIN_BLOCKS_PER_SM"] == layout.MIN_BLOCKS_PER_SM
     assert defines["GF_FINISH_THREADS"] == layout.FINISH_THREADS
     assert defines["GF_SMALL_SLOT_ITEMS"] == layout.SMALL_SLOT_ITEMS
+    assert defines["GF_BLOCK_SLOT_ITEMS"] == layout.BLOCK_SLOT_ITEMS
 
 
 def test_the_table_rows_are_the_kernels_structs():
