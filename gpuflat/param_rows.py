@@ -140,10 +140,10 @@ def forget(optimizer) -> None:
 
 def _tables(found, grads, grad_facts, firsts, names) -> list:
     params = found.params if found.plain else dtensor.local_shards(found.params)
-    param_facts = tensor_facts.of_tensors(params)
+    param_facts = _facts(params)
     if not found.plain:
         grads = dtensor.local_shards(grads)
-        grad_facts = tensor_facts.of_tensors(grads)
+        grad_facts = _facts(grads)
     if param_facts is None or grad_facts is None:
         raise TypeError(f"{names.parameter(0)}, or another parameter or gradient: expected strided tensors "
                         f"with storage of their own")
@@ -170,14 +170,21 @@ def _state_words(found, params, param_facts, names) -> np.ndarray:
         tensors = column if whole else [column[j] for j in kept]
         if not tensors:
             continue
-        facts = tensor_facts.of_tensors(tensors)
+        facts = _facts(tensors)
         name_of = names.parameter if whole else (lambda i, kept=kept: names.parameter(kept[i]))
         _check_alike(params if whole else [params[j] for j in kept], param_facts[kept], tensors, facts, name_of,
                      "state")
         words[kept, s] = _starts(tensors, facts, name_of, "state")
     if found.steps is not None:
-        words[:, 2] = tensor_facts.of_tensors(found.steps)[:, 0]
+        words[:, 2] = _facts(found.steps)[:, 0]
     return words
+
+
+def _facts(tensors):
+    """The tensors' facts (gpuflat.tensor_facts), read in Python for a tensor
+    subclass the native reader leaves out."""
+    facts = tensor_facts.of_tensors(tensors)
+    return facts if facts is not None else tensor_facts.in_python(tensors)
 
 
 def plain(tensors) -> bool:

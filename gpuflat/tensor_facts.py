@@ -36,7 +36,7 @@ from .errors import BuildError
 from .kernel_loader import kernel_dir
 
 __all__ = ["CONTIGUOUS", "DTYPES", "LAZY_VIEW", "PLAIN", "available", "device_keys", "dtype_codes", "gradients",
-           "is_plain_type", "of_tensors", "unavailable_reason"]
+           "in_python", "is_plain_type", "of_tensors", "unavailable_reason"]
 
 # Every torch dtype, in a fixed order: a dtype's code is its position here.
 DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
@@ -87,9 +87,21 @@ def of_tensors(tensors: list) -> np.ndarray | None:
     return _python_facts(tensors)
 
 
-def _python_facts(tensors):
+def in_python(tensors: list) -> np.ndarray | None:
+    """The facts of tensors of any type, read through their Python API (what
+    a subclass says of itself); None where one is not strided or has no
+    storage of its own.
+
+    >>> class Tagged(torch.Tensor): pass
+    >>> in_python([torch.ones(3).as_subclass(Tagged)])[0, 1]
+    np.int64(3)
+    """
+    return _python_facts(tensors, any_type=True)
+
+
+def _python_facts(tensors, any_type=False):
     """The facts read in Python: where the library is not built, or for subclasses it leaves out."""
-    if (not all(map(is_plain_type, set(map(type, tensors))))
+    if ((not any_type and not all(map(is_plain_type, set(map(type, tensors)))))
             or set(map(attrgetter("layout"), tensors)) - {torch.strided}):
         return None
     rows = np.empty((len(tensors), 3), np.int64)

@@ -79,6 +79,7 @@ class CudaBackend:
         self.name = runtime.name
         self.xp = runtime.xp
         self.grid = grid
+        self._step_tables = _StepTables(runtime)
 
     @property
     def stats(self):
@@ -223,7 +224,7 @@ class CudaBackend:
         rt = self.runtime
         rows = np.ascontiguousarray(rows, np.int64)
         items = _row_items(rows[:, 5].tobytes())
-        tables = [rt.upload_table(a, "the optimizer step") for a in (rows, items, hyper, lr_at)]
+        tables = self._step_tables.get(rows, items, hyper, lr_at)
         on_device = [t.array for t in tables]
         clip = total is not None
         n_items = len(items) // ITEM_WORDS
@@ -233,8 +234,32 @@ class CudaBackend:
         rt.launch(kl.optim_rows_name(rule, C_NAMES[tag]), self.grid or rt.grid_for(n_items), block, args, tables)
         rt.launch(kl.COUNT_STEPS_NAME, self.grid or rt.grid_for(-(-len(rows) // WARP)), block,
                   [on_device[0], np.int64(len(rows)), amp], tables[:1])
-        for table in tables:
-            rt.release(table)
+
+
+class _StepTables:
+    """The device tables of the last few optimizer steps, found again by their
+    host words: a step over the same memory (gradients zeroed in place, or
+    allocated again where they were) uploads nothing, so it can be captured
+    in a CUDA graph after one warm-up step."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.kept: OrderedDict = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, *host) -> list:
+        key = b"".join(np.ascontiguousarray(a).tobytes() + len(a).to_bytes(8, "little") for a in host)
+        with self.lock:
+            tables = self.kept.pop(key, None)
+            if tables is None:
+                tables = [self.runtime.upload_table(a, "the optimizer step (new parameter or gradient memory)")
+                          for a in host]
+            self.kept[key] = tables
+            evicted = [self.kept.popitem(last=False)[1] for _ in range(len(self.kept) - TABLES_KEPT)]
+        for old in evicted:
+            for table in old:
+                self.runtime.release(table)
+        return tables
 
 
 @lru_cache(maxsize=16)
