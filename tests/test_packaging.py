@@ -57,10 +57,32 @@ def test_each_cuda_extra_brings_cupy_and_the_nvrtc_of_its_major(major):
     assert {f"cupy-cuda{major}x", kernel_loader.NVRTC_WHEELS[major], "cuda-pathfinder"} <= names
 
 
-def test_the_tests_install_both_nvrtcs():
+def _expanded(extra) -> list:
+    """An extra's requirements, the package's own extras it names (``gpuflat[gates]``) expanded."""
+    out = []
+    for r in _extras()[extra]:
+        own = re.fullmatch(r"gpuflat\[(\w+)\]", r)
+        out += _expanded(own.group(1)) if own else [r]
+    return out
+
+
+@pytest.mark.parametrize("extra", ["test", "gates"])
+def test_the_tests_and_the_gates_install_both_nvrtcs(extra):
     from gpuflat import kernel_loader
 
-    test = _extras()["test"]
-    assert set(kernel_loader.NVRTC_WHEELS.values()) | {"cuda-pathfinder"} <= _names(test)
+    requirements = _expanded(extra)
+    assert set(kernel_loader.NVRTC_WHEELS.values()) | {"cuda-pathfinder", "nvidia-cuda-nvdisasm"} <= _names(
+        requirements)
     # CUDA 13's wheel is named without a suffix: bound it to its major.
-    assert "nvidia-cuda-nvrtc>=13,<14" in test
+    assert "nvidia-cuda-nvrtc>=13,<14" in requirements
+
+
+def test_every_pinned_gate_dependency_is_in_the_constraints():
+    # make test, make bench, CI and the Dockerfile install from constraints.txt:
+    # what the kernel gates check must be pinned there, each exactly once.
+    from gpuflat import kernel_loader
+
+    pins = [line.split("==")[0] for line in (ROOT / "constraints.txt").read_text().splitlines()
+            if line and not line.startswith("#")]
+    assert len(pins) == len(set(pins))
+    assert {"torch", "cuda-pathfinder", "nvidia-cuda-nvdisasm", *kernel_loader.NVRTC_WHEELS.values()} <= set(pins)
