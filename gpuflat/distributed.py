@@ -12,11 +12,14 @@ over ranks: the partials are summed, then the root is taken once.
 when one is initialised, else a world of one process) or an ``mpi4py``
 communicator. GPU arrays go to NCCL or a CUDA-aware MPI as device buffers.
 
-A tree of DTensors (FSDP2, tensor parallel) brings its own groups and
-ownership: each leaf counts its local shard where its placements say
-(``gpuflat.dtensor``), and the partials are reduced with one collective per
-mesh dimension that shards some leaf; ``group=`` and ``owned=`` are then
-not taken.
+A tree of DTensors (FSDP2, tensor parallel, expert parallel) brings its
+own groups and ownership: each leaf counts its local shard where its
+placements say (``gpuflat.dtensor``), and the partials are reduced with one
+collective per mesh dimension that shards some leaf, or in one collective
+over the ranks that meshes flattened or unflattened from one root join;
+``group=`` and ``owned=`` are then not taken. ``pp_mesh=`` combines the
+norms of pipeline stages, and ``tied=`` counts a weight held by two stages
+on one of them.
 
 >>> import numpy as np
 >>> from gpuflat import distributed as gfd
@@ -58,8 +61,8 @@ _ROW = 2
 
 # ---------------------------------------------------------------- public API
 
-def global_norm(tree, ord: float = 2, *, group=None, owned: Owned | None = None, per_leaf: bool = False,
-                error_if_nonfinite: bool = False, backend: str | None = None) -> Any:
+def global_norm(tree, ord: float = 2, *, group=None, owned: Owned | None = None, pp_mesh=None, tied=None,
+                per_leaf: bool = False, error_if_nonfinite: bool = False, backend: str | None = None) -> Any:
     """The norm of a model spread over the ranks of ``group``; every rank gets the same value.
 
     Each rank passes its local leaves; ``owned`` says which of them this rank
@@ -73,6 +76,18 @@ def global_norm(tree, ord: float = 2, *, group=None, owned: Owned | None = None,
     per mesh dimension that shards some leaf) and returns the norm as a
     DTensor replicated over the mesh, as PyTorch does.
 
+    Leaves on meshes flattened or unflattened from one root mesh (expert
+    parallelism) are reduced in one collective over the ranks the meshes
+    join (reading those meshes takes torch 2.10 or later). ``pp_mesh``, a
+    1-D DeviceMesh or a process group over the pipeline stages, combines
+    the stages' partials (summed p-th powers, max for inf): cut from the
+    leaves' root mesh, in the same one collective; otherwise in one more.
+    The norm then comes back as a plain tensor, the same on every rank.
+    Plain leaves take ``pp_mesh`` only where each stage is one rank.
+    ``tied``, pairs ``(leaf, owning stage)``, counts a weight held by
+    several stages (an embedding tied to the output layer) on its owner
+    only; a pair whose leaf is None is skipped.
+
     >>> import numpy as np
     >>> from gpuflat import distributed as gfd
     >>> g = {"a": np.array([3.0, 0.0]), "b": np.array([[4.0]], np.float32)}
@@ -80,7 +95,7 @@ def global_norm(tree, ord: float = 2, *, group=None, owned: Owned | None = None,
     (5.0, 7.0, 4.0)
     """
     p = checks.check_ord(ord)
-    local = _Local(tree, backend, group, owned)
+    local = _Local(tree, backend, group, owned, pp_mesh, tied)
     with device_scope(local.be, local.call.like), local.streams():
         total, per, packets = _reduce_norm(local, p)
         if error_if_nonfinite:
@@ -91,7 +106,8 @@ def global_norm(tree, ord: float = 2, *, group=None, owned: Owned | None = None,
 
 
 def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, group=None, owned: Owned | None = None,
-                    eps: float = 1e-6, error_if_nonfinite: bool = False, backend: str | None = None) -> Any:
+                    pp_mesh=None, tied=None, eps: float = 1e-6, error_if_nonfinite: bool = False,
+                    backend: str | None = None) -> Any:
     """Scale every rank's gradients by the same min(1, max_norm / (norm + eps)); return the norm.
 
     PyTorch's ``clip_grad_norm_`` over a model spread across ranks: the norm
@@ -100,7 +116,8 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, group=None, owned
     With ``error_if_nonfinite`` a non-finite norm makes every rank raise
     NonFiniteError naming the leaf and the rank, and nothing is scaled.
     DTensor gradients are scaled in their local shards, with no
-    redistribution.
+    redistribution. ``pp_mesh`` and ``tied`` are taken as by
+    ``global_norm``: every stage scales by the same factor.
 
     >>> import numpy as np
     >>> from gpuflat import distributed as gfd
@@ -111,7 +128,7 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, group=None, owned
     array([0.6, 0.8])
     """
     max_norm, p, eps = checks.clip_arguments(max_norm, ord, eps)
-    local = _Local(grads, backend, group, owned)
+    local = _Local(grads, backend, group, owned, pp_mesh, tied)
     local.check_in_place()
     with device_scope(local.be, local.call.like), local.streams():
         total, _, packets = _reduce_norm(local, p)
@@ -753,19 +770,34 @@ class _Local:
     """This rank's tree: plan, unique trainables (NumPy or CuPy views) and
     backend, the groups its partial is reduced over and what it owns."""
 
-    def __init__(self, tree, backend, group, owned):
+    def __init__(self, tree, backend, group, owned, pp_mesh=None, tied=None):
         self.call = Call(tree)
         self.plan, self.arrays = self.call.plan, list(self.call.unique)
-        self.sharding = dtensor.sharding(self.call.owners(), self.call.paths())
+        pipeline = _Pipeline(pp_mesh) if pp_mesh is not None else None
+        if tied is not None and pipeline is None:
+            raise ValueError("tied: expected pp_mesh= beside it, the pipeline whose stages own the tied "
+                             "weights, got tied= without pp_mesh=")
+        paths = self.call.paths()
+        self.sharding = dtensor.sharding(self.call.owners(), paths, pipeline.mesh if pipeline else None)
         if self.sharding is None:
+            if pipeline is not None:
+                pipeline.check_plain(group, paths, self.call.owners())
+                group = pipeline.group
             comm = _Comm(group)
             self.comms, self.owned, self.rank, self.ranks = [comm], owned, comm.rank, comm.size
+            self.mesh = None
         else:
-            _refuse_group_and_owned(group, owned, self.call.paths()[0])
+            _refuse_group_and_owned(group, owned, paths[0])
             import torch.distributed as dist
 
-            self.comms = [_Comm(g) for g in self.sharding.groups()]
-            self.owned, self.rank, self.ranks = None, dist.get_rank(), self.sharding.mesh.size()
+            self.comms = [_Comm(g) for g in self.sharding.groups]
+            self.owned, self.rank, self.ranks = None, dist.get_rank(), self.sharding.ranks
+            if pipeline is not None and not self.sharding.stages_joined:
+                self.comms.append(_Comm(pipeline.group))
+                self.ranks *= pipeline.stages
+            # Stages combined: no one mesh holds the norm, as no one stage does.
+            self.mesh = self.sharding.mesh if pipeline is None else None
+        self.elsewhere = None if tied is None else pipeline.elsewhere(tied, self.call)
         self.first_bad = 0
         if not self.arrays and any(comm.nccl() for comm in self.comms):
             # No local gradients, but NCCL still needs a device buffer to join in.
@@ -776,8 +808,13 @@ class _Local:
     def owned_mask(self, xp):
         """The 0/1 vector of the leaves this rank counts, or None for all of them."""
         if self.sharding is not None:
-            return xp.asarray(self.sharding.owned)
-        return None if self.owned is None else _owned_mask(self.plan, self.arrays, self.owned, xp)
+            mask = xp.asarray(self.sharding.owned)
+        else:
+            mask = None if self.owned is None else _owned_mask(self.plan, self.arrays, self.owned, xp)
+        if self.elsewhere is None:
+            return mask
+        here = xp.asarray(~self.elsewhere)
+        return here if mask is None else mask & here
 
     def streams(self):
         """Every group's stream context (one stream: PyTorch's current one)."""
@@ -788,10 +825,76 @@ class _Local:
 
     def give_back(self, x):
         """A result standing for the whole tree in the caller's kind: a tensor for
-        PyTorch leaves, a DTensor replicated over the mesh for DTensors."""
-        if self.sharding is not None:
-            return dtensor.replicated(self.call.result(x), self.sharding.mesh)
+        PyTorch leaves, a DTensor replicated over the mesh for DTensors on one
+        mesh (a plain tensor where no one mesh holds the norm)."""
+        if self.mesh is not None:
+            return dtensor.replicated(self.call.result(x), self.mesh)
         return self.call.result(x)
+
+
+class _Pipeline:
+    """The pipeline stages ``pp_mesh=`` names: a 1-D DeviceMesh over them
+    (``mesh``), or a process group; this rank's ``stage`` of ``stages``."""
+
+    def __init__(self, pp_mesh):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if isinstance(pp_mesh, DeviceMesh):
+            if pp_mesh.ndim != 1:
+                raise ValueError(f"pp_mesh: expected a 1-D DeviceMesh over the pipeline stages "
+                                 f"(e.g. mesh['pp']), got {pp_mesh}")
+            self.mesh, self.group = pp_mesh, pp_mesh.get_group()
+        elif isinstance(pp_mesh, dist.ProcessGroup):
+            self.mesh, self.group = None, pp_mesh
+        else:
+            raise TypeError(f"pp_mesh: expected a DeviceMesh or a torch.distributed ProcessGroup over the "
+                            f"pipeline stages, or None, got {type(pp_mesh).__module__}.{type(pp_mesh).__name__}")
+        self.stage, self.stages = dist.get_rank(self.group), dist.get_world_size(self.group)
+        if self.stage < 0:
+            raise ValueError(f"pp_mesh: expected a group holding this rank ({dist.get_rank()}), got one over "
+                             f"ranks {dist.get_process_group_ranks(self.group)}")
+
+    def check_plain(self, group, paths, owners):
+        """Plain leaves beside ``pp_mesh``: only where each stage is one rank,
+        as nothing says whether a stage's other ranks hold copies or shards."""
+        import torch.distributed as dist
+
+        if group is not None:
+            raise ValueError(f"group: expected None beside pp_mesh, which names the group the stages' norms "
+                             f"are combined over, got {group!r}")
+        world = dist.get_world_size()
+        if paths and world > self.stages:
+            found = type(owners[0]).__name__ if owners[0] is not None else "a NumPy or CuPy array"
+            raise TypeError(
+                f"leaf {paths[0]!r}: expected a DTensor beside pp_mesh where a stage spans several ranks "
+                f"({self.stages} stages in a world of {world} ranks), found {found}: a plain leaf does not "
+                f"say whether the other ranks of its stage hold copies of it (DDP) or other shards (ZeRO), "
+                f"and a copy would be counted on every rank; make it a DTensor (fully_shard, or "
+                f"DTensor.from_local with its placements), or, for copies, pass the pipeline's process "
+                f"group as group= (and owned=gfd.tied(...) for a tied weight) instead of pp_mesh")
+
+    def elsewhere(self, tied, call) -> np.ndarray:
+        """Per slot of ``call``, True for a weight of ``tied`` that another stage counts."""
+        owners, arrays = call.owners(), call.unique
+        elsewhere = np.zeros(len(arrays), dtype=bool)
+        for i, entry in enumerate(tied):
+            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+                raise TypeError(f"tied[{i}]: expected a pair (weight, owning stage), got "
+                                f"{type(entry).__name__}")
+            leaf, stage = entry
+            if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < self.stages:
+                raise ValueError(f"tied[{i}]: expected the owning stage, 0 to {self.stages - 1} (pp_mesh has "
+                                 f"{self.stages} stages), got {stage!r}")
+            if leaf is None:
+                continue
+            slot = next((k for k, (o, a) in enumerate(zip(owners, arrays)) if leaf is o or leaf is a), None)
+            if slot is None:
+                shape = tuple(getattr(leaf, "shape", ()))
+                raise ValueError(f"tied[{i}]: expected one of the leaves given, found a {type(leaf).__name__} "
+                                 f"of shape {shape} that is none of them")
+            elsewhere[slot] = stage != self.stage
+        return elsewhere
 
 
 def _refuse_group_and_owned(group, owned, path):

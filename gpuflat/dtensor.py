@@ -8,22 +8,26 @@ different piece; ``Replicate()`` gives every rank of it the whole; and
 
 gpuflat reads a DTensor through ``to_local()``, the rank's own shard,
 zero-copy (FSDP2's uneven last shard comes unpadded). A global norm counts
-every element once: a leaf counts on a rank when, along every mesh
-dimension the norm is reduced over where the leaf is replicated, the rank
-sits at coordinate 0. The norm is reduced (one collective each) over the
-mesh dimensions where some leaf is sharded; a mesh dimension where every
-leaf is replicated needs none, since every rank along it already holds the
-same partial. Leaves on submeshes of one mesh (FSDP x TP puts the layers
-left out of tensor parallelism on the data-parallel submesh) are read on
-that root mesh, replicated along the dimensions their submesh leaves out.
-``Partial()`` is refused: the norm of a sum is not the sum of norms, so its
-values must be reduced first.
+every shard once: on the lowest global rank of those holding it, read from
+its mesh's rank tensor and its placements. Leaves on submeshes of one mesh
+(FSDP x TP puts the layers left out of tensor parallelism on the
+data-parallel submesh) are read on that root mesh, replicated along the
+dimensions their submesh leaves out, and the norm is reduced (one
+collective each) over the mesh dimensions where some leaf is sharded; a
+mesh dimension where every leaf is replicated needs none, since every rank
+along it already holds the same partial. Leaves on meshes flattened or
+unflattened from one root (expert parallelism: experts on one mesh, dense
+layers on another) are reduced in one collective over the ranks their
+meshes join, and so are pipeline stages given as a mesh cut from that
+root. ``Partial()`` is refused: the norm of a sum is not the sum of norms,
+so its values must be reduced first.
 
 Neither torch nor its distributed package is imported here at module
 import: a DTensor can only exist if the caller imported them already.
 """
 from __future__ import annotations
 
+import functools
 import sys
 
 import numpy as np
@@ -106,32 +110,44 @@ def local_shards(xs) -> list:
 
 
 class Sharding:
-    """How a tree of DTensors is spread over the ranks.
+    """How a tree of DTensors is spread over the ranks, and how its partials meet.
 
-    ``mesh`` is the root mesh of every leaf's mesh (a leaf on a submesh,
-    such as a layer left out of tensor parallelism on the data-parallel
-    submesh of a 2-D mesh, is replicated over the root's other dimensions);
-    ``dims`` the root mesh dimensions the norm is reduced over (those where
-    some leaf is sharded), in mesh order; ``owned`` a bool per leaf, True
-    where this rank counts it. Made by :func:`sharding`.
+    ``groups``: the process groups this rank's partial is reduced over, one
+    collective each, in order; ``owned``: a bool per leaf, True where this
+    rank counts it; ``ranks``: how many ranks' partials the norm combines;
+    ``mesh``: the mesh the norm is replicated over (the leaves' mesh, or
+    their root mesh where they lie on several of its slices), or None where
+    no one mesh holds it (leaves on meshes that are not dimensions of one
+    mesh, or pipeline stages joined in); ``stages_joined``: whether
+    ``groups`` already combine the stages of ``pp_mesh``. Made by
+    :func:`sharding`.
     """
 
-    def __init__(self, mesh, dims, owned):
-        self.mesh, self.dims, self.owned = mesh, dims, owned
-
-    def groups(self) -> list:
-        """The process group of each mesh dimension to reduce over: one collective each."""
-        return [self.mesh.get_group(d) for d in self.dims]
+    def __init__(self, mesh, groups, owned, ranks, stages_joined):
+        self.mesh, self.groups, self.owned = mesh, groups, owned
+        self.ranks, self.stages_joined = ranks, stages_joined
 
 
-def sharding(owners, paths):
+def sharding(owners, paths, pp_mesh=None):
     """The Sharding of leaves ``owners`` (the caller's objects, one per slot,
     None for NumPy and CuPy) named ``paths``, or None if none is a DTensor.
 
+    Each shard counts on exactly one rank of those holding it: the lowest
+    global rank, read from the rank tensor of its mesh and its placements.
+    Where every leaf's mesh is its root mesh or a slice of it by dimension
+    names, the partials are reduced over the root's dimensions that shard
+    some leaf, one collective each. Otherwise (meshes made by ``_flatten``
+    or ``_unflatten``: expert parallelism) they are reduced in one
+    collective over the ranks the meshes join: reducing one partial over
+    overlapping groups in turn (``dp_ep`` holding ``dp``) would count the
+    shared ranks twice. ``pp_mesh``, a 1-D DeviceMesh over the pipeline
+    stages cut from the same root mesh, joins the stages into that one
+    collective; each stage holds its own layers, so ownership is settled
+    within a stage.
+
     Raises naming the leaf for a ``Partial()`` placement, a leaf whose mesh
-    has another root mesh than the first DTensor's (or whose dimensions are
-    not named ones of the root), and a plain leaf beside DTensors (it does
-    not say how it is spread over the ranks).
+    has another root mesh than the first DTensor's, and a plain leaf beside
+    DTensors (it does not say how it is spread over the ranks).
 
     >>> import torch, torch.distributed as dist
     >>> from torch.distributed.device_mesh import init_device_mesh
@@ -141,8 +157,8 @@ def sharding(owners, paths):
     >>> w = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0), Replicate()])
     >>> b = distribute_tensor(torch.ones(2), mesh["dp"], [Replicate()])
     >>> s = sharding([w, b], ["w", "b"])
-    >>> s.dims, s.owned.tolist()  # reduced over mesh dimension 0 only; this rank counts both
-    ((0,), [True, True])
+    >>> len(s.groups), s.owned.tolist()  # reduced over mesh dimension 0 only; this rank counts both
+    (1, [True, True])
     >>> sharding([w, torch.ones(2)], ["w", "c"])
     Traceback (most recent call last):
     ...
@@ -155,59 +171,213 @@ def sharding(owners, paths):
     if first is None:
         return None
     root = _root(owners[first].device_mesh)
-    # Models hold many leaves of few layouts: each layout is read once.
+    # Models hold many leaves of few layouts: each layout is checked once a call.
     layouts: dict = {}
-    sharded = [_sharded_dims(x, path, root, paths[first], layouts) for x, path in zip(owners, paths)]
-    coordinate = root.get_coordinate()
-    dims = tuple(d for d in range(root.ndim) if any(s[d] for s in sharded))
-    owned = np.array([all(s[d] or coordinate[d] == 0 for d in dims) for s in sharded], dtype=bool)
-    return Sharding(root, dims, owned)
+    kinds: list = []  # each layout's (mesh, placements), in the order met
+    which = np.empty(len(owners), dtype=np.intp)
+    for i, (x, path) in enumerate(zip(owners, paths)):
+        if not is_dtensor(x):
+            raise _plain_leaf(x, path, paths[first])
+        key = (id(x.device_mesh), x.placements)
+        k = layouts.get(key)
+        if k is None:
+            _check_layout(x, path, root, paths[first])
+            k = layouts[key] = len(kinds)
+            kinds.append((x.device_mesh, x.placements))
+        which[i] = k
+    joined = pp_mesh is not None and _root(pp_mesh) == root
+    if joined:
+        _check_layouts_readable(pp_mesh, "pp_mesh", root)
+    import torch.distributed as dist
+
+    found = _reading(tuple(kinds), pp_mesh if joined else None, dist.group.WORLD)
+    return Sharding(found.mesh, found.groups, found.owned[which], found.ranks, joined)
 
 
 def _root(mesh):
-    # A submesh (mesh["dp"]) knows the mesh it was cut from; a root mesh is its own.
+    # A submesh (mesh["dp"], a flattened or unflattened mesh) knows the mesh
+    # it was cut from; a root mesh is its own.
     return mesh._get_root_mesh()
 
 
-def _sharded_dims(x, path, root, first_path, layouts) -> tuple:
-    """Per dimension of the root mesh, whether leaf ``x`` is sharded along it;
-    ``layouts`` keeps the answers by (mesh, placements)."""
-    if is_dtensor(x):
-        key = (id(x.device_mesh), x.placements)
-        if key not in layouts:
-            layouts[key] = _read_layout(x, path, root, first_path)
-        return layouts[key]
+def _plain_leaf(x, path, first_path):
     found = type(x).__name__ if x is not None else "a NumPy or CuPy array"
-    raise TypeError(f"leaf {path!r}: expected a DTensor, as leaf {first_path!r} is one (a plain leaf "
-                    f"does not say how it is spread over the ranks), found {found}; make it a DTensor "
-                    f"(distribute_tensor, or DTensor.from_local with its placements)")
+    return TypeError(f"leaf {path!r}: expected a DTensor, as leaf {first_path!r} is one (a plain leaf "
+                     f"does not say how it is spread over the ranks), found {found}; make it a DTensor "
+                     f"(distribute_tensor, or DTensor.from_local with its placements)")
 
 
-def _read_layout(x, path, root, first_path) -> tuple:
+def _check_layout(x, path, root, first_path):
     for placement in x.placements:
         if placement.is_partial():
             raise ValueError(f"leaf {path!r}: expected Shard or Replicate placements, found {placement} in "
                              f"{tuple(x.placements)}: a Partial DTensor holds addends of its values, and "
                              f"the norm of a sum is not the sum of norms; redistribute it first, "
                              f"e.g. x.redistribute(placements=[Replicate()] * mesh.ndim)")
+    mesh = x.device_mesh
+    if _root(mesh) != root:
+        cut_from = "" if _root(mesh) == mesh else f", cut from {_root(mesh)}"
+        raise ValueError(f"leaf {path!r}: expected a DTensor on a mesh cut from the root mesh of leaf "
+                         f"{first_path!r}, {root}, found one on {mesh}{cut_from}; make every mesh from one "
+                         f"init_device_mesh: slice it by dimension names (mesh['dp']), flatten dimensions "
+                         f"(mesh['dp', 'ep']._flatten('dp_ep')) or unflatten it "
+                         f"(mesh._unflatten(0, (2, 2), ('dp', 'ep')))")
+    if not _cut_by_names(mesh, root):
+        _check_layouts_readable(mesh, f"leaf {path!r}", root)
+
+
+def _cut_by_names(mesh, root) -> bool:
+    """Whether ``mesh`` is ``root`` or a slice of it by dimension names."""
+    names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
+    return mesh == root or bool(names) and set(names) <= set(root_names)
+
+
+# Reading every slice of a mesh (not only the one holding this rank, which
+# its public ``mesh`` gives) takes the layout and rank map DeviceMesh keeps
+# since torch 2.10; meshes sliced from their root by dimension names need
+# neither.
+_LAYOUTS_SINCE = "2.10"
+
+
+def _check_layouts_readable(mesh, what, root):
+    if not (hasattr(mesh, "_layout") and hasattr(mesh, "_rank_map")):
+        import torch
+
+        raise ValueError(f"{what}: expected a mesh that is {root} or a slice of it by dimension names, as "
+                         f"torch {torch.__version__} does not say which ranks the other slices of other "
+                         f"meshes hold, found {mesh}; upgrade torch to {_LAYOUTS_SINCE} or later, or "
+                         f"slice every mesh from one root mesh by dimension names")
+
+
+class _Reading:
+    """What a set of layouts gives: per layout, whether this rank counts it;
+    the groups to reduce over; the ranks joined; the mesh the norm is on."""
+
+    def __init__(self, mesh, groups, owned, ranks):
+        self.mesh, self.groups, self.owned, self.ranks = mesh, groups, owned, ranks
+
+
+@functools.lru_cache(maxsize=8)
+def _reading(kinds, pp_mesh, world) -> _Reading:
+    """The _Reading of the layouts ``kinds`` ((mesh, placements) pairs), kept
+    across calls: a model's layouts stay. ``world``, the default process
+    group, keys it too, so that a new process group reads afresh."""
+    import torch.distributed as dist
+
+    root, me = _root(kinds[0][0]), dist.get_rank()
+    if pp_mesh is None and all(_cut_by_names(mesh, root) for mesh, _ in kinds):
+        return _by_root_dims(kinds, root, me)
+    return _by_span(kinds, root, pp_mesh, me)
+
+
+def _by_root_dims(kinds, root, me) -> _Reading:
+    """Reduced over the root's dimensions that shard some leaf, one collective each.
+
+    A leaf counts on the lowest rank of those holding its shard along the
+    reduced dimensions: a dimension no leaf is sharded along is reduced
+    over by no one, and every rank along it counts the same leaves.
+    """
+    sharded = [_sharded_root_dims(mesh, placements, root) for mesh, placements in kinds]
+    dims = tuple(d for d in range(root.ndim) if any(s[d] for s in sharded))
+    coordinate = root.get_coordinate()
+    ranks = root.mesh.numpy()
+    owned = np.array([ranks[tuple(slice(None) if d in dims and not s[d] else coordinate[d]
+                                  for d in range(root.ndim))].min() == me for s in sharded], dtype=bool)
+    # The norm is replicated over the leaves' one mesh, as PyTorch returns
+    # it; over the root where they lie on several of its cuts.
+    meshes = {mesh for mesh, _ in kinds}
+    on = meshes.pop() if len(meshes) == 1 else root
+    return _Reading(on, [root.get_group(d) for d in dims], owned, root.size())
+
+
+def _sharded_root_dims(mesh, placements, root) -> list:
+    """Per dimension of the root mesh, whether a leaf on ``mesh`` so placed is
+    sharded along it (a submesh's leaf is replicated along the dimensions it
+    leaves out)."""
+    names = root.mesh_dim_names
+    dims = range(root.ndim) if mesh == root else [names.index(name) for name in mesh.mesh_dim_names]
     sharded = [False] * root.ndim
-    for d, placement in zip(_root_dims(x.device_mesh, path, root, first_path), x.placements):
+    for d, placement in zip(dims, placements):
         # Not is_shard(): FSDP2 over tensor parallelism places _StridedShard,
         # which is no Shard, yet gives every rank its own piece all the same.
         sharded[d] = not placement.is_replicate()
-    return tuple(sharded)
+    return sharded
 
 
-def _root_dims(mesh, path, root, first_path) -> list:
-    """The root mesh dimension of each of ``mesh``'s, found by name for a submesh."""
-    if mesh == root:
-        return list(range(root.ndim))
-    names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
-    if _root(mesh) != root or not names or not set(names) <= set(root_names):
-        raise ValueError(f"leaf {path!r}: expected a DTensor on the mesh of leaf {first_path!r}, {root}, or "
-                         f"on a submesh of it cut by dimension names, found one on {mesh}; take the norm "
-                         f"of each mesh's leaves with gpuflat.torch.get_total_norm and combine the norms")
-    return [root_names.index(name) for name in names]
+def _by_span(kinds, root, pp_mesh, me) -> _Reading:
+    """Reduced in one collective over the ranks the meshes join.
+
+    A stage is the ranks joined to this one through slices of the leaves'
+    meshes; with ``pp_mesh`` the span joins the stages too. A leaf counts on
+    the lowest rank of its stage holding its shard.
+    """
+    meshes = list(dict.fromkeys(mesh for mesh, _ in kinds))
+    slices = {mesh: _all_slices(mesh) for mesh in meshes}
+    stage = _joined(me, slices.values())
+    span = stage if pp_mesh is None else _joined(me, [*slices.values(), _all_slices(pp_mesh)])
+    owned = np.array([_first_holder(slices[mesh], placements, me, stage) for mesh, placements in kinds],
+                     dtype=bool)
+    groups = [_group_over(span, [*meshes, pp_mesh, root])] if span.size > 1 else []
+    return _Reading(None, groups, owned, int(span.size))
+
+
+def _all_slices(mesh) -> np.ndarray:
+    """Every slice of ``mesh`` as a (slices, *mesh.shape) array of global ranks."""
+    return mesh._layout.remap_to_tensor(mesh._rank_map).numpy()
+
+
+def _joined(me, meshes) -> np.ndarray:
+    """The ranks (sorted) joined to ``me`` through slices, of any of ``meshes``
+    (each as :func:`_all_slices` gives it), that share a rank."""
+    rows = [s.reshape(len(s), -1) for s in meshes]
+    held = np.array([me])
+    while True:
+        grown = np.union1d(held, np.concatenate([r[np.isin(r, held).any(axis=1)].ravel() for r in rows]))
+        if grown.size == held.size:
+            return grown
+        held = grown
+
+
+def _first_holder(slices, placements, me, within) -> bool:
+    """Whether ``me`` is the lowest rank of ``within`` holding the shard it holds.
+
+    Those are the ranks, in any slice of the mesh, whose coordinates along
+    its sharded dimensions are this rank's: a mesh that leaves out some of
+    the stage's ranks holds the same tensor on each of its slices, as a
+    layer left out of tensor parallelism does.
+    """
+    found = np.argwhere(slices == me)
+    if not len(found):  # a DTensor on a mesh without this rank holds nothing here
+        return False
+    _, *coordinate = found[0]
+    index = (slice(None), *(slice(None) if p.is_replicate() else c for p, c in zip(placements, coordinate)))
+    holders = slices[index]
+    return holders[np.isin(holders, within)].min() == me
+
+
+_GROUPS: dict = {}  # (default group, ranks) -> a process group made over exactly those ranks
+
+
+def _group_over(ranks, meshes):
+    """A process group over exactly ``ranks`` (sorted global ranks, this one
+    among them): the world's, or a mesh dimension's that spans them, else
+    one made at the first call and kept."""
+    import torch.distributed as dist
+
+    if ranks.size == dist.get_world_size():
+        return dist.group.WORLD
+    wanted = ranks.tolist()
+    for mesh in meshes:
+        for d in range(mesh.ndim if mesh is not None else 0):
+            group = mesh.get_group(d)
+            if sorted(dist.get_process_group_ranks(group)) == wanted:
+                return group
+    key = (dist.group.WORLD, tuple(wanted))
+    if key not in _GROUPS:
+        # Only the group's ranks make it: the ranks of other spans (other
+        # stages) make theirs in the same call.
+        _GROUPS[key] = dist.new_group(wanted, use_local_synchronization=True)
+    return _GROUPS[key]
 
 
 def like(shard, x):

@@ -17,6 +17,11 @@ counted where their placements say and reduced with one collective per
 mesh dimension that shards some of them (``gpuflat.distributed``); the
 norm comes back as PyTorch returns it for them, a DTensor replicated over
 their mesh, and the clip scales the local shards with no redistribution.
+Experts and dense layers on different meshes of one root mesh (expert
+parallelism) are reduced in one collective over the ranks their meshes
+join, and ``pp_mesh=`` combines pipeline stages (``tied=`` counts a weight
+two stages hold once); the norm is then a plain tensor, the same on every
+rank.
 
 Differences that remain, on purpose:
 
@@ -64,8 +69,15 @@ _EPS = 1e-6  # PyTorch's: coef = max_norm / (total_norm + 1e-6)
 
 @torch.no_grad()
 def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: float | str = 2.0,
-                   error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+                   error_if_nonfinite: bool = False, foreach: bool | None = None, *, pp_mesh=None,
+                   tied=None) -> torch.Tensor:
     """The norm of all ``tensors`` taken as one vector, as ``torch.nn.utils.get_total_norm``.
+
+    ``pp_mesh`` (a 1-D DeviceMesh or a process group over the pipeline
+    stages) combines every stage's norm into the model's, the same on every
+    rank, as a plain tensor; ``tied``, pairs ``(tensor, owning stage)``,
+    counts a weight held by several stages on its owner only (see
+    ``gpuflat.distributed.global_norm``).
 
     >>> import torch
     >>> get_total_norm([torch.tensor([3.0]), torch.tensor([[4.0]])])
@@ -78,14 +90,17 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
     if not tensors:
         return torch.tensor(0.0)
     if torch.compiler.is_compiling():  # gpuflat's operator, opaque in the graph
+        if pp_mesh is not None or tied is not None:
+            return _total_norm_between_graphs(tensors, norm_type, error_if_nonfinite, pp_mesh=pp_mesh, tied=tied)
         return torch_ops.total_norm(tensors, p).to(tensor_table.returned_dtype([t.dtype for t in tensors]))
     name_of = "tensors[{}]".format
-    table = tensor_table.read(tensors, name_of)
-    if table is None:  # DTensors: over the ranks of their mesh
+    table = tensor_table.read(tensors, name_of) if pp_mesh is None and tied is None else None
+    if table is None:  # DTensors or pipeline stages: over the ranks
         tensors, names = _unique((t, name_of(i)) for i, t in enumerate(tensors))
         tensor_table.check_floating(tensors, names.__getitem__)
         with _torch_nonfinite_error():
-            total = _gfd.global_norm(tensors, p, error_if_nonfinite=error_if_nonfinite)
+            total = _gfd.global_norm(tensors, p, pp_mesh=pp_mesh, tied=tied,
+                                     error_if_nonfinite=error_if_nonfinite)
         return total.to(tensor_table.returned_dtype([t.dtype for t in tensors]))
     total = tensor_table.norm_pass(table, tensors, p).total
     if error_if_nonfinite:
@@ -129,12 +144,14 @@ def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max
 @torch.no_grad()
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
                     norm_type: float | str = 2.0, error_if_nonfinite: bool = False,
-                    foreach: bool | None = None) -> torch.Tensor:
+                    foreach: bool | None = None, *, pp_mesh=None, tied=None) -> torch.Tensor:
     """Clip the gradient norm of ``parameters`` in place; return the total norm before clipping.
 
     As ``torch.nn.utils.clip_grad_norm_``; parameters without a gradient are
     skipped. With ``error_if_nonfinite``, a NaN or inf norm raises
     NonFiniteNormError (a RuntimeError) and no gradient is scaled.
+    ``pp_mesh`` and ``tied`` (pairs ``(parameter, owning stage)``) are
+    taken as by ``get_total_norm``: every stage clips by the model's norm.
 
     >>> import torch
     >>> net = torch.nn.Linear(3, 1)
@@ -145,19 +162,26 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     1.0
     """
     if torch.compiler.is_compiling():
+        if pp_mesh is not None or tied is not None:
+            return _clip_between_graphs(parameters, max_norm, norm_type, error_if_nonfinite, pp_mesh=pp_mesh,
+                                        tied=tied)
         return _compiled_clip(_parameter_list(parameters, warn_empty=True), max_norm, _norm_type(norm_type),
                               error_if_nonfinite)
-    grads, facts, name_of = _gradients(_parameter_list(parameters, warn_empty=True))
+    parameters = _parameter_list(parameters, warn_empty=True)
+    grads, facts, name_of = _gradients(parameters)
     max_norm, p, _ = clip_arguments(max_norm, _norm_type(norm_type), _EPS)
     if not grads:
         return torch.tensor(0.0)
     # Each gradient is read once, for the norm and the scale, and checked before either.
-    table = tensor_table.read(grads, name_of, in_place=True, facts=facts)
-    if table is None:  # DTensors: over the ranks of their mesh, the norm a replicated DTensor
+    plain = pp_mesh is None and tied is None
+    table = tensor_table.read(grads, name_of, in_place=True, facts=facts) if plain else None
+    if table is None:  # DTensors or pipeline stages: over the ranks (a DTensor norm replicated over one mesh)
+        tied = _tied_gradients(parameters, tied)
         grads, names = _unique((g, name_of(i)) for i, g in enumerate(grads))
         tensor_table.check_floating(grads, names.__getitem__)
         with _torch_nonfinite_error():
-            total = _gfd.clip_grad_norm_(grads, max_norm, p, eps=_EPS, error_if_nonfinite=error_if_nonfinite)
+            total = _gfd.clip_grad_norm_(grads, max_norm, p, pp_mesh=pp_mesh, tied=tied, eps=_EPS,
+                                         error_if_nonfinite=error_if_nonfinite)
         return total.to(tensor_table.returned_dtype([g.dtype for g in grads]))
     total, on_backend, _ = tensor_table.norm_pass(table, grads, p)
     if error_if_nonfinite:
@@ -167,6 +191,13 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
 
 
 # ---------------------------------------------------------------- inside torch.compile
+
+# Across pipeline stages a drop-in called inside a torch.compile'd function
+# runs as it is, between two graphs: it reduces over process groups and
+# reads meshes on the host, nothing gpuflat's operators hold.
+_total_norm_between_graphs = torch.compiler.disable(get_total_norm)
+_clip_between_graphs = torch.compiler.disable(clip_grad_norm_)
+
 
 def _compiled_clip(parameters, max_norm, p, error_if_nonfinite):
     """clip_grad_norm_ as TorchDynamo traces it: the gradients listed in
@@ -233,6 +264,24 @@ def _gradients(parameters):
         return f"parameters[{owners[i]}].grad"
 
     return grads, facts, name_of
+
+
+def _tied_gradients(parameters, tied):
+    """``tied``'s (parameter, stage) pairs as (its gradient, stage), the pairs
+    gpuflat.distributed counts by; a parameter without a gradient gives
+    None, counted nowhere."""
+    if tied is None:
+        return None
+    pairs = []
+    for i, entry in enumerate(tied):
+        if isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], torch.Tensor):
+            param, stage = entry
+            if not any(param is q for q in parameters):
+                raise ValueError(f"tied[{i}]: expected one of `parameters`, found a {type(param).__name__} of "
+                                 f"shape {tuple(param.shape)} that is none of them")
+            entry = (param.grad, stage)
+        pairs.append(entry)  # anything else: gpuflat.distributed names what it expected
+    return pairs
 
 
 def _unique(named):

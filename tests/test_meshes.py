@@ -1,0 +1,91 @@
+"""Models split over several meshes: expert parallelism (experts and dense
+layers on different meshes of one root: a slice beside a flattened mesh,
+torchtitan's sibling meshes), pipeline stages (``pp_mesh=``, a weight tied
+across stages with ``tied=``), and meshes of different roots, refused.
+
+The multi-process cases live in tests/mesh_worker.py, launched once per world
+size (2 and 4 gloo ranks on 127.0.0.1) under an explicit timeout, as
+tests/test_dtensor.py does; each case is then its own test here, passing
+when every rank reported it ok.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import mesh_worker  # noqa: E402
+from ranks import collect, free_port  # noqa: E402
+
+WORKER = Path(__file__).with_name("mesh_worker.py")
+# The ranks import gpuflat from this checkout, not from wherever it is installed.
+CHECKOUT = str(Path(__file__).resolve().parents[1])
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [CHECKOUT, os.environ.get("PYTHONPATH")])),
+           OMP_NUM_THREADS="1")
+LAUNCH_TIMEOUT = {2: 150, 4: 300}  # seconds for one launch; a hang fails every case of it
+
+_reports: dict = {}
+
+
+def _launch(size, out_dir):
+    """Run every case on ``size`` gloo ranks; returns the ranks' reports and the processes' output."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(out_dir), str(r), str(size), port],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+             for r in range(size)]
+    return collect(procs, out_dir, size, LAUNCH_TIMEOUT[size])
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    def get(size):
+        if size not in _reports:
+            _reports[size] = _launch(size, tmp_path_factory.mktemp(f"gloo{size}"))
+        return _reports[size]
+
+    return get
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT[4] + 60)
+@pytest.mark.parametrize("size,case", [
+    pytest.param(n, name, id=f"gloo-{n}-{name}")
+    for n in (2, 4) for name, sizes in mesh_worker.CASES if sizes is None or n in sizes])
+def test_case_on_every_rank(report, size, case):
+    reports, output = report(size)
+    for rank, results in enumerate(reports):
+        if case not in results:
+            pytest.fail(f"rank {rank} did not report {case!r}; the processes printed:\n{output[-3000:]}")
+        assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
+
+
+# ---------------------------------------------------------------- one process
+
+def test_a_pipeline_clip_inside_torch_compile_runs_between_graphs():
+    """gpuflat's operators hold no process group: across stages the drop-ins
+    run as they are, between two graphs (a world of one rank here)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import gpuflat.torch as gft
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        pp = init_device_mesh("cpu", (1,), mesh_dim_names=("pp",))
+        w = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+        w.grad = torch.tensor([3.0, 4.0], dtype=torch.float64)
+
+        @torch.compile(backend="eager")
+        def clip(params):
+            return (gft.get_total_norm([p.grad for p in params], pp_mesh=pp, tied=[(params[0].grad, 0)]),
+                    gft.clip_grad_norm_(params, 1.0, pp_mesh=pp))
+
+        before, total = clip([w])
+        assert float(before) == float(total) == 5.0
+        torch.testing.assert_close(w.grad, torch.tensor([0.6, 0.8], dtype=torch.float64) / (1 + 0.2e-6))
+    finally:
+        dist.destroy_process_group()
