@@ -17,7 +17,16 @@ gradients shaped like GPT-2 small (148 arrays, 124,439,808 elements) and like
   ``gpuflat.torch.clip_grad_norm_`` against ``torch.nn.utils.clip_grad_norm_``
   on the same parameters: the time, and the collectives of one clip
   (counted by torch's CommDebugMode).
+- pp x dp (gloo, 4 ranks): the GPT-2 shapes split into 2 pipeline stages
+  (the first half of the arrays, the rest), each sharded by ``fully_shard``
+  over the 2 ranks of its stage on a (pp, dp) mesh;
+  ``gpuflat.torch.clip_grad_norm_(..., pp_mesh=mesh["pp"])`` against
+  torchtitan's way (each stage's ``torch.nn.utils.get_total_norm``, its
+  square all-reduced over the pipeline group, ``clip_grads_with_norm_``):
+  the time and the collectives of one clip.
 
+Every clip bounds the norm at half its value, and the gradients are put back
+untimed before each call, so every timed clip really scales them.
 Medians of repeated runs after a warm-up, timed on rank 0 between barriers;
 printed as ratios (peer / gpuflat: above 1, gpuflat is faster), and written
 to bench/results/distributed-cpu.json. ``--quick`` runs fewer repeats on a
@@ -53,6 +62,9 @@ def shapes_of(name, scale):
 
 # ---------------------------------------------------------------- one rank
 
+RANKS = {"gloo": 2, "mpi": 2, "pp": 4}  # the world size of each launch
+
+
 class Rank:
     """This process's view of the transport: barrier, per-tensor all-reduce, group."""
 
@@ -67,7 +79,8 @@ class Rank:
             import torch.distributed as dist
 
             rank, port = int(argv[0]), argv[1]
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=RANKS[transport])
             self.group, self.rank, self.barrier = dist.group.WORLD, rank, dist.barrier
 
     def all_reduce(self, array):
@@ -156,13 +169,66 @@ def fsdp2_clip(rank, scale, repeats):
     return row
 
 
+def torchtitan_pp_clip(params, max_norm, pp_group):
+    """torchtitan's clip over pipeline stages: the stage's norm by torch, its
+    square summed over the pipeline group, the gradients scaled by it."""
+    import torch
+    import torch.distributed as dist
+
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    total = total.full_tensor() ** 2
+    dist.all_reduce(total, group=pp_group)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.sqrt())
+
+
+def pp_dp_clip(rank, scale, repeats):
+    """Both clips on the GPT-2 shapes split into 2 stages, each sharded by FSDP2
+    over 2 ranks: median ms and collectives per clip."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import gpuflat.torch as gft
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    shapes = shapes_of("gpt2-small", scale)
+    stage = mesh.get_coordinate()[0]
+    mine = shapes[: len(shapes) // 2] if stage == 0 else shapes[len(shapes) // 2 :]
+    torch.manual_seed(stage)  # the two ranks of a stage hold the same parameters
+    model = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(*s) * 0.02) for s in mine)
+    fully_shard(model, mesh=mesh["dp"])
+    params = list(model.parameters())
+    for p in params:
+        p.grad = p.detach() * 0.5
+    # Half the whole model's norm: every timed clip really scales the gradients by 1/2.
+    max_norm = float(gft.get_total_norm([p.grad for p in params], pp_mesh=mesh["pp"])) / 2
+    restore = restorer([p.grad.to_local() for p in params])
+    pp_group = mesh["pp"].get_group()
+    row = {"elements": int(sum(np.prod(s) for s in shapes)), "arrays": len(shapes), "max_norm": max_norm}
+    for label, clip in (("gpuflat.torch clip_grad_norm_", lambda: gft.clip_grad_norm_(params, max_norm,
+                                                                                      pp_mesh=mesh["pp"])),
+                        ("torchtitan's way", lambda: torchtitan_pp_clip(params, max_norm, pp_group))):
+        restore()
+        with CommDebugMode() as mode:
+            clip()
+        row[label] = {"ms": median_ms(rank, clip, max(3, repeats // 4), restore),
+                      "collectives": mode.get_total_counts()}
+    return row
+
+
 def run_rank(transport, argv, scale, repeats, out):
     import torch
 
     from gpuflat import distributed as gfd
 
-    torch.set_num_threads(1)  # two ranks share two cores
+    torch.set_num_threads(1)  # the ranks share two cores
     rank = Rank(transport, argv)
+    if transport == "pp":
+        row = pp_dp_clip(rank, scale, repeats)
+        if rank.rank == 0:
+            Path(out).write_text(json.dumps(row))
+        return
     results = {}
     for name in WORKLOADS:
         rng = np.random.default_rng(rank.rank)
@@ -212,7 +278,7 @@ def launch(transport, scale, repeats, out):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    procs = [subprocess.Popen(here + ["--", str(r), port], cwd=ROOT.parent) for r in range(2)]
+    procs = [subprocess.Popen(here + ["--", str(r), port], cwd=ROOT.parent) for r in range(RANKS[transport])]
     if any(p.wait() for p in procs):
         raise SystemExit(f"a {transport} rank failed")
 
@@ -224,6 +290,9 @@ def report(results, scale):
             if name == "fsdp2":
                 lines.append(fsdp2_line(transport, r))
                 continue
+            if name == "pp x dp":
+                lines.append(pp_dp_line(transport, r))
+                continue
             ar, clip = r["all_reduce_ms"], r["clip_ms"]
             mine, mine_clip = ar["gpuflat all_reduce_"], clip["gpuflat clip_grad_norm_"]
             lines.append(
@@ -233,7 +302,8 @@ def report(results, scale):
                 f"one bucket / 25 MiB buckets {mine / ar['gpuflat all_reduce_, 25 MiB buckets']:5.2f}x   "
                 f"clip: peer / gpuflat {clip['torch foreach norm + all-reduce'] / mine_clip:6.2f}x")
     note = "" if scale == 1 else f" (GPT-2 scaled down {scale}x in its first dimension)"
-    return "2 ranks, float32, medians; ratios above 1 favour gpuflat" + note + "\n" + "\n".join(lines)
+    return ("2 ranks (pp x dp: 4), float32, medians; ratios above 1 favour gpuflat" + note + "\n"
+            + "\n".join(lines))
 
 
 def fsdp2_line(transport, r):
@@ -244,12 +314,20 @@ def fsdp2_line(transport, r):
             f"torch {theirs['collectives']}, gpuflat {mine['collectives']}")
 
 
+def pp_dp_line(transport, r):
+    mine, theirs = r["gpuflat.torch clip_grad_norm_"], r["torchtitan's way"]
+    return (f"{transport:5} {'pp2 x dp2':10} ({r['arrays']:>5} arrays, {r['elements']:>11,} elements)  "
+            f"clip: torchtitan's way / gpuflat.torch {theirs['ms'] / mine['ms']:6.2f}x "
+            f"({theirs['ms']:.1f} / {mine['ms']:.1f} ms), collectives per clip: "
+            f"torchtitan's way {theirs['collectives']}, gpuflat {mine['collectives']}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, GPT-2 scaled down 16x")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--scale", type=int, default=1)
-    parser.add_argument("--rank-of", choices=("gloo", "mpi"), help=argparse.SUPPRESS)
+    parser.add_argument("--rank-of", choices=tuple(RANKS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -262,10 +340,13 @@ def main(argv=None):
             out = os.path.join(tmp, f"{transport}.json")
             launch(transport, scale, repeats, out)
             results[transport] = json.loads(Path(out).read_text())
+        out = os.path.join(tmp, "pp.json")
+        launch("pp", scale, repeats, out)
+        results["gloo"]["pp x dp"] = json.loads(Path(out).read_text())
     text = report(results, scale)
     print(text)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"scale": scale, "repeats": repeats, "ranks": 2, "dtype": "float32",
+    RESULTS.write_text(json.dumps({"scale": scale, "repeats": repeats, "ranks": RANKS, "dtype": "float32",
                                    "summary": text, "results": results}, indent=1))
     return 0
 
