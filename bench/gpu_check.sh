@@ -5,9 +5,14 @@
 # It uses the machine's own Python with its CUDA, CuPy, PyTorch and JAX, and
 # installs nothing (the GPU machines have no network). A test failure does
 # not stop the benchmark; the script still exits non-zero. Each step runs
-# under `timeout`, and the steps' limits add up to under 5 minutes, so a
-# rerun fits in a short GPU window; the benchmark writes its JSON after each
-# workload, so a step cut short keeps what it measured.
+# under a limit, and the limits add up to under 5 minutes (20 + 15 +
+# COMPILE_TIMEOUT + TESTS_TIMEOUT + BENCH_TIMEOUT + 10 s), so a rerun fits in
+# a short GPU window; each step's log ends with its exit status and wall
+# time. A build that outlasts the compile step goes on in the background and
+# the later steps wait for it (see the builds below); one still running when
+# the script ends is stopped and reported, and fails the run as a build that
+# failed does. The benchmark writes its JSON after each workload, so a step
+# cut short keeps what it measured.
 #
 #   OUT=/some/folder bash bench/gpu_check.sh
 #   bash bench/gpu_check.sh --dry-run    # no GPU: the plumbing, on the CuPy stand-in
@@ -27,7 +32,7 @@
 #   PYTHON           interpreter (default python3)
 #   GPU_CHECK_FULL   1: the full benchmark instead of the quick one (default 0;
 #                    the full one does not fit the 5 minutes)
-#   COMPILE_TIMEOUT  seconds for the kernel build (default 100)
+#   COMPILE_TIMEOUT  seconds the compile step waits for the builds (default 100)
 #   TESTS_TIMEOUT    seconds for the tests (default 60)
 #   BENCH_TIMEOUT    seconds for the benchmark (default 90)
 set -uo pipefail
@@ -79,6 +84,7 @@ major = kernel_loader.runtime_major()
 print("cuda runtime major", major)
 print("nvrtc", kernel_loader.nvrtc_version(major), kernel_loader.nvrtc_path(major))
 PYEOF
+echo "environment step: exit $? in $((SECONDS - began)) s" >>"$OUT/environment.txt"
 cat "$OUT/environment.txt"
 
 # Without a device every gpu test would skip and the run would look green.
@@ -90,43 +96,123 @@ fi
 command -v "${GPUFLAT_CXX:-g++}" >/dev/null ||
     echo "warning: no ${GPUFLAT_CXX:-g++}: the tests comparing with the emulated backend will fail" >&2
 
-# The g++ builds (the native host backend, the kernels' emulator the GPU's
-# bits are compared with, the PyTorch tensor reader), beside the cubin's
-# build: the tests would otherwise spend their minute on them. A library that
-# does not build is reported; gpuflat then takes its slower path.
-timeout "$COMPILE_TIMEOUT" "$PY" - >"$OUT/host-builds.log" 2>&1 <<'PYEOF' &
-import time
-began = time.perf_counter()
-from gpuflat import emulator, native, tensor_facts
-emulator.kernels_library()
-print("emulator built")
-for name, reason in (("host backend", native.unavailable_reason()), ("tensor facts", tensor_facts.unavailable_reason())):
-    print(name, "built" if reason is None else f"NOT BUILT: {reason[:2000]}")
-print(f"in {time.perf_counter() - began:.1f} s")
-PYEOF
-host_pid=$!
+# The builds: the device's cubin (NVRTC of CuPy's CUDA major) and the g++
+# libraries (the native host backend, the kernels' emulator the GPU's bits
+# are compared with, the PyTorch tensor reader), each in a process of its
+# own started now, so each takes its build lock at once and the builds run
+# side by side. The compile step waits for them for at most its limit and
+# kills none: a build still running then goes on, and the tests and the
+# benchmark, which need it, wait on its lock and load it instead of starting
+# over (a build killed by a step's timeout would leave nothing in the cache,
+# and every later step would build it again and run out of time too). Each
+# build stops at the latest when the script's time is up, and is reported
+# then. A g++ library that does not build is reported; gpuflat then takes
+# its slower path.
+build_py='
+import sys, time
+began, what = time.perf_counter(), sys.argv[1]
+if what == "cubin":
+    import cupy
+    from gpuflat import host_compiler, kernel_loader
+    module, lowered = kernel_loader.cupy_module(cupy.cuda.Device(0))
+    print(f"{len(lowered)} kernels loaded in {time.perf_counter() - began:.1f} s; cache {host_compiler.cache_root()}")
+elif what == "emulator":
+    from gpuflat import emulator
+    emulator.kernels_library()
+    print(f"emulator built in {time.perf_counter() - began:.1f} s")
+else:
+    from gpuflat import native, tensor_facts
+    reason = {"host backend": native, "tensor facts": tensor_facts}[what].unavailable_reason()
+    print(what, "built" if reason is None else f"NOT BUILT: {reason[:2000]}", f"in {time.perf_counter() - began:.1f} s")
+'
+builds=("cubin" "emulator" "host backend" "tensor facts")
+declare -A build_pid build_rc build_s build_log reported
+: >"$OUT/compile.log"
+: >"$OUT/host-builds.log"
+builds_began=$SECONDS
+for name in "${builds[@]}"; do
+    if [ "$name" = cubin ]; then build_log[$name]=$OUT/compile.log; else build_log[$name]=$OUT/host-builds.log; fi
+    # `timeout` holds each build and the compilers it starts in a process
+    # group of its own, which stopping the build ends whole; its limit, the
+    # rest of the script's, ends it even if the script itself is killed.
+    timeout "$((COMPILE_TIMEOUT + TESTS_TIMEOUT + BENCH_TIMEOUT))" "$PY" -c "$build_py" "$name" \
+        >>"${build_log[$name]}" 2>&1 &
+    build_pid[$name]=$!
+done
 
-# The device's cubin, built once here (NVRTC of CuPy's CUDA major) into the
-# kernel cache, which the tests and the benchmark then read.
-timeout "$COMPILE_TIMEOUT" "$PY" - 2>&1 <<'PYEOF' | tee "$OUT/compile.log"
-import time, cupy
-from gpuflat import host_compiler, kernel_loader
-began = time.perf_counter()
-module, lowered = kernel_loader.cupy_module(cupy.cuda.Device(0))
-print(f"{len(lowered)} kernels loaded in {time.perf_counter() - began:.1f} s; cache {host_compiler.cache_root()}")
-PYEOF
-compile_rc=${PIPESTATUS[0]}
-wait "$host_pid"
-echo "host builds: exit $?" >>"$OUT/host-builds.log"
-cat "$OUT/host-builds.log"
+# Collects the builds that have ended (exit status; seconds since they
+# started, as of the collection), waiting until all have or until $SECONDS
+# reaches $1.
+wait_builds() {
+    local name running
+    while :; do
+        running=0
+        for name in "${builds[@]}"; do
+            [ -n "${build_rc[$name]:-}" ] && continue
+            if kill -0 "${build_pid[$name]}" 2>/dev/null; then
+                running=1
+            else
+                wait "${build_pid[$name]}"
+                build_rc[$name]=$?
+                build_s[$name]=$((SECONDS - builds_began))
+            fi
+        done
+        if [ "$running" = 0 ] || [ "$SECONDS" -ge "$1" ]; then
+            return
+        fi
+        sleep 0.5
+    done
+}
 
-echo "compile step: exit $compile_rc in $((SECONDS - began)) s" | tee -a "$OUT/compile.log"
+# Writes a line into its log for each build that has ended and was not
+# reported yet ("exit 0 in 40 s"; $1 and $2 replace "in" and add to the
+# line), and lists those still running in `late`.
+report_builds() {
+    local name
+    late=""
+    for name in "${builds[@]}"; do
+        if [ -z "${build_rc[$name]:-}" ]; then
+            late+="${late:+, }$name"
+        elif [ -z "${reported[$name]:-}" ]; then
+            echo "$name build: exit ${build_rc[$name]} $1 ${build_s[$name]} s$2" | tee -a "${build_log[$name]}"
+            reported[$name]=1
+        fi
+    done
+}
+
+# Whatever ends the script, no build outlives it.
+stop_builds() {
+    local name
+    for name in "${builds[@]}"; do
+        if [ -z "${build_rc[$name]:-}" ]; then
+            kill -TERM "${build_pid[$name]}" 2>/dev/null
+            wait "${build_pid[$name]}"
+            build_rc[$name]=$?
+        fi
+    done
+}
+trap stop_builds EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# The compile step: the builds' wait, at most COMPILE_TIMEOUT seconds.
+step_began=$SECONDS
+wait_builds "$((step_began + COMPILE_TIMEOUT))"
+cat "$OUT/compile.log" "$OUT/host-builds.log"
+report_builds in ""
+compile_rc=0
+for name in "${builds[@]}"; do
+    [ "$compile_rc" = 0 ] && compile_rc=${build_rc[$name]:-124}
+done
+[ -n "$late" ] && late=" (out of time; still building: $late; the steps after wait for them)"
+echo "compile step: exit $compile_rc in $((SECONDS - step_began)) s$late" | tee -a "$OUT/compile.log"
 
 # The tests marked gpu (tests/test_gpu.py, and the gpu tests of the other files).
 step_began=$SECONDS
 timeout "$TESTS_TIMEOUT" "$PY" -m pytest "${tests_args[@]}" tests 2>&1 | tee "$OUT/gpu-tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "tests step: exit $tests_rc in $((SECONDS - step_began)) s" | tee -a "$OUT/gpu-tests.log"
+wait_builds "$SECONDS"  # builds that ended during the tests step are timed to its end
 
 # The benchmark, whatever the tests said: its numbers are wanted either way.
 step_began=$SECONDS
@@ -135,10 +221,31 @@ bench_rc=${PIPESTATUS[0]}
 echo "benchmark step: exit $bench_rc in $((SECONDS - step_began)) s" | tee -a "$OUT/bench.log"
 
 # What the machine was: GPU, driver, memory in use after the run.
-timeout 10 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || echo "nvidia-smi failed" >&2
+step_began=$SECONDS
+timeout 10 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+smi_rc=$?
+[ "$smi_rc" = 0 ] || echo "nvidia-smi failed" >&2
+echo "nvidia-smi step: exit $smi_rc in $((SECONDS - step_began)) s" >>"$OUT/nvidia-smi.txt"
+
+# The builds that ended after the compile step (timed to the step they
+# ended in), and those that never did.
+wait_builds "$SECONDS"
+report_builds by ", after the compile step"
+builds_rc=0 builds_said="all built"
+for name in "${builds[@]}"; do
+    if [ -z "${build_rc[$name]:-}" ]; then
+        echo "$name build: did not finish in the script's time; stopped after $((SECONDS - builds_began)) s" |
+            tee -a "${build_log[$name]}"
+        builds_rc=1 builds_said="NOT all built"
+    elif [ "${build_rc[$name]}" != 0 ]; then
+        builds_rc=1 builds_said="NOT all built"
+    fi
+done
+stop_builds
 
 echo "compile: exit $compile_rc; gpu tests: exit $tests_rc; benchmark: exit $bench_rc (124: ran out of time);" \
+     "builds: $builds_said;" \
      "$((SECONDS - began)) s"
-[ "$compile_rc" -ne 0 ] && exit 1
+[ "$builds_rc" -ne 0 ] && exit 1
 [ "$tests_rc" -ne 0 ] && exit 1
 exit "$bench_rc"

@@ -251,21 +251,66 @@ def test_quick_on_a_gpu_runs_the_workloads_of_its_targets():
                                                                           ("mixed", "mixed")]
 
 
-def test_the_device_script_passes_its_dry_run(tmp_path):
-    # bench/gpu_check.sh --dry-run: the same steps, on the CuPy stand-in. The
-    # step limits are raised: this machine builds the cubin several times
-    # slower than the GPU's host, and the emulator stands in for the device.
-    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "COMPILE_TIMEOUT": "900",
-           "TESTS_TIMEOUT": "300", "BENCH_TIMEOUT": "600"}
-    done = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=1800)
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+STEP_LIMITS = ("COMPILE_TIMEOUT", "TESTS_TIMEOUT", "BENCH_TIMEOUT")
+STEP_LINE = re.compile(r"^(\w[\w-]*) step: exit (\d+) in (\d+) s", re.M)
+
+
+def _dry_run(out, **settings):
+    """``bash bench/gpu_check.sh --dry-run`` into ``out``: the script's own
+    step limits, but for those given in ``settings``."""
+    env = {k: v for k, v in os.environ.items() if k not in STEP_LIMITS + ("GPU_CHECK_FULL",)}
+    env.update(PYTHON=sys.executable, OUT=str(out), **settings)
+    return subprocess.run(["bash", str(SCRIPT), "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=1800)
+
+
+def _step_lines(out) -> dict:
+    """{step: (exit status, seconds)} from the logs' "... step: exit N in S s" lines."""
+    found = {}
+    for log in sorted(out.iterdir()):
+        if log.suffix in (".log", ".txt"):
+            for step, rc, secs in STEP_LINE.findall(log.read_text()):
+                found[step] = (int(rc), int(secs))
+    return found
+
+
+@pytest.fixture(scope="module")
+def warm_builds():
+    """Builds, untimed, what the dry run's compile step builds (the stand-in
+    is an sm_90 device under CUDA 13): on a cold cache this 2-core machine,
+    busy with the rest of the suite, may take longer than the step's 100 s,
+    which the GPU's 16-core host does not. The script's own steps then run
+    with their real limits."""
+    from gpuflat import emulator, kernel_loader, native, tensor_facts
+
+    kernel_loader.device_cubin("sm_90", 13)
+    emulator.kernels_library()
+    native.unavailable_reason()
+    tensor_facts.unavailable_reason()
+
+
+def test_the_device_script_passes_its_dry_run_within_its_own_limits(tmp_path, warm_builds):
+    # bench/gpu_check.sh --dry-run: the same steps, on the CuPy stand-in, each
+    # under the limit it has on the GPU's host; a step killed or out of time
+    # fails here before it costs a GPU run.
+    done = _dry_run(tmp_path)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    steps = _step_lines(tmp_path)
+    assert set(steps) == {"environment", "compile", "tests", "benchmark", "nvidia-smi"}, steps
+    # Off a GPU nvidia-smi fails (or is missing); it only must not run out of time.
+    assert all(rc == 0 for step, (rc, _) in steps.items() if step != "nvidia-smi"), steps
+    assert steps["nvidia-smi"][0] != 124, steps
+    assert not re.search(r"exit 124|did not finish|out of time;", done.stdout), done.stdout[-4000:]
     environment = (tmp_path / "environment.txt").read_text()
     assert "cuda runtime major 13" in environment and "nvrtc (13, " in environment
-    assert re.search(r"^\d+ kernels loaded in", (tmp_path / "compile.log").read_text(), re.M)
+    compile_log = (tmp_path / "compile.log").read_text()
+    assert re.search(r"^\d+ kernels loaded in", compile_log, re.M)
+    assert re.search(r"^cubin build: exit 0 in \d+ s$", compile_log, re.M), compile_log
     builds = (tmp_path / "host-builds.log").read_text()
-    assert all(line in builds for line in ("emulator built", "host backend built", "tensor facts built",
-                                            "host builds: exit 0")), builds
+    for name in ("emulator", "host backend", "tensor facts"):
+        assert re.search(rf"^{name} built in", builds, re.M) and re.search(rf"^{name} build: exit 0 in \d+ s$",
+                                                                             builds, re.M), builds
     collected = (tmp_path / "gpu-tests.log").read_text()
     assert "tests/test_gpu.py::" in collected and not re.search(r"\berror", collected, re.I)
     (json_file,) = tmp_path.glob("*-quick.json")
@@ -282,7 +327,49 @@ def test_the_device_script_passes_its_dry_run(tmp_path):
     assert {t["unit"] for t in results["targets"] if t["met"] is not None} >= {"gpt2-small float32",
                                                                                  "gpt2-small bfloat16"}
     assert json_file.with_suffix(".png").stat().st_size > 10_000
-    assert "compile: exit 0; gpu tests: exit 0; benchmark: exit 0" in done.stdout
+    assert "compile: exit 0; gpu tests: exit 0; benchmark: exit 0 (124: ran out of time); builds: all built;" \
+        in done.stdout
+
+
+def test_a_build_that_outlasts_the_compile_step_is_finished_and_loaded_not_rebuilt(tmp_path, warm_builds):
+    # A cold cubin cache (the g++ libraries taken from the warm one) and a
+    # compile step of 1 s: the cubin's build outlasts the step, goes on, and
+    # the benchmark waits for it and loads it; a build killed with its step
+    # would be built a second time by the benchmark. The later steps' limits
+    # are raised: on this machine the cold cubin alone takes minutes at worst.
+    from gpuflat import host_compiler
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "host").symlink_to(host_compiler.cache_dir(), target_is_directory=True)
+    out = tmp_path / "out"
+    done = _dry_run(out, GPUFLAT_CACHE_DIR=str(cache), COMPILE_TIMEOUT="1", TESTS_TIMEOUT="900",
+                    BENCH_TIMEOUT="900")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    compile_log = (out / "compile.log").read_text()
+    assert re.search(r"^compile step: exit 124 in \d+ s \(out of time; still building: cubin\b", compile_log,
+                     re.M), compile_log
+    assert re.search(r"^cubin build: exit 0 by \d+ s, after the compile step$", compile_log, re.M), compile_log
+    logs = "".join(log.read_text() for log in sorted(out.glob("*.log")))
+    assert len(re.findall(r"gpuflat: building the CUDA kernels", logs)) == 1, logs[-4000:]
+    results = json.loads(next(out.glob("*-quick.json")).read_text())
+    assert any(r["impl"] == "gpuflat (cuda)" and r["status"] == "ok" for r in results["rows"])
+    assert "; builds: all built;" in done.stdout
+
+
+def test_the_device_scripts_limits_add_up_to_under_5_minutes():
+    script = SCRIPT.read_text()
+    defaults = {name: int(v) for name, v in re.findall(r"^(\w+_TIMEOUT)=\$\{\1:-(\d+)\}$", script, re.M)}
+    assert set(defaults) == set(STEP_LIMITS)
+    # The steps in the foreground: a literal limit or one of the settings.
+    steps = [int(literal) if literal else defaults[name]
+             for literal, name in re.findall(r'\btimeout (?:(\d+)|"\$(\w+_TIMEOUT)")', script)]
+    compile_wait = re.findall(r'wait_builds "\$\(\(step_began \+ (\w+)\)\)"', script)
+    assert compile_wait == ["COMPILE_TIMEOUT"]
+    assert len(steps) == 5 and sum(steps) + defaults["COMPILE_TIMEOUT"] < 300, steps
+    # The background builds stop, at the latest, when the steps after them would have.
+    assert re.findall(r'timeout "\$\(\((\w+) \+ (\w+) \+ (\w+)\)\)" "\$PY" -c "\$build_py"', script) == [
+        STEP_LIMITS]
 
 
 def test_help_lists_every_workload_and_explains_every_flag():
@@ -303,7 +390,7 @@ def test_bench_sources_carry_no_bare_issue_numbers():
     assert not found
 
 
-@pytest.mark.parametrize("module", ["bench.arrays", "bench.host_cost", "bench.impls.array_peers",
+@pytest.mark.parametrize("module", ["bench.arrays", "bench.floors", "bench.host_cost", "bench.impls.array_peers",
                                     "bench.impls.gpuflat_impl", "bench.run", "bench.step", "bench.timing"])
 def test_bench_doctests(module):
     result = doctest.testmod(importlib.import_module(module))
@@ -335,6 +422,32 @@ def test_trees_of_many_tiny_leaves_are_held_to_5x_of_the_copy_floor_the_others_t
                       for unit, limit in (("gpt2-small float32", "1.2x"), ("tiny-10k float32", "5x"),
                                           ("mixed mixed", "5x"))
                       for op in ("flatten", "scatter")}
+
+
+def test_the_copy_floor_of_flatten_and_scatter_moves_the_tree_and_its_flat_buffer():
+    # The mixed tree's flat buffer is float64 (its float16 and float32 leaves
+    # widened), about twice the tree's bytes N: flatten reads N and writes
+    # about 2N, scatter the reverse, so their floor is a copy moving both
+    # (about 3N), not a copy of the tree's bytes (2N); a clip's scale reads
+    # and writes the tree alone.
+    import numpy as np
+
+    from bench import context, floors, timing, workloads
+
+    device = context.Device("cpu", np, ("numpy",), timing.HostTimer())
+    ctx = context.build(workloads.build("mixed", workloads.load()["mixed"], "mixed"), device)
+    tree_bytes, buffer_bytes = ctx.nbytes, ctx.out.nbytes
+    assert ctx.out.dtype == np.float64 and buffer_bytes > 2 * tree_bytes
+    limits = floors.Floors(ctx)
+    parts = {op: {f["part"]: f for f in limits.measure(op, timing.QUICK)}
+             for op in ("flatten", "scatter", "clip", "global_norm")}
+    for op in ("flatten", "scatter"):
+        assert parts[op]["copy"]["bytes"] == tree_bytes + buffer_bytes
+        src, dst = limits.buffers(op, "copy")
+        assert src.nbytes == dst.nbytes == (tree_bytes + buffer_bytes) // 2
+    assert parts["clip"]["copy"]["bytes"] == 2 * tree_bytes
+    assert parts["clip"]["reduce"]["bytes"] == parts["global_norm"]["reduce"]["bytes"] == tree_bytes
+    assert all(f["median_ms"] > 0 for by_part in parts.values() for f in by_part.values())
 
 
 def test_host_work_on_ten_thousand_leaves_is_judged_from_the_host_cost_rows():
