@@ -1,49 +1,83 @@
-"""The machine's limits over one contiguous buffer of the workload's bytes.
+"""The machine's limits over contiguous buffers of the bytes an operation moves.
 
-"reduce" reads N bytes once (np.dot on a CPU, a CuPy sum on a GPU); "copy"
-reads and writes them (np.copyto on a CPU; on a GPU the faster of a copy
-kernel and a device-to-device memcpy). Both run on float32 buffers of the same
-byte count whatever the workload's dtype: float16 np.dot has no BLAS path and
-would time NumPy's fallback loop, not memory.
+"reduce" reads the tree's N bytes once (np.dot on a CPU, a CuPy sum on a
+GPU); "copy" reads and writes a buffer (np.copyto on a CPU; on a GPU the
+faster of a copy kernel and a device-to-device memcpy) sized so that it moves
+what the operation's copy does: a clip's scale reads and writes the N bytes
+(2N moved), while flatten reads N and writes the flat buffer's F bytes and
+scatter reads F and writes N (N + F moved, a copy of (N + F) / 2 bytes).
+F is N where every leaf has the buffer's dtype; a mixed tree's buffer holds
+every leaf in the widest dtype (float64 for the mixed workload: F about 2N, so
+3N moved, not the 2N of a copy of the tree's bytes). Both floors run on
+float32 buffers whatever the workload's dtype: float16 np.dot has no BLAS
+path and would time NumPy's fallback loop, not memory.
 
 The floors are timed again right before each operation's cases, so a ratio
 compares figures taken under the same load on a shared machine.
 """
 from __future__ import annotations
 
+from .ops import FLOOR_PARTS
 from .timing import measure
+
+# The operations that copy between the tree and its flat buffer.
+TREE_AND_BUFFER = ("flatten", "scatter")
+
+
+def part_bytes(op, part, tree_bytes, buffer_bytes) -> int:
+    """The bytes one floor part of ``op`` reads (``reduce``) or copies
+    (``copy``: half the bytes it moves), for a tree of ``tree_bytes`` whose
+    flat buffer holds ``buffer_bytes``.
+
+    >>> part_bytes("global_norm", "reduce", 1000, 2000)
+    1000
+    >>> part_bytes("clip", "copy", 1000, 2000)  # the scale reads and writes the tree
+    1000
+    >>> part_bytes("flatten", "copy", 1000, 2000)  # reads 1000, writes 2000: 3000 moved
+    1500
+    """
+    if part == "copy" and op in TREE_AND_BUFFER:
+        return (tree_bytes + buffer_bytes) // 2
+    return tree_bytes
 
 
 class Floors:
     def __init__(self, ctx):
-        xp, n = ctx.xp, max(ctx.nbytes // 4, 1)
         self.ctx = ctx
-        self.src = xp.full(n, 0.5, xp.float32)  # touched pages, finite squares
-        self.dst = xp.zeros(n, xp.float32)
+        self._pairs = {}  # float32 elements -> (source, destination), made on first use
 
-    def _host(self):
+    def buffers(self, op, part):
+        """The source and destination float32 buffers ``op``'s ``part`` runs on."""
+        n = max(part_bytes(op, part, self.ctx.nbytes, self.ctx.out.nbytes) // 4, 1)
+        if n not in self._pairs:
+            xp = self.ctx.xp
+            self._pairs[n] = (xp.full(n, 0.5, xp.float32),  # touched pages, finite squares
+                              xp.zeros(n, xp.float32))
+        return self._pairs[n]
+
+    def _host(self, src, dst):
         import numpy as np
 
-        src, dst = self.src, self.dst
         return {"reduce": [("np.dot", lambda: np.dot(src, src))],
                 "copy": [("np.copyto", lambda: np.copyto(dst, src))]}
 
-    def _cuda(self):
-        cp, src, dst = self.ctx.xp, self.src, self.dst
+    def _cuda(self, src, dst):
+        cp = self.ctx.xp
         kernel = cp.ElementwiseKernel("T x", "T y", "y = x", "bench_copy")
         return {"reduce": [("cupy.sum", lambda: cp.sum(src))],
                 "copy": [("copy kernel", lambda: kernel(src, dst)),
                          ("memcpy D2D", lambda: dst.data.copy_from_device_async(src.data, src.nbytes))]}
 
-    def measure(self, parts, settings) -> list:
-        """One row per part: the fastest of that part's candidates."""
+    def measure(self, op, settings) -> list:
+        """One row per floor part of ``op``: the fastest of that part's candidates."""
         timer, ctx = self.ctx.device.timer, self.ctx
-        candidates = self._host() if ctx.device.name == "cpu" else self._cuda()
         rows = []
-        for part in parts:
-            timed = [(impl, measure(fn, timer, settings)[0]) for impl, fn in candidates[part]]
+        for part in FLOOR_PARTS[op]:
+            src, dst = self.buffers(op, part)
+            candidates = (self._host if ctx.device.name == "cpu" else self._cuda)(src, dst)[part]
+            timed = [(impl, measure(fn, timer, settings)[0]) for impl, fn in candidates]
             impl, t = min(timed, key=lambda it: it[1].median_s)
-            nbytes = ctx.nbytes * (1 if part == "reduce" else 2)
+            nbytes = src.nbytes * (1 if part == "reduce" else 2)
             rows.append({"part": part, "impl": impl, "median_ms": t.median_s * 1e3,
                          "min_ms": t.min_s * 1e3, "reps": t.reps, "bytes": nbytes,
                          "gb_s": nbytes / t.median_s / 1e9})

@@ -15,7 +15,7 @@ import time
 from . import chart, host_cost, machine, report, timing, workloads
 from .arrays import rel_err
 from .impls import gpuflat_impl, jax_peers, split_available
-from .ops import BYTES_FACTOR, FLOOR_PARTS, OPS
+from .ops import BYTES_FACTOR, OPS
 
 # --quick on a CPU: the many-leaves case and the mixed-dtype tree, under a
 # minute on 2 cores; on a GPU: what its targets are judged on (bench/targets.py).
@@ -159,7 +159,7 @@ def run_unit(name, label, spec, device, providers, settings, progress):
     for op in OPS:
         progress.set_description(f"{name} {label} {op}")
         where = {"workload": name, "dtype": label, "op": op}
-        floors += [{**where, **f} for f in limits.measure(FLOOR_PARTS[op], settings)]
+        floors += [{**where, **f} for f in limits.measure(op, settings)]
         for provider in providers:
             try:
                 cases = provider.cases(op, ctx)
