@@ -222,8 +222,14 @@ def run_rank(transport, argv, scale, repeats, out):
 
     from gpuflat import distributed as gfd
 
-    torch.set_num_threads(1)  # the ranks share two cores
     rank = Rank(transport, argv)
+    # The ranks share the machine's cores: each one runs on one core, PyTorch
+    # with one thread and gpuflat's host backend with the one CPU its affinity
+    # leaves it (left to take every core, each rank's threads would contend
+    # with the other ranks' and time the contention).
+    torch.set_num_threads(1)
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank.rank % len(cores)]})
     if transport == "pp":
         row = pp_dp_clip(rank, scale, repeats)
         if rank.rank == 0:
