@@ -91,7 +91,10 @@ def write(results, out_dir, stem):
             handles.setdefault(label, h)
     fig.legend(handles.values(), handles.keys(), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     m = results["machine"]
-    fig.suptitle(f"gpuflat and its peers on {m.get('gpu') or m['cpu']}: time over the floor", y=1.0)
+    # Which clock the times are: device time on a GPU (CUDA events behind a
+    # spin kernel), wall time on a CPU; the host-cost rows are wall time always.
+    fig.suptitle(f"gpuflat and its peers on {m.get('gpu') or m['cpu']}: time over the floor "
+                 f"({results.get('clock', 'wall clock')})", y=1.0)
     fig.tight_layout()
     path = Path(out_dir) / f"{stem}.png"
     fig.savefig(path, dpi=110, bbox_inches="tight")

@@ -159,7 +159,7 @@ def _rows(name, tree, backend, runtime_label, stats, timer, settings) -> list:
             rows.append({**where, "call": call, **_error(exc)})
             continue
         launches, syncs, uploads = (b - a for a, b in zip(before, stats.snapshot()))
-        rows.append({**where, "call": call, "status": "ok", "us_per_call": t.median_s * 1e6,
+        rows.append({**where, "call": call, "status": "ok", "us_per_call": t.median_s * 1e6, "clock": timer.clock,
                      "reps": t.reps, "launches": launches, "syncs": syncs, "uploads": uploads})
     return rows
 
