@@ -1,13 +1,51 @@
 """Launching test ranks on this machine and collecting what each reported:
 shared by the multi-process tests (tests/test_distributed.py,
-tests/test_dtensor.py), whose workers write ``rank<r>.json`` into a folder."""
+tests/test_dtensor.py, tests/test_meshes.py, tests/test_torch_optim_fsdp.py),
+whose workers write ``rank<r>.json`` into a folder."""
 from __future__ import annotations
 
 import json
 import os
 import socket
 import subprocess
+import sys
 import traceback
+from pathlib import Path
+
+# The ranks import gpuflat from this checkout, not from wherever it is installed.
+CHECKOUT = str(Path(__file__).resolve().parents[1])
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [CHECKOUT, os.environ.get("PYTHONPATH")])),
+           OMP_NUM_THREADS="1")
+
+
+class Launches:
+    """Every case of a worker module (``worker <out_dir> <rank> <size> <port>``),
+    run once per world size on gloo ranks over 127.0.0.1 and kept: each
+    case's test then reads its ranks' reports. ``timeouts[size]`` bounds one
+    launch; a hang fails every case of it."""
+
+    def __init__(self, worker: Path, timeouts: dict):
+        self.worker, self.timeouts, self.kept = worker, timeouts, {}
+
+    def get(self, size, tmp_path_factory):
+        """(each rank's report, the processes' output) of the launch on ``size`` ranks."""
+        if size not in self.kept:
+            out_dir = tmp_path_factory.mktemp(f"{self.worker.stem}{size}")
+            port = str(free_port())
+            procs = [subprocess.Popen([sys.executable, str(self.worker), str(out_dir), str(r), str(size), port],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+                     for r in range(size)]
+            self.kept[size] = collect(procs, out_dir, size, self.timeouts[size])
+        return self.kept[size]
+
+
+def check_case(reports, output, case) -> None:
+    """AssertionError unless every rank reported ``case`` ok (a rank's
+    traceback, or the processes' output where a rank reported nothing)."""
+    for rank, results in enumerate(reports):
+        if case not in results:
+            raise AssertionError(f"rank {rank} did not report {case!r}; the processes printed:\n{output[-3000:]}")
+        assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
 
 
 def free_port() -> int:
