@@ -31,18 +31,11 @@ struct Step {
     double factor;
 };
 
-// body(slot, first element, count) for every real slot's items, the items
-// shared among threads in contiguous runs of about equal work.
+// body(item) for every item, the items shared among threads in contiguous
+// runs of about equal work: as many threads as `total` elements give each
+// MIN_WORK_PER_THREAD, at most `threads`.
 template <class Body>
-void for_items(const Step& s, int threads, Body body) {
-    std::vector<Item> items;
-    for (long long slot = 0; slot < s.n_slots; ++slot) {
-        if (s.slot_group[slot] < 0) continue;
-        const long long size = s.offsets[slot + 1] - s.offsets[slot];
-        for (long long start = 0; start < size; start += ITEM)
-            items.push_back(Item{slot, start, std::min(ITEM, size - start), s.offsets[slot] + start});
-    }
-    const long long total = s.offsets[s.n_slots];
+void share(const std::vector<Item>& items, long long total, int threads, Body body) {
     const long long t = std::max(1LL, std::min<long long>(threads, total / MIN_WORK_PER_THREAD));
     auto run = [&](size_t a, size_t b) {
         for (size_t i = a; i < b; ++i) body(items[i]);
@@ -53,6 +46,19 @@ void for_items(const Step& s, int threads, Body body) {
     for (size_t k = 1; k < (size_t)t; ++k) pool.emplace_back(run, std::min(n, k * per), std::min(n, (k + 1) * per));
     run(0, std::min(n, per));
     for (auto& th : pool) th.join();
+}
+
+// body(item) for every real slot's items, shared among threads (share).
+template <class Body>
+void for_items(const Step& s, int threads, Body body) {
+    std::vector<Item> items;
+    for (long long slot = 0; slot < s.n_slots; ++slot) {
+        if (s.slot_group[slot] < 0) continue;
+        const long long size = s.offsets[slot + 1] - s.offsets[slot];
+        for (long long start = 0; start < size; start += ITEM)
+            items.push_back(Item{slot, start, std::min(ITEM, size - start), s.offsets[slot] + start});
+    }
+    share(items, s.offsets[s.n_slots], threads, body);
 }
 
 template <class S>
@@ -76,7 +82,7 @@ void sgd(const Step& s, void* p, void* g, void* buf, int threads) {
 }
 
 // body(row, first element, count) over every row's items, shared among
-// threads as for_items shares a buffer's.
+// threads (share).
 template <class Body>
 void for_row_items(const ParamRow* rows, long long n_rows, int threads, Body body) {
     std::vector<Item> items;
@@ -86,16 +92,7 @@ void for_row_items(const ParamRow* rows, long long n_rows, int threads, Body bod
             items.push_back(Item{r, start, std::min(ITEM, rows[r].numel - start), 0});
         total += rows[r].numel;
     }
-    const long long t = std::max(1LL, std::min<long long>(threads, total / MIN_WORK_PER_THREAD));
-    auto run = [&](size_t a, size_t b) {
-        for (size_t i = a; i < b; ++i) body(rows[items[i].slot], items[i].start, items[i].len);
-    };
-    if (t == 1) return run(0, items.size());
-    std::vector<std::thread> pool;
-    const size_t n = items.size(), per = (n + t - 1) / t;
-    for (size_t k = 1; k < (size_t)t; ++k) pool.emplace_back(run, std::min(n, k * per), std::min(n, (k + 1) * per));
-    run(0, std::min(n, per));
-    for (auto& th : pool) th.join();
+    share(items, total, threads, [&](const Item& it) { body(rows[it.slot], it.start, it.len); });
 }
 
 // The kernels' gpuflat_adamw_rows and gpuflat_sgd_rows (optim.cu), then
