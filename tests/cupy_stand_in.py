@@ -35,7 +35,11 @@ is CuPy's calling contract, enforced on every call (a breach raises
   an upload, a read-back and a DLPack import on a stream
   other than the capturing one raise; launches and element-wise
   work on the capturing stream are recorded, not run, and run when the graph
-  is launched.
+  is launched;
+- memory CuPy did not allocate (``cuda.UnownedMemory``) is only page-locked
+  host memory from ``cuda.alloc_pinned_memory``, which a kernel may read
+  through its address (CUDA's unified virtual address space); a launch reads
+  it as it is when the launch runs, a graph's replay included.
 
 Every allocation, upload, module load, launch, fill and element-wise
 operation is recorded in ``events`` with the current device and stream, for
@@ -415,7 +419,9 @@ class _StandIn:
             # NumPy defers its operators to this class instead of converting it.
             __array_ufunc__ = None
 
-            def __init__(self, host: np.ndarray, memory: _Memory, base=None):
+            def __init__(self, host, memory=None, base=None, memptr=None):
+                if memptr is not None:  # CuPy's ndarray(shape, dtype, memptr): over memory it did not allocate
+                    host, memory = memptr.view(host, memory)
                 self._host = host
                 self._memory = memory
                 self.base = base  # as CuPy's: the array owning the memory of a view, else None
@@ -695,6 +701,39 @@ class _StandIn:
             standin.refuse_in_capture("a pinned host allocation")
             return _Pinned(nbytes)
 
+        class UnownedMemory:
+            """cupy.cuda.UnownedMemory. The only memory not CuPy's that a
+            kernel may read here is page-locked host memory, under CUDA's
+            unified virtual address space: ``owner`` must be a pinned block
+            holding the ``size`` bytes at ``ptr``."""
+
+            def __init__(self, ptr, size, owner, device_id=-1):
+                if not isinstance(owner, _Pinned):
+                    raise ContractError(f"UnownedMemory over {type(owner).__name__}: a kernel may read only "
+                                        f"page-locked host memory (cupy.cuda.alloc_pinned_memory)")
+                start = np.frombuffer(owner, np.uint8).ctypes.data if len(owner) else 0
+                if not (device_id >= 0 and start <= ptr and ptr + size <= start + len(owner)):
+                    raise ContractError(f"UnownedMemory at {ptr:#x}, {size} bytes, device {device_id}: expected "
+                                        f"a device id and bytes inside the pinned block at {start:#x}")
+                self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+                self.offset = ptr - start
+
+        class MemoryPointer:
+            """cupy.cuda.MemoryPointer(memory, offset)."""
+
+            def __init__(self, mem, offset):
+                self.mem, self.offset = mem, offset
+                self.ptr = mem.ptr + offset
+
+            def view(self, shape, dtype):
+                """(the host bytes, their _Memory) of an array over this pointer."""
+                dtype = np.dtype(dtype)
+                count = int(np.prod(shape, dtype=np.int64))
+                if self.offset + count * dtype.itemsize > self.mem.size:
+                    raise ContractError(f"an array of {count} {dtype} past the {self.mem.size} bytes of its memory")
+                host = np.frombuffer(self.mem.owner, dtype, count, self.mem.offset + self.offset).reshape(shape)
+                return host, _Memory(self.mem.device_id, host.nbytes, owner=self.mem.owner)
+
         class PythonFunctionAllocator:
             """cupy.cuda.memory.PythonFunctionAllocator: allocations through two Python functions."""
 
@@ -802,6 +841,8 @@ class _StandIn:
         cuda.function = types.SimpleNamespace(Module=Module)
         cuda.runtime = runtime
         cuda.alloc_pinned_memory = alloc_pinned_memory
+        cuda.UnownedMemory = UnownedMemory
+        cuda.MemoryPointer = MemoryPointer
         cuda.using_allocator = using_allocator
         cuda.memory = types.SimpleNamespace(PythonFunctionAllocator=PythonFunctionAllocator)
         mod.cuda = cuda

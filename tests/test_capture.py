@@ -275,14 +275,82 @@ def test_a_flat_optimizer_step_captures_after_a_warm_up_and_replays_like_eager_s
     assert cp.freed_in_flight == []
 
 
-def test_a_flat_optimizer_step_over_new_gradient_memory_names_the_warm_up(cp, tc):
-    model = net(4)
-    opt = gft.AdamW(list(model.parameters()), lr=1e-2)
+def make_whole_step(params, inputs, opt, scaler):
+    """One training step as PyTorch's whole-step capture records it: the
+    gradients are made anew (a backward after ``zero_grad()``, which sets
+    them to None), scaled by the GradScaler, then the clipped step and the
+    scaler's update."""
+    def whole_step():
+        scaled_one = scaler.scale(tcs.cuda(torch.ones((), dtype=torch.float32)))
+        for p, x in zip(params, inputs):
+            p.grad = x * scaled_one.to(x.dtype)
+        scaler.step(opt)
+        scaler.update()
+    return whole_step
+
+
+def test_a_whole_step_with_gradients_made_inside_the_capture_replays_like_eager_steps(cp, tc, monkeypatch):
+    # The gradients are new memory inside the capture, so the step's tables
+    # are new too: written into the pinned memory set aside before the
+    # capture, and read there by every replay. A scheduler writes the tensor
+    # lr between replays; replay 4 holds an inf, which the scaler skips.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GradScaler's check for a GPU
+    runs = []
+    for _ in range(2):
+        model = net(9)
+        params = list(model.parameters())
+        lr = tcs.cuda(torch.tensor(1e-2, dtype=torch.float32))
+        opt = gft.AdamW(params, lr=lr, weight_decay=0.1, max_norm=0.5)
+        scaler = gft.GradScaler("cuda", init_scale=2.0**10, growth_interval=2)
+        inputs = [tcs.cuda(torch.zeros_like(p)) for p in params]
+        runs.append((params, lr, opt, scaler, inputs, make_whole_step(params, inputs, opt, scaler)))
+    (params, lr, opt, scaler, inputs, step), (twins, twin_lr, twin_opt, twin_scaler, twin_inputs, twin_step) = runs
+
+    def feed(number):
+        rng = np.random.default_rng(200 + number)
+        with torch._C.DisableTorchFunction():
+            for x, y in zip(inputs, twin_inputs):
+                value = torch.from_numpy(rng.standard_normal(tuple(x.shape)) * (number + 1)).to(x.dtype)
+                x.copy_(value)
+                y.copy_(value)
+            if number == 4:
+                inputs[1][0] = twin_inputs[1][0] = float("inf")
+            lr.fill_(1e-2 / (number + 1))
+            twin_lr.fill_(1e-2 / (number + 1))
+
     with torch.cuda.stream(torch.cuda.Stream()):
-        set_grads(model.parameters(), 0)
-        opt.step()
-        for p in model.parameters():
-            p.grad = None
-        set_grads(model.parameters(), 1)  # new gradient tensors, in new memory
-        with pytest.raises(gf.CaptureError, match="the optimizer step"):
-            tc.capture(opt.step)
+        for warm in range(2):
+            feed(warm)
+            for ps, o, run in ((params, opt, step), (twins, twin_opt, twin_step)):
+                o.zero_grad()
+                run()
+        opt.zero_grad()
+        graph, _ = tc.capture(step)
+    for number in range(2, 7):
+        feed(number)
+        allocations = len(tc.allocations)
+        graph.replay()
+        assert len(tc.allocations) == allocations  # a replay allocates nothing
+        twin_opt.zero_grad()
+        twin_step()
+        for p, q in zip(params, twins):
+            assert bits(p) == bits(q)
+            assert all(bits(opt.state[p][k]) == bits(twin_opt.state[q][k]) for k in opt.state[p])
+        assert bits(scaler._scale) == bits(twin_scaler._scale)
+        assert bits(opt.last_grad_norm) == bits(twin_opt.last_grad_norm)
+    assert float(twin_opt.state[twins[0]]["step"]) == 6  # 7 steps, one skipped
+    assert cp.freed_in_flight == []
+
+
+def test_a_capture_needing_more_table_memory_than_was_set_aside_names_the_warm_up(cp, tc):
+    small = net(4)
+    opt = gft.AdamW(list(small.parameters()), lr=1e-2)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        set_grads(small.parameters(), 0)
+        opt.step()  # sets aside memory for tables of this step's sizes
+        bigger = gft.AdamW([*small.parameters(), *[tcs.parameter(torch.ones(2)) for _ in range(200)]], lr=1e-2)
+        for p in bigger.param_groups[0]["params"]:
+            p.grad = tcs.cuda(torch.ones_like(p))
+        with pytest.raises(gf.CaptureError, match=r"more than the pinned memory set aside for captures holds .*"
+                                                  r"make the same call once before capturing"):
+            tc.capture(bigger.step)

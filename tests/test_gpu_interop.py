@@ -144,3 +144,64 @@ def test_torch_cuda_graph_replays_the_drop_in_clip_like_eager_calls():
         assert float(want) > 0.5 and torch.equal(norm, want)
         for p, q in zip(params, twins):
             assert torch.equal(p.grad, q.grad)
+
+
+def test_torch_cuda_graph_replays_a_whole_training_step_like_eager_steps():
+    # PyTorch's whole-network capture recipe
+    # (https://pytorch.org/docs/stable/notes/cuda.html#whole-network-capture):
+    # forward, backward (gradients allocated inside the capture, in the
+    # graph's pool), the clipped step under a GradScaler and its update, with
+    # a scheduler writing the tensor lr between replays. Replay 5 holds an
+    # inf, which the scaler skips.
+    import gpuflat.torch as gft
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).cuda()
+        lr = torch.tensor(1e-2, device="cuda")
+        opt = gft.AdamW(model.parameters(), lr=lr, weight_decay=0.1, max_norm=0.5)
+        return model, lr, opt, gft.GradScaler("cuda", init_scale=2.0**10, growth_interval=2)
+
+    runs = [build(), build()]
+    data = [(torch.zeros(8, 16, device="cuda"), torch.zeros(8, 4, device="cuda")) for _ in runs]
+
+    def step(run, batch):
+        model, _, opt, scaler = run
+        x, y = batch
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    def feed(number):
+        gen = torch.Generator("cuda").manual_seed(300 + number)
+        x, y = torch.randn(8, 16, device="cuda", generator=gen), torch.randn(8, 4, device="cuda", generator=gen)
+        if number == 5:
+            x[0, 0] = float("inf")
+        for (xs, ys), (_, lr, _, _) in zip(data, runs):
+            xs.copy_(x)
+            ys.copy_(y)
+            lr.fill_(1e-2 / (number + 1))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for number in range(3):
+            feed(number)
+            for run, batch in zip(runs, data):
+                run[2].zero_grad(set_to_none=True)
+                step(run, batch)
+    torch.cuda.current_stream().wait_stream(side)
+    runs[0][2].zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(runs[0], data[0])
+    for number in range(3, 8):
+        feed(number)
+        graph.replay()
+        runs[1][2].zero_grad(set_to_none=True)
+        step(runs[1], data[1])
+        torch.cuda.synchronize()
+        for p, q in zip(runs[0][0].parameters(), runs[1][0].parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert float(runs[0][3].get_scale()) == float(runs[1][3].get_scale())
+    assert float(runs[1][2].state[next(runs[1][0].parameters())]["step"]) == 7  # 8 steps, one skipped

@@ -13,7 +13,10 @@ stream. On a GPU the upload goes through pinned staging on the current
 stream with no host wait; a launch on another stream first waits for it on
 the device (an event); a table is freed only once every other stream that
 read it is done with it (an event per stream), and never if a CUDA graph
-captured a launch reading it.
+captured a launch reading it. While a stream captures a graph nothing can
+be uploaded or allocated: a table needed then is written into pinned host
+memory set aside before the capture (:class:`CaptureReserve`), which the
+kernels read through its address.
 
 >>> rt = EmulatedRuntime()
 >>> table = rt.upload(np.arange(3, dtype=np.int64))
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,10 +82,11 @@ def check_launch(name: str, grid: int, block: int) -> None:
 
 class DeviceTable:
     """A host table copied to the device once, and what its lifetime needs:
-    the stream it was uploaded on, an event marking the copy (``ready``), the
-    streams that waited for it, the last use by each other stream, the
-    pinned staging the copy reads until it lands, and whether a CUDA graph
-    captured a launch reading it. Only ``array`` matters to a launch.
+    the stream it was uploaded on, an event marking the copy (``ready``; None
+    for a table the kernels read from pinned host memory, which nothing needs
+    to wait for), the streams that waited for it, the last use by each other
+    stream, the pinned staging the copy reads until it lands, and whether a
+    CUDA graph captured a launch reading it. Only ``array`` matters to a launch.
 
     >>> DeviceTable(np.arange(2)).array.tolist()
     [0, 1]
@@ -97,6 +102,69 @@ class DeviceTable:
         self.waited = set()
         self.last_use = {}
         self.captured = False
+
+
+class CaptureReserve:
+    """Pinned host memory set aside outside any capture for the tables a
+    CUDA-graph capture needs.
+
+    A capture can neither allocate nor upload, yet a step whose gradients
+    are allocated inside it (PyTorch's whole-step capture) needs tables of
+    addresses that did not exist before. Under CUDA's unified virtual
+    address space a kernel may read page-locked host memory through its own
+    address
+    (https://docs.nvidia.com/cuda/cuda-c-programming-guide/#unified-virtual-address-space),
+    so such a table is written into this reserve on the host and read from
+    there by every replay; the graph owns what it took, for good.
+
+    The reserve is sized by the tables the last ``window`` distinct tables
+    launches read, twice over: a capture of the same calls as before it
+    needs tables of those sizes.
+
+    >>> reserve = CaptureReserve(bytearray, window=2)
+    >>> for table in (1, 2, 3):
+    ...     reserve.note(table, 300)  # 512 bytes each, aligned
+    >>> reserve.refill()
+    >>> reserve.need, len(reserve.block)
+    (1024, 2048)
+    >>> reserve.take(1000)[1], reserve.take(1000)[1], reserve.take(1000)
+    (0, 1024, None)
+    """
+
+    ALIGN = 256  # each table starts on a boundary wide enough for any vector load
+
+    def __init__(self, allocate, window: int = 64):
+        self.allocate = allocate
+        self.window = window
+        self.recent: OrderedDict = OrderedDict()  # id of a table -> its bytes, the latest last
+        self.need = 0
+        self.block, self.used = None, 0
+
+    def note(self, key, nbytes: int) -> None:
+        """A launch read a table of ``nbytes`` (outside any capture)."""
+        old = self.recent.pop(key, None)
+        self.need += _aligned(nbytes) - (old or 0)
+        self.recent[key] = _aligned(nbytes)
+        while len(self.recent) > self.window:
+            self.need -= self.recent.popitem(last=False)[1]
+
+    def refill(self) -> None:
+        """Set aside a new block when what is left is less than the recent
+        tables need (outside any capture: it is a pinned allocation)."""
+        if self.need and (self.block is None or len(self.block) - self.used < self.need):
+            self.block, self.used = self.allocate(2 * self.need), 0
+
+    def take(self, nbytes: int):
+        """(the block, an offset) holding ``nbytes`` for a capture's table, or
+        None when the reserve cannot hold them."""
+        if self.block is None or self.used + nbytes > len(self.block):
+            return None
+        offset, self.used = self.used, self.used + _aligned(nbytes)
+        return self.block, offset
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-max(nbytes, 1) // CaptureReserve.ALIGN) * CaptureReserve.ALIGN
 
 
 class Runtime:
@@ -277,7 +345,9 @@ class CupyRuntime(Runtime):
     pool and PyTorch's allocator hand freed memory to the next allocation on
     the stream that allocated it, which nothing orders after the other
     streams' reads. A table a captured graph reads is kept for good: the
-    graph may be replayed at any time.
+    graph may be replayed at any time. A table needed during a capture is
+    taken from the :class:`CaptureReserve`, which every launch outside a
+    capture keeps as large as twice the tables recently read.
     """
 
     name = "cuda"
@@ -296,6 +366,7 @@ class CupyRuntime(Runtime):
         self._retired: list = []  # released tables other streams may still read
         self._kept: list = []  # tables read by captured graphs
         self._streams: set = set()  # the streams that uploaded or launched: asked whether they capture
+        self._reserve = CaptureReserve(cupy.cuda.alloc_pinned_memory)
 
     @property
     def device_key(self):
@@ -323,10 +394,7 @@ class CupyRuntime(Runtime):
         with self.device:
             stream = cuda.get_current_stream()
             if stream.is_capturing():
-                raise CaptureError(
-                    f"{purpose} needs a table uploaded while stream {stream.ptr:#x} captures a CUDA "
-                    f"graph, and an upload cannot be captured: make the same call once before "
-                    f"capturing (a warm-up call on the same arrays), so its tables are uploaded and kept")
+                return self._table_in_capture(host, purpose, stream)
             self._streams.add(stream.ptr)
             self._free_finished()
             table = self.xp.empty(host.shape, host.dtype)
@@ -338,9 +406,28 @@ class CupyRuntime(Runtime):
             ready.record(stream)
             return DeviceTable(table, stream.ptr, ready, staging)
 
+    def _table_in_capture(self, host, purpose, stream) -> DeviceTable:
+        """``host`` written into the capture reserve, read there by the
+        kernels (no upload, no allocation: neither can be captured)."""
+        with self._lock:
+            taken = self._reserve.take(host.nbytes)
+        if taken is None:
+            raise CaptureError(
+                f"{purpose} needs a {host.nbytes}-byte table while stream {stream.ptr:#x} captures a CUDA "
+                f"graph, more than the pinned memory set aside for captures holds (as much as the tables "
+                f"of the launches before the capture): make the same call once before capturing (a "
+                f"warm-up call on arrays of the same sizes), so that memory is set aside")
+        block, offset = taken
+        np.frombuffer(block, host.dtype, host.size, offset)[...] = host.ravel()
+        cuda = self.xp.cuda
+        address = np.frombuffer(block, np.uint8).ctypes.data + offset
+        memory = cuda.UnownedMemory(address, host.nbytes, block, self.device.id)
+        array = self.xp.ndarray(host.shape, host.dtype, memptr=cuda.MemoryPointer(memory, 0))
+        return DeviceTable(array, stream.ptr, None, block)
+
     def _before_launch(self, table):
         stream = self.xp.cuda.get_current_stream()
-        if stream.ptr == table.stream or stream.ptr in table.waited:
+        if stream.ptr == table.stream or stream.ptr in table.waited or table.ready is None:
             return
         self._streams.add(stream.ptr)
         # No event is queried here: in the global capture mode torch.cuda.graph
@@ -358,7 +445,11 @@ class CupyRuntime(Runtime):
         stream = self.xp.cuda.get_current_stream()
         if stream.is_capturing():
             table.captured = True
-        elif stream.ptr != table.stream:
+            return
+        with self._lock:
+            self._reserve.note(id(table), table.array.nbytes)
+            self._reserve.refill()
+        if stream.ptr != table.stream:
             event = table.last_use.get(stream.ptr)
             if event is None:
                 event = table.last_use[stream.ptr] = self.xp.cuda.Event(disable_timing=True)
@@ -387,8 +478,8 @@ class CupyRuntime(Runtime):
             if cuda.get_current_stream().is_capturing() or \
                     any(cuda.ExternalStream(ptr).is_capturing() for ptr in self._streams):
                 return
-            self._retired = [t for t in self._retired
-                             if not (t.ready.done and all(e.done for e in t.last_use.values()))]
+            self._retired = [t for t in self._retired if not (
+                (t.ready is None or t.ready.done) and all(e.done for e in t.last_use.values()))]
 
     def _to_host(self, array):
         with self.device:
