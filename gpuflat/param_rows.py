@@ -52,6 +52,7 @@ class Step:
 
     tables: list
     grads: list
+    grad_facts: np.ndarray | None  # the gradients' tensor_facts, read once for the rows and the norm
     name_of_gradient: object
     plain: bool  # no DTensor or other tensor subclass among the parameters and gradients
 
@@ -90,7 +91,8 @@ def read(optimizer, state_names, lazy_state) -> Step | None:
     found, firsts = _found(optimizer, key, everything, group_of, have, state_names, lazy_state)
     names = _Names(optimizer.param_groups, found.params)
     tables = _tables(found, grads, grad_facts, firsts, names)
-    return Step(tables, grads, lambda i: f"{names.parameter(i)}.grad", found.plain and grad_facts is not None)
+    return Step(tables, grads, grad_facts, lambda i: f"{names.parameter(i)}.grad",
+                found.plain and grad_facts is not None)
 
 
 def _groups_key(optimizer) -> tuple:
@@ -159,7 +161,10 @@ def _tables(found, grads, grad_facts, firsts, names) -> list:
     rows[:, 6] = found.groups
     if firsts is not None:
         rows[:, 7] = firsts
-    return [Table(rows[members], params[int(members[0])]) for members in _buckets(param_facts)]
+    buckets = _buckets(param_facts)
+    if len(buckets) == 1:
+        return [Table(rows, params[0])]
+    return [Table(rows[members], params[int(members[0])]) for members in buckets]
 
 
 def _state_words(found, params, param_facts, names) -> np.ndarray:

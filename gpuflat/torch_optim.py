@@ -140,7 +140,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
             total = (total.to_local() if dtensor.is_dtensor(total) else total).double()
             nonfinite = (~torch.isfinite(total)).double() if detect else None
         else:
-            table = tensor_table.read(grads, step.name_of_gradient)
+            table = tensor_table.read(grads, step.name_of_gradient, facts=step.grad_facts)
             total, _, nonfinite = tensor_table.norm_pass(table, grads, p, detect)
         if scale is not None:  # the norm of the unscaled gradients, as after GradScaler.unscale_
             total = total * scale.double().reciprocal().float().double().to(total.device)

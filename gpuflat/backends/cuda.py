@@ -240,26 +240,34 @@ class _StepTables:
     """The device tables of the last few optimizer steps, found again by their
     host words: a step over the same memory (gradients zeroed in place, or
     allocated again where they were) uploads nothing, so it can be captured
-    in a CUDA graph after one warm-up step."""
+    in a CUDA graph after one warm-up step.
+
+    The host words are compared with those kept, the latest first, rather
+    than hashed: a comparison stops at the first difference and reads no
+    more than a hash would, and a loop's step mostly repeats the last one."""
 
     def __init__(self, runtime):
         self.runtime = runtime
-        self.kept: OrderedDict = OrderedDict()
+        self.kept: list = []  # (host arrays, their device tables), the latest last
         self.lock = threading.Lock()
 
     def get(self, *host) -> list:
-        key = b"".join(np.ascontiguousarray(a).tobytes() + len(a).to_bytes(8, "little") for a in host)
+        host = [np.ascontiguousarray(a) for a in host]
         with self.lock:
-            tables = self.kept.pop(key, None)
-            if tables is None:
-                tables = [self.runtime.upload_table(a, "the optimizer step (new parameter or gradient memory)")
-                          for a in host]
-            self.kept[key] = tables
-            evicted = [self.kept.popitem(last=False)[1] for _ in range(len(self.kept) - TABLES_KEPT)]
-        for old in evicted:
+            for k in range(len(self.kept) - 1, -1, -1):
+                if all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(host, self.kept[k][0])):
+                    entry = self.kept.pop(k)
+                    break
+            else:
+                entry = (host, [self.runtime.upload_table(a, "the optimizer step (new parameter or gradient memory)")
+                                for a in host])
+            self.kept.append(entry)
+            evicted = self.kept[:-TABLES_KEPT]
+            del self.kept[:-TABLES_KEPT]
+        for _, old in evicted:
             for table in old:
                 self.runtime.release(table)
-        return tables
+        return entry[1]
 
 
 @lru_cache(maxsize=16)
