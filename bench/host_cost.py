@@ -11,7 +11,8 @@ they are left uninitialised. On a CUDA run the same calls are timed again
 on the real device, from the call to its return with the device idle at the
 start: the host's issue time.
 
-``gpuflat.torch.clip_grad_norm_`` is timed the same way on PyTorch tensors
+``gpuflat.torch.clip_grad_norm_``, and a clipped ``gpuflat.torch.AdamW``
+step, are timed the same way on PyTorch tensors
 (parameters with gradients over the same memory), the CUDA backend on the
 no-launch runtime serving them (``tensor_table.serve_with``): the table
 built from each tensor's metadata, the checks and the launches, with the
@@ -95,6 +96,7 @@ def _calls(tree, backend):
 
 
 DROP_IN = "gpuflat.torch clip_grad_norm_"
+STEP = "gpuflat.torch AdamW(max_norm=1.0) step"
 # Gradient sets the "moved" call rotates through: one more than the tables
 # gpuflat.torch keeps, so no call finds its table again.
 MOVED_SETS = tensor_table.TABLES_KEPT + 1
@@ -125,8 +127,16 @@ def _torch_calls(leaves, backend):
         for p, g in zip(params, sets[k]):
             p.grad = g.view_as(g)
 
+    opt = gft.AdamW(params, lr=1e-4, max_norm=1.0)
+
+    def step():
+        with tensor_table.serve_with(backend):
+            opt.step()
+
     calls = {f"{DROP_IN} (the same gradients)": (clip, None),
-             f"{DROP_IN} (new gradient tensors, same memory)": (clip, lambda: regrad([grads]))}
+             f"{DROP_IN} (new gradient tensors, same memory)": (clip, lambda: regrad([grads])),
+             f"{STEP} (the same gradients)": (step, None),
+             f"{STEP} (new gradient tensors, same memory)": (step, lambda: regrad([grads]))}
     if moved is not None:
         calls[f"{DROP_IN} (gradients in other memory)"] = (clip, lambda: regrad(moved))
     return calls
@@ -136,7 +146,7 @@ def _tensor(torch, a):
     return torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
 
 
-def _rows(name, tree, backend, runtime_label, stats, timer, settings) -> list:
+def _rows(name, tree, backend, runtime_label, stats, timer, settings, only="") -> list:
     leaves = len(gf.plan(tree).leaves)
     rows = []
     where = {"workload": name, "leaves": leaves, "runtime": runtime_label}
@@ -149,6 +159,8 @@ def _rows(name, tree, backend, runtime_label, stats, timer, settings) -> list:
     except Exception as exc:  # PyTorch absent, or the tensors refused: a row saying so
         rows.append({**where, "call": DROP_IN, **_error(exc)})
     for call, (fn, before_each) in calls.items():
+        if not call.startswith(only):
+            continue
         try:
             t, _ = timing.measure(fn, timer, settings, before_each)
             if before_each is not None:
@@ -168,9 +180,10 @@ def _error(exc) -> dict:
     return {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:300]}
 
 
-def measure(spec, settings, cupy=None) -> list:
-    """One row per workload, runtime and call: median host µs per call, and the
-    launches, host synchronisations and table uploads of one more call."""
+def measure(spec, settings, cupy=None, only="") -> list:
+    """One row per workload, runtime and call (those whose name starts with
+    ``only``): median host µs per call, and the launches, host
+    synchronisations and table uploads of one more call."""
     rows = []
     for name in WORKLOADS:
         if name not in spec:
@@ -178,10 +191,10 @@ def measure(spec, settings, cupy=None) -> list:
         tree = workloads.build(name, spec[name], "float32", alloc=np.empty).tree
         runtime = NoLaunchRuntime()
         with emulated_backend_on(runtime):
-            rows += _rows(name, tree, "emulated", NO_LAUNCH, runtime.stats, timing.HostTimer(), settings)
+            rows += _rows(name, tree, "emulated", NO_LAUNCH, runtime.stats, timing.HostTimer(), settings, only)
         if cupy is not None:
             tree = workloads.build(name, spec[name], "float32", alloc=cupy.empty).tree
             stats = get_backend("cuda").stats
-            rows += _rows(name, tree, "cuda", "cuda", stats, IssueTimer(cupy), settings)
+            rows += _rows(name, tree, "cuda", "cuda", stats, IssueTimer(cupy), settings, only)
         del tree
     return rows

@@ -12,7 +12,9 @@ fastest. With a GradScaler PyTorch adds the unscale (2 arrays: 12 in all);
 gpuflat's optimizers unscale inside the update, after the stock scaler's own
 non-finite check (about 10) or, with ``gpuflat.torch.GradScaler``, taking
 the flag from the norm pass (8). Parameters live on PyTorch's device: the
-GPU when one is at hand.
+GPU when one is at hand. Beside them, the host work of gpuflat's clipped
+step alone (``bench.host_cost``: the CUDA backend on a runtime that counts
+its launches and runs none).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import machine, timing, workloads
+from . import host_cost, machine, timing, workloads
 
 WORKLOADS = ("gpt2-small", "tiny-10k")
 MAX_NORM = 1.0
@@ -119,8 +121,9 @@ def run(settings, workload_names=WORKLOADS) -> dict:
             del params
             gc.collect()
     _speedups(rows)
+    host = host_cost.measure({name: spec[name] for name in workload_names}, settings, only=host_cost.STEP)
     return {"machine": machine.describe(device, _xp(device)), "device": device, "torch": torch.__version__,
-            "settings": vars(settings), "rows": rows}
+            "settings": vars(settings), "rows": rows, "host_cost": host}
 
 
 def _xp(device):
@@ -157,6 +160,9 @@ def text(results) -> str:
         speed = r.get("speedup_vs_torch")
         lines.append(f"{r['workload']}  {r['op']}  {r['impl']}  {r['median_ms']:.3g} ms  {r['bytes'] / 1e6:.3g} MB/step  "
                      f"{r['gb_s']:.1f} GB/s" + (f"  {speed:.2f}x torch's fastest" if speed else ""))
+    for r in results.get("host_cost", []):
+        lines.append(f"{r['workload']}  host work of a {r['call']}  " + (
+            f"{r['us_per_call'] / 1e3:.3g} ms ({r['runtime']})" if r["status"] == "ok" else r["reason"]))
     return "\n".join(lines)
 
 

@@ -100,8 +100,11 @@ def test_host_cost_section_times_plain_and_resident_calls(quick_run):
              "resident grad_norm()": 2, "resident clip_grad_norm_()": 3}
     drop_in = {f"gpuflat.torch clip_grad_norm_ ({how})": 3
                for how in ("the same gradients", "new gradient tensors, same memory", "gradients in other memory")}
+    step = {f"gpuflat.torch AdamW(max_norm=1.0) step ({how})": 4  # the norm's 2, the update, the step counts
+            for how in ("the same gradients", "new gradient tensors, same memory")}
     if HAS_TORCH:
         calls.update(drop_in)
+        calls.update(step)
     moved = "gpuflat.torch clip_grad_norm_ (gradients in other memory)"
     # GPT-2's gradients are not copied nine times over to move them.
     assert set(rows) == {(w, c) for w in ("gpt2-small", "tiny-10k") for c in calls} - {("gpt2-small", moved)}
@@ -475,3 +478,16 @@ def test_the_timers_spin_kernel_compiles_for_the_gpu(tmp_path, monkeypatch, majo
     monkeypatch.setattr(kl, "name_expressions", lambda: ["gpuflat_bench_spin"])
     out = kl.compile_ptx("sm_90", major, tmp_path)
     assert ".entry gpuflat_bench_spin(" in out.ptx and "clock64" not in out.log
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="the step rows need PyTorch")
+def test_step_rows_time_every_step_and_the_host_work_of_gpuflats():
+    from bench import step, timing
+
+    results = step.run(timing.QUICK, ("tiny-10k",))
+    assert {r["impl"] for r in results["rows"] if r["status"] == "ok"} >= {"torch foreach", "gpuflat"}
+    plain, new = results["host_cost"]
+    for r in (plain, new):
+        assert r["status"] == "ok" and r["leaves"] == 10_000 and r["us_per_call"] > 0, r
+        assert (r["launches"], r["syncs"], r["uploads"]) == (4, 0, 0), r
+    assert "host work of a gpuflat.torch AdamW(max_norm=1.0) step" in step.text(results)
