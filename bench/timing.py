@@ -54,8 +54,8 @@ class CudaEventTimer:
     before the call's first launch to its reaching an end event after its last.
 
     Before each call a scratch buffer twice the L2 size is rewritten, so every
-    repeat reads its operands from memory rather than from the 60 MB L2 (the
-    DESIGN's protocol: rotate buffers larger than L2). Then a spin kernel
+    repeat reads its operands from memory rather than from the 60 MB L2: a
+    repeat that found them in cache would time the cache. Then a spin kernel
     holds the GPU, ahead of the start event, for twice the host time the
     last call took (1 ms at least): every launch of the call is queued before
     the GPU reaches the start event, so the events time the kernels and the

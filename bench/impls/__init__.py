@@ -1,7 +1,7 @@
 """Implementations the benchmark times: gpuflat and each peer library.
 
-Every module has ``LIBRARY``, ``absent(device) -> reason or None`` and
-``cases(op, ctx) -> list[Case]``. A peer that is not installed is reported
+Every module has ``library_name(device) -> str``, ``absent(device) ->
+reason or None`` and ``cases(op, ctx) -> list[Case]``. A peer that is not installed is reported
 with its reason, never replaced by made-up figures.
 """
 from . import array_peers, gpuflat_impl, jax_peers, torch_peers
