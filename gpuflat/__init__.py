@@ -74,4 +74,4 @@ __all__ = [
     "trainables",
     "unflatten",
 ]
-__version__ = "0.6.0"
+__version__ = "0.7.0"

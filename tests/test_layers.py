@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import warnings
 from pathlib import Path
 
 import pytest
@@ -22,8 +21,6 @@ README = PACKAGE.parent / "README.md"
 
 # The modules that implement a backend: only gpuflat.backends may import them.
 IMPLEMENTATIONS = {"backends.cuda", "backends.cuda_runtime", "backends.host", "backends.numpy_backend"}
-# gpuflat.runtime is the deprecated name of backends.cuda_runtime, so it imports it.
-ALIASES = {"runtime"}
 
 
 def readme_layers(text):
@@ -123,7 +120,7 @@ def test_imports_point_down(name):
     assert up == [], f"gpuflat.{name} imports from a higher layer: {up}"
 
 
-@pytest.mark.parametrize("name", sorted(n for n in LAYER if not n.startswith("backends") and n not in ALIASES))
+@pytest.mark.parametrize("name", sorted(n for n in LAYER if not n.startswith("backends")))
 def test_front_ends_reach_a_backend_through_selection_and_protocol(name):
     reached = sorted({target for target, _ in imports_of(name)} & IMPLEMENTATIONS)
     assert reached == [], (f"gpuflat.{name}: expected backends through gpuflat.backends.selection and "
@@ -169,16 +166,9 @@ def later():
     assert "backends.selection" in {t for t, _ in imports_of("ops")}
 
 
-@pytest.mark.parametrize("old, new, name", [
-    ("gpuflat.runtime", "gpuflat.backends.cuda_runtime", "EmulatedRuntime"),
-    ("gpuflat.backends.base", "gpuflat.backends.selection", "select"),
-])
-def test_moved_modules_keep_a_deprecated_alias(old, new, name):
-    import sys
-
-    sys.modules.pop(old, None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        alias = importlib.import_module(old)
-    assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught)
-    assert getattr(alias, name) is getattr(importlib.import_module(new), name)
+@pytest.mark.parametrize("old", ["gpuflat.runtime", "gpuflat.backends.base"])
+def test_the_aliases_removed_in_0_7_are_gone(old):
+    # Renamed in 0.4.0 (to backends.cuda_runtime and backends.selection),
+    # kept as warning aliases until 0.7.0: the CHANGELOG lists them as removed.
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)

@@ -242,13 +242,13 @@ def test_cupy_arrays_give_the_emulated_bits(variant, monkeypatch):
     # the same launches on the host emulator with CuPy's contract.
     import cupy_stand_in
     from conftest import cupy_with_device
-    from gpuflat.backends import base
+    from gpuflat.backends import selection
 
     cp = cupy_with_device() if variant == "cupy" else cupy_stand_in.make_cupy(("90", "80"))
     if cp is None:
         pytest.skip("needs CuPy and a CUDA device")
     monkeypatch.setitem(sys.modules, "cupy", cp)
-    monkeypatch.setattr(base, "_backends", {})
+    monkeypatch.setattr(selection, "_backends", {})
     rng = np.random.default_rng(5)
     host = model(np.float32, rng)
     r_dev = gf.resident({k: cp.asarray(v) for k, v in host.items()})
