@@ -26,6 +26,8 @@ from .errors import (
 from .flatplan import FlatPlan, LeafSpec
 from .ops import (
     Restructure,
+    cache_clear,
+    cache_info,
     clip_by_global_norm,
     clip_grad_norm_,
     destructure,
@@ -58,6 +60,8 @@ __all__ = [
     "TreeMismatchError",
     "UnsupportedLeafError",
     "UnwalkableError",
+    "cache_clear",
+    "cache_info",
     "clip_by_global_norm",
     "clip_grad_norm_",
     "destructure",

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays
+from . import arrays, caches
 from . import tree as _tree
 from .dtypes import admit
 from .errors import OverlapError, TreeMismatchError, UnsupportedLeafError
@@ -178,7 +178,14 @@ class InPlaceChecked:
     """
 
     def __init__(self):
-        self._last = weakref.WeakKeyDictionary()
+        self._last = weakref.WeakKeyDictionary()  # by plan: bounded by the plans alive
+        caches.track("in-place verdicts", self)
+
+    def clear(self) -> None:
+        self._last.clear()
+
+    def __len__(self) -> int:
+        return len(self._last)
 
     def check(self, plan, paths, arrays, verdicts=None) -> None:
         """OverlapError or TreeMismatchError naming the leaf (``paths[i]``)

@@ -13,13 +13,14 @@ per-plan caches, keyed weakly by the plan.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, namedtuple
+from collections import namedtuple
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from operator import attrgetter
 
 import numpy as np
 
+from . import caches
 from . import tree as _tree
 from .dtypes import flat_dtype
 
@@ -190,7 +191,8 @@ def build(treedef, slot_of, unique) -> FlatPlan:
 
 
 class PlanCache:
-    """A bounded LRU of plans keyed by tree signature; safe under threads.
+    """A bounded LRU of plans keyed by tree signature (a registered
+    ``gpuflat.caches.LRU``), with hit and miss counts; safe under threads.
 
     >>> c = PlanCache(maxsize=1)
     >>> c.get("a", lambda: 1), c.get("a", lambda: 2), c.get("b", lambda: 3), c.info()
@@ -199,35 +201,27 @@ class PlanCache:
 
     def __init__(self, maxsize=256):
         self.maxsize = maxsize
-        self._plans: OrderedDict = OrderedDict()
+        self._plans = caches.LRU("plans", maxsize)
         self._lock = threading.Lock()
         self.hits = self.misses = 0
-        self._last_key = self._last_plan = None
+        self._last = (None, None)
+        caches.track("plans (counts and the last plan)", self)
 
     def get(self, key, make):
+        # Comparing with the last key first skips hashing a long key: a
+        # training loop asks for the same plan every step. The key kept is
+        # the one asked with, so a recorded tree's own Key is then found by
+        # identity, with no comparison.
+        last_key, last_plan = self._last
+        plan = last_plan if key == last_key and last_plan is not None else self._plans.find(key)
         with self._lock:
-            # Comparing with the last key first skips hashing a long key: a
-            # training loop asks for the same plan every step. The key kept
-            # is the one asked with, so a recorded tree's own Key is then
-            # found by identity, with no comparison.
-            if key == self._last_key:
-                self.hits += 1
-                self._last_key = key
-                return self._last_plan
-            plan = self._plans.get(key)
             if plan is not None:
-                self._plans.move_to_end(key)
                 self.hits += 1
-                self._last_key, self._last_plan = key, plan
-                return plan
-            self.misses += 1
-        plan = make()  # outside the lock: building is the slow part
-        with self._lock:
-            plan = self._plans.setdefault(key, plan)
-            self._plans.move_to_end(key)
-            while len(self._plans) > self.maxsize:
-                self._plans.popitem(last=False)
-            self._last_key, self._last_plan = key, plan
+            else:
+                self.misses += 1
+        if plan is None:
+            plan = self._plans.get(key, make)  # make() runs outside every lock: building is the slow part
+        self._last = (key, plan)
         return plan
 
     def info(self):
@@ -235,10 +229,13 @@ class PlanCache:
             return CacheInfo(self.hits, self.misses, len(self._plans), self.maxsize)
 
     def clear(self):
+        self._plans.clear()
         with self._lock:
-            self._plans.clear()
             self.hits = self.misses = 0
-            self._last_key = self._last_plan = None
+            self._last = (None, None)
+
+    def __len__(self):
+        return int(self._last[1] is not None)
 
 
 CacheInfo = namedtuple("CacheInfo", "hits misses size maxsize")

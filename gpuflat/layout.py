@@ -16,9 +16,9 @@ fails when one drifts from this module.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
+
+from . import caches
 
 # The dtypes of the kernel tables: (tag, NumPy name, C++ type in kernels/,
 # bytes). The kernels' gf_dispatch and the host libraries switch on the tag;
@@ -121,7 +121,7 @@ def rule_id(rule: str) -> int:
     return list(OPTIM_RULES).index(rule)
 
 
-@lru_cache(maxsize=4096)
+@caches.function(maxsize=4096)
 def leaf_row(shape, strides, dtype):
     """The table row of an array but its address (``strides`` in bytes); None
     if it keeps too many dims.

@@ -19,7 +19,7 @@ import numpy as np
 from . import arrays as _arrays
 from . import checks
 from . import distributed, dtensor
-from . import flatplan
+from . import caches, flatplan
 from . import tree as _tree
 from .backends.selection import select
 from .binding import (Call, gradients_of, in_place, max_norm_for, norm_inputs, raise_if_nonfinite, slot_sources,
@@ -67,13 +67,40 @@ def plan_cache_info() -> flatplan.CacheInfo:
 
 
 def plan_cache_clear() -> None:
-    """Empty the plan cache and reset its counters.
+    """Empty the plan cache and reset its counters: plans only (see
+    :func:`cache_clear` for every cache).
 
     >>> import gpuflat as gf
     >>> gf.plan_cache_clear(); gf.plan_cache_info().size
     0
     """
     flatplan.cache.clear()
+
+
+def cache_clear() -> None:
+    """Empty every cache gpuflat keeps: plans, trees seen, tables of
+    addresses (releasing their device copies), facts read from tensors, the
+    flat optimizers' step tables. The next calls find nothing and build
+    again; nothing else changes.
+
+    >>> import numpy as np, gpuflat as gf
+    >>> _ = gf.global_norm({"w": np.ones(3)})
+    >>> gf.cache_info()["plans"] > 0
+    True
+    >>> gf.cache_clear(); any(gf.cache_info().values())
+    False
+    """
+    caches.clear()
+
+
+def cache_info() -> dict:
+    """{name: entries held} of every cache gpuflat keeps (each bounded by entries).
+
+    >>> import gpuflat as gf
+    >>> "plans" in gf.cache_info()
+    True
+    """
+    return caches.sizes()
 
 
 def trainables(tree, *, path: bool = False, backend: str | None = None) -> list:

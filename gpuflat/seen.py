@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import itertools
 import operator
-import threading
 import weakref
-from collections import OrderedDict
 from itertools import repeat
 from operator import attrgetter
 
 import numpy as np
 
-from . import flatplan
+from . import caches, flatplan
 from . import tree as _tree
 from .dtypes import TAGS
 from .identity import Layout, Recorded
@@ -282,13 +280,11 @@ class SeenTrees:
     """
 
     def __init__(self, maxsize: int = 8):
-        self.maxsize = maxsize
-        self._entries: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
+        self._entries = caches.LRU("trees seen", maxsize)
 
     def walk(self, tree):
         """(``tree``'s Walked, its SeenTree or None where it is not recorded)."""
-        entry = self._entries.get(id(tree))
+        entry = self._entries.find(id(tree))
         if type(entry) is SeenTree:
             walked = entry.walk_again(tree)
             if walked is not None:
@@ -302,16 +298,11 @@ class SeenTrees:
                 seen = SeenTree.of(tree, walked)
             elif entry == ("not plain", mark):
                 return walked, None  # known: recording it is not tried every call
-        with self._lock:
-            self._entries[id(tree)] = seen or ("walked" if entry != ("walked", mark) else "not plain", mark)
-            self._entries.move_to_end(id(tree))
-            while len(self._entries) > self.maxsize:
-                self._entries.popitem(last=False)
+        self._entries.put(id(tree), seen or ("walked" if entry != ("walked", mark) else "not plain", mark))
         return walked, seen
 
     def clear(self):
-        with self._lock:
-            self._entries.clear()
+        self._entries.clear()
 
 
 # The trees every front end walks (``gpuflat.binding`` and ``gpuflat.checks``).

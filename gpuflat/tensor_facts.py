@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import host_compiler
+from . import caches, host_compiler
 from .errors import BuildError
 from .kernel_loader import kernel_dir
 
@@ -119,7 +119,7 @@ def _python_facts(tensors, any_type=False):
     return rows
 
 
-@functools.lru_cache(maxsize=64)
+@caches.function(maxsize=64)
 def _device_code(device) -> int:
     kind = _DEVICE_KINDS.get(device.type, 3)
     index = -1 if device.index is None else device.index
@@ -146,7 +146,7 @@ def device_keys(facts: np.ndarray) -> np.ndarray:
     return facts[:, 2] >> _DEVICE_SHIFT
 
 
-@functools.lru_cache(maxsize=64)
+@caches.function(maxsize=64)
 def is_plain_type(cls) -> bool:
     """A tensor type whose memory holds its values (not a DTensor or another wrapper).
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import threading
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import NamedTuple
@@ -33,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from . import dtensor, tensor_facts
+from . import caches, dtensor, tensor_facts
 from .arrays import adopt, device_scope, plain_tensor, tensor_refusal, to_caller
 from .layout import ITEMSIZES, LEAF_ROW_WORDS, MAX_DIMS, leaf_row
 from .backends.protocol import LeafRows
@@ -122,10 +121,9 @@ class Table:
         return tensors[group.members[0]]
 
 
-_lock = threading.Lock()
-_tables: list = []  # Table, most recently used last
-_plans: list = []  # ((numels, dtypes), plan), most recently used last
-_templates: list = []  # ((numels, dtypes, layout), rows but their addresses), most recently used last
+_tables = caches.Recent("tensor tables", TABLES_KEPT)
+_plans = caches.LRU("tensor-list plans", TABLES_KEPT)  # by (numels, dtypes)
+_templates = caches.LRU("tensor-list rows", TABLES_KEPT)  # rows but their addresses, by (numels, dtypes, layout)
 
 
 @contextlib.contextmanager
@@ -190,15 +188,10 @@ def _ties(tensors) -> tuple:
 
 
 def _remembered(reading, tensors):
-    with _lock:
-        for table in reversed(_tables):
-            # Repeated addresses are the same tensor passed twice (counted
-            # once) or two views of one memory (counted twice): which, is read again.
-            if table.reading.same(reading) and (table.ties is None or table.ties == _ties(tensors)):
-                _tables.remove(table)
-                _tables.append(table)
-                return table
-    return None
+    # Repeated addresses are the same tensor passed twice (counted once) or
+    # two views of one memory (counted twice): which, is read again.
+    return _tables.find(lambda table: table.reading.same(reading)
+                        and (table.ties is None or table.ties == _ties(tensors)))
 
 
 # ---------------------------------------------------------------- building
@@ -215,10 +208,7 @@ def _build(tensors, reading, name_of):
     devices = tensor_facts.device_keys(reading.facts).tolist() if reading else list(map(_device, tensors))
     table = Table(_groups(tensors, unique, devices, facts, name_of), returned_dtype(facts.dtypes), reading, ties)
     if reading is not None and all(isinstance(g.leaves, LeafRows) for g in table.groups):
-        with _lock:
-            _tables.append(table)
-            while len(_tables) > TABLES_KEPT:
-                _tables.pop(0)
+        _tables.add(table)
     return table
 
 
@@ -425,27 +415,13 @@ def _named_adopt(name, t):
         raise type(err)(f"leaf {name!r}: {err}") from None
 
 
-def _remembered_in(cache, key, make):
-    """``make()``, kept in ``cache`` (a list of (key, value), most recent last) under ``key``."""
-    with _lock:
-        for k, value in reversed(cache):
-            if k == key:
-                return value
-    value = make()
-    with _lock:
-        cache.append((key, value))
-        while len(cache) > TABLES_KEPT:
-            cache.pop(0)
-    return value
-
-
 def _plan(numels, dtypes) -> FlatPlan:
     """The plan of tensors of these sizes and dtypes (as 1-D leaves), walked once per layout."""
     def make():
         stand_ins = [np.broadcast_to(np.zeros((), _NUMPY_DTYPES[d]), (n,)) for n, d in zip(numels, dtypes)]
         return cached(walk(stand_ins).treedef, stand_ins)[0]
 
-    return _remembered_in(_plans, (numels, dtypes), make)
+    return _plans.get((numels, dtypes), make)
 
 
 def _template(numels, dtypes, layout):
@@ -463,7 +439,7 @@ def _template(numels, dtypes, layout):
             template[k, 1:] = row
         return template
 
-    return _remembered_in(_templates, (numels, dtypes, layout), make)
+    return _templates.get((numels, dtypes, layout), make)
 
 
 # ---------------------------------------------------------------- in-place fitness

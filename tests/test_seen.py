@@ -32,14 +32,14 @@ def facts_reader(request, monkeypatch):
 
 def test_the_native_facts_are_what_a_record_compares(facts_reader):
     tree = _recorded(_tree())
-    record = _seen.trees._entries[id(tree)]
+    record = _seen.trees._entries.find(id(tree))
     assert (record.facts is not None) == (facts_reader == "native facts" and native.available())
 
 
 def _recorded(tree, call=lambda t: gf.global_norm(t)):
     for _ in range(REPEATS):
         call(tree)
-    assert type(_seen.trees._entries.get(id(tree))) is _seen.SeenTree
+    assert type(_seen.trees._entries.find(id(tree))) is _seen.SeenTree
     return tree
 
 
@@ -203,7 +203,7 @@ def test_trees_that_are_not_plain_are_never_recorded():
     for tree in ({"box": Box()}, {"f": np.sin, "w": np.ones(2)}, [np.ones(2, np.float32).view(np.matrix)]):
         for _ in range(REPEATS):
             gf.global_norm(tree)
-        assert type(_seen.trees._entries.get(id(tree))) is not _seen.SeenTree
+        assert type(_seen.trees._entries.find(id(tree))) is not _seen.SeenTree
 
 
 def test_threads_each_get_their_own_trees_norm():
@@ -221,7 +221,7 @@ def test_threads_each_get_their_own_trees_norm():
             if abs(got - expected) > 1e-9 * expected:
                 errors.append((k, step, got, expected))
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(1, 2 * _seen.trees.maxsize + 1)]
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(1, 2 * _seen.trees._entries.maxsize + 1)]
     for t in threads:
         t.start()
     for t in threads:
@@ -251,7 +251,7 @@ def test_a_static_array_reshaped_in_place_changes_the_plan():
 
 def test_an_array_at_the_address_of_a_dead_one_is_not_taken_for_it():
     tree = _recorded({"w": np.ones(4), "b": np.ones(1)})
-    seen = _seen.trees._entries[id(tree)]
+    seen = _seen.trees._entries.find(id(tree))
     tree["w"] = np.ones(4)  # the first array dies here
     seen.ids[0] = id(tree["w"])  # as if the new one had been given its address
     assert seen.walk_again(tree) is None

@@ -39,12 +39,11 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import OrderedDict
-from functools import lru_cache
 from operator import attrgetter
 
 import numpy as np
 
+from gpuflat import caches
 from gpuflat import kernel_loader as kl
 from gpuflat.dtypes import c_name, dtype_of_tag
 from gpuflat.identity import Layout, SameArrays
@@ -248,29 +247,27 @@ class _StepTables:
 
     def __init__(self, runtime):
         self.runtime = runtime
-        self.kept: list = []  # (host arrays, their device tables), the latest last
+        # (host arrays, their device tables)
+        self.kept = caches.Recent("optimizer step tables", TABLES_KEPT, on_evict=self._release)
         self.lock = threading.Lock()
 
     def get(self, *host) -> list:
         host = [np.ascontiguousarray(a) for a in host]
         with self.lock:
-            for k in range(len(self.kept) - 1, -1, -1):
-                if all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(host, self.kept[k][0])):
-                    entry = self.kept.pop(k)
-                    break
-            else:
+            entry = self.kept.find(lambda kept: all(a.shape == b.shape and np.array_equal(a, b)
+                                                    for a, b in zip(host, kept[0])))
+            if entry is None:
                 entry = (host, [self.runtime.upload_table(a, "the optimizer step (new parameter or gradient memory)")
                                 for a in host])
-            self.kept.append(entry)
-            evicted = self.kept[:-TABLES_KEPT]
-            del self.kept[:-TABLES_KEPT]
-        for _, old in evicted:
-            for table in old:
-                self.runtime.release(table)
+                self.kept.add(entry)
         return entry[1]
 
+    def _release(self, entry) -> None:
+        for table in entry[1]:
+            self.runtime.release(table)
 
-@lru_cache(maxsize=16)
+
+@caches.function(maxsize=16)
 def _row_items(numels: bytes) -> np.ndarray:
     """The work items (flat, ITEM_WORDS per item) of parameters of these
     element counts (int64 bytes): each split into items of at most ITEM
@@ -381,9 +378,10 @@ class _StaticTables:
         self.n_items = len(items)
         self.n_big = len(big)
         # The caches below are shared by every thread using this plan.
-        self.lock = threading.Lock()
-        self.entries: list = []  # _TableEntry, most recently used last
-        self.rows: OrderedDict = OrderedDict()  # host rows and starts by reading order and array signatures
+        self.lock = threading.RLock()  # re-entrant: an entry evicted while it is held releases its table
+        self.entries = caches.Recent("per-call device tables", TABLES_KEPT,
+                                     on_evict=_evicting(weakref.WeakMethod(self._evict)))
+        self.rows = caches.LRU("per-call host rows", TABLES_KEPT)  # rows and starts by reading order and signatures
         # Every table alive, released when the plan (and so this object) goes;
         # not at exit, when the device may be gone already.
         self.alive = [self.uploaded]
@@ -394,33 +392,39 @@ class _StaticTables:
         else built with ``build()`` and uploaded unless a kept table has the
         same words (new array objects at the same addresses)."""
         with self.lock:
-            facts = _current_facts(arrays, self.entries)
-            for entry in reversed(self.entries):
-                if entry.holds(arrays, key, facts):
-                    return self._touch(entry).uploaded
+            facts = _current_facts(arrays, self.entries.entries())
+            found = self.entries.find(lambda entry: entry.holds(arrays, key, facts))
+            if found is not None:
+                return found.uploaded
         host = np.ascontiguousarray(build(), np.int64).ravel()
         with self.lock:
-            same = next((e for e in self.entries if _same_words(e.host, host)), None)
+            same = next((e for e in self.entries.entries() if _same_words(e.host, host)), None)
             if same is not None:
                 uploaded = same.uploaded
             else:
                 uploaded = self.runtime.upload_table(host, _purpose(self.plan_paths, "per-call"))
                 self.alive.append(uploaded)
-            self.entries.append(_TableEntry(arrays, key, host, uploaded))
-            while len(self.entries) > TABLES_KEPT:
-                self._evict(self.entries.pop(0).uploaded)
+            self.entries.add(_TableEntry(arrays, key, host, uploaded))
             return uploaded
 
     def _evict(self, uploaded):
         """Release a table no kept entry holds any more."""
-        if all(e.uploaded is not uploaded for e in self.entries):
+        with self.lock:
+            if uploaded not in self.alive or any(e.uploaded is uploaded for e in self.entries.entries()):
+                return
             self.alive.remove(uploaded)
-            self.runtime.release(uploaded)
+        self.runtime.release(uploaded)
 
-    def _touch(self, entry):
-        self.entries.remove(entry)
-        self.entries.append(entry)
-        return entry
+
+def _evicting(evict):
+    """What an entry dropped from a plan's per-call tables does: ``evict``
+    (weakly, so that the plan's going frees its tables at once) releases its
+    table, unless the tables are gone already (their finaliser released them)."""
+    def evicted(entry):
+        method = evict()
+        if method is not None:
+            method(entry.uploaded)
+    return evicted
 
 
 def _release_all(runtime, tables):
@@ -436,6 +440,7 @@ def _purpose(paths, which):
 # Static tables per plan (weakly: they go when the plan goes) and device.
 _tables_lock = threading.Lock()
 _tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+caches.register("static device tables", lambda: len(_tables), _tables.clear)
 
 
 def _static_tables(plan, runtime) -> _StaticTables:
@@ -512,10 +517,7 @@ def _leaf_rows(st, plan, arrays, slots, runtime, memory_order=False) -> np.ndarr
     slot), its rows read in memory order with ``memory_order`` (see
     :func:`memory_order_row`)."""
     sig = (memory_order, *map(_sig, arrays))
-    with st.lock:
-        found = st.rows.get(sig)
-        if found is not None:
-            st.rows.move_to_end(sig)
+    found = st.rows.find(sig)
     if found is None:
         rows = []
         for (shape, strides, dtype), slot in zip(sig[1:], slots):
@@ -532,10 +534,7 @@ def _leaf_rows(st, plan, arrays, slots, runtime, memory_order=False) -> np.ndarr
             template[:, 1:] = [row for row, _ in rows]
         # Each row's byte offset from its array's address to its first element read.
         found = template, np.array([start for _, start in rows], np.int64)
-        with st.lock:
-            st.rows[sig] = found
-            while len(st.rows) > TABLES_KEPT:
-                st.rows.popitem(last=False)
+        st.rows.put(sig, found)
     template, starts = found
     table = template.copy()
     table[:, 0] = np.fromiter(map(runtime.pointer, arrays), np.int64, count=len(arrays)) + starts

@@ -18,6 +18,7 @@ import weakref
 
 import numpy as np
 
+from gpuflat import caches
 from gpuflat.dtypes import cast_copy, dtype_of_tag
 from gpuflat.layout import HYPER, PARAM_ROW_FIRST
 from gpuflat.memory_order import in_memory_order
@@ -33,6 +34,7 @@ DOT = 8192
 
 # Per-plan piece layouts; a dropped plan drops its entry.
 _layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+caches.register("NumPy piece layouts", lambda: len(_layouts), _layouts.clear)
 
 
 def _layout(plan):
