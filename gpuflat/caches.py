@@ -50,7 +50,7 @@ def register(name: str, size: Callable[[], int], clear_it: Callable[[], None]) -
     """Register a cache kept by another structure: its size and how to empty it.
 
     >>> kept = {}
-    >>> register("doctest dict", lambda: len(kept), kept.clear)
+    >>> register("doctest dict", kept.__len__, kept.clear)
     >>> kept[1] = 1; sizes()["doctest dict"]
     1
     """
