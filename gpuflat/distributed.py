@@ -83,7 +83,12 @@ def global_norm(tree, ord: float = 2, *, group=None, owned: Owned | None = None,
     the stages' partials (summed p-th powers, max for inf): cut from the
     leaves' root mesh, in the same one collective; otherwise in one more.
     The norm then comes back as a plain tensor, the same on every rank.
-    Plain leaves take ``pp_mesh`` only where each stage is one rank.
+    Plain leaves take ``pp_mesh`` only where each stage is one rank. A
+    stage without gradients passes an empty tree on each of its ranks:
+    they join the other stages' collective, adding nothing, and get the
+    same norm (a float64 NumPy scalar, or CuPy array, having no leaf to
+    take the kind of). A ``pp_mesh`` mesh, the one mesh such a stage
+    reads, is cut from the stages' root mesh or is a root of its own.
     ``tied``, pairs ``(leaf, owning stage)``, counts a weight held by
     several stages (an embedding tied to the output layer) on its owner
     only; a pair whose leaf is None is skipped.
@@ -773,16 +778,13 @@ class _Local:
     def __init__(self, tree, backend, group, owned, pp_mesh=None, tied=None):
         self.call = Call(tree)
         self.plan, self.arrays = self.call.plan, list(self.call.unique)
-        pipeline = _Pipeline(pp_mesh) if pp_mesh is not None else None
-        if tied is not None and pipeline is None:
-            raise ValueError("tied: expected pp_mesh= beside it, the pipeline whose stages own the tied "
-                             "weights, got tied= without pp_mesh=")
+        pipeline = _pipeline(pp_mesh, tied)
         paths = self.call.paths()
         self.sharding = dtensor.sharding(self.call.owners(), paths, pipeline.mesh if pipeline else None)
-        if self.sharding is None:
+        if self.sharding is None:  # plain leaves, or none: a stage without gradients joins its peers here
             if pipeline is not None:
                 pipeline.check_plain(group, paths, self.call.owners())
-                group = pipeline.group
+                group = pipeline.reduced_over()
             comm = _Comm(group)
             self.comms, self.owned, self.rank, self.ranks = [comm], owned, comm.rank, comm.size
             self.mesh = None
@@ -793,7 +795,7 @@ class _Local:
             self.comms = [_Comm(g) for g in self.sharding.groups]
             self.owned, self.rank, self.ranks = None, dist.get_rank(), self.sharding.ranks
             if pipeline is not None and not self.sharding.stages_joined:
-                self.comms.append(_Comm(pipeline.group))
+                self.comms.append(_Comm(pipeline.reduced_over()))
                 self.ranks *= pipeline.stages
             # Stages combined: no one mesh holds the norm, as no one stage does.
             self.mesh = self.sharding.mesh if pipeline is None else None
@@ -844,16 +846,23 @@ class _Pipeline:
             if pp_mesh.ndim != 1:
                 raise ValueError(f"pp_mesh: expected a 1-D DeviceMesh over the pipeline stages "
                                  f"(e.g. mesh['pp']), got {pp_mesh}")
-            self.mesh, self.group = pp_mesh, pp_mesh.get_group()
+            self.mesh, group = pp_mesh, pp_mesh.get_group()
         elif isinstance(pp_mesh, dist.ProcessGroup):
-            self.mesh, self.group = None, pp_mesh
+            self.mesh, group = None, pp_mesh
         else:
             raise TypeError(f"pp_mesh: expected a DeviceMesh or a torch.distributed ProcessGroup over the "
                             f"pipeline stages, or None, got {type(pp_mesh).__module__}.{type(pp_mesh).__name__}")
-        self.stage, self.stages = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.group, self.stage, self.stages = group, dist.get_rank(group), dist.get_world_size(group)
         if self.stage < 0:
             raise ValueError(f"pp_mesh: expected a group holding this rank ({dist.get_rank()}), got one over "
-                             f"ranks {dist.get_process_group_ranks(self.group)}")
+                             f"ranks {dist.get_process_group_ranks(group)}")
+
+    def reduced_over(self):
+        """The group the stages' partials are combined over where the leaves'
+        meshes do not combine them: the process group given, or for a mesh
+        every rank of its root (``dtensor.pipeline_group``), found from the
+        mesh alone, as a stage holding nothing must find it."""
+        return self.group if self.mesh is None else dtensor.pipeline_group(self.mesh)
 
     def check_plain(self, group, paths, owners):
         """Plain leaves beside ``pp_mesh``: only where each stage is one rank,
@@ -874,10 +883,9 @@ class _Pipeline:
                 f"DTensor.from_local with its placements), or, for copies, pass the pipeline's process "
                 f"group as group= (and owned=gfd.tied(...) for a tied weight) instead of pp_mesh")
 
-    def elsewhere(self, tied, call) -> np.ndarray:
-        """Per slot of ``call``, True for a weight of ``tied`` that another stage counts."""
-        owners, arrays = call.owners(), call.unique
-        elsewhere = np.zeros(len(arrays), dtype=bool)
+    def owner_stages(self, tied) -> list:
+        """``tied`` checked: (leaf, owning stage) pairs, each stage one of pp_mesh's."""
+        pairs = []
         for i, entry in enumerate(tied):
             if not isinstance(entry, (tuple, list)) or len(entry) != 2:
                 raise TypeError(f"tied[{i}]: expected a pair (weight, owning stage), got "
@@ -886,15 +894,37 @@ class _Pipeline:
             if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < self.stages:
                 raise ValueError(f"tied[{i}]: expected the owning stage, 0 to {self.stages - 1} (pp_mesh has "
                                  f"{self.stages} stages), got {stage!r}")
+            pairs.append((leaf, stage))
+        return pairs
+
+    def elsewhere(self, tied, call) -> np.ndarray:
+        """Per slot of ``call``, True for a weight of ``tied`` that another stage counts."""
+        owners, arrays = call.owners(), call.unique
+        elsewhere = np.zeros(len(arrays), dtype=bool)
+        for i, (leaf, stage) in enumerate(self.owner_stages(tied)):
             if leaf is None:
                 continue
             slot = next((k for k, (o, a) in enumerate(zip(owners, arrays)) if leaf is o or leaf is a), None)
             if slot is None:
-                shape = tuple(getattr(leaf, "shape", ()))
-                raise ValueError(f"tied[{i}]: expected one of the leaves given, found a {type(leaf).__name__} "
-                                 f"of shape {shape} that is none of them")
+                raise _not_given(i, leaf)
             elsewhere[slot] = stage != self.stage
         return elsewhere
+
+
+def _pipeline(pp_mesh, tied):
+    """The _Pipeline of ``pp_mesh``, None without it (then ``tied`` is refused)."""
+    if pp_mesh is not None:
+        return _Pipeline(pp_mesh)
+    if tied is not None:
+        raise ValueError("tied: expected pp_mesh= beside it, the pipeline whose stages own the tied "
+                         "weights, got tied= without pp_mesh=")
+    return None
+
+
+def _not_given(i, leaf):
+    shape = tuple(getattr(leaf, "shape", ()))
+    return ValueError(f"tied[{i}]: expected one of the leaves given, found a {type(leaf).__name__} "
+                      f"of shape {shape} that is none of them")
 
 
 def _refuse_group_and_owned(group, owned, path):

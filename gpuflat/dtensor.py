@@ -32,7 +32,8 @@ import sys
 
 import numpy as np
 
-__all__ = ["Sharding", "first_path", "is_dtensor", "like", "local", "local_shards", "replicated", "sharding"]
+__all__ = ["Sharding", "first_path", "is_dtensor", "like", "local", "local_shards", "pipeline_group", "replicated",
+           "sharding"]
 
 
 def _dtensor_type():
@@ -142,12 +143,16 @@ def sharding(owners, paths, pp_mesh=None):
     overlapping groups in turn (``dp_ep`` holding ``dp``) would count the
     shared ranks twice. ``pp_mesh``, a 1-D DeviceMesh over the pipeline
     stages cut from the same root mesh, joins the stages into that one
-    collective; each stage holds its own layers, so ownership is settled
-    within a stage.
+    collective, over every rank of the root; each stage holds its own
+    layers, so ownership is settled within a stage. A ``pp_mesh`` that is
+    a root of its own is left to the caller, to reduce over once the
+    stages are.
 
     Raises naming the leaf for a ``Partial()`` placement, a leaf whose mesh
     has another root mesh than the first DTensor's, and a plain leaf beside
-    DTensors (it does not say how it is spread over the ranks).
+    DTensors (it does not say how it is spread over the ranks); a
+    ``pp_mesh`` cut from another root than the leaves' is refused (a stage
+    without gradients would reduce over that other root's ranks).
 
     >>> import torch, torch.distributed as dist
     >>> from torch.distributed.device_mesh import init_device_mesh
@@ -188,6 +193,8 @@ def sharding(owners, paths, pp_mesh=None):
     joined = pp_mesh is not None and _root(pp_mesh) == root
     if joined:
         _check_layouts_readable(pp_mesh, "pp_mesh", root)
+    elif pp_mesh is not None and _root(pp_mesh) != pp_mesh:
+        raise _pipeline_of_another_root(pp_mesh, root, paths[first])
     import torch.distributed as dist
 
     found = _reading(tuple(kinds), pp_mesh if joined else None, dist.group.WORLD)
@@ -198,6 +205,14 @@ def _root(mesh):
     # A submesh (mesh["dp"], a flattened or unflattened mesh) knows the mesh
     # it was cut from; a root mesh is its own.
     return mesh._get_root_mesh()
+
+
+def _pipeline_of_another_root(pp_mesh, root, first_path):
+    return ValueError(f"pp_mesh: expected a mesh cut from the root mesh of leaf {first_path!r}, {root}, or a "
+                      f"mesh of its own, found {pp_mesh} cut from {_root(pp_mesh)}: a stage holding no "
+                      f"gradients reads no mesh but pp_mesh, so it reduces over the ranks of pp_mesh's root, "
+                      f"which these stages do not; cut pp_mesh and the stages' meshes from one "
+                      f"init_device_mesh (mesh['pp'], mesh['dp']), or pass pp_mesh.get_group()")
 
 
 def _plain_leaf(x, path, first_path):
@@ -308,17 +323,51 @@ def _by_span(kinds, root, pp_mesh, me) -> _Reading:
     """Reduced in one collective over the ranks the meshes join.
 
     A stage is the ranks joined to this one through slices of the leaves'
-    meshes; with ``pp_mesh`` the span joins the stages too. A leaf counts on
-    the lowest rank of its stage holding its shard.
+    meshes, and with ``pp_mesh`` through its stages too (the ranks at one
+    position of its slices: the layers of one stage, replicated or sharded
+    along the other dimensions). A leaf counts on the lowest rank of its
+    stage holding its shard. With ``pp_mesh`` the collective is over every
+    rank of the root (:func:`pipeline_group`), whatever the leaves' meshes
+    join: a stage holding no gradients, which has no mesh but ``pp_mesh``
+    to read, makes the same one.
     """
     meshes = list(dict.fromkeys(mesh for mesh, _ in kinds))
     slices = {mesh: _all_slices(mesh) for mesh in meshes}
-    stage = _joined(me, slices.values())
-    span = stage if pp_mesh is None else _joined(me, [*slices.values(), _all_slices(pp_mesh)])
+    if pp_mesh is None:
+        stage = span = _joined(me, slices.values())
+    else:
+        stage, span = _joined(me, [*slices.values(), _all_slices(pp_mesh).T]), _ranks_of(root)
     owned = np.array([_first_holder(slices[mesh], placements, me, stage) for mesh, placements in kinds],
                      dtype=bool)
-    groups = [_group_over(span, [*meshes, pp_mesh, root])] if span.size > 1 else []
+    if span.size == 1:
+        groups = []
+    else:
+        groups = [_group_over(span, [*meshes, root]) if pp_mesh is None else pipeline_group(pp_mesh)]
     return _Reading(None, groups, owned, int(span.size))
+
+
+def pipeline_group(pp_mesh):
+    """The process group the norms of the stages of ``pp_mesh`` (a 1-D
+    DeviceMesh) are combined over: every rank of its root mesh, the mesh
+    it was cut from (its own ranks where it is a root itself). Every rank
+    finds it from ``pp_mesh`` alone, so a stage without gradients, that
+    reads no other mesh, joins its stage-mates' collective.
+
+    >>> import torch.distributed as dist
+    >>> from torch.distributed.device_mesh import init_device_mesh
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "dp"))
+    >>> dist.get_process_group_ranks(pipeline_group(mesh["pp"]))
+    [0]
+    >>> dist.destroy_process_group()
+    """
+    root = _root(pp_mesh)
+    return _group_over(_ranks_of(root), [pp_mesh, root])
+
+
+def _ranks_of(mesh) -> np.ndarray:
+    """The global ranks of ``mesh``, sorted."""
+    return np.sort(mesh.mesh.numpy().ravel())
 
 
 def _all_slices(mesh) -> np.ndarray:

@@ -77,7 +77,9 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
     stages) combines every stage's norm into the model's, the same on every
     rank, as a plain tensor; ``tied``, pairs ``(tensor, owning stage)``,
     counts a weight held by several stages on its owner only (see
-    ``gpuflat.distributed.global_norm``).
+    ``gpuflat.distributed.global_norm``). A stage without gradients passes
+    none: its ranks still join the other stages' collective, and return the
+    norm in float64, having no dtype of their own to round it to.
 
     >>> import torch
     >>> get_total_norm([torch.tensor([3.0]), torch.tensor([[4.0]])])
@@ -87,7 +89,7 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
     """
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     p = _norm_type(norm_type)
-    if not tensors:
+    if not tensors and pp_mesh is None and tied is None:  # a stage without any joins the others' collective
         return torch.tensor(0.0)
     if torch.compiler.is_compiling():  # gpuflat's operator, opaque in the graph
         if pp_mesh is not None or tied is not None:
@@ -101,7 +103,7 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
         with _torch_nonfinite_error():
             total = _gfd.global_norm(tensors, p, pp_mesh=pp_mesh, tied=tied,
                                      error_if_nonfinite=error_if_nonfinite)
-        return total.to(tensor_table.returned_dtype([t.dtype for t in tensors]))
+        return _returned(total, tensors)
     total = tensor_table.norm_pass(table, tensors, p).total
     if error_if_nonfinite:
         _check_finite(total, p, table, tensors, name_of)
@@ -151,7 +153,8 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     skipped. With ``error_if_nonfinite``, a NaN or inf norm raises
     NonFiniteNormError (a RuntimeError) and no gradient is scaled.
     ``pp_mesh`` and ``tied`` (pairs ``(parameter, owning stage)``) are
-    taken as by ``get_total_norm``: every stage clips by the model's norm.
+    taken as by ``get_total_norm``: every stage clips by the model's norm,
+    a stage whose parameters have no gradient included.
 
     >>> import torch
     >>> net = torch.nn.Linear(3, 1)
@@ -170,10 +173,10 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     parameters = _parameter_list(parameters, warn_empty=True)
     grads, facts, name_of = _gradients(parameters)
     max_norm, p, _ = clip_arguments(max_norm, _norm_type(norm_type), _EPS)
-    if not grads:
+    plain = pp_mesh is None and tied is None
+    if not grads and plain:  # a stage without any joins the others' collective
         return torch.tensor(0.0)
     # Each gradient is read once, for the norm and the scale, and checked before either.
-    plain = pp_mesh is None and tied is None
     table = tensor_table.read(grads, name_of, in_place=True, facts=facts) if plain else None
     if table is None:  # DTensors or pipeline stages: over the ranks (a DTensor norm replicated over one mesh)
         tied = _tied_gradients(parameters, tied)
@@ -182,7 +185,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         with _torch_nonfinite_error():
             total = _gfd.clip_grad_norm_(grads, max_norm, p, pp_mesh=pp_mesh, tied=tied, eps=_EPS,
                                          error_if_nonfinite=error_if_nonfinite)
-        return total.to(tensor_table.returned_dtype([g.dtype for g in grads]))
+        return _returned(total, grads)
     total, on_backend, _ = tensor_table.norm_pass(table, grads, p)
     if error_if_nonfinite:
         _check_finite(total, p, table, grads, name_of)
@@ -293,6 +296,15 @@ def _unique(named):
             tensors.append(tensor)
             names.append(name)
     return tensors, names
+
+
+def _returned(total, tensors) -> torch.Tensor:
+    """A norm over the ranks in the dtype PyTorch returns for ``tensors``;
+    where there are none (a pipeline stage without gradients) there is no
+    dtype to round to, and the norm stays the float64 the stages combined."""
+    if not tensors:
+        return torch.as_tensor(total)
+    return total.to(tensor_table.returned_dtype([t.dtype for t in tensors]))
 
 
 # ---------------------------------------------------------------- DTensors

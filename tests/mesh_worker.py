@@ -80,18 +80,37 @@ def check_norms(grads, reference, what, **kw):
 
 def check_clip(params, reference, what, **kw):
     """gft.clip_grad_norm_ at half the norm: the norm returned, and every
-    gradient after it equal to the float64 reference's scaled gradient."""
+    gradient after it equal to the float64 reference's scaled gradient
+    (parameters without a gradient keep none)."""
     for p in ORDS:
-        saved = [q.grad.detach().clone() for q in params.values()]
+        saved = {name: q.grad.detach().clone() for name, q in params.items() if q.grad is not None}
         expected = ref_norm(reference, p)
         max_norm = MAX_NORM_SHARE * expected
         total = gft.clip_grad_norm_(list(params.values()), max_norm, p, **kw)
         assert_close(total, expected, 1e-12, f"{what}, ord {p}: the norm clip_grad_norm_ returned")
-        coef = min(1.0, max_norm / (expected + 1e-6))
-        for (name, q), before in zip(params.items(), saved):
-            np.testing.assert_allclose(full(q.grad).numpy(), full(before).numpy() * coef, rtol=1e-12, atol=0,
-                                       err_msg=f"{what}, ord {p}: {name}.grad after the clip")
-            q.grad.copy_(before)
+        check_scaled({name: params[name].grad for name in saved}, saved, max_norm / (expected + 1e-6),
+                     f"{what}, ord {p}: {{}}.grad after the clip")
+
+
+def check_gfd_clip(grads, reference, what, **kw):
+    """gfd.clip_grad_norm_ of the tree ``grads`` (name -> gradient) at half the norm, as check_clip."""
+    for p in ORDS:
+        saved = {name: g.detach().clone() for name, g in grads.items()}
+        expected = ref_norm(reference, p)
+        max_norm = MAX_NORM_SHARE * expected
+        total = gfd.clip_grad_norm_(grads, max_norm, p, **kw)
+        assert_close(total, expected, 1e-12, f"{what}, ord {p}: the norm gfd.clip_grad_norm_ returned")
+        check_scaled(grads, saved, max_norm / (expected + 1e-6), f"{what}, ord {p}: {{}} after gfd's clip")
+
+
+def check_scaled(tensors, saved, coef, message):
+    """Each of ``tensors`` (name -> tensor) equal to its ``saved`` value times
+    min(1, coef), then given its saved value back."""
+    for name, before in saved.items():
+        t = tensors[name]
+        np.testing.assert_allclose(full(t).numpy(), full(before).numpy() * min(1.0, coef), rtol=1e-12, atol=0,
+                                   err_msg=message.format(name))
+        t.copy_(before)
 
 
 def expect_error(kind, needles, f):
@@ -199,9 +218,16 @@ def pp_dp(ctx):
     mesh = init_device_mesh("cpu", (2, ctx.size // 2), mesh_dim_names=("pp", "dp"))
     stage = mesh.get_coordinate()[0]
     tensors = stage_tensors()
-    mine = tensors[stage]
-    layout = {name: (mesh["dp"], [Replicate()] if name == "ln" else [Shard(0)]) for name in mine}
-    return mesh, stage, parameters(mine, layout), [t * 2 for ts in tensors for t in ts.values()]
+    return mesh, stage, stage_parameters(mesh, tensors[stage]), [t * 2 for ts in tensors for t in ts.values()]
+
+
+def dp_layout(mesh, name):
+    """How a stage's tensor ``name`` lies over its "dp" slice: "ln" replicated, the others sharded."""
+    return mesh["dp"], [Replicate()] if name == "ln" else [Shard(0)]
+
+
+def stage_parameters(mesh, tensors):
+    return parameters(tensors, {name: dp_layout(mesh, name) for name in tensors})
 
 
 @case(sizes=(4,))
@@ -323,6 +349,75 @@ def nonfinite_in_one_stage_is_named_on_every_rank(ctx):
     for p, b in zip(params.values(), before):
         if not torch.equal(dtensor.local(p.grad).nan_to_num(), b.nan_to_num()):
             raise AssertionError("a gradient was scaled")
+
+
+# ---------------------------------------------------------------- a stage without gradients
+
+def pipelines(ctx, mesh):
+    """(what, pp_mesh) for the (pp=2, dp) root ``mesh``: a mesh cut from it,
+    its process group, and on 2 ranks (where init_device_mesh can make one
+    over the stages alone) a mesh of its own."""
+    found = [("pp_mesh cut from the stages' root", mesh["pp"]), ("pp_mesh a group", mesh["pp"].get_group())]
+    if ctx.size == 2:
+        found.append(("pp_mesh a mesh of its own", init_device_mesh("cpu", (2,), mesh_dim_names=("stages",))))
+    return found
+
+
+def gradients_of_stage(mesh, stage, empty, how):
+    """This rank's parameters and its tree of gradients (name -> gradient),
+    where stage ``empty`` holds none: its parameters' ``.grad`` all None,
+    or no parameters at all; and the whole gradients of the other stage."""
+    tensors = stage_tensors()
+    params = stage_parameters(mesh, {} if stage == empty and how == "no parameters" else tensors[stage])
+    if stage == empty:
+        for q in params.values():
+            q.grad = None
+    grads = {name: q.grad for name, q in params.items() if q.grad is not None}
+    return params, grads, [t * 2 for t in tensors[1 - empty].values()]
+
+
+@case
+def a_stage_without_gradients_joins_the_others(ctx):
+    """One stage holds no gradient (every ``.grad`` None, or no parameters):
+    its ranks join the other stage's collective, add nothing, and get the
+    same norm and clip; before, they returned 0 at once and the other stage
+    waited for them in its all-reduce."""
+    mesh = init_device_mesh("cpu", (2, ctx.size // 2), mesh_dim_names=("pp", "dp"))
+    stage, kinds = mesh.get_coordinate()[0], pipelines(ctx, mesh)
+    for empty in (0, 1):
+        for how in ("grads None", "no parameters"):
+            for which, pp_mesh in kinds:
+                what = f"stage {empty} without gradients ({how}), {which}"
+                params, grads, reference = gradients_of_stage(mesh, stage, empty, how)
+                check_norms(list(grads.values()), reference, what, pp_mesh=pp_mesh)
+                for p in ORDS:  # an empty tree to gfd, as a dict
+                    assert_close(gfd.global_norm(grads, p, pp_mesh=pp_mesh), ref_norm(reference, p), 1e-12,
+                                 f"{what}, ord {p}: gfd.global_norm of the tree")
+                check_clip(params, reference, what, pp_mesh=pp_mesh)
+                check_gfd_clip(grads, reference, what, pp_mesh=pp_mesh)
+                # The same bits on every rank, the stage without gradients too.
+                totals = [None] * ctx.size
+                dist.all_gather_object(totals, float(gft.get_total_norm(list(grads.values()), pp_mesh=pp_mesh)))
+                if len(set(totals)) != 1:
+                    raise AssertionError(f"{what}: the ranks got different norms {totals}")
+            expect_collectives(1, lambda: gft.clip_grad_norm_(list(params.values()), 1e9, pp_mesh=mesh["pp"]),
+                               f"stage {empty} without gradients ({how}): the clip, pp_mesh cut from the root")
+
+
+@case
+def a_pipeline_cut_from_another_root_is_refused(ctx):
+    """Stages on one root mesh, pp_mesh cut from another: a stage without
+    gradients could not tell which ranks the others reduce over."""
+    mesh = init_device_mesh("cpu", (2, ctx.size // 2), mesh_dim_names=("pp", "dp"))
+    other = init_device_mesh("cpu", (2, ctx.size // 2), mesh_dim_names=("pipe", "data"))
+    params = stage_parameters(mesh, stage_tensors()[mesh.get_coordinate()[0]])
+    before = [full(q.grad).clone() for q in params.values()]
+    expect_error(ValueError, ("pp_mesh: expected a mesh cut from the root mesh of leaf '[0]'", "pass "
+                              "pp_mesh.get_group()"),
+                 lambda: gft.clip_grad_norm_(list(params.values()), 1.0, pp_mesh=other["pipe"]))
+    for q, b in zip(params.values(), before):
+        if not torch.equal(full(q.grad), b):
+            raise AssertionError("a refused clip scaled a gradient")
 
 
 # ---------------------------------------------------------------- meshes of different roots
