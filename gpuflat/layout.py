@@ -16,6 +16,8 @@ fails when one drifts from this module.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from . import caches
@@ -67,13 +69,8 @@ BLOCK_SLOT_ITEMS = 4096
 # library takes (GF_NORM_* in kernels/gpuflat_math.cuh).
 NORM_KINDS = {"l1": 0, "l2": 1, "inf": 2, "p": 3}
 
-# The optimizer rules, numbered by their place here (the host library's rule
-# argument), each with the fields of its hyperparameter row in order: HYPER
-# doubles per parameter group (GF_HYPER in kernels/gpuflat_optim.cuh).
-OPTIM_RULES = {
-    "adamw": ("lr", "weight_decay", "beta1", "beta2", "eps"),
-    "sgd": ("lr", "weight_decay", "momentum", "dampening", "nesterov"),
-}
+# Doubles per parameter group in the hyperparameter table (GF_HYPER in
+# kernels/gpuflat_optim.cuh): every rule's row has this many fields.
 HYPER = 5
 # A tensor-list step's row (struct ParamRow in kernels/gpuflat_optim.cuh):
 # the addresses of the parameter, its gradient, its two state tensors (0
@@ -97,19 +94,61 @@ def norm_kind(p: float) -> str:
     return {1.0: "l1", 2.0: "l2", float("inf"): "inf"}.get(p, "p")
 
 
-def hyper_row(rule: str, group: dict) -> tuple:
-    """A parameter group's row of the hyperparameter table, in the order of
-    ``OPTIM_RULES[rule]`` (a tensor ``lr`` as its value: the kernels read
-    the tensor itself where it lies on their device).
+@dataclass(frozen=True)
+class Rule:
+    """An optimizer rule as the kernels and the host library know it.
 
-    >>> hyper_row("adamw", {"lr": 0.1, "weight_decay": 0.01, "betas": (0.9, 0.99), "eps": 1e-8})
-    (0.1, 0.01, 0.9, 0.99, 1e-08)
+    ``number`` is their rule argument; ``hyper`` the fields of its
+    hyperparameter row, in order (HYPER of them); ``state_names`` the state
+    it keeps per parameter, in the kernels' order (a parameter row's
+    ``state0``, ``state1``); ``counts_steps`` whether PyTorch's optimizer
+    keeps a ``step`` in that state (a parameter row's ``step`` word is 0
+    where it does not).
+
+    >>> sgd = RULES["sgd"]
+    >>> sgd.number, sgd.state_names, sgd.counts_steps
+    (1, ('momentum_buffer',), False)
     """
-    named = dict(group)
-    named["beta1"], named["beta2"] = group.get("betas", (0.0, 0.0))
-    lr = group["lr"]
-    named["lr"] = float(lr) if not hasattr(lr, "device") or lr.device.type == "cpu" else 0.0
-    return tuple(float(named[field]) for field in OPTIM_RULES[rule])
+
+    name: str
+    number: int
+    hyper: tuple
+    state_names: tuple
+    counts_steps: bool
+
+    def hyper_row(self, group: dict) -> tuple:
+        """A parameter group's row of the hyperparameter table, in the order
+        of ``hyper`` (a tensor ``lr`` as its value: the kernels read the
+        tensor itself where it lies on their device).
+
+        >>> RULES["adamw"].hyper_row({"lr": 0.1, "weight_decay": 0.01, "betas": (0.9, 0.99), "eps": 1e-8})
+        (0.1, 0.01, 0.9, 0.99, 1e-08)
+        """
+        named = dict(group)
+        named["beta1"], named["beta2"] = group.get("betas", (0.0, 0.0))
+        lr = group["lr"]
+        named["lr"] = float(lr) if not hasattr(lr, "device") or lr.device.type == "cpu" else 0.0
+        return tuple(float(named[field]) for field in self.hyper)
+
+
+# The optimizer rules by name.
+RULES = {rule.name: rule for rule in (
+    Rule("adamw", number=0, hyper=("lr", "weight_decay", "beta1", "beta2", "eps"),
+         state_names=("exp_avg", "exp_avg_sq"), counts_steps=True),
+    Rule("sgd", number=1, hyper=("lr", "weight_decay", "momentum", "dampening", "nesterov"),
+         state_names=("momentum_buffer",), counts_steps=False),
+)}
+# Each rule's hyperparameter fields by name, for the code that names rules by string.
+OPTIM_RULES = {name: rule.hyper for name, rule in RULES.items()}
+
+
+def hyper_row(rule: str, group: dict) -> tuple:
+    """``RULES[rule].hyper_row(group)``, for the code that names rules by string.
+
+    >>> hyper_row("sgd", {"lr": 0.1, "weight_decay": 0.0, "momentum": 0.9, "dampening": 0.0, "nesterov": True})
+    (0.1, 0.0, 0.9, 0.0, 1.0)
+    """
+    return RULES[rule].hyper_row(group)
 
 
 def rule_id(rule: str) -> int:
@@ -118,7 +157,7 @@ def rule_id(rule: str) -> int:
     >>> rule_id("sgd")
     1
     """
-    return list(OPTIM_RULES).index(rule)
+    return RULES[rule].number
 
 
 @caches.function(maxsize=4096)

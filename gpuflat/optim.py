@@ -32,40 +32,52 @@ import sys
 import numpy as np
 
 from . import checks
-from .layout import HYPER, hyper_row
+from .layout import HYPER, RULES, Rule
 
-# The state each rule keeps per parameter, in the kernels' order.
-STATE = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 CLIP_EPS = 1e-6  # PyTorch's clip_grad_norm_: max_norm / (norm + 1e-6)
 
 
 class FlatStep:
     """The state and device tables of one resident model's optimizer.
 
-    ``leaf_group[k]`` is the parameter group of the resident model's leaf k
-    (in ``resident.layout`` order); :meth:`set_hyper` writes each group's
-    row of hyperparameters, :meth:`step` updates every buffer. The front ends
-    (:class:`AdamW`, :class:`SGD`, ``gpuflat.torch``) build on it.
+    ``rule`` is the optimizer's :class:`gpuflat.layout.Rule`;
+    ``leaf_group[k]`` the parameter group of the resident model's leaf k
+    (in ``resident.layout`` order). :meth:`set_hyper` writes each group's
+    row of hyperparameters, :meth:`step` updates every buffer. It reads the
+    model through ``resident.buffers()`` alone; :class:`AdamW` and
+    :class:`SGD` build on it. Every rule's steps are counted here, SGD's
+    too: the buffer kernels tell a first step by its count.
+
+    >>> import numpy as np, gpuflat as gf
+    >>> r = gf.resident({"w": np.ones(2)})
+    >>> flat = FlatStep(r, RULES["sgd"], [0])
+    >>> flat.set_hyper([RULES["sgd"].hyper_row({"lr": 0.5, "weight_decay": 0.0, "momentum": 0.0,
+    ...                                         "dampening": 0.0, "nesterov": False})])
+    >>> r.grads["w"][:] = 1.0
+    >>> flat.step(max_norm=None)
+    (None, None)
+    >>> r.params["w"], flat.state_views(0)["step"]
+    (array([0.5, 0.5]), array(1.))
     """
 
-    def __init__(self, resident, rule: str, leaf_group):
-        resident._require_grads()
+    def __init__(self, resident, rule: Rule, leaf_group):
+        self.buffers = resident.buffers()
         for s in resident.layout:
             if s.dtype.kind == "c":
                 raise TypeError(f"leaf {s.path!r}: the flat optimizers expected a real floating "
                                 f"parameter, got {s.dtype}")
         self.resident, self.rule = resident, rule
         self.n_groups = max(leaf_group, default=-1) + 1
-        r = resident
-        self.slot = _slots(r)
-        with r._scope():
-            self.states = [[r._allocate(g) for _ in STATE[rule]] for g in r._groups]
-            self.steps = [r._zeros(len(g.plan.leaves), np.float64) for g in r._groups]
-            self.slot_group = [r._zeros(len(g.plan.leaves), np.int64) for g in r._groups]
-            self.counted = [r._zeros(len(g.plan.leaves), np.float64) for g in r._groups]
+        bufs = self.buffers
+        self.slot = {k: slot for d in bufs.dtypes for k, slot in d.slot_of.items()}
+        with bufs.scope():
+            self.states = [[bufs.zeros(d.plan.size, d.plan.dtype) for _ in rule.state_names] for d in bufs.dtypes]
+            self.steps = [bufs.zeros(len(d.plan.leaves), np.float64) for d in bufs.dtypes]
+            self.slot_group = [bufs.zeros(len(d.plan.leaves), np.int64) for d in bufs.dtypes]
+            self.counted = [bufs.zeros(len(d.plan.leaves), np.float64) for d in bufs.dtypes]
             self._leaf_group, self._skipped = list(leaf_group), None
             self._route(frozenset())
-            self.hyper = r._zeros(max(1, self.n_groups) * HYPER, np.float64)
+            self.hyper = bufs.zeros(max(1, self.n_groups) * HYPER, np.float64)
             # (the gradients' unscale factor, nonzero to skip the step): a loss scaler's, on the device.
             self.amp = self._table([1.0, 0.0], np.float64)
         self._amp_plain = True
@@ -77,28 +89,27 @@ class FlatStep:
         whose gradients are None: PyTorch's optimizers skip such a
         parameter, leaving it, its state and its step count as they were.
         Written to the device only when the set changes."""
-        r = self.resident
-        for b, g in enumerate(r._groups):
-            groups, counted = np.full(len(g.plan.leaves), -1, np.int64), np.zeros(len(g.plan.leaves))
-            for k, s in enumerate(r.layout):
-                if s.buffer == b and k not in skipped:
-                    groups[self.slot[k]], counted[self.slot[k]] = self._leaf_group[k], 1.0
-            _write(*self.slot_group[b], groups)
-            _write(*self.counted[b], counted)
+        for b, d in enumerate(self.buffers.dtypes):
+            groups, counted = np.full(len(d.plan.leaves), -1, np.int64), np.zeros(len(d.plan.leaves))
+            for k, slot in d.slot_of.items():
+                if k not in skipped:
+                    groups[slot], counted[slot] = self._leaf_group[k], 1.0
+            _write(self.slot_group[b], groups)
+            _write(self.counted[b], counted)
         self._skipped = skipped
 
     def _table(self, values, dtype):
-        own, array = self.resident._zeros(len(values), dtype)
-        _write(own, array, np.asarray(values, dtype))
-        return own, array
+        table = self.buffers.zeros(len(values), dtype)
+        _write(table, np.asarray(values, dtype))
+        return table
 
     def set_hyper(self, rows) -> None:
         """Each group's hyperparameters (HYPER floats, see
         kernels/gpuflat_optim.cuh), written to the device only when they changed."""
         rows = tuple(tuple(float(x) for x in row) for row in rows)
         if rows != self._written:
-            with self.resident._scope():
-                _write(*self.hyper, np.asarray(rows, np.float64).reshape(-1))
+            with self.buffers.scope():
+                _write(self.hyper, np.asarray(rows, np.float64).reshape(-1))
             self._written = rows
 
     def step(self, max_norm=None, norm_type=2.0, *, inv_scale=None, skip=None, detect=False) -> tuple:
@@ -112,26 +123,26 @@ class FlatStep:
         and step count as it was; ``detect`` takes that flag from the norm
         pass instead (NaN or inf anywhere) and returns it.
         """
-        r = self.resident
+        bufs = self.buffers
         if max_norm is not None:
             max_norm, p, _ = checks.clip_arguments(max_norm, norm_type, CLIP_EPS)
             max_norm = float(max_norm)  # the update kernel takes it by value: a device one is read once
         else:
             p = 2.0
-        r._sync()
-        xp = r._backend.xp
-        with r._scope():
-            skipped = r._gradless()
+        bufs.follow()
+        xp = bufs.backend.xp
+        with bufs.scope():
+            skipped = bufs.gradless()
             if skipped != self._skipped:
                 self._route(skipped)
             total = None
             if max_norm is not None or detect:
-                total = r._combine(r._norms(r._grads, p, False), p)
+                total = bufs.grad_norm(p)
                 if inv_scale is not None:
                     total = xp.asarray(total * inv_scale)
             if detect:
                 skip = xp.where(xp.isfinite(total), 0.0, 1.0)
-            amp = self.amp[1]
+            amp = self.amp.array
             scaled = inv_scale is not None or skip is not None
             if scaled or not self._amp_plain:
                 amp[0] = 1.0 if inv_scale is None else inv_scale
@@ -140,53 +151,44 @@ class FlatStep:
             # A skipped step is not counted. Assignments, not in-place
             # operators: every array module writes through them.
             count = 1.0 if skip is None else 1.0 - amp[1]
-            for b, group in enumerate(r._groups):
-                steps = self.steps[b][1]
-                steps[...] = steps + self.counted[b][1] * count
-                r._backend.step_(self.rule, group.plan, r._params[b].array, r._grads[b].array,
-                                 [s.array for s in self.states[b]], self.slot_group[b][1], self.hyper[1],
-                                 steps, total if max_norm is not None else None,
-                                 0.0 if max_norm is None else max_norm, CLIP_EPS, amp)
-            return (None if total is None else r._result(total),
-                    None if not detect else r._result(skip))
+            for b, d in enumerate(bufs.dtypes):
+                steps = self.steps[b].array
+                steps[...] = steps + self.counted[b].array * count
+                bufs.backend.step_(self.rule.name, d.plan, d.params, d.grads,
+                                   [s.array for s in self.states[b]], self.slot_group[b].array, self.hyper.array,
+                                   steps, total if max_norm is not None else None,
+                                   0.0 if max_norm is None else max_norm, CLIP_EPS, amp)
+            return (None if total is None else bufs.to_caller(total),
+                    None if not detect else bufs.to_caller(skip))
 
     def state_views(self, k: int) -> dict:
-        """Leaf k's state as views in the caller's kind: each STATE buffer's
-        slice and ``step`` (a 0-d float64 view of its count)."""
+        """Leaf k's state as views in the caller's kind: each of the rule's
+        ``state_names`` (a slice of its buffer) and ``step`` (a 0-d float64
+        view of its count)."""
         s = self.resident.layout[k]
         views = {name: buf[s.buffer].own[s.offset : s.offset + s.size].reshape(s.shape)
-                 for name, buf in zip(STATE[self.rule], zip(*self.states))}
+                 for name, buf in zip(self.rule.state_names, zip(*self.states))}
         slot = self.slot[k]
-        views["step"] = self.steps[s.buffer][0][slot : slot + 1].reshape(())
+        views["step"] = self.steps[s.buffer].own[slot : slot + 1].reshape(())
         return views
 
 
-def _slots(resident) -> list:
-    """Each leaf's slot in its buffer's plan (the plans also hold the padding)."""
-    slot = [0] * len(resident.layout)
-    for b, group in enumerate(resident._groups):
-        leaves = [k for k, s in enumerate(resident.layout) if s.buffer == b]
-        for k, i in zip(leaves, group.real):
-            slot[k] = i
-    return slot
-
-
-def _write(own, array, host) -> None:
-    """Host values into a device table: PyTorch's copy (on its current
-    stream) for a PyTorch tensor, an upload for a CuPy array."""
+def _write(table, host) -> None:
+    """Host values into a device table (a ``Storage``): PyTorch's copy (on
+    its current stream) for a PyTorch tensor, an upload for a CuPy array."""
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(own, torch.Tensor):
-        own.copy_(torch.from_numpy(np.ascontiguousarray(host)))
-    elif isinstance(array, np.ndarray):
-        array[...] = host
+    if torch is not None and isinstance(table.own, torch.Tensor):
+        table.own.copy_(torch.from_numpy(np.ascontiguousarray(host)))
+    elif isinstance(table.array, np.ndarray):
+        table.array[...] = host
     else:
-        array.set(host)
+        table.array.set(host)
 
 
 class _Flat:
     """What AdamW and SGD share: the groups, the step and the state views."""
 
-    rule = ""
+    rule: Rule
 
     def __init__(self, resident, defaults, groups, max_norm, norm_type):
         if max_norm is not None:
@@ -195,7 +197,7 @@ class _Flat:
         paths = [s.path for s in resident.layout]
         self.groups, leaf_group = _groups(paths, defaults, groups)
         for i, group in enumerate(self.groups):
-            checks.optimizer_options(self.rule, group, i)
+            checks.optimizer_options(self.rule.name, group, i)
         self._flat = FlatStep(resident, self.rule, leaf_group)
         self.last_grad_norm = None
 
@@ -203,8 +205,8 @@ class _Flat:
         """One update of every parameter; the gradients' norm (before the
         clip, on the device) with ``max_norm``, else None."""
         for i, group in enumerate(self.groups):
-            checks.optimizer_options(self.rule, group, i)
-        self._flat.set_hyper([hyper_row(self.rule, g) for g in self.groups])
+            checks.optimizer_options(self.rule.name, group, i)
+        self._flat.set_hyper([self.rule.hyper_row(g) for g in self.groups])
         self.last_grad_norm = self._flat.step(self.max_norm, self.norm_type)[0]
         return self.last_grad_norm
 
@@ -231,7 +233,7 @@ class AdamW(_Flat):
     (array([0.899, 0.899], dtype=float32), array([0.9], dtype=float32), 1.0)
     """
 
-    rule = "adamw"
+    rule = RULES["adamw"]
 
     def __init__(self, resident, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  max_norm=None, norm_type=2.0, groups=None):
@@ -253,7 +255,7 @@ class SGD(_Flat):
     (array([0.71, 0.71]), array([1.9, 1.9]))
     """
 
-    rule = "sgd"
+    rule = RULES["sgd"]
 
     def __init__(self, resident, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  max_norm=None, norm_type=2.0, groups=None):

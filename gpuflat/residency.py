@@ -17,10 +17,12 @@ from __future__ import annotations
 import math
 import sys
 import threading
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from . import arrays as _arrays
 from . import checks
@@ -78,6 +80,21 @@ class _Group:
     def pieces(self, buffer) -> list:
         """The buffer cut along the plan's slots: what backends read per slot."""
         return [buffer[spec.offset : spec.offset + spec.size] for spec in self.plan.leaves]
+
+
+class Storage(NamedTuple):
+    """One zeroed 1-D array in two guises over the same memory: ``own`` in
+    the caller's kind (a PyTorch tensor for a PyTorch model), ``array`` as
+    the backend computes on it. Made by :meth:`Buffers.zeros`.
+
+    >>> import numpy as np, gpuflat as gf
+    >>> table = gf.resident({"w": np.ones(2)}).buffers().zeros(3, np.int64)
+    >>> table.array[1] = 7; table.own
+    array([0, 7, 0])
+    """
+
+    own: Any
+    array: Any
 
 
 class _Buffer:
@@ -217,15 +234,14 @@ class Resident:
         """A zeroed buffer for ``group``."""
         return _Buffer(*self._zeros(group.size, group.dtype), group)
 
-    def _zeros(self, size, dtype) -> tuple:
-        """(in the caller's kind, as a backend array): a zeroed 1-D array,
-        PyTorch's own for PyTorch parameters."""
+    def _zeros(self, size, dtype) -> Storage:
+        """A zeroed 1-D array, PyTorch's own for PyTorch parameters."""
         if self._like is not None:
             torch = sys.modules["torch"]
             own = torch.zeros(size, dtype=_torch_dtype(torch, dtype), device=self._like.device)
-            return own, _arrays.adopt(own)
+            return Storage(own, _arrays.adopt(own))
         buf = self._backend.zeros(size, dtype)
-        return buf, buf
+        return Storage(buf, buf)
 
     # ---------------------------------------------------------- buffers
 
@@ -249,6 +265,19 @@ class Resident:
         """The 1-D gradient buffers, one per dtype, in the caller's kind."""
         self._sync()
         return tuple(b.own for b in self._require_grads())
+
+    def buffers(self) -> "Buffers":
+        """The parameter and gradient buffers as the backend sees them, for
+        work that updates them in place every step (the flat optimizers).
+        Raises ValueError for a model made with ``grads=False``.
+
+        >>> import numpy as np, gpuflat as gf
+        >>> r = gf.resident({"w": np.ones(2)})
+        >>> r.buffers().dtypes[0].params is r.param_buffers[0]   # NumPy's own arrays
+        True
+        """
+        self._require_grads()
+        return Buffers(self)
 
     def _require_grads(self):
         if self._grads is None:
@@ -394,7 +423,7 @@ class Resident:
         their own, so that two threads' calls never read each other's norms."""
         places = getattr(self._scratch, "places", None)
         if places is None:
-            totals = self._zeros(len(self._groups), np.float64)[1]
+            totals = self._zeros(len(self._groups), np.float64).array
             places = self._scratch.places = [totals[b : b + 1].reshape(()) for b in range(len(self._groups))]
         return places
 
@@ -416,6 +445,145 @@ class Resident:
 
     def _result(self, x):
         return x if self._like is None else _arrays.to_caller(x, self._like)
+
+
+@dataclass(frozen=True, eq=False)
+class DtypeBuffers:
+    """One dtype's parameter and gradient buffers, as the backend sees them.
+
+    ``plan`` cuts the buffers into slots: the leaves and the zero padding
+    between them (no update may write the padding); ``slot_of`` maps each
+    leaf held here, by its index in ``resident.layout``, to its slot;
+    ``params`` and ``grads`` are the buffers as the backend's arrays.
+
+    >>> import numpy as np, gpuflat as gf
+    >>> r = gf.resident({"a": np.ones(3, np.float32), "b": np.ones(2), "c": np.ones(4, np.float32)})
+    >>> f32 = r.buffers().dtypes[0]
+    >>> [(leaf.path, leaf.offset, leaf.size) for leaf in f32.plan.leaves], f32.slot_of
+    ([("['a']", 0, 3), ('<padding>', 3, 61), ("['c']", 64, 4)], {0: 0, 2: 2})
+    """
+
+    plan: FlatPlan
+    slot_of: dict
+    params: Any
+    grads: Any
+
+
+class Buffers:
+    """A resident model's buffers as its backend sees them: what work that
+    updates them in place every step needs (the flat optimizers). Made by
+    :meth:`Resident.buffers`.
+
+    ``backend`` is the backend that serves the model; ``dtypes`` one
+    :class:`DtypeBuffers` per dtype, in ``param_buffers`` order. Every array
+    here is the backend's, over the model's own memory. A step calls
+    :meth:`follow` first, then does its device work inside :meth:`scope`.
+
+    >>> import numpy as np, gpuflat as gf
+    >>> bufs = gf.resident({"w": np.array([1.0, 2.0])}).buffers()
+    >>> d = bufs.dtypes[0]
+    >>> d.grads[:] = [3.0, 4.0]
+    >>> bufs.follow()
+    >>> with bufs.scope():
+    ...     d.params[...] -= 0.5 * d.grads
+    ...     norm = bufs.grad_norm(2.0)
+    >>> d.params, float(norm)
+    (array([-0.5,  0. ]), 5.0)
+    """
+
+    def __init__(self, resident: Resident):
+        self._resident = resident
+        self.backend = resident._backend
+        dtypes = []
+        for b, group in enumerate(resident._groups):
+            leaves = [k for k, s in enumerate(resident.layout) if s.buffer == b]
+            dtypes.append(DtypeBuffers(group.plan, dict(zip(leaves, group.real)),
+                                       resident._params[b].array, resident._grads[b].array))
+        self.dtypes = tuple(dtypes)
+
+    def follow(self) -> None:
+        """Take in what the training loop did to a PyTorch model's parameters
+        and gradients since the last call (see :class:`Resident`), so the
+        buffers hold them; raises ``gf.StaleResidentError`` for what cannot
+        be followed. Nothing to do for NumPy and CuPy arrays.
+
+        >>> import torch, gpuflat as gf
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> bufs = gf.resident([w]).buffers()
+        >>> w.grad = torch.tensor([3.0, 4.0])   # a new tensor: not in the buffer yet
+        >>> bufs.follow(); bufs.dtypes[0].grads
+        array([3., 4.], dtype=float32)
+        """
+        self._resident._sync()
+
+    def scope(self) -> AbstractContextManager:
+        """A context for the per-step device work: the buffers' device and,
+        for PyTorch, its current stream and allocator.
+
+        >>> import numpy as np, gpuflat as gf
+        >>> bufs = gf.resident({"w": np.ones(2)}).buffers()
+        >>> with bufs.scope():
+        ...     bufs.dtypes[0].params[...] *= 2.0
+        >>> bufs.dtypes[0].params
+        array([2., 2.])
+        """
+        return self._resident._scope()
+
+    def zeros(self, size: int, dtype: DTypeLike) -> Storage:
+        """A zeroed 1-D array of ``size`` elements on the buffers' device (a
+        PyTorch tensor's memory for a PyTorch model): for state laid out like
+        a buffer (``zeros(d.plan.size, d.plan.dtype)``) or a small table.
+        Call it inside :meth:`scope`.
+
+        >>> import numpy as np, gpuflat as gf
+        >>> bufs = gf.resident({"w": np.ones(3, np.float32)}).buffers()
+        >>> d = bufs.dtypes[0]
+        >>> state = bufs.zeros(d.plan.size, d.plan.dtype)
+        >>> state.array.shape, state.array.dtype
+        ((3,), dtype('float32'))
+        """
+        return self._resident._zeros(size, dtype)
+
+    def gradless(self) -> frozenset:
+        """The leaves (indices into ``resident.layout``) whose PyTorch
+        gradient is None: their slots hold zeros, and an optimizer leaves
+        them as they are, as PyTorch's do. Empty for NumPy and CuPy arrays.
+
+        >>> import torch, gpuflat as gf
+        >>> a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+        >>> a.grad = torch.ones(2)
+        >>> gf.resident([a, b]).buffers().gradless()
+        frozenset({1})
+        """
+        return self._resident._gradless()
+
+    def grad_norm(self, p: float) -> Any:
+        """The gradients' total ``p``-norm (a checked order, see
+        ``checks.check_ord``) as a 0-d float64 backend array, left on the
+        device, as :meth:`Resident.grad_norm` computes it. Call it inside
+        :meth:`scope`, after :meth:`follow`.
+
+        >>> import numpy as np, gpuflat as gf
+        >>> r = gf.resident({"a": np.zeros(1), "b": np.zeros(1, np.float32)})
+        >>> r.grads["a"][:] = 3.0; r.grads["b"][:] = 4.0
+        >>> bufs = r.buffers()
+        >>> with bufs.scope():
+        ...     float(bufs.grad_norm(2.0)), float(bufs.grad_norm(float("inf")))
+        (5.0, 4.0)
+        """
+        r = self._resident
+        return r._combine(r._norms(r._grads, p, False), p)
+
+    def to_caller(self, x: Any) -> Any:
+        """A backend array as the caller's kind: a PyTorch tensor for a
+        PyTorch model (the same memory), else ``x`` itself.
+
+        >>> import torch, gpuflat as gf
+        >>> bufs = gf.resident([torch.nn.Parameter(torch.ones(2))]).buffers()
+        >>> bufs.to_caller(bufs.dtypes[0].params)
+        tensor([1., 1.])
+        """
+        return self._resident._result(x)
 
 
 def resident(tree, *, grads: bool = True, backend: str | None = None) -> Resident:

@@ -7,14 +7,17 @@ with and without the clip, with several parameter groups; and the result
 must be PyTorch's formulas (checked here against a plain float64 loop, and
 against torch.optim in test_torch_optim).
 """
+import ast
 import math
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import gpuflat as gf
 from gpuflat.backends.cuda import ITEM
+from gpuflat.layout import RULES
 from gpuflat.optim import SGD, AdamW
 
 from conftest import BACKENDS, BF16, assert_bits_equal
@@ -176,6 +179,29 @@ def test_state_views_are_the_buffers():
     assert np.shares_memory(st["exp_avg"], opt._flat.states[0][0].own)
 
 
+def test_the_state_names_are_torch_optims():
+    torch = pytest.importorskip("torch")
+    for name, make in (("adamw", torch.optim.AdamW), ("sgd", lambda ps: torch.optim.SGD(ps, momentum=0.9))):
+        w = torch.nn.Parameter(torch.ones(2))
+        w.grad = torch.ones(2)
+        opt = make([w])
+        opt.step()
+        flat = (AdamW if name == "adamw" else SGD)(gf.resident({"w": np.ones(2)}))
+        assert RULES[name].state_names == tuple(k for k in opt.state[w] if k != "step")
+        assert RULES[name].counts_steps == ("step" in opt.state[w])
+        assert set(flat.state["['w']"]) == {*RULES[name].state_names, "step"}
+
+
+def test_optim_reads_a_resident_model_through_its_public_interface():
+    # Only an object's own private attributes (self._x); never a resident
+    # model's or its buffers' (r._x, self.resident._x).
+    source = Path(gf.optim.__file__).read_text()
+    private = [(node.lineno, ast.unparse(node)) for node in ast.walk(ast.parse(source))
+               if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+               and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
+    assert private == []
+
+
 def test_bad_input_is_refused_naming_the_leaf_or_group():
     r = gf.resident({"w": np.ones(2), "z": np.ones(2, np.complex64)})
     with pytest.raises(TypeError, match=r"leaf \"\['z'\]\": .*real floating parameter, got complex64"):
@@ -264,4 +290,4 @@ def test_cupy_arrays_give_the_emulated_bits(variant, monkeypatch):
         assert_bits_equal(cp.asnumpy(r_dev.params[path]), r_emu.params[path])
     inv = cp.asarray(np.asarray(0.5))
     total, found = opts[0]._flat.step(1.0, inv_scale=inv, detect=True)
-    assert float(cp.asnumpy(found)) == 0.0 and cp.asnumpy(opts[0]._flat.steps[0][1])[0] == 4.0
+    assert float(cp.asnumpy(found)) == 0.0 and cp.asnumpy(opts[0]._flat.steps[0].array)[0] == 4.0

@@ -124,6 +124,38 @@ def test_zero_grad_and_no_grads():
         frozen.grad_norm()
 
 
+def test_buffers_are_the_resident_memory_cut_at_the_leaves(backend):
+    rng = np.random.default_rng(6)
+    r = gf.resident(_mixed_model(rng), backend=backend)
+    _fill_grads(r, rng)
+    bufs = r.buffers()
+    assert len(bufs.dtypes) == len(r.param_buffers)
+    held = {}
+    for b, d in enumerate(bufs.dtypes):
+        assert np.shares_memory(d.params, r.param_buffers[b]) and d.params.size == r.param_buffers[b].size
+        assert np.shares_memory(d.grads, r.grad_buffers[b]) and d.grads.size == r.grad_buffers[b].size
+        assert d.plan.size == d.params.size and d.plan.dtype == r.param_buffers[b].dtype
+        for k, slot in d.slot_of.items():
+            s, leaf = r.layout[k], d.plan.leaves[slot]
+            assert (s.buffer, s.offset, s.size, s.path) == (b, leaf.offset, leaf.size, leaf.path)
+            held[k] = b
+        padding = [leaf for i, leaf in enumerate(d.plan.leaves) if i not in d.slot_of.values()]
+        assert all(not np.asarray(d.params[leaf.offset : leaf.offset + leaf.size]).any() for leaf in padding)
+    assert sorted(held) == list(range(len(r.layout)))
+    bufs.follow()
+    with bufs.scope():
+        for ord in (1, 2, math.inf):
+            assert_bits_equal(np.asarray(bufs.grad_norm(float(ord))), np.asarray(r.grad_norm(ord)))
+        table = bufs.zeros(5, np.int64)
+    assert table.array.shape == (5,) and table.array.dtype == np.int64 and not np.asarray(table.array).any()
+    assert bufs.gradless() == frozenset() and bufs.to_caller(bufs.dtypes[0].params) is bufs.dtypes[0].params
+
+
+def test_buffers_need_gradients():
+    with pytest.raises(ValueError, match="grads=False"):
+        gf.resident({"w": np.ones(3)}, grads=False).buffers()
+
+
 def test_per_step_calls_never_walk_the_tree(monkeypatch, backend):
     r = gf.resident({f"w{i}": np.ones(10, np.float32) for i in range(300)}, backend=backend)
     _fill_grads(r, np.random.default_rng(4))
@@ -279,6 +311,27 @@ def test_rebound_pytorch_gradients_are_copied_in_and_rebound(one_thread):
         assert p.grad is r.grads[n] and torch.equal(p.grad, fresh[n])
     net.weight.grad = None  # None counts as zero
     assert float(r.grad_norm()) == pytest.approx(float(torch.linalg.vector_norm(fresh["bias"].double())))
+
+
+def test_buffers_of_a_pytorch_model_follow_it_and_name_its_gradless_leaves():
+    net = torch.nn.Linear(3, 2)
+    r = gf.resident(net)
+    bufs = r.buffers()
+    (d,) = bufs.dtypes
+    index = {s.path: k for k, s in enumerate(r.layout)}
+    new = torch.arange(6.0).reshape(2, 3)
+    net.weight.grad, net.bias.grad = new, None  # a new tensor, and None
+    bufs.follow()
+    leaf = d.plan.leaves[d.slot_of[index["weight"]]]
+    np.testing.assert_array_equal(d.grads[leaf.offset : leaf.offset + leaf.size], new.reshape(-1).numpy())
+    assert bufs.gradless() == {index["bias"]}
+    own = bufs.to_caller(d.params)
+    assert isinstance(own, torch.Tensor) and own.data_ptr() == r.param_buffers[0].data_ptr()
+    with bufs.scope():
+        table = bufs.zeros(4, np.float64)
+    assert isinstance(table.own, torch.Tensor) and table.own.dtype == torch.float64
+    table.array[2] = 5.0  # one memory in two guises
+    assert table.own.tolist() == [0.0, 0.0, 5.0, 0.0]
 
 
 def test_mixed_pytorch_and_numpy_leaves_are_refused():
