@@ -134,9 +134,13 @@ def _torch_calls(leaves, backend):
             opt.step()
 
     calls = {f"{DROP_IN} (the same gradients)": (clip, None),
-             f"{DROP_IN} (new gradient tensors, same memory)": (clip, lambda: regrad([grads])),
-             f"{STEP} (the same gradients)": (step, None),
-             f"{STEP} (new gradient tensors, same memory)": (step, lambda: regrad([grads]))}
+             f"{DROP_IN} (new gradient tensors, same memory)": (clip, lambda: regrad([grads]))}
+    if backend.name == "emulated":
+        # The step's host work alone. Its tensors here are the CPU's, which a
+        # step on the CUDA runtime cannot take (its state and norm would be
+        # host arrays): on a GPU the step rows time CUDA tensors.
+        calls[f"{STEP} (the same gradients)"] = (step, None)
+        calls[f"{STEP} (new gradient tensors, same memory)"] = (step, lambda: regrad([grads]))
     if moved is not None:
         calls[f"{DROP_IN} (gradients in other memory)"] = (clip, lambda: regrad(moved))
     return calls
