@@ -5,6 +5,13 @@ This module imports nothing of gpuflat's, so every module, down to the
 lowest (``gpuflat.host_compiler``), can raise from it without a cycle.
 """
 
+__all__ = [
+    "BuildError", "CaptureError", "CollectiveError", "EmulatorBuildError", "EmulatorError",
+    "Float32OverflowError", "KernelError", "NonFiniteError", "NonFiniteNormError", "NonFloatingTensorError",
+    "OverlapError", "StaleResidentError", "TreeMismatchError", "UnknownKernelError", "UnsupportedLeafError",
+    "UnwalkableError",
+]
+
 
 class TreeMismatchError(ValueError):
     """A tree, leaf or flat buffer does not match the plan it is used with.

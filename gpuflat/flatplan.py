@@ -74,7 +74,7 @@ class FlatPlan:
     statics: tuple = field(repr=False, default=())
     structure: "FlatPlan | None" = field(repr=False, default=None)
 
-    def with_statics(self, statics) -> "FlatPlan":
+    def with_statics(self, statics: list) -> "FlatPlan":
         """This plan carrying ``statics`` (the cached plan itself when there are none).
 
         >>> import numpy as np, gpuflat as gf

@@ -32,7 +32,7 @@ from .overlap import first_sharing
 _NAMED_TOTALS = ("sumsq", "l1", "l2", "count")
 
 
-def plan(tree, *, backend: str | None = None) -> FlatPlan:
+def plan(tree: Any, *, backend: str | None = None) -> FlatPlan:
     """The FlatPlan of ``tree``'s structure, carrying ``tree``'s non-trainable values.
 
     The structure comes from the cache (a same-shaped tree gets an equal
@@ -103,7 +103,7 @@ def cache_info() -> dict:
     return caches.sizes()
 
 
-def trainables(tree, *, path: bool = False, backend: str | None = None) -> list:
+def trainables(tree: Any, *, path: bool = False, backend: str | None = None) -> list:
     """The unique trainable arrays of ``tree`` in walk order (ties once), as
     the caller's own objects (a PyTorch tensor stays that tensor).
 
@@ -121,7 +121,7 @@ def trainables(tree, *, path: bool = False, backend: str | None = None) -> list:
     return list(zip(call.paths(), own)) if path else own
 
 
-def destructure(tree, *, backend: str | None = None) -> tuple[Any, "Restructure"]:
+def destructure(tree: Any, *, backend: str | None = None) -> tuple[Any, "Restructure"]:
     """``(flat, re)``: the trainables in one 1-D buffer, and a Restructure rebuilding the tree.
 
     ``re(flat2)`` returns a new tree with every trainable rebuilt from
@@ -178,7 +178,7 @@ class Restructure:
         return f"Restructure({name}, ..., {self.plan.size})"
 
 
-def flatten(plan: FlatPlan, tree, *, out=None, backend: str | None = None) -> Any:
+def flatten(plan: FlatPlan, tree: Any, *, out: Any = None, backend: str | None = None) -> Any:
     """Gather ``tree``'s arrays at ``plan``'s trainable places into one 1-D buffer.
 
     ``tree`` is the model itself or a gradient tree shaped like it: gradients
@@ -232,7 +232,7 @@ def _gather(plan, sources, like, arrays, path_of, out, backend, verdicts=None):
         return out
 
 
-def unflatten(plan: FlatPlan, flat, *, backend: str | None = None) -> Any:
+def unflatten(plan: FlatPlan, flat: Any, *, backend: str | None = None) -> Any:
     """A tree shaped like ``plan``'s whose trainables are rebuilt from ``flat``.
 
     Where ``flat`` has a leaf's dtype, the leaf is a zero-copy view into it;
@@ -254,7 +254,7 @@ def unflatten(plan: FlatPlan, flat, *, backend: str | None = None) -> Any:
     return _tree.rebuild(plan.treedef, [views[s] for s in plan.slot_of], plan.statics)
 
 
-def scatter(plan: FlatPlan, flat, tree, *, backend: str | None = None) -> None:
+def scatter(plan: FlatPlan, flat: Any, tree: Any, *, backend: str | None = None) -> None:
     """Write ``flat`` into ``tree``'s own arrays, in place; returns None.
 
     ``flat`` may have any real or complex floating dtype: each slice is cast
@@ -305,7 +305,7 @@ def scatter(plan: FlatPlan, flat, tree, *, backend: str | None = None) -> None:
                 value[...] = targets[slot]
 
 
-def total(f: str | Callable[[Any], Any], tree, *, model=None, backend: str | None = None) -> Any:
+def total(f: str | Callable[[Any], Any], tree: Any, *, model: Any = None, backend: str | None = None) -> Any:
     """The sum over unique trainables of ``f(leaf)``.
 
     ``f`` is any callable, or one of the fused reductions: "sumsq" (sum of
@@ -350,7 +350,7 @@ def total(f: str | Callable[[Any], Any], tree, *, model=None, backend: str | Non
         return call.result(result.total if f == "l1" else result.power_sum)
 
 
-def global_norm(tree, ord: float = 2, *, per_leaf: bool = False, model=None,
+def global_norm(tree: Any, ord: float = 2, *, per_leaf: bool = False, model: Any = None,
                 backend: str | None = None) -> Any:
     """The norm of all trainables taken as one vector: (sum |x|**p) ** (1/p).
 
@@ -387,8 +387,8 @@ def global_norm(tree, ord: float = 2, *, per_leaf: bool = False, model=None,
         return call.result(result.total)
 
 
-def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, eps: float = 1e-6,
-                    error_if_nonfinite: bool = False, model=None, backend: str | None = None) -> Any:
+def clip_grad_norm_(grads: Any, max_norm: float, ord: float = 2, *, eps: float = 1e-6,
+                    error_if_nonfinite: bool = False, model: Any = None, backend: str | None = None) -> Any:
     """Scale every gradient in place by min(1, max_norm / (norm + eps)); return the norm.
 
     PyTorch's semantics: the factor is always applied (no branch on a device
@@ -446,7 +446,7 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, eps: float = 1e-6
         return call.result(result.total)
 
 
-def clip_by_global_norm(tree, max_norm: float, ord: float = 2, *, eps: float = 1e-6,
+def clip_by_global_norm(tree: Any, max_norm: float, ord: float = 2, *, eps: float = 1e-6,
                         backend: str | None = None) -> tuple[Any, Any]:
     """``(clipped, norm)``: a new tree whose trainables are scaled by
     min(1, max_norm / (norm + eps)); the input is left untouched.

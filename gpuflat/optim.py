@@ -28,11 +28,17 @@ arithmetic over PyTorch's parameters where they are, one table row each.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import checks
 from .layout import HYPER, RULES, Rule
+
+if TYPE_CHECKING:
+    from .residency import Resident, Storage
+
+__all__ = ["AdamW", "SGD"]
 
 CLIP_EPS = 1e-6  # PyTorch's clip_grad_norm_: max_norm / (norm + 1e-6)
 
@@ -60,7 +66,7 @@ class FlatStep:
     (array([0.5, 0.5]), array(1.))
     """
 
-    def __init__(self, resident, rule: Rule, leaf_group):
+    def __init__(self, resident: Resident, rule: Rule, leaf_group: list[int]):
         self.buffers = resident.buffers()
         for s in resident.layout:
             if s.dtype.kind == "c":
@@ -75,15 +81,16 @@ class FlatStep:
             self.steps = [bufs.zeros(len(d.plan.leaves), np.float64) for d in bufs.dtypes]
             self.slot_group = [bufs.zeros(len(d.plan.leaves), np.int64) for d in bufs.dtypes]
             self.counted = [bufs.zeros(len(d.plan.leaves), np.float64) for d in bufs.dtypes]
-            self._leaf_group, self._skipped = list(leaf_group), None
+            self._leaf_group: list[int] = list(leaf_group)
+            self._skipped: frozenset[int] | None = None
             self._route(frozenset())
             self.hyper = bufs.zeros(max(1, self.n_groups) * HYPER, np.float64)
             # (the gradients' unscale factor, nonzero to skip the step): a loss scaler's, on the device.
             self.amp = self._table([1.0, 0.0], np.float64)
         self._amp_plain = True
-        self._written = None
+        self._written: tuple | None = None
 
-    def _route(self, skipped) -> None:
+    def _route(self, skipped: frozenset[int]) -> None:
         """Point each slot at its parameter group, or at none (-1: neither
         written nor counted) for the padding and the leaves in ``skipped``,
         whose gradients are None: PyTorch's optimizers skip such a
@@ -98,21 +105,22 @@ class FlatStep:
             _write(self.counted[b], counted)
         self._skipped = skipped
 
-    def _table(self, values, dtype):
+    def _table(self, values: list[float], dtype: Any) -> Storage:
         table = self.buffers.zeros(len(values), dtype)
         _write(table, np.asarray(values, dtype))
         return table
 
-    def set_hyper(self, rows) -> None:
+    def set_hyper(self, rows: list) -> None:
         """Each group's hyperparameters (HYPER floats, see
         kernels/gpuflat_optim.cuh), written to the device only when they changed."""
-        rows = tuple(tuple(float(x) for x in row) for row in rows)
-        if rows != self._written:
+        written = tuple(tuple(float(x) for x in row) for row in rows)
+        if written != self._written:
             with self.buffers.scope():
-                _write(self.hyper, np.asarray(rows, np.float64).reshape(-1))
-            self._written = rows
+                _write(self.hyper, np.asarray(written, np.float64).reshape(-1))
+            self._written = written
 
-    def step(self, max_norm=None, norm_type=2.0, *, inv_scale=None, skip=None, detect=False) -> tuple:
+    def step(self, max_norm: Any = None, norm_type: float = 2.0, *, inv_scale: Any = None, skip: Any = None,
+             detect: bool = False) -> tuple:
         """Count a step and update every buffer: (the gradients' norm, the skip flag).
 
         With ``max_norm`` the update clips inside itself, and the norm
@@ -173,7 +181,7 @@ class FlatStep:
         return views
 
 
-def _write(table, host) -> None:
+def _write(table: Storage, host: np.ndarray) -> None:
     """Host values into a device table (a ``Storage``): PyTorch's copy (on
     its current stream) for a PyTorch tensor, an upload for a CuPy array."""
     torch = sys.modules.get("torch")
@@ -190,7 +198,8 @@ class _Flat:
 
     rule: Rule
 
-    def __init__(self, resident, defaults, groups, max_norm, norm_type):
+    def __init__(self, resident: Resident, defaults: dict, groups: list[dict] | None, max_norm: float | None,
+                 norm_type: float):
         if max_norm is not None:
             checks.clip_arguments(max_norm, norm_type, CLIP_EPS)
         self.resident, self.max_norm, self.norm_type = resident, max_norm, norm_type
@@ -201,7 +210,7 @@ class _Flat:
         self._flat = FlatStep(resident, self.rule, leaf_group)
         self.last_grad_norm = None
 
-    def step(self):
+    def step(self) -> Any:
         """One update of every parameter; the gradients' norm (before the
         clip, on the device) with ``max_norm``, else None."""
         for i, group in enumerate(self.groups):
@@ -235,8 +244,9 @@ class AdamW(_Flat):
 
     rule = RULES["adamw"]
 
-    def __init__(self, resident, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
-                 max_norm=None, norm_type=2.0, groups=None):
+    def __init__(self, resident: Resident, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, max_norm: float | None = None,
+                 norm_type: float = 2.0, groups: list[dict] | None = None):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(resident, defaults, groups, max_norm, norm_type)
 
@@ -257,20 +267,21 @@ class SGD(_Flat):
 
     rule = RULES["sgd"]
 
-    def __init__(self, resident, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
-                 max_norm=None, norm_type=2.0, groups=None):
+    def __init__(self, resident: Resident, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, *, max_norm: float | None = None,
+                 norm_type: float = 2.0, groups: list[dict] | None = None):
         defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay,
                     "nesterov": nesterov}
         super().__init__(resident, defaults, groups, max_norm, norm_type)
 
 
-def _groups(paths, defaults, groups):
+def _groups(paths: list[str], defaults: dict, groups: list[dict] | None) -> tuple[list[dict], list[int]]:
     """(the groups with every option filled in, each leaf's group). Leaves in
     no group form a first group of the defaults."""
     if groups is None:
         return [dict(defaults)], [0] * len(paths)
     index = {p: k for k, p in enumerate(paths)}
-    leaf_group = [None] * len(paths)
+    leaf_group: list[int | None] = [None] * len(paths)
     filled = []
     for i, group in enumerate(groups):
         unknown = set(group) - set(defaults) - {"params"}
@@ -288,5 +299,4 @@ def _groups(paths, defaults, groups):
     if any(g is None for g in leaf_group):
         rest = [p for p, g in zip(paths, leaf_group) if g is None]
         filled.append({**defaults, "params": rest})
-        leaf_group = [len(filled) - 1 if g is None else g for g in leaf_group]
-    return filled, leaf_group
+    return filled, [len(filled) - 1 if g is None else g for g in leaf_group]

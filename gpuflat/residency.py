@@ -184,7 +184,7 @@ class Resident:
     (2, 5.0)
     """
 
-    def __init__(self, tree, *, grads: bool = True, backend: str | None = None):
+    def __init__(self, tree: Any, *, grads: bool = True, backend: str | None = None):
         call = Call(tree)
         unique = call.unique
         paths = call.paths()
@@ -586,7 +586,7 @@ class Buffers:
         return self._resident._result(x)
 
 
-def resident(tree, *, grads: bool = True, backend: str | None = None) -> Resident:
+def resident(tree: Any, *, grads: bool = True, backend: str | None = None) -> Resident:
     """Move ``tree``'s trainables into flat buffers, one per dtype; see :class:`Resident`.
 
     >>> import numpy as np, gpuflat as gf
