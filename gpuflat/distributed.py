@@ -51,8 +51,8 @@ from .dtypes import is_bfloat16
 from .binding import Call, max_norm_for
 from .errors import CollectiveError, NonFiniteError
 
-__all__ = ["PATH_FORMAT", "CollectiveError", "Owned", "all_reduce_", "clip_grad_norm_", "global_norm",
-           "replicated", "sharded", "tied"]
+__all__ = ["PATH_FORMAT", "CollectiveError", "Owned", "all_reduce_", "check_pipeline", "clip_grad_norm_",
+           "global_norm", "replicated", "sharded", "tied"]
 
 # Each rank's row in the one exchanged buffer: its partial, and 1 + the slot
 # of its first owned leaf with a non-finite norm (0: none).
@@ -142,6 +142,26 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, group=None, owned
         if local.arrays:
             local.be.clip_(local.plan, local.arrays, total, max_norm_for(local.be, max_norm), eps)
         return local.give_back(total)
+
+
+def check_pipeline(pp_mesh, tied=None, leaves=None) -> None:
+    """Raise what ``global_norm`` raises for ``pp_mesh`` and ``tied``, before
+    any norm is taken: for a caller keeping them for later norms (a flat
+    optimizer's constructor). Where ``leaves`` is given, each tied leaf
+    must be one of them.
+
+    >>> check_pipeline(None)
+    >>> check_pipeline(None, tied=[(np.ones(2), 0)])
+    Traceback (most recent call last):
+    ...
+    ValueError: tied: expected pp_mesh= beside it, the pipeline whose stages own the tied weights, ...
+    """
+    pipeline = _pipeline(pp_mesh, tied)
+    if tied is None:
+        return
+    for i, (leaf, _) in enumerate(pipeline.owner_stages(tied)):
+        if leaves is not None and leaf is not None and not any(leaf is x for x in leaves):
+            raise _not_given(i, leaf)
 
 
 def all_reduce_(grads, op: str = "mean", *, group=None, bucket_bytes: int | None = None) -> None:

@@ -23,8 +23,12 @@ clipped by their global norm inside the update, as ``clip_grad_norm_`` over
 them would: one norm pass, then one update launch per device and dtype, which
 also unscales a GradScaler's gradients and skips on the device when they hold
 NaN or inf. ``opt.last_grad_norm`` keeps that norm, before the clip, as a
-float64 tensor. A tensor ``lr`` is read where it lies, through its address:
-changing it between steps needs no host read.
+float64 tensor. ``pp_mesh=`` and ``tied=`` are taken as by
+``gpuflat.torch.clip_grad_norm_`` (``tied`` pairs a parameter with its
+owning stage): the norm is then the whole pipeline's, which every stage's
+optimizer joins, one whose parameters have no gradient too. A tensor
+``lr`` is read where it lies, through its address: changing it between
+steps needs no host read.
 
 Differences, on purpose: ``amsgrad``, ``maximize`` and ``differentiable``
 are refused; ``foreach``, ``fused`` and ``capturable`` are accepted and
@@ -57,7 +61,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
     # unscaling the gradients itself: the update unscales, and skips on the device.
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, defaults, max_norm, norm_type):
+    def __init__(self, params, defaults, max_norm, norm_type, pp_mesh, tied):
         name = type(self).__name__
         for option in REFUSED:
             if defaults.get(option):
@@ -70,7 +74,9 @@ class _FlatOptimizer(torch.optim.Optimizer):
                             f"takes them, got a Resident; pass model.parameters(): the optimizer follows the "
                             f"parameters wherever their memory is, a resident model's buffers included")
         super().__init__(params, defaults)
+        distributed.check_pipeline(pp_mesh, tied, [p for g in self.param_groups for p in g["params"]])
         self.max_norm, self.norm_type = max_norm, norm_type
+        self.pp_mesh, self.tied = pp_mesh, tied
         self.last_grad_norm = None
 
     @torch.no_grad()
@@ -102,7 +108,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = None
         # Everything is read and checked before anything is written.
         step = param_rows.read(self, self._state_names, self._init_group)
-        if step is None:
+        if step is None and self.pp_mesh is None:  # a stage without gradients still joins the stages' norm
             return
         detect = found is _FROM_NORM
         total, nonfinite = self._norm(step, scale, detect)
@@ -111,7 +117,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
             found.copy_(nonfinite.to(found.device, found.dtype).reshape(found.shape))
         self.last_grad_norm = total
         hyper = np.array([hyper_row(self._rule, g) for g in self.param_groups], np.float64).reshape(-1)
-        for table in step.tables:
+        for table in step.tables if step is not None else ():
             self._step_table(table, hyper, total, scale, found)
 
     def _amp(self):
@@ -130,14 +136,16 @@ class _FlatOptimizer(torch.optim.Optimizer):
     def _norm(self, step, scale, detect):
         """(the gradients' norm, unscaled, as a float64 tensor, or None
         without ``max_norm`` or ``detect``; with ``detect``, a 0-d tensor that
-        is 1 where some gradient holds NaN or inf)."""
+        is 1 where some gradient holds NaN or inf). ``step`` is None on a
+        pipeline stage without gradients, which adds nothing to the norm."""
         if self.max_norm is None and not detect:
             return None, None
         p = clip_arguments(1.0, self.norm_type, CLIP_EPS)[1]
-        grads = step.grads
-        if not step.plain:  # DTensors: over the ranks of their mesh
-            total = distributed.global_norm(grads, p)
-            total = (total.to_local() if dtensor.is_dtensor(total) else total).double()
+        grads = [] if step is None else step.grads
+        if self.pp_mesh is not None or not step.plain:  # DTensors or pipeline stages: over the ranks
+            tied = None if self.tied is None else [(q.grad, stage) for q, stage in self.tied]
+            total = distributed.global_norm(grads, p, pp_mesh=self.pp_mesh, tied=tied)
+            total = torch.as_tensor(total.to_local() if dtensor.is_dtensor(total) else total).double()
             nonfinite = (~torch.isfinite(total)).double() if detect else None
         else:
             table = tensor_table.read(grads, step.name_of_gradient, facts=step.grad_facts)
@@ -236,11 +244,11 @@ class AdamW(_FlatOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 max_norm=None, norm_type=2.0):
+                 max_norm=None, norm_type=2.0, pp_mesh=None, tied=None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused, decoupled_weight_decay=True)
-        super().__init__(params, defaults, max_norm, norm_type)
+        super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied)
 
     def _lazy_state(self, state, p, group) -> bool:
         if len(state) == 0:
@@ -267,11 +275,12 @@ class SGD(_FlatOptimizer):
     _counts_steps = False
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
-                 maximize=False, foreach=None, differentiable=False, fused=None, max_norm=None, norm_type=2.0):
+                 maximize=False, foreach=None, differentiable=False, fused=None, max_norm=None, norm_type=2.0,
+                 pp_mesh=None, tied=None):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
                         fused=fused)
-        super().__init__(params, defaults, max_norm, norm_type)
+        super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied)
 
     def _lazy_state(self, state, p, group):
         """PyTorch's SGD keeps a momentum buffer only where momentum is used,

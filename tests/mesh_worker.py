@@ -420,6 +420,60 @@ def a_pipeline_cut_from_another_root_is_refused(ctx):
             raise AssertionError("a refused clip scaled a gradient")
 
 
+def pipeline_steps():
+    """Per step, each stage's whole gradients (name -> tensor, drawn from
+    seeds), None for every gradient of stage 1 in step 1: a stage without
+    gradients in the middle of training."""
+    steps = []
+    for k in range(3):
+        steps.append([{name: None if (k, s) == (1, 1) else g
+                       for name, g in whole(100 + 2 * k + s, shapes).items()} for s, shapes in enumerate(STAGES)])
+    return steps
+
+
+OPTIMIZERS = {
+    "AdamW": (torch.optim.AdamW, gft.AdamW, dict(lr=2e-2, betas=(0.9, 0.99), weight_decay=0.1)),
+    "SGD": (torch.optim.SGD, gft.SGD, dict(lr=5e-2, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+}
+OPTIMIZER_MAX_NORM = 1.0  # below every step's norm: each step clips
+
+
+@case
+def pp_flat_optimizers_train_as_torch_after_the_pipeline_clip(ctx):
+    """gft.AdamW and SGD with max_norm= and pp_mesh=, each stage's optimizer
+    over its own DTensor parameters, against torch.optim over the whole
+    model's tensors after torch.nn.utils.clip_grad_norm_ over all of them:
+    the parameters after 3 steps in float64, a step where stage 1 has no
+    gradient included."""
+    mesh = init_device_mesh("cpu", (2, ctx.size // 2), mesh_dim_names=("pp", "dp"))
+    stage = mesh.get_coordinate()[0]
+    steps = pipeline_steps()
+    for name, (torch_kind, gft_kind, options) in OPTIMIZERS.items():
+        for which, pp_mesh in pipelines(ctx, mesh):
+            what = f"{name}, {which}"
+            tensors = stage_tensors()
+            params = stage_parameters(mesh, tensors[stage])
+            model = {(s, n): torch.nn.Parameter(t.clone()) for s, ts in enumerate(tensors) for n, t in ts.items()}
+            ours = gft_kind(list(params.values()), max_norm=OPTIMIZER_MAX_NORM, pp_mesh=pp_mesh, **options)
+            theirs = torch_kind(list(model.values()), **options)
+            for k, grads in enumerate(steps):
+                # Copies: the clips scale gradients in place, and a shard may be a view of its source.
+                for n, q in params.items():
+                    g = grads[stage][n]
+                    q.grad = None if g is None else distribute_tensor(g.clone(), *dp_layout(mesh, n))
+                for (s, n), q in model.items():
+                    q.grad = None if grads[s][n] is None else grads[s][n].clone()
+                norm = float(torch.nn.utils.clip_grad_norm_(list(model.values()), OPTIMIZER_MAX_NORM))
+                if not norm > OPTIMIZER_MAX_NORM:
+                    raise AssertionError(f"{what}, step {k}: the norm {norm} is not clipped: the case cannot fail")
+                theirs.step()
+                ours.step()
+                assert_close(ours.last_grad_norm, norm, 1e-12, f"{what}, step {k}: last_grad_norm")
+            for n, q in params.items():
+                np.testing.assert_allclose(full(q.detach()).numpy(), model[stage, n].detach().numpy(), rtol=1e-10,
+                                           atol=1e-13, err_msg=f"{what}: {n} after 3 steps")
+
+
 # ---------------------------------------------------------------- meshes of different roots
 
 @case(sizes=(4,))

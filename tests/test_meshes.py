@@ -10,6 +10,7 @@ when every rank reported it ok.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -60,5 +61,39 @@ def test_a_pipeline_clip_inside_torch_compile_runs_between_graphs():
         before, total = clip([w])
         assert float(before) == float(total) == 5.0
         torch.testing.assert_close(w.grad, torch.tensor([0.6, 0.8], dtype=torch.float64) / (1 + 0.2e-6))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_flat_optimizers_check_pp_mesh_and_tied_when_made():
+    """gft.AdamW and SGD refuse a bad pp_mesh or tied as the clip does, when
+    made, not at their first step (a world of one rank here)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import gpuflat.torch as gft
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        pp = init_device_mesh("cpu", (1,), mesh_dim_names=("pp",))
+        w = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+        stranger = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+        for kind in (gft.AdamW, gft.SGD):
+            for options, error, needle in (
+                    (dict(pp_mesh=2), TypeError, "pp_mesh: expected a DeviceMesh or a torch.distributed ProcessGroup"),
+                    (dict(pp_mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))), ValueError,
+                     "pp_mesh: expected a 1-D DeviceMesh"),
+                    (dict(tied=[(w, 0)]), ValueError, "tied: expected pp_mesh= beside it"),
+                    (dict(pp_mesh=pp, tied=[(w, 1)]), ValueError, "tied[0]: expected the owning stage, 0 to 0"),
+                    (dict(pp_mesh=pp, tied=[w]), TypeError, "tied[0]: expected a pair (weight, owning stage)"),
+                    (dict(pp_mesh=pp, tied=[(stranger, 0)]), ValueError,
+                     "tied[0]: expected one of the leaves given, found a Parameter of shape (3,)")):
+                with pytest.raises(error, match=re.escape(needle)):
+                    kind([w], max_norm=1.0, **options)
+            # A world of one stage: the pipeline's norm is this stage's.
+            w.grad = torch.tensor([3.0, 4.0], dtype=torch.float64)
+            opt = kind([w], lr=0.0, max_norm=1.0, pp_mesh=pp, tied=[(w, 0)])
+            opt.step()
+            assert float(opt.last_grad_norm) == 5.0
     finally:
         dist.destroy_process_group()
