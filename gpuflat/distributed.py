@@ -144,7 +144,7 @@ def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, group=None, owned
         return local.give_back(total)
 
 
-def check_pipeline(pp_mesh, tied=None, leaves=None) -> None:
+def check_pipeline(pp_mesh: Any, tied: Any = None, leaves: Any = None) -> None:
     """Raise what ``global_norm`` raises for ``pp_mesh`` and ``tied``, before
     any norm is taken: for a caller keeping them for later norms (a flat
     optimizer's constructor). Where ``leaves`` is given, each tied leaf
