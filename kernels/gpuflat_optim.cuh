@@ -82,26 +82,69 @@ __device__ __forceinline__ double gf_grad_factor(const double* total, double max
     return c * amp[0];
 }
 
-// torch.lerp's formula, which switches form at weight 0.5.
-template <class C>
-__device__ __forceinline__ C gf_lerp(C a, C b, C w) {
-    return (w < (C)0.5 && w > (C)-0.5) ? a + w * (b - a) : b - (b - a) * ((C)1 - w);
-}
-
 template <class C>
 struct gf_adamw_coefs {
-    C clip, decay, w1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps;
+    C clip, decay, beta2, one_minus_beta2, step_size, bc2_sqrt, eps;
+    // torch.lerp(m, g, 1 - beta1) is base + lerp_weight * (g - m), its base
+    // g where lerp_from_grad, else m (gf_adamw_setup).
+    C lerp_weight;
+    bool lerp_from_grad;
+    // 1 / bc2_sqrt in double, and whether gf_unbias may multiply by it.
+    double inv_bc2_sqrt;
+    bool unbias_by_product;
 };
 
 // One group's scalars at step `step` (already counted), as PyTorch's
-// non-capturable foreach AdamW computes them on the host.
+// non-capturable foreach AdamW computes them on the host, each row's once.
+//
+// torch.lerp(m, g, w) is m + w * (g - m) where |w| < 0.5, else
+// g - (g - m) * (1 - w), which is g + (-(1 - w)) * (g - m) bit for bit
+// (negating a product or a term changes no rounding, and x - y and
+// x + (-y) give the same zero), so a row picks its base and weight and an
+// element computes base + weight * (g - m): no branch per element.
 template <class C>
 __device__ __forceinline__ gf_adamw_coefs<C> gf_adamw_setup(const double* h, double step, double clip,
                                                             double lr) {
     const double wd = h[1], b1 = h[2], b2 = h[3];
     const double bc1 = 1.0 - gf_powi(b1, step), bc2 = 1.0 - gf_powi(b2, step);
-    return {(C)clip, (C)(1.0 - lr * wd), (C)(1.0 - b1), (C)b2, (C)(1.0 - b2),
-            (C)(-(lr / bc1)), (C)sqrt(bc2), (C)h[4]};
+    const C w = (C)(1.0 - b1), bc2_sqrt = (C)sqrt(bc2);
+    const bool from_grad = !(w < (C)0.5 && w > (C)-0.5);
+    // gf_unbias: c at most 2^32, or not finite (betas in [0, 1) give c in [2^-27, 1]).
+    const double c = (double)bc2_sqrt;
+    const bool by_product = gf_same<C, float>::value && !(c > 4294967296.0 && c < gf_inf());
+    return {(C)clip, (C)(1.0 - lr * wd), (C)b2, (C)(1.0 - b2), (C)(-(lr / bc1)), bc2_sqrt, (C)h[4],
+            from_grad ? -((C)1 - w) : w, from_grad, 1.0 / c, by_product};
+}
+
+// sqrt(v) / bc2_sqrt, rounded once. BY_PRODUCT, for float rows whose
+// unbias_by_product is set, rounds the double product root * (1 / c)
+// (c = bc2_sqrt) to float instead: the quotient's bits, with a multiply in
+// place of a division per element. The product is within 2^-52 (relative)
+// of the real root / c, which is further than that from every midpoint M
+// between two floats, the only points where rounding to float changes its
+// answer, so both round alike: root / c - M = (root - M c) / c, and
+// root - M c is a nonzero multiple of the finer of root's and M c's last
+// places (root, 24 significant bits, is never M c, wider: M has 25), at
+// least 2^-49 of M c. Below float's normal range midpoints are evenly spaced
+// and root / c can be one, but root is 0 or at least 2^-75 (the square root
+// of a float) and c at most 2^32 keeps root / c above 2^-107. A c of 0, inf
+// or NaN gives what the division gives: root * inf, root * 0, NaN.
+template <bool BY_PRODUCT, class C>
+__device__ __forceinline__ C gf_unbias(C root, const gf_adamw_coefs<C>& k) {
+    if constexpr (BY_PRODUCT) return (C)((double)root * k.inv_bc2_sqrt);
+    else return root / k.bc2_sqrt;
+}
+
+// One element of the four tensors in the compute type, in place. The
+// independent operations are ordered so that few values stay live across
+// the square root and the division, whose slow paths are calls.
+template <bool BY_PRODUCT, class C>
+__device__ __forceinline__ void gf_adamw_math(C& p, C g, C& m, C& v, const gf_adamw_coefs<C>& k) {
+    const C gc = g * k.clip;
+    m = (k.lerp_from_grad ? gc : m) + k.lerp_weight * (gc - m);
+    v = v * k.beta2 + k.one_minus_beta2 * gc * gc;
+    const C denom = gf_unbias<BY_PRODUCT>(sqrt(v), k) + k.eps;
+    p = p * k.decay + k.step_size * (m / denom);
 }
 
 // One element of the four buffers, in place.
@@ -109,12 +152,9 @@ template <class S>
 __device__ __forceinline__ void gf_adamw_one(S& p, const S& g, S& m, S& v,
                                              const gf_adamw_coefs<typename gf_compute<S>::type>& k) {
     using C = typename gf_compute<S>::type;
-    const C gc = gf_load<C>(g) * k.clip;
-    const C pc = gf_load<C>(p) * k.decay;
-    const C mc = gf_lerp(gf_load<C>(m), gc, k.w1);
-    const C vc = gf_load<C>(v) * k.beta2 + k.one_minus_beta2 * gc * gc;
-    const C denom = sqrt(vc) / k.bc2_sqrt + k.eps;
-    gf_store(p, pc + k.step_size * (mc / denom));
+    C pc = gf_load<C>(p), mc = gf_load<C>(m), vc = gf_load<C>(v);
+    gf_adamw_math<false>(pc, gf_load<C>(g), mc, vc, k);
+    gf_store(p, pc);
     gf_store(m, mc);
     gf_store(v, vc);
 }
@@ -142,22 +182,34 @@ __device__ __forceinline__ gf_sgd_coefs<C> gf_sgd_setup(const double* h, double 
             h[1] != 0.0, h[2] != 0.0, step <= 1.0, h[4] != 0.0};
 }
 
-// PyTorch's SGD: d = g + wd * p; buf = d on the first step, else
-// buf * momentum + (1 - dampening) * d; d = d + momentum * buf (nesterov) or
-// buf; p = p - lr * d. The branches are uniform over a range.
+// PyTorch's SGD on one element in the compute type, in place: d = g + wd * p;
+// buf = d on the first step, else buf * momentum + (1 - dampening) * d;
+// d = d + momentum * buf (nesterov) or buf; p = p - lr * d. The choices are
+// uniform over a row and made by selects (the values not chosen have no
+// effect), so a vector of elements runs without branches.
+template <class C>
+__device__ __forceinline__ void gf_sgd_math(C& p, C g, C& buf, const gf_sgd_coefs<C>& k) {
+    C d = g * k.clip;
+    d = k.has_wd ? d + k.wd * p : d;
+    const C b = k.first ? d : buf * k.momentum + k.one_minus_dampening * d;
+    const C n = k.nesterov ? d + k.momentum * b : b;
+    if (k.has_momentum) {
+        buf = b;
+        d = n;
+    }
+    p = p + k.neg_lr * d;
+}
+
+// One element of the buffers, in place; buf is read only with momentum
+// after the first step, and written only with momentum.
 template <class S>
 __device__ __forceinline__ void gf_sgd_one(S& p, const S& g, S& buf,
                                            const gf_sgd_coefs<typename gf_compute<S>::type>& k) {
     using C = typename gf_compute<S>::type;
-    const C pc = gf_load<C>(p);
-    C d = gf_load<C>(g) * k.clip;
-    if (k.has_wd) d = d + k.wd * pc;
-    if (k.has_momentum) {
-        const C b = k.first ? d : gf_load<C>(buf) * k.momentum + k.one_minus_dampening * d;
-        gf_store(buf, b);
-        d = k.nesterov ? d + k.momentum * b : b;
-    }
-    gf_store(p, pc + k.neg_lr * d);
+    C pc = gf_load<C>(p), b = k.has_momentum && !k.first ? gf_load<C>(buf) : (C)0;
+    gf_sgd_math(pc, gf_load<C>(g), b, k);
+    if (k.has_momentum) gf_store(buf, b);
+    gf_store(p, pc);
 }
 
 template <int STRIDE, class S>

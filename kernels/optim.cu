@@ -77,21 +77,89 @@ __device__ __forceinline__ void gf_for_row_items(const Item* __restrict__ items,
     gf_for_items(items, n_items, [&](long long, const Item& item, int lane) { fn(rows[item.slot], item, lane); });
 }
 
-// one(i) or, where every tensor's item starts 16-byte aligned, one(i) for
-// whole 16-byte vectors of each: lane l takes vectors l, l + 32, ... of the
-// item (loaded whole, updated element by element, stored whole), then the
-// elements past the last whole vector one at a time. An element's update
-// never depends on another's, so the grouping changes no bit.
-template <class S, class Vec, class One>
-__device__ __forceinline__ void gf_row_item(const Item& item, int lane, bool aligned, Vec vec, One one) {
-    constexpr int V = gf_vec<S>::V;
-    long long i = lane;
-    if (aligned) {
-        const long long whole = item.len / V;
-        for (long long j = lane; j < whole; j += GF_WARP) vec(item.start / V + j);
-        i = whole * V + lane;
+// A 16-byte vector's elements in the compute type, a group of GROUP at a
+// time (a 32-bit word of two 16-bit floats, else one element), and back,
+// each rounded once as gf_store rounds it. A bfloat16 is the top half of a
+// float, so a word's high element is the word with its low half cleared and
+// its low one the word shifted up: one instruction each, where extracting
+// the 16 bits first took two. A pair narrows in one instruction on sm_80
+// and later (cvt.rn.bf16x2.f32, cvt.rn.f16x2.f32: each half rounded as one
+// conversion rounds it).
+template <class S> struct gf_group { static constexpr int GROUP = 1; };
+template <> struct gf_group<bf16> { static constexpr int GROUP = 2; };
+template <> struct gf_group<f16> { static constexpr int GROUP = 2; };
+
+__device__ __forceinline__ unsigned& gf_word(int4& r, int i) {
+    return reinterpret_cast<unsigned&>(i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w);
+}
+
+template <class S, class C>
+__device__ __forceinline__ void gf_unpack(gf_vec<S>& x, int group, C (&c)[gf_group<S>::GROUP]) {
+    if constexpr (gf_group<S>::GROUP == 1) {
+        c[0] = gf_load<C>(x.v[group]);
+    } else if constexpr (gf_same<S, bf16>::value) {
+        const unsigned w = gf_word(x.raw, group);
+        c[0] = __uint_as_float(w << 16);
+        c[1] = __uint_as_float(w & 0xffff0000u);
+    } else {
+        const unsigned w = gf_word(x.raw, group);
+        c[0] = gf_f16_to_float((unsigned short)(w & 0xffffu));
+        c[1] = gf_f16_to_float((unsigned short)(w >> 16));
     }
-    for (; i < item.len; i += GF_WARP) one(item.start + i);
+}
+
+template <class S, class C>
+__device__ __forceinline__ void gf_pack(gf_vec<S>& x, int group, const C (&c)[gf_group<S>::GROUP]) {
+    if constexpr (gf_group<S>::GROUP == 1) {
+        gf_store(x.v[group], c[0]);
+    } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+        unsigned w;
+        if constexpr (gf_same<S, bf16>::value) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(c[1]), "f"(c[0]));
+        else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(c[1]), "f"(c[0]));
+        gf_word(x.raw, group) = w;
+#else
+        gf_word(x.raw, group) = (unsigned)gf_from_float<S>(c[0]).bits | (unsigned)gf_from_float<S>(c[1]).bits << 16;
+#endif
+    }
+}
+
+// x, as a value the compiler cannot see through: what is computed from it
+// is computed again there rather than kept from an earlier computation.
+__device__ __forceinline__ int gf_opaque(int x) {
+#ifdef __CUDA_ARCH__
+    asm("" : "+r"(x));
+#endif
+    return x;
+}
+
+// An item of a row whose N tensors start at base[0..N): one(i) for each of
+// the lane's elements i outside whole 16-byte vectors, then, where
+// `vectors` says every tensor's item starts 16-byte aligned, vec(load,
+// store) for each of the lane's whole vectors (lane, lane + 32, ...), where
+// load(t) and store(t) are that vector's address in tensor t; without
+// `vectors`, one(i) for all. An element's update never depends on another's,
+// so neither the grouping nor the order changes a bit.
+//
+// The loop costs little per vector: the tail goes first, so the base
+// pointers are dead by the vector loop; the vector index is 32-bit (an item
+// holds at most gpuflat.layout.ITEM elements), so an address is one
+// IMAD.WIDE from the item's start; and a store address is computed again
+// after the update instead of held through it, which left the 16-bit AdamW
+// kernels a register short (a spill).
+template <class S, int N, class Vec, class One>
+__device__ __forceinline__ void gf_row_item(S* const (&base)[N], const Item& item, int lane, bool vectors,
+                                            Vec vec, One one) {
+    constexpr int V = gf_vec<S>::V;
+    const int whole = vectors ? (int)(item.len / V) : 0;
+#pragma unroll 1
+    for (long long i = (long long)whole * V + lane; i < item.len; i += GF_WARP) one(item.start + i);
+    int4* start[N];
+#pragma unroll
+    for (int t = 0; t < N; ++t) start[t] = (int4*)(base[t] + item.start);
+#pragma unroll 1
+    for (int j = lane; j < whole; j += GF_WARP)
+        vec([&](int t) { return start[t] + j; }, [&](int t) { return start[t] + gf_opaque(j); });
 }
 
 __device__ __forceinline__ bool gf_all_aligned(long long a, long long b, long long c, long long d) {
@@ -105,28 +173,44 @@ gpuflat_adamw_rows(const Item* __restrict__ items, long long n_items, const Para
                    const double* __restrict__ total, double max_norm, double eps, long long clip,
                    const double* __restrict__ amp) {
     using C = typename gf_compute<S>::type;
+    constexpr int E = gf_group<S>::GROUP;
+    // Float vectors divide by bc2_sqrt through its reciprocal (gf_unbias); a
+    // float row that may not goes one element at a time, dividing.
+    constexpr bool BY_PRODUCT = gf_same<C, float>::value;
     const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
     gf_for_row_items(items, n_items, rows, amp, [&](const ParamRow& r, const Item& item, int lane) {
         const double* h = hyper + r.group * GF_HYPER;
         const double step = (double)*(const float*)r.step + 1.0;
         const auto k = gf_adamw_setup<C>(h, step, factor, gf_group_lr(h, lr_at, r.group));
-        S *p = (S*)r.param, *m = (S*)r.state0, *v = (S*)r.state1;
-        const S* g = (const S*)r.grad;
+        S* const t[4] = {(S*)r.param, (S*)r.grad, (S*)r.state0, (S*)r.state1};
         const long long at = item.start * (long long)sizeof(S);
-        gf_row_item<S>(item, lane, gf_all_aligned(r.param + at, r.grad + at, r.state0 + at, r.state1 + at),
-            [&](long long j) {
+        const bool vectors = (!BY_PRODUCT || k.unbias_by_product) &&
+                             gf_all_aligned(r.param + at, r.grad + at, r.state0 + at, r.state1 + at);
+        gf_row_item(t, item, lane, vectors,
+            [&](auto load, auto store) {
                 gf_vec<S> P, G, M, W;
-                P.raw = ((const int4*)p)[j];
-                G.raw = ((const int4*)g)[j];
-                M.raw = ((const int4*)m)[j];
-                W.raw = ((const int4*)v)[j];
+                P.raw = *load(0);
+                G.raw = *load(1);
+                M.raw = *load(2);
+                W.raw = *load(3);
 #pragma unroll
-                for (int e = 0; e < gf_vec<S>::V; ++e) gf_adamw_one(P.v[e], G.v[e], M.v[e], W.v[e], k);
-                ((int4*)p)[j] = P.raw;
-                ((int4*)m)[j] = M.raw;
-                ((int4*)v)[j] = W.raw;
+                for (int i = 0; i < gf_vec<S>::V / E; ++i) {
+                    C p[E], g[E], m[E], v[E];
+                    gf_unpack(P, i, p);
+                    gf_unpack(G, i, g);
+                    gf_unpack(M, i, m);
+                    gf_unpack(W, i, v);
+#pragma unroll
+                    for (int e = 0; e < E; ++e) gf_adamw_math<BY_PRODUCT>(p[e], g[e], m[e], v[e], k);
+                    gf_pack(P, i, p);
+                    gf_pack(M, i, m);
+                    gf_pack(W, i, v);
+                }
+                *store(0) = P.raw;
+                *store(2) = M.raw;
+                *store(3) = W.raw;
             },
-            [&](long long i) { gf_adamw_one(p[i], g[i], m[i], v[i], k); });
+            [&](long long i) { gf_adamw_one(t[0][i], t[1][i], t[2][i], t[3][i], k); });
     });
 }
 
@@ -137,32 +221,38 @@ gpuflat_sgd_rows(const Item* __restrict__ items, long long n_items, const ParamR
                  const double* __restrict__ total, double max_norm, double eps, long long clip,
                  const double* __restrict__ amp) {
     using C = typename gf_compute<S>::type;
+    constexpr int E = gf_group<S>::GROUP;
     const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
     gf_for_row_items(items, n_items, rows, amp, [&](const ParamRow& r, const Item& item, int lane) {
         const double* h = hyper + r.group * GF_HYPER;
         // gf_sgd_setup tells the momentum buffer's first step by a count of 1.
         const double step = (r.flags & GF_ROW_FIRST) ? 1.0 : 2.0;
         const auto k = gf_sgd_setup<C>(h, step, factor, gf_group_lr(h, lr_at, r.group));
-        S *p = (S*)r.param, *buf = (S*)r.state0;
-        const S* g = (const S*)r.grad;
-        // Without momentum there is no buffer: address 0, aligned, never read.
+        // Without momentum there is no buffer: address 0, aligned, never read
+        // or written.
+        S* const t[3] = {(S*)r.param, (S*)r.grad, (S*)r.state0};
         const long long at = item.start * (long long)sizeof(S);
-        gf_row_item<S>(item, lane, gf_all_aligned(r.param + at, r.grad + at, k.has_momentum ? r.state0 + at : 0, 0),
-            [&](long long j) {
+        gf_row_item(t, item, lane, gf_all_aligned(r.param + at, r.grad + at, k.has_momentum ? r.state0 + at : 0, 0),
+            [&](auto load, auto store) {
                 gf_vec<S> P, G, B;
-                B.raw = int4{0, 0, 0, 0};
-                P.raw = ((const int4*)p)[j];
-                G.raw = ((const int4*)g)[j];
-                if (k.has_momentum && !k.first) B.raw = ((const int4*)buf)[j];
+                P.raw = *load(0);
+                G.raw = *load(1);
+                B.raw = k.has_momentum && !k.first ? *load(2) : int4{0, 0, 0, 0};
 #pragma unroll
-                for (int e = 0; e < gf_vec<S>::V; ++e) gf_sgd_one(P.v[e], G.v[e], B.v[e], k);
-                ((int4*)p)[j] = P.raw;
-                if (k.has_momentum) ((int4*)buf)[j] = B.raw;
+                for (int i = 0; i < gf_vec<S>::V / E; ++i) {
+                    C p[E], g[E], b[E];
+                    gf_unpack(P, i, p);
+                    gf_unpack(G, i, g);
+                    gf_unpack(B, i, b);
+#pragma unroll
+                    for (int e = 0; e < E; ++e) gf_sgd_math(p[e], g[e], b[e], k);
+                    gf_pack(P, i, p);
+                    gf_pack(B, i, b);
+                }
+                *store(0) = P.raw;
+                if (k.has_momentum) *store(2) = B.raw;
             },
-            [&](long long i) {
-                S none{};
-                gf_sgd_one(p[i], g[i], k.has_momentum ? buf[i] : none, k);
-            });
+            [&](long long i) { gf_sgd_one(t[0][i], t[1][i], t[2][i], k); });
     });
 }
 
