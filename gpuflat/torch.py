@@ -92,7 +92,7 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
     if not tensors and pp_mesh is None and tied is None:  # a stage without any joins the others' collective
         return torch.tensor(0.0)
     if torch.compiler.is_compiling():  # gpuflat's operator, opaque in the graph
-        if pp_mesh is not None or tied is not None:
+        if pp_mesh is not None or tied is not None or _any_dtensor(tensors):
             return _total_norm_between_graphs(tensors, norm_type, error_if_nonfinite, pp_mesh=pp_mesh, tied=tied)
         return torch_ops.total_norm(tensors, p).to(tensor_table.returned_dtype([t.dtype for t in tensors]))
     name_of = "tensors[{}]".format
@@ -126,9 +126,12 @@ def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max
     tensor([0.6000, 0.8000])
     """
     if torch.compiler.is_compiling():  # gpuflat's operator, opaque in the graph
-        grads = [p.grad for p in _parameter_list(parameters, warn_empty=False) if p.grad is not None]
+        parameters = _parameter_list(parameters, warn_empty=False)
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if _any_dtensor(grads) or dtensor.is_dtensor(total_norm):
+            return _scale_between_graphs(parameters, max_norm, total_norm)
         if grads:
-            torch_ops.scale_by_norm_(grads, _compiled_max_norm(max_norm), total_norm, _EPS)
+            _compiled_scale(grads, max_norm, total_norm)
         return
     grads, facts, name_of = _gradients(_parameter_list(parameters, warn_empty=False))
     max_norm, _, _ = clip_arguments(max_norm, 2, _EPS)  # the norm comes given: any order passes
@@ -165,11 +168,11 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     1.0
     """
     if torch.compiler.is_compiling():
-        if pp_mesh is not None or tied is not None:
+        parameters = _parameter_list(parameters, warn_empty=True)
+        if pp_mesh is not None or tied is not None or _any_dtensor(q.grad for q in parameters):
             return _clip_between_graphs(parameters, max_norm, norm_type, error_if_nonfinite, pp_mesh=pp_mesh,
                                         tied=tied)
-        return _compiled_clip(_parameter_list(parameters, warn_empty=True), max_norm, _norm_type(norm_type),
-                              error_if_nonfinite)
+        return _compiled_clip(parameters, max_norm, _norm_type(norm_type), error_if_nonfinite)
     parameters = _parameter_list(parameters, warn_empty=True)
     grads, facts, name_of = _gradients(parameters)
     max_norm, p, _ = clip_arguments(max_norm, _norm_type(norm_type), _EPS)
@@ -195,11 +198,17 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
 
 # ---------------------------------------------------------------- inside torch.compile
 
-# Across pipeline stages a drop-in called inside a torch.compile'd function
-# runs as it is, between two graphs: it reduces over process groups and
-# reads meshes on the host, nothing gpuflat's operators hold.
+# Across pipeline stages, or over DTensors, a drop-in called inside a
+# torch.compile'd function runs as it is, between two graphs: it reduces
+# over process groups and reads meshes on the host, and a collective hidden
+# in an opaque operator could be reached by the ranks in different orders.
 _total_norm_between_graphs = torch.compiler.disable(get_total_norm)
 _clip_between_graphs = torch.compiler.disable(clip_grad_norm_)
+_scale_between_graphs = torch.compiler.disable(clip_grads_with_norm_)
+
+
+def _any_dtensor(tensors) -> bool:
+    return any(t is not None and dtensor.is_dtensor(t) for t in tensors)
 
 
 def _compiled_clip(parameters, max_norm, p, error_if_nonfinite):
@@ -207,23 +216,37 @@ def _compiled_clip(parameters, max_norm, p, error_if_nonfinite):
     Python, then gpuflat's operators (the norm in float64, the scale by its
     factor), so the clip's bits are the eager call's."""
     grads = [q.grad for q in parameters if q.grad is not None]
-    max_norm = _compiled_max_norm(max_norm)
+    _compiled_max_norm(max_norm)
     if not grads:
         return torch.tensor(0.0)
     total = torch_ops.total_norm(grads, p)
     if error_if_nonfinite and not torch.isfinite(total):  # a host read: the graph breaks here, as PyTorch's does
         raise NonFiniteNormError(f"the total norm of order {p:g} for gradients from `parameters` is non-finite, "
                                  f"so it cannot be clipped; no gradient was scaled")
-    torch_ops.scale_by_norm_(grads, max_norm, total, _EPS)
+    _compiled_scale(grads, max_norm, total)
     return total.to(tensor_table.returned_dtype([g.dtype for g in grads]))
 
 
-def _compiled_max_norm(max_norm) -> float:
-    """``max_norm`` checked, as a number: the compiled operators take it by value."""
+def _compiled_scale(grads, max_norm, total) -> None:
+    """The scale by min(1, max_norm / (total + eps)) as gpuflat's operator: a
+    number by value, a 0-d tensor read where it lies (no host read)."""
+    max_norm = _compiled_max_norm(max_norm)
     if isinstance(max_norm, torch.Tensor):
-        raise TypeError("max_norm: inside torch.compile expected a number, got a tensor; pass float(max_norm), "
-                        "or call the clip outside the compiled function")
-    return clip_arguments(max_norm, 2, _EPS)[0]
+        torch_ops.scale_by_tensor_norm_(grads, max_norm, total, _EPS)
+    else:
+        torch_ops.scale_by_norm_(grads, max_norm, total, _EPS)
+
+
+def _compiled_max_norm(max_norm):
+    """``max_norm`` checked: a number (>= 0), or a 0-d real floating tensor,
+    whose value is not read on the host (a traced function cannot branch on
+    it; the eager clip reads a host tensor's value to check it)."""
+    if not isinstance(max_norm, torch.Tensor):
+        return clip_arguments(max_norm, 2, _EPS)[0]
+    if max_norm.dim() != 0 or not max_norm.dtype.is_floating_point:
+        raise ValueError(f"max_norm: expected a number >= 0 or a 0-d real floating tensor, got one of shape "
+                         f"{tuple(max_norm.shape)} and dtype {str(max_norm.dtype).removeprefix('torch.')}")
+    return max_norm
 
 
 # ---------------------------------------------------------------- arguments

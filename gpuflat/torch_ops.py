@@ -28,7 +28,7 @@ import torch
 
 from . import tensor_table
 
-__all__ = ["scale_by_norm_", "total_norm"]
+__all__ = ["scale_by_norm_", "scale_by_tensor_norm_", "total_norm"]
 
 
 @torch.library.custom_op("gpuflat::total_norm", mutates_args=())
@@ -54,5 +54,20 @@ def scale_by_norm_(tensors: list[torch.Tensor], max_norm: float, total: torch.Te
 
 
 @scale_by_norm_.register_fake
+def _(tensors, max_norm, total, eps):
+    return None
+
+
+@torch.library.custom_op("gpuflat::scale_by_tensor_norm_", mutates_args=("tensors",))
+def scale_by_tensor_norm_(tensors: list[torch.Tensor], max_norm: torch.Tensor, total: torch.Tensor,
+                          eps: float) -> None:
+    """:func:`scale_by_norm_` with ``max_norm`` a 0-d tensor, read where it
+    lies (on a GPU by the kernel: a schedule may change it between calls of
+    a compiled function or replays of a graph)."""
+    table = tensor_table.read(tensors, "tensors[{}]".format, in_place=True)
+    tensor_table.scale_by_norm(table, tensors, max_norm, total, eps)
+
+
+@scale_by_tensor_norm_.register_fake
 def _(tensors, max_norm, total, eps):
     return None
