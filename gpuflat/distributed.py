@@ -39,12 +39,11 @@ import re
 import sys
 import threading
 import weakref
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
-from . import checks, dtensor
+from . import caches, checks, dtensor
 from .arrays import adopt, device_scope, is_module, module_parameters
 from .backends import get_backend
 from .dtypes import is_bfloat16
@@ -460,15 +459,10 @@ def _owned_mask(plan, arrays, owned, xp):
     rule = Owned(owned)
     key = (rule._rule.key, xp.__name__)
     with _masks_lock:
-        cache = _masks.setdefault(plan, OrderedDict())
-        mask = cache.get(key)
-    if mask is None:
-        mask = xp.asarray(rule._mask([leaf.path for leaf in plan.leaves], arrays))
-        with _masks_lock:
-            cache[key] = mask
-            while len(cache) > _MASKS_KEPT:
-                cache.popitem(last=False)
-    return mask
+        cache = _masks.get(plan)
+        if cache is None:
+            cache = _masks[plan] = caches.LRU("ownership masks", _MASKS_KEPT)
+    return cache.get(key, lambda: xp.asarray(rule._mask([leaf.path for leaf in plan.leaves], arrays)))
 
 
 # ---------------------------------------------------------------- the norm

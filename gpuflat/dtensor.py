@@ -27,10 +27,11 @@ import: a DTensor can only exist if the caller imported them already.
 """
 from __future__ import annotations
 
-import functools
 import sys
 
 import numpy as np
+
+from . import caches
 
 __all__ = ["Sharding", "first_path", "is_dtensor", "like", "local", "local_shards", "pipeline_group", "replicated",
            "sharding"]
@@ -272,7 +273,7 @@ class _Reading:
         self.mesh, self.groups, self.owned, self.ranks = mesh, groups, owned, ranks
 
 
-@functools.lru_cache(maxsize=8)
+@caches.function(maxsize=8)
 def _reading(kinds, pp_mesh, world) -> _Reading:
     """The _Reading of the layouts ``kinds`` ((mesh, placements) pairs), kept
     across calls: a model's layouts stay. ``world``, the default process

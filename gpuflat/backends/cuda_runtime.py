@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
-from gpuflat import kernel_loader
+from gpuflat import caches, kernel_loader
 from gpuflat.errors import CaptureError
 
 WARP = 32
@@ -135,18 +134,18 @@ class CaptureReserve:
 
     def __init__(self, allocate, window: int = 64):
         self.allocate = allocate
-        self.window = window
-        self.recent: OrderedDict = OrderedDict()  # id of a table -> its bytes, the latest last
-        self.need = 0
+        self.need = 0  # the bytes of the tables in ``recent``
+        self.recent = caches.LRU("capture reserve's recent tables", window, on_evict=self._forget)  # id -> bytes
         self.block, self.used = None, 0
 
     def note(self, key, nbytes: int) -> None:
         """A launch read a table of ``nbytes`` (outside any capture)."""
-        old = self.recent.pop(key, None)
-        self.need += _aligned(nbytes) - (old or 0)
-        self.recent[key] = _aligned(nbytes)
-        while len(self.recent) > self.window:
-            self.need -= self.recent.popitem(last=False)[1]
+        if self.recent.find(key) is None:
+            self.need += _aligned(nbytes)
+            self.recent.put(key, _aligned(nbytes))
+
+    def _forget(self, nbytes: int) -> None:
+        self.need -= nbytes
 
     def refill(self) -> None:
         """Set aside a new block when what is left is less than the recent
