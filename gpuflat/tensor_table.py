@@ -111,7 +111,7 @@ class Table:
     in-place write."""
 
     groups: list
-    returned_dtype: object
+    returned_dtype: torch.dtype
     reading: Reading | None
     ties: tuple | None
     fit_in_place: bool = False

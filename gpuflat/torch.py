@@ -46,7 +46,8 @@ from __future__ import annotations
 import contextlib
 import types
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, cast
 
 import torch
 
@@ -69,8 +70,8 @@ _EPS = 1e-6  # PyTorch's: coef = max_norm / (total_norm + 1e-6)
 
 @torch.no_grad()
 def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: float | str = 2.0,
-                   error_if_nonfinite: bool = False, foreach: bool | None = None, *, pp_mesh=None,
-                   tied=None) -> torch.Tensor:
+                   error_if_nonfinite: bool = False, foreach: bool | None = None, *, pp_mesh: Any = None,
+                   tied: Iterable | None = None) -> torch.Tensor:
     """The norm of all ``tensors`` taken as one vector, as ``torch.nn.utils.get_total_norm``.
 
     ``pp_mesh`` (a 1-D DeviceMesh or a process group over the pipeline
@@ -136,7 +137,7 @@ def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max
     grads, facts, name_of = _gradients(_parameter_list(parameters, warn_empty=False))
     max_norm, _, _ = clip_arguments(max_norm, 2, _EPS)  # the norm comes given: any order passes
     if dtensor.is_dtensor(total_norm):
-        total_norm = total_norm.full_tensor()  # a replicated norm's own local value
+        total_norm = cast(Any, total_norm).full_tensor()  # a DTensor: a replicated norm's own local value
     if not grads:
         return
     table = tensor_table.read(grads, name_of, in_place=True, facts=facts)
@@ -149,7 +150,7 @@ def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max
 @torch.no_grad()
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
                     norm_type: float | str = 2.0, error_if_nonfinite: bool = False,
-                    foreach: bool | None = None, *, pp_mesh=None, tied=None) -> torch.Tensor:
+                    foreach: bool | None = None, *, pp_mesh: Any = None, tied: Iterable | None = None) -> torch.Tensor:
     """Clip the gradient norm of ``parameters`` in place; return the total norm before clipping.
 
     As ``torch.nn.utils.clip_grad_norm_``; parameters without a gradient are
@@ -207,11 +208,12 @@ _clip_between_graphs = torch.compiler.disable(clip_grad_norm_)
 _scale_between_graphs = torch.compiler.disable(clip_grads_with_norm_)
 
 
-def _any_dtensor(tensors) -> bool:
+def _any_dtensor(tensors: Iterable[torch.Tensor | None]) -> bool:
     return any(t is not None and dtensor.is_dtensor(t) for t in tensors)
 
 
-def _compiled_clip(parameters, max_norm, p, error_if_nonfinite):
+def _compiled_clip(parameters: list[torch.Tensor], max_norm: Any, p: float,
+                   error_if_nonfinite: bool) -> torch.Tensor:
     """clip_grad_norm_ as TorchDynamo traces it: the gradients listed in
     Python, then gpuflat's operators (the norm in float64, the scale by its
     factor), so the clip's bits are the eager call's."""
@@ -227,7 +229,7 @@ def _compiled_clip(parameters, max_norm, p, error_if_nonfinite):
     return total.to(tensor_table.returned_dtype([g.dtype for g in grads]))
 
 
-def _compiled_scale(grads, max_norm, total) -> None:
+def _compiled_scale(grads: list[torch.Tensor], max_norm: Any, total: torch.Tensor) -> None:
     """The scale by min(1, max_norm / (total + eps)) as gpuflat's operator: a
     number by value, a 0-d tensor read where it lies (no host read)."""
     max_norm = _compiled_max_norm(max_norm)
@@ -237,7 +239,7 @@ def _compiled_scale(grads, max_norm, total) -> None:
         torch_ops.scale_by_norm_(grads, max_norm, total, _EPS)
 
 
-def _compiled_max_norm(max_norm):
+def _compiled_max_norm(max_norm: Any) -> float | torch.Tensor:
     """``max_norm`` checked: a number (>= 0), or a 0-d real floating tensor,
     whose value is not read on the host (a traced function cannot branch on
     it; the eager clip reads a host tensor's value to check it)."""
@@ -251,7 +253,7 @@ def _compiled_max_norm(max_norm):
 
 # ---------------------------------------------------------------- arguments
 
-def _norm_type(norm_type) -> float:
+def _norm_type(norm_type: float | str) -> float:
     """``norm_type`` read as PyTorch reads it (``float(norm_type)``, so the
     string ``'inf'`` too), checked: 1, 2, inf or any p > 0.
 
@@ -267,7 +269,7 @@ def _norm_type(norm_type) -> float:
     return check_ord(value, "norm_type")
 
 
-def _parameter_list(parameters, warn_empty):
+def _parameter_list(parameters: torch.Tensor | Iterable[torch.Tensor], warn_empty: bool) -> list[torch.Tensor]:
     if isinstance(parameters, torch.Tensor):
         return [parameters]
     is_generator = isinstance(parameters, types.GeneratorType)
@@ -278,13 +280,13 @@ def _parameter_list(parameters, warn_empty):
     return parameters
 
 
-def _gradients(parameters):
+def _gradients(parameters: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any, Callable[[int], str]]:
     """(the gradients of the parameters that have one, their facts
     (``tensor_facts``), a function naming the i-th of them)."""
     grads, facts = tensor_facts.gradients(parameters)
     owners: list = []  # which parameter each gradient belongs to, found on the first call
 
-    def name_of(i):  # on error, or for every gradient on the DTensor path
+    def name_of(i: int) -> str:  # on error, or for every gradient on the DTensor path
         if not owners:
             owners.extend(k for k, p in enumerate(parameters) if p.grad is not None)
         return f"parameters[{owners[i]}].grad"
@@ -292,7 +294,7 @@ def _gradients(parameters):
     return grads, facts, name_of
 
 
-def _tied_gradients(parameters, tied):
+def _tied_gradients(parameters: list[torch.Tensor], tied: Iterable | None) -> list | None:
     """``tied``'s (parameter, stage) pairs as (its gradient, stage), the pairs
     gpuflat.distributed counts by; a parameter without a gradient gives
     None, counted nowhere."""
@@ -310,7 +312,7 @@ def _tied_gradients(parameters, tied):
     return pairs
 
 
-def _unique(named):
+def _unique(named: Iterable[tuple[torch.Tensor, str]]) -> tuple[list[torch.Tensor], list[str]]:
     """(tensors, names) from (tensor, name) pairs, each tensor once: a tensor met twice counts once."""
     seen, tensors, names = set(), [], []
     for tensor, name in named:
@@ -321,7 +323,7 @@ def _unique(named):
     return tensors, names
 
 
-def _returned(total, tensors) -> torch.Tensor:
+def _returned(total: Any, tensors: list[torch.Tensor]) -> torch.Tensor:
     """A norm over the ranks in the dtype PyTorch returns for ``tensors``;
     where there are none (a pipeline stage without gradients) there is no
     dtype to round to, and the norm stays the float64 the stages combined."""
@@ -333,7 +335,7 @@ def _returned(total, tensors) -> torch.Tensor:
 # ---------------------------------------------------------------- DTensors
 
 @contextlib.contextmanager
-def _torch_nonfinite_error():
+def _torch_nonfinite_error() -> Iterator[None]:
     """gpuflat.distributed's NonFiniteError raised as NonFiniteNormError, the RuntimeError PyTorch raises."""
     try:
         yield
@@ -343,7 +345,8 @@ def _torch_nonfinite_error():
 
 # ---------------------------------------------------------------- the work, per device
 
-def _check_finite(total, p, table, tensors, name_of):
+def _check_finite(total: torch.Tensor, p: float, table: Any, tensors: list[torch.Tensor],
+                  name_of: Callable[[int], str]) -> None:
     # The one host synchronisation, asked for by the caller.
     if torch.isfinite(total).item():
         return
