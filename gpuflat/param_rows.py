@@ -90,7 +90,7 @@ def read(optimizer, state_names, lazy_state) -> Step | None:
     key = (_groups_key(optimizer), None if have is None else have.tobytes())
     found, firsts = _found(optimizer, key, everything, group_of, have, state_names, lazy_state)
     names = _Names(optimizer.param_groups, found.params)
-    tables = _tables(found, grads, grad_facts, firsts, names)
+    tables = _tables(found, grads, grad_facts, firsts, names.parameter)
     return Step(tables, grads, grad_facts, lambda i: f"{names.parameter(i)}.grad",
                 found.plain and grad_facts is not None)
 
@@ -140,21 +140,38 @@ def forget(optimizer) -> None:
     optimizer.__dict__.pop("_gpuflat_found", None)
 
 
-def _tables(found, grads, grad_facts, firsts, names) -> list:
+def tables_of(params, grads, columns, steps, groups, flags, name_of) -> list:
+    """The tables of a step given as lists of plain tensors, checked as
+    :func:`read` checks an optimizer's: a compiled step's operator, which
+    holds no optimizer to keep what it found on. ``columns``: per state
+    name, each parameter's tensor or None; ``steps``: the step counts or
+    None; ``groups``: each parameter's group; ``flags``: the rows' flags or
+    None; ``name_of(i)`` names the i-th parameter.
+
+    >>> w, g, buf = torch.ones(3), torch.ones(3), torch.zeros(3)
+    >>> [t.rows[:, 5].tolist() for t in tables_of([w], [g], [[buf]], None, [0], None, str)]
+    [[3]]
+    """
+    kept = [np.flatnonzero([t is not None for t in column]) for column in columns]
+    found = _Found(None, None, params, np.asarray(groups, np.int64), columns, kept, steps, True)
+    return _tables(found, grads, _facts(grads), flags, name_of)
+
+
+def _tables(found, grads, grad_facts, firsts, name_of) -> list:
     params = found.params if found.plain else dtensor.local_shards(found.params)
     param_facts = _facts(params)
     if not found.plain:
         grads = dtensor.local_shards(grads)
         grad_facts = _facts(grads)
     if param_facts is None or grad_facts is None:
-        raise TypeError(f"{names.parameter(0)}, or another parameter or gradient: expected strided tensors "
+        raise TypeError(f"{name_of(0)}, or another parameter or gradient: expected strided tensors "
                         f"with storage of their own")
     rows = np.zeros((len(params), PARAM_ROW_WORDS), np.int64)
-    rows[:, 0] = _starts(params, param_facts, names.parameter, "parameter")
-    _check_alike(params, param_facts, grads, grad_facts, names.parameter, "gradient")
-    rows[:, 1] = _starts(grads, grad_facts, names.parameter, "gradient")
+    rows[:, 0] = _starts(params, param_facts, name_of, "parameter")
+    _check_alike(params, param_facts, grads, grad_facts, name_of, "gradient")
+    rows[:, 1] = _starts(grads, grad_facts, name_of, "gradient")
     if found.checked is None or not np.array_equal(found.checked, param_facts[:, 1:]):
-        found.state_words = _state_words(found, params, param_facts, names)
+        found.state_words = _state_words(found, params, param_facts, name_of)
         found.checked = param_facts[:, 1:].copy()
     rows[:, 2:5] = found.state_words
     rows[:, 5] = param_facts[:, 1]
@@ -167,7 +184,7 @@ def _tables(found, grads, grad_facts, firsts, names) -> list:
     return [Table(rows[members], params[int(members[0])]) for members in buckets]
 
 
-def _state_words(found, params, param_facts, names) -> np.ndarray:
+def _state_words(found, params, param_facts, parameter) -> np.ndarray:
     """The rows' state and step-count addresses, each state tensor checked alike its parameter."""
     words = np.zeros((len(params), 3), np.int64)
     for s, (column, kept) in enumerate(zip(found.columns, found.kept)):
@@ -176,7 +193,7 @@ def _state_words(found, params, param_facts, names) -> np.ndarray:
         if not tensors:
             continue
         facts = _facts(tensors)
-        name_of = names.parameter if whole else (lambda i, kept=kept: names.parameter(kept[i]))
+        name_of = parameter if whole else (lambda i, kept=kept: parameter(kept[i]))
         _check_alike(params if whole else [params[j] for j in kept], param_facts[kept], tensors, facts, name_of,
                      "state")
         words[kept, s] = _starts(tensors, facts, name_of, "state")
