@@ -35,22 +35,26 @@ are refused; ``foreach``, ``fused`` and ``capturable`` are accepted and
 change nothing; complex parameters, parameters whose memory is not one
 dense block, and gradients laid out unlike their parameter are refused,
 naming the parameter, before anything is written.
+
+Inside ``torch.compile(opt.step)`` the step is traced down to gpuflat's
+operators (``gpuflat.torch_optim_ops``): no graph break in gpuflat's code,
+the eager steps' bits, no recompile as ``zero_grad()`` reallocates the
+gradients. SGD's momentum buffer made at a step that a GradScaler skips on
+the device stays new, as ``torch.optim.SGD``, which never ran that step,
+has none yet: its first applied update makes it the gradient itself.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from . import distributed, dtensor, param_rows, tensor_table
-from .arrays import adopt, device_scope
+from . import distributed, dtensor, param_rows, tensor_table, torch_optim_ops
 from .checks import clip_arguments, optimizer_options
-from .layout import HYPER, TAG_OF_NAME, hyper_row
 from .residency import Resident
+from .torch_optim_ops import CLIP_EPS, NewBuffers, name_of, skipped_on_the_device, unscale_factor, update
 
 __all__ = ["AdamW", "GradScaler", "SGD"]
 
 REFUSED = ("amsgrad", "maximize", "differentiable")
-CLIP_EPS = 1e-6  # PyTorch's clip_grad_norm_: max_norm / (norm + 1e-6)
 
 
 class _FlatOptimizer(torch.optim.Optimizer):
@@ -78,6 +82,23 @@ class _FlatOptimizer(torch.optim.Optimizer):
         self.max_norm, self.norm_type = max_norm, norm_type
         self.pp_mesh, self.tied = pp_mesh, tied
         self.last_grad_norm = None
+        self._new = NewBuffers()
+
+    @property
+    def last_grad_norm(self):
+        """The gradients' norm at the last step, unscaled, before the clip, as
+        a float64 tensor; None before a step or without ``max_norm`` (and
+        without gpuflat's GradScaler, which has the norm pass look for NaN
+        and inf)."""
+        return self._last_grad_norm[0]
+
+    @last_grad_norm.setter
+    def last_grad_norm(self, total):
+        # Held in a list: TorchDynamo drops a compiled step's writes to the
+        # optimizer's own attributes
+        # (https://github.com/pytorch/pytorch/issues/171590), not its writes
+        # into a list the optimizer holds.
+        self.__dict__.setdefault("_last_grad_norm", [None])[0] = total
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -91,34 +112,111 @@ class _FlatOptimizer(torch.optim.Optimizer):
         self._update()
         return loss
 
-    def _init_group(self, state, p, group) -> bool:
-        """Make ``p``'s state where it has none, as PyTorch's optimizers make
-        theirs at a parameter's first gradient; whether a momentum buffer was
-        made now (its first update is then the gradient itself)."""
-        return self._lazy_state(state, p, group)
+    def _init_group(self, group, params, grads, states, steps, indices) -> None:
+        """The lists of ``group``'s parameters that have a gradient: the
+        parameters, their gradients, their state tensors (in the order of
+        ``_state_names``), step counts and indices in the group, each
+        parameter's state made first where it has none, as PyTorch's
+        optimizers make theirs at a parameter's first gradient. PyTorch's
+        name and way: a compiled step runs it as it is, while TorchDynamo
+        traces, never in the graph."""
+        self._new.follow(self.param_groups)
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            self._lazy_state(state, p, group)
+            params.append(p)
+            grads.append(p.grad)
+            indices.append(i)
+            states.extend(state[name] for name in self._state_names if name in state)
+            if "step" in state:
+                steps.append(state["step"])
 
-    # Inside a torch.compile'd step the update is not traced: it runs as it
-    # is between two graphs (its native calls and host-side tables are
-    # nothing TorchDynamo can trace faithfully).
-    @torch.compiler.disable
     def _update(self):
-        for i, group in enumerate(self.param_groups):
-            optimizer_options(self._rule, group, i)
+        if torch.compiler.is_compiling():
+            return self._traced_update()
+        self._check_options(compiling=False)
         scale, found = self._amp()
         self.last_grad_norm = None
+        self._new.follow(self.param_groups)
+        if self._new.stepped(self.param_groups):  # rows flagged again, as at the step that made their buffers
+            param_rows.forget(self)
         # Everything is read and checked before anything is written.
-        step = param_rows.read(self, self._state_names, self._init_group)
+        step = param_rows.read(self, self._state_names, self._lazy_state)
         if step is None and self.pp_mesh is None:  # a stage without gradients still joins the stages' norm
             return
         detect = found is _FROM_NORM
         total, nonfinite = self._norm(step, scale, detect)
         if detect:
-            found = self.found_inf
-            found.copy_(nonfinite.to(found.device, found.dtype).reshape(found.shape))
+            found = self._found_from(nonfinite)
         self.last_grad_norm = total
-        hyper = np.array([hyper_row(self._rule, g) for g in self.param_groups], np.float64).reshape(-1)
-        for table in step.tables if step is not None else ():
-            self._step_table(table, hyper, total, scale, found)
+        if step is None:
+            return
+        new = self._new.stepped(self.param_groups)
+        skipped = skipped_on_the_device(found, self._damped(new), step.tables[0].like)
+        update(self._rule, step.tables, self.param_groups, total, self.max_norm, scale, found)
+        if not skipped:
+            self._new.clear(new)
+
+    def _traced_update(self):
+        """The step as TorchDynamo traces it, with no host read of a tensor:
+        the lists made by ``_init_group``, then the norm and the update as
+        gpuflat's operators (``gpuflat.torch_optim_ops``) over plain tensors
+        (a DTensor's local shard). A norm over the ranks (DTensors, pipeline
+        stages) is a collective, run between two graphs, outside any
+        operator, where every rank reaches it in the same order."""
+        self._check_options(compiling=True)
+        scale, found = self._amp()
+        self.last_grad_norm = None
+        params, grads, states, steps, indices, groups = [], [], [], [], [], []
+        for g, group in enumerate(self.param_groups):
+            lists = [], [], [], [], []
+            self._init_group(group, *lists)
+            for whole, part in zip((params, grads, states, steps, indices), lists):
+                whole.extend(part)
+            groups.extend([g] * len(lists[0]))
+        if not params and self.pp_mesh is None:
+            return
+        detect = found is _FROM_NORM
+        sharded = any(dtensor.is_dtensor(p) for p in params)
+        total = nonfinite = None
+        if (self.max_norm is not None or detect) and (sharded or self.pp_mesh is not None):
+            total, nonfinite = _norm_between_graphs(self, grads, name_of(groups, indices), sharded, scale, detect)
+        elif self.max_norm is not None or detect:
+            p = clip_arguments(1.0, self.norm_type, CLIP_EPS)[1]
+            total, nonfinite = torch_optim_ops.norm_and_nonfinite(grads, p, detect)
+            if scale is not None:  # the norm of the unscaled gradients, as after GradScaler.unscale_
+                total = total * unscale_factor(scale).to(total.device)
+        if detect:
+            found = self._found_from(nonfinite)
+        self.last_grad_norm = total
+        if params:
+            params, grads, states = (dtensor.local_shards(ts) for ts in (params, grads, states))
+            lr = [0.0 if isinstance(g["lr"], torch.Tensor) else float(g["lr"]) for g in self.param_groups]
+            lr_tensor = [g["lr"] if isinstance(g["lr"], torch.Tensor) else None for g in self.param_groups]
+            self._traced_step(params, grads, states, steps, groups=groups, indices=indices, lr=lr,
+                              lr_tensor=lr_tensor, total=total,
+                              max_norm=None if self.max_norm is None else _compiled_max_norm(self.max_norm),
+                              grad_scale=scale, found_inf=found)
+
+    def _check_options(self, compiling):
+        """PyTorch's checks of each group's options; inside a compiled step
+        a tensor ``lr``'s value is not read (the update reads it)."""
+        for i, group in enumerate(self.param_groups):
+            if compiling and isinstance(group["lr"], torch.Tensor):
+                group = dict(group, lr=0.0)
+            optimizer_options(self._rule, group, i)
+
+    def _found_from(self, nonfinite):
+        """gpuflat.torch.GradScaler's found_inf, written from the norm pass's finding."""
+        found = self.found_inf
+        found.copy_(nonfinite.to(found.device, found.dtype).reshape(found.shape))
+        return found
+
+    def _damped(self, new) -> list:
+        """The names of the parameters at ``new`` (group, index) whose group has dampening."""
+        return [name_of([g], [i])(0) for g, i in new if self.param_groups[g].get("dampening", 0.0) != 0.0]
 
     def _amp(self):
         """(the GradScaler's scale or None, its found_inf: a tensor, None, or
@@ -151,24 +249,15 @@ class _FlatOptimizer(torch.optim.Optimizer):
             table = tensor_table.read(grads, step.name_of_gradient, facts=step.grad_facts)
             total, _, nonfinite = tensor_table.norm_pass(table, grads, p, detect)
         if scale is not None:  # the norm of the unscaled gradients, as after GradScaler.unscale_
-            total = total * scale.double().reciprocal().float().double().to(total.device)
+            total = total * unscale_factor(scale).to(total.device)
         return total, nonfinite
-
-    def _step_table(self, table, hyper, total, scale, found):
-        like = table.like
-        backend = tensor_table.backend_for(like.device)
-        hyper, lr_at = _learning_rates(self.param_groups, like.device, hyper)
-        with device_scope(backend, like):
-            amp = _amp_array(scale, found, like.device)
-            clip = None if self.max_norm is None else adopt(total.to(like.device).reshape(()))
-            backend.step_rows(self._rule, TAG_OF_NAME[str(like.dtype).removeprefix("torch.")], table.rows, hyper,
-                              lr_at, clip, 0.0 if self.max_norm is None else float(self.max_norm), CLIP_EPS, amp)
 
     def load_state_dict(self, state_dict) -> None:
         """PyTorch's, then each ``step`` as this optimizer keeps it: a 0-d
-        float32 tensor on its parameter's device."""
+        float32 tensor on its parameter's device; no loaded momentum buffer is new."""
         super().load_state_dict(state_dict)
         param_rows.forget(self)
+        self._new = NewBuffers()
         for p, state in self.state.items():
             step = state.get("step")
             if step is not None and (not isinstance(step, torch.Tensor) or step.device != _local(p).device
@@ -184,46 +273,22 @@ def _local(t):
     return dtensor.local(t) if dtensor.is_dtensor(t) else t
 
 
-def _learning_rates(groups, device, hyper) -> tuple:
-    """(``hyper`` with each group's lr as the update on ``device`` reads it,
-    where a tensor ``lr`` is read: its address and dtype tag per group, or
-    (0, 0) where the row holds the value). A 0-d float32 or float64 ``lr``
-    on ``device`` is read there, through its address (a scheduler's write
-    needs no host read); any other tensor ``lr`` is read on the host into the
-    row (on a GPU other than the parameters', that read waits for it).
-
-    >>> hyper, at = _learning_rates([{"lr": torch.tensor(0.5)}], torch.device("cpu"), np.zeros(5))
-    >>> bool(at[0] != 0), int(at[1])
-    (True, 2)
-    """
-    hyper, at = hyper.copy(), np.zeros(2 * max(1, len(groups)), np.int64)
-    for g, group in enumerate(groups):
-        lr = group["lr"]
-        if not isinstance(lr, torch.Tensor):
-            continue
-        if lr.device == device and lr.numel() == 1 and lr.dtype in (torch.float32, torch.float64):
-            at[2 * g], at[2 * g + 1] = lr.data_ptr(), TAG_OF_NAME[str(lr.dtype).removeprefix("torch.")]
-        else:
-            hyper[g * HYPER] = float(lr)
-    return hyper, at
+@torch.compiler.disable
+def _norm_between_graphs(optimizer, grads, name_of_parameter, sharded, scale, detect):
+    """``optimizer._norm`` of ``grads`` (DTensors, or a pipeline stage's), run
+    as it is between two graphs of a compiled step: its collective stays out
+    of the graph and of any operator."""
+    step = None if not grads else param_rows.Step(tables=[], grads=grads, grad_facts=None, plain=not sharded,
+                                                  name_of_gradient=lambda j: f"{name_of_parameter(j)}.grad")
+    return optimizer._norm(step, scale, detect)
 
 
-_PLAIN_AMP: dict = {}
-
-
-def _amp_array(scale, found, device):
-    """(the unscale factor, the skip flag) as a float64 array of the backend's kind on ``device``."""
-    if scale is None and found is None:
-        amp = _PLAIN_AMP.get(device)
-        if amp is None:
-            amp = _PLAIN_AMP[device] = torch.tensor([1.0, 0.0], dtype=torch.float64, device=device)
-    else:
-        # GradScaler's unscale_ multiplies by scale.double().reciprocal().float().
-        one, zero = (torch.full((), v, dtype=torch.float64, device=device) for v in (1.0, 0.0))
-        inv = one if scale is None else scale.double().reciprocal().float().double().reshape(()).to(device)
-        flag = zero if found is None else found.double().reshape(()).to(device)
-        amp = torch.stack((inv, flag))
-    return adopt(amp)
+def _compiled_max_norm(max_norm) -> float:
+    """``max_norm`` as a compiled step's operator takes it: a number."""
+    if isinstance(max_norm, torch.Tensor):
+        raise TypeError("max_norm: inside torch.compile expected a number, got a tensor; pass float(max_norm) to "
+                        "the optimizer, or step outside the compiled function")
+    return float(max_norm)
 
 
 class AdamW(_FlatOptimizer):
@@ -257,6 +322,14 @@ class AdamW(_FlatOptimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return False
 
+    def _traced_step(self, params, grads, states, steps, **common):
+        groups = self.param_groups
+        torch_optim_ops.adamw_(params, grads, states[0::2], states[1::2], steps,
+                               beta1=[float(g["betas"][0]) for g in groups],
+                               beta2=[float(g["betas"][1]) for g in groups],
+                               weight_decay=[float(g["weight_decay"]) for g in groups],
+                               eps=[float(g["eps"]) for g in groups], **common)
+
 
 class SGD(_FlatOptimizer):
     """``torch.optim.SGD``, with the clip inside the step.
@@ -282,13 +355,24 @@ class SGD(_FlatOptimizer):
                         fused=fused)
         super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied)
 
-    def _lazy_state(self, state, p, group):
+    def _lazy_state(self, state, p, group) -> bool:
         """PyTorch's SGD keeps a momentum buffer only where momentum is used,
-        made at the parameter's first gradient (then it is the gradient)."""
-        if group["momentum"] == 0 or state.get("momentum_buffer") is not None:
+        made at the parameter's first gradient; whether ``p``'s is new (its
+        next update makes it the gradient itself)."""
+        if group["momentum"] == 0:
             return False
-        state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return True
+        if state.get("momentum_buffer") is None:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            self._new.mark(p)
+        return self._new.is_new(p)
+
+    def _traced_step(self, params, grads, states, steps, **common):
+        groups = self.param_groups
+        torch_optim_ops.sgd_(params, grads, states, self._new.flags,
+                             momentum=[float(g["momentum"]) for g in groups],
+                             dampening=[float(g["dampening"]) for g in groups],
+                             weight_decay=[float(g["weight_decay"]) for g in groups],
+                             nesterov=[bool(g["nesterov"]) for g in groups], **common)
 
 
 class GradScaler(torch.amp.GradScaler):

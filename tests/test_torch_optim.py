@@ -399,8 +399,8 @@ def test_gpuflat_gradscaler_takes_the_flag_from_the_norm_pass(monkeypatch):
 @pytest.mark.filterwarnings("error::UserWarning")
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
 def test_a_compiled_training_step_matches_torch(name):
-    # torch.compile traces the forward and backward; the flat update runs
-    # between its graphs, as it is.
+    # torch.compile traces the forward, the backward and the step, down to
+    # gpuflat's operators (tests/test_torch_optim_compile.py).
     torch_cls, flat_cls, kw = OPTIMIZERS[name]
     net_t, net_f = pair(3)
     opt_t = torch_cls(groups(net_t), foreach=True, **kw)
@@ -635,6 +635,54 @@ def test_gpuflat_gradscaler_skips_on_nonfinite_gradients_not_an_overflowing_norm
     scaler.update()
     assert scaler.get_scale() == 1.0  # not backed off
     assert torch.equal(w.detach(), torch.zeros(4, dtype=torch.float64))  # stepped: 1 - 1e-200 * 1e200
+
+
+@pytest.mark.parametrize("scaler_name", list(SCALERS))
+def test_sgd_momentum_made_at_a_skipped_first_step_stays_new_as_in_torch(scaler_name):
+    # A GradScaler skips step 0 (an inf gradient). torch.optim.SGD never ran
+    # it and has no momentum buffer: its first applied step takes the
+    # gradient itself as the buffer, undamped. gpuflat's step ran, made the
+    # buffers and skipped on the device: they stay new until a step applies,
+    # through step 1 too for the one parameter without a gradient there.
+    net_t, net_f = pair(16)
+    kw = dict(lr=0.05, momentum=0.9, dampening=0.5, weight_decay=0.01)
+    opt_t, opt_f = torch.optim.SGD(groups(net_t), **kw), gft.SGD(groups(net_f), **kw)
+    scalers = {True: make_scaler(torch.amp.GradScaler), False: make_scaler(SCALERS[scaler_name])}
+    for k, (x, y) in enumerate(batches(5, seed=16)):
+        for net, opt, is_torch in ((net_t, opt_t, True), (net_f, opt_f, False)):
+            opt.zero_grad()
+            scaled_backward(net, scalers[is_torch], x, y)
+            if k == 0:
+                net.hidden.weight.grad[0, 0] = float("inf")
+            if k == 1:
+                net.hidden.bias.grad = None
+            scalers[is_torch].step(opt)
+            scalers[is_torch].update()
+        if k == 0:
+            assert not opt_t.state and all(torch.count_nonzero(s["momentum_buffer"]) == 0
+                                           for s in opt_f.state.values())
+    assert scalers[True].get_scale() == scalers[False].get_scale()
+    assert_close(net_t, opt_t, net_f, opt_f)
+
+
+def test_a_capture_that_would_read_whether_new_damped_momentum_is_skipped_names_the_parameter(monkeypatch):
+    # Whether a GradScaler skipped the step decides whether new momentum
+    # buffers with dampening stay new: a host read, which a capture refuses.
+    import cupy_stand_in
+    import torch_cuda_stand_in as tcs
+
+    with tcs.install(monkeypatch, cupy_stand_in.install(monkeypatch)) as tc:
+        w = tcs.parameter(torch.ones(3))
+        opt = gft.SGD([w], lr=0.1, momentum=0.9, dampening=0.5)
+        with torch.cuda.stream(torch.cuda.Stream()):
+            w.grad = tcs.cuda(torch.ones(3))
+            # as torch.amp.GradScaler hands them to the step: an inf was found
+            opt.grad_scale, opt.found_inf = tcs.cuda(torch.ones(())), tcs.cuda(torch.ones(()))
+            opt.step()
+            assert torch.equal(w.detach(), torch.ones(3))  # skipped, the buffer still new
+            with pytest.raises(gf.CaptureError, match=r"param_groups\[0\]\['params'\]\[0\]: its momentum buffer is "
+                                                      r"new and its group's dampening is not 0"):
+                tc.capture(opt.step)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)

@@ -1,0 +1,340 @@
+"""gpuflat.torch.AdamW and SGD inside torch.compile: ``step()`` traces down
+to gpuflat's operators (gpuflat.torch_optim_ops) with no graph break in
+gpuflat's code, with and without max_norm, under gpuflat's GradScaler and
+PyTorch's; ``zero_grad()`` reallocating the gradients recompiles nothing;
+compiled steps give eager steps' bits. Under Inductor the operator updates
+the parameters and state where they are: no clone in the graph, the
+parameters' own addresses in the update's rows, an eager step's peak
+memory. ``aot_eager`` does not reinplace a mutating operator's arguments
+(it hands the operator copies and copies them back), which the last test
+shows the memory measurement sees.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import gpuflat  # noqa: E402
+import gpuflat.torch as gft  # noqa: E402
+from gpuflat import torch_optim_ops  # noqa: E402
+
+nn = torch.nn
+GPUFLAT_DIR = Path(gpuflat.__file__).resolve().parent
+
+# (class, options, the biases' group's own options)
+OPTIMIZERS = {
+    "adamw": (gft.AdamW, dict(lr=1e-2, weight_decay=0.1), dict(weight_decay=0.0)),
+    "sgd": (gft.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01), dict(weight_decay=0.0)),
+    "sgd-mixed": (gft.SGD, dict(lr=0.05, momentum=0.9, nesterov=True), dict(momentum=0.0, nesterov=False)),
+}
+SCALERS = {"stock": torch.amp.GradScaler, "gpuflat": gft.GradScaler}
+INF_STEP = 2
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def model_and_twin(seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    return model, copy.deepcopy(model)
+
+
+def make_optimizer(name, model, max_norm, lr=None):
+    cls, kw, own = OPTIMIZERS[name]
+    if lr is not None:
+        kw = dict(kw, lr=lr)
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return cls([{"params": weights}, {"params": biases, **own}], max_norm=max_norm, **kw)
+
+
+def update_op(name) -> str:
+    return f"gpuflat.{OPTIMIZERS[name][0].__name__.lower()}_.default"
+
+
+def make_scaler(name):
+    return None if name is None else SCALERS[name]("cpu", init_scale=2.0**8, growth_interval=2)
+
+
+def train_step(model, opt, scaler, x, k):
+    """zero_grad() (new gradient tensors at the next backward), backward,
+    an inf in step INF_STEP's gradients under a scaler, then the step."""
+    opt.zero_grad()
+    loss = model(x).pow(2).sum()
+    (loss if scaler is None else scaler.scale(loss)).backward()
+    if scaler is not None and k == INF_STEP:
+        model[0].weight.grad[0, 0] = float("inf")
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.step(opt)
+        scaler.update()
+
+
+def without_recompiling(n, step):
+    """``step(k)`` for k < n: the first compiles, any later recompile raises."""
+    step(0)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for k in range(1, n):
+            step(k)
+
+
+def assert_same_bits(model, opt, twin, twin_opt):
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+        assert sorted(opt.state[p]) == sorted(twin_opt.state[q])
+        for key in opt.state[p]:
+            assert torch.equal(opt.state[p][key], twin_opt.state[q][key]), key
+    if twin_opt.last_grad_norm is None:
+        assert opt.last_grad_norm is None
+    else:
+        assert torch.equal(opt.last_grad_norm, twin_opt.last_grad_norm)
+
+
+def breaks_in_gpuflat(explained) -> list:
+    """The graph breaks whose location (the innermost frame) is in a gpuflat file."""
+    return [r for r in explained.break_reasons
+            if r.user_stack and Path(r.user_stack[-1].filename).resolve().is_relative_to(GPUFLAT_DIR)]
+
+
+def gpuflat_ops(explained) -> set:
+    return {str(op) for ops in explained.ops_per_graph for op in ops if "gpuflat" in str(op)}
+
+
+@pytest.mark.parametrize("scaler_name", [None, "gpuflat", "stock"])
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_step_traces_down_to_the_operator_with_no_break_in_gpuflat(name, max_norm, scaler_name):
+    model, _ = model_and_twin(0)
+    explained = explain_step(model, make_optimizer(name, model, max_norm), make_scaler(scaler_name))
+    assert breaks_in_gpuflat(explained) == []
+    assert update_op(name) in gpuflat_ops(explained)
+    if max_norm is not None or scaler_name == "gpuflat":
+        assert "gpuflat.norm_and_nonfinite.default" in gpuflat_ops(explained)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_tensor_lr_traces_with_no_break_in_gpuflat(name):
+    model, _ = model_and_twin(0)
+    explained = explain_step(model, make_optimizer(name, model, 1.0, torch.tensor(0.01)), None)
+    assert breaks_in_gpuflat(explained) == [] and update_op(name) in gpuflat_ops(explained)
+
+
+def explain_step(model, opt, scaler):
+    """torch._dynamo.explain of one training step's opt.step."""
+    explained = []
+    step = opt.step
+    # The scaler calls opt.step with its grad_scale and found_inf set, as in training.
+    opt.step = lambda *args, **kwargs: explained.append(torch._dynamo.explain(step)(*args, **kwargs))
+    train_step(model, opt, scaler, torch.randn(4, 8), 0)
+    return explained[0]
+
+
+@pytest.mark.parametrize("scaler_name", [None, "gpuflat", "stock"])
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_five_steps_recompile_nothing_and_give_eager_bits(name, max_norm, scaler_name):
+    model, twin = model_and_twin(1)
+    opt, twin_opt = make_optimizer(name, model, max_norm), make_optimizer(name, twin, max_norm)
+    scaler, twin_scaler = make_scaler(scaler_name), make_scaler(scaler_name)
+    opt.step = torch.compile(opt.step, backend="aot_eager")
+    grads = []
+
+    def both(k):
+        x = torch.randn(4, 8)
+        train_step(model, opt, scaler, x, k)
+        train_step(twin, twin_opt, twin_scaler, x, k)
+        grads.append(model[0].weight.grad)
+
+    without_recompiling(5, both)
+    assert len({id(g) for g in grads}) == 5  # each step's gradients were new tensors
+    assert_same_bits(model, opt, twin, twin_opt)
+    if scaler is not None:
+        assert scaler.get_scale() == twin_scaler.get_scale()
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_tensor_lr_written_between_steps_recompiles_nothing(name):
+    model, twin = model_and_twin(2)
+    lr, twin_lr = torch.tensor(0.02), torch.tensor(0.02)
+    opt, twin_opt = make_optimizer(name, model, 1.0, lr), make_optimizer(name, twin, 1.0, twin_lr)
+    opt.step = torch.compile(opt.step, backend="aot_eager")
+
+    def both(k):
+        x = torch.randn(4, 8)
+        train_step(model, opt, None, x, k)
+        train_step(twin, twin_opt, None, x, k)
+        lr.mul_(0.5)
+        twin_lr.mul_(0.5)
+
+    without_recompiling(4, both)
+    assert_same_bits(model, opt, twin, twin_opt)
+
+
+@pytest.mark.parametrize("scaler_name", ["gpuflat", "stock"])
+def test_a_skipped_first_step_leaves_compiled_sgd_momentum_new_as_torch(scaler_name):
+    # torch.optim.SGD never runs a step its GradScaler skips: its first real
+    # step takes the gradient itself as the momentum buffer, undamped.
+    model, twin = model_and_twin(3)
+    kw = dict(lr=0.05, momentum=0.9, dampening=0.5)
+    opt, twin_opt = gft.SGD(model.parameters(), **kw), torch.optim.SGD(twin.parameters(), **kw)
+    scaler, twin_scaler = make_scaler(scaler_name), torch.amp.GradScaler("cpu", init_scale=2.0**8,
+                                                                          growth_interval=2)
+    opt.step = torch.compile(opt.step, backend="aot_eager")
+    for k in range(4):
+        x = torch.randn(4, 8)
+        for m, o, s in ((model, opt, scaler), (twin, twin_opt, twin_scaler)):
+            o.zero_grad()
+            s.scale(m(x).pow(2).sum()).backward()
+            if k == 0:
+                m[0].weight.grad[0, 0] = float("inf")
+            s.step(o)
+            s.update()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], twin_opt.state[q]["momentum_buffer"],
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_dtensor_parameters_compile_with_the_eager_bits(name):
+    # The operators take the local shards; the norm over the mesh, a
+    # collective, runs between two graphs. One rank: the same code paths.
+    dist = pytest.importorskip("torch.distributed")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(5)
+        values = [torch.randn(6, 4), torch.randn(5)]
+        params, twins = ([nn.Parameter(distribute_tensor(v.clone(), mesh, [Shard(0)])) for v in values]
+                         for _ in range(2))
+        cls, kw, own = OPTIMIZERS[name]
+        opt, twin_opt = (cls([{"params": ps[:1]}, {"params": ps[1:], **own}], max_norm=0.5, **kw)
+                         for ps in (params, twins))
+        opt.step = torch.compile(opt.step, backend="aot_eager")
+        for _ in range(3):
+            grads = [torch.randn(v.shape) for v in values]
+            for ps, o in ((params, opt), (twins, twin_opt)):
+                o.zero_grad()
+                for p, g in zip(ps, grads):
+                    p.grad = distribute_tensor(g, mesh, [Shard(0)])
+                o.step()
+        local = gpuflat.dtensor.local
+        for p, q in zip(params, twins):
+            assert torch.equal(local(p), local(q))
+            assert all(torch.equal(local(opt.state[p][k]), local(twin_opt.state[q][k])) for k in opt.state[p])
+        assert torch.equal(opt.last_grad_norm, twin_opt.last_grad_norm)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- in place, under Inductor
+
+def peak_bytes(call) -> int:
+    """The most bytes the CPU allocator held at once during ``call()``
+    beyond what it held before: the running total of allocated bytes that
+    the profiler records at every allocation and free (PyTorch keeps no
+    CPU allocator statistics otherwise)."""
+    from torch._C._profiler import _EventType
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    events, peak = list(prof.profiler.kineto_results.experimental_event_tree()), 0
+    while events:
+        event = events.pop()
+        events.extend(event.children)
+        if event.tag == _EventType.Allocation:
+            peak = max(peak, event.extra_fields.total_allocated)
+    return peak
+
+
+def held_bytes(model, opt) -> int:
+    """What a step starts from: the parameters, their gradients and the state."""
+    tensors = [t for p in model.parameters() for t in (p, p.grad, *opt.state[p].values())]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def final_graphs(monkeypatch) -> list:
+    """Inductor's graphs after its last pass over mutations (reinplacing,
+    then the functionalised operators' decomposition)."""
+    from torch._inductor.fx_passes import post_grad
+
+    graphs, decompose = [], post_grad.decompose_auto_functionalized
+
+    def kept(graph):
+        decompose(graph)
+        graphs.append(graph)
+
+    monkeypatch.setattr(post_grad, "decompose_auto_functionalized", kept)
+    return graphs
+
+
+def addresses_updated(monkeypatch) -> list:
+    """The parameter addresses of each update's rows, as the operator hands them over."""
+    seen, update = [], torch_optim_ops.update
+
+    def recorded(rule, tables, *args):
+        seen.append(sorted(a for t in tables for a in t.rows[:, 0].tolist()))
+        update(rule, tables, *args)
+
+    monkeypatch.setattr(torch_optim_ops, "update", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_inductor_updates_in_place_with_the_eager_bits_and_peak_memory(name, monkeypatch):
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
+    twin = copy.deepcopy(model)
+    opt, twin_opt = make_optimizer(name, model, 1.0), make_optimizer(name, twin, 1.0)
+    scaler, twin_scaler = make_scaler("gpuflat"), make_scaler("gpuflat")
+    graphs, seen = final_graphs(monkeypatch), addresses_updated(monkeypatch)
+    opt.step = torch.compile(opt.step)
+    peaks = {}
+    with torch._inductor.config.patch(force_disable_caches=True):  # a cached graph skips the passes
+        for k in range(3):
+            x = torch.randn(4, 256)
+            train_step(model, opt, scaler, x, k)
+            train_step(twin, twin_opt, twin_scaler, x, k)
+    assert_same_bits(model, opt, twin, twin_opt)
+    assert seen and all(s == sorted(p.data_ptr() for p in model.parameters()) for s in seen)
+    (graph,) = graphs
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    update = [n for n in nodes if str(n.target) == update_op(name)]
+    assert len(update) == 1
+    assert not [n for n in nodes if "clone" in str(n.target) or "auto_functionalized" in str(n.target)]
+    written = {a for arg in update[0].args if isinstance(arg, (list, tuple)) for a in arg}
+    for n in nodes:  # what a functionalised operator leaves: x.copy_(x), nothing for Inductor to copy
+        if str(n.target) == "aten.copy_.default" and n.args[0] in written:
+            assert n.args[1] is n.args[0]
+    for m, o, s, key in ((model, opt, scaler, "compiled"), (twin, twin_opt, twin_scaler, "eager")):
+        o.zero_grad(set_to_none=False)
+        s.scale(m(torch.randn(4, 256)).pow(2).sum()).backward()
+        peaks[key] = held_bytes(m, o) + peak_bytes(lambda: (s.step(o), s.update()))
+    assert peaks["compiled"] <= peaks["eager"] * 1.01, peaks
+
+
+def test_aot_eager_hands_the_operator_copies_which_the_peak_memory_shows():
+    # What Inductor's reinplacing removes: without it the functionalised
+    # operator works on copies of the parameters and state, the measure of
+    # the test above sees them.
+    model, twin = (nn.Sequential(nn.Linear(256, 256)) for _ in range(2))
+    opt, twin_opt = make_optimizer("adamw", model, 1.0), make_optimizer("adamw", twin, 1.0)
+    opt.step = torch.compile(opt.step, backend="aot_eager")
+    for m, o in ((model, opt), (twin, twin_opt)):
+        m(torch.randn(4, 256)).sum().backward()
+        o.step()
+    copied = sum(p.numel() * p.element_size() * 3 for p in model.parameters())  # parameter, exp_avg, exp_avg_sq
+    assert peak_bytes(opt.step) >= peak_bytes(twin_opt.step) + copied
