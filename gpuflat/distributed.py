@@ -39,7 +39,8 @@ import re
 import sys
 import threading
 import weakref
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,6 +50,9 @@ from .backends import get_backend
 from .dtypes import is_bfloat16
 from .binding import Call, max_norm_for
 from .errors import CollectiveError, NonFiniteError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["PATH_FORMAT", "CollectiveError", "Owned", "all_reduce_", "check_pipeline", "clip_grad_norm_",
            "global_norm", "replicated", "sharded", "tied"]
@@ -60,8 +64,9 @@ _ROW = 2
 
 # ---------------------------------------------------------------- public API
 
-def global_norm(tree, ord: float = 2, *, group=None, owned: Owned | None = None, pp_mesh=None, tied=None,
-                per_leaf: bool = False, error_if_nonfinite: bool = False, backend: str | None = None) -> Any:
+def global_norm(tree: Any, ord: float = 2, *, group: Any = None, owned: _OwnedLike | None = None,
+                pp_mesh: Any = None, tied: Any = None, per_leaf: bool = False, error_if_nonfinite: bool = False,
+                backend: str | None = None) -> Any:
     """The norm of a model spread over the ranks of ``group``; every rank gets the same value.
 
     Each rank passes its local leaves; ``owned`` says which of them this rank
@@ -109,9 +114,9 @@ def global_norm(tree, ord: float = 2, *, group=None, owned: Owned | None = None,
         return local.give_back(total)
 
 
-def clip_grad_norm_(grads, max_norm: float, ord: float = 2, *, group=None, owned: Owned | None = None,
-                    pp_mesh=None, tied=None, eps: float = 1e-6, error_if_nonfinite: bool = False,
-                    backend: str | None = None) -> Any:
+def clip_grad_norm_(grads: Any, max_norm: float, ord: float = 2, *, group: Any = None,
+                    owned: _OwnedLike | None = None, pp_mesh: Any = None, tied: Any = None, eps: float = 1e-6,
+                    error_if_nonfinite: bool = False, backend: str | None = None) -> Any:
     """Scale every rank's gradients by the same min(1, max_norm / (norm + eps)); return the norm.
 
     PyTorch's ``clip_grad_norm_`` over a model spread across ranks: the norm
@@ -156,14 +161,14 @@ def check_pipeline(pp_mesh: Any, tied: Any = None, leaves: Any = None) -> None:
     ValueError: tied: expected pp_mesh= beside it, the pipeline whose stages own the tied weights, ...
     """
     pipeline = _pipeline(pp_mesh, tied)
-    if tied is None:
+    if pipeline is None or tied is None:  # without a pipeline, _pipeline refused tied
         return
     for i, (leaf, _) in enumerate(pipeline.owner_stages(tied)):
         if leaves is not None and leaf is not None and not any(leaf is x for x in leaves):
             raise _not_given(i, leaf)
 
 
-def all_reduce_(grads, op: str = "mean", *, group=None, bucket_bytes: int | None = None) -> None:
+def all_reduce_(grads: Any, op: str = "mean", *, group: Any = None, bucket_bytes: int | None = None) -> None:
     """Sum (or average) gradients across ranks in place, through one flat buffer.
 
     ``grads`` is a tree of gradients, a ``torch.nn.Module`` (its parameters'
@@ -201,11 +206,13 @@ def all_reduce_(grads, op: str = "mean", *, group=None, bucket_bytes: int | None
     except Exception as err:  # re-raised below on this rank, once every rank knows
         reduction, failure = None, err
     gradless_somewhere = _agree(comm, "all_reduce_", failure, reduction)
+    assert reduction is not None  # _agree raised this rank's failure
     given = reduction.gradients_given(comm) if gradless_somewhere else ()
     for buf in reduction.moving:
         _reduce_buffer(comm, buf, bucket_bytes)
     reduction.finish(op, comm.size)
     if given:
+        assert reduction.resident is not None  # only a resident model's parameters lack gradients
         reduction.resident._give_grads(given)
 
 
@@ -236,20 +243,24 @@ class Owned:
     (True, False)
     """
 
-    def __init__(self, rule):
+    def __init__(self, rule: _OwnedLike | _Rule) -> None:
         self._rule = _as_rule(rule, "owned")
 
-    def __call__(self, path, leaf=None) -> bool:
+    def __call__(self, path: str, leaf: Any = None) -> bool:
         return self._rule.match(path, leaf)
 
-    def __and__(self, other):
+    def __and__(self, other: _OwnedLike) -> Owned:
         return Owned(_Both(self._rule, _as_rule(other, "the right side of &")))
 
-    def __rand__(self, other):
+    def __rand__(self, other: _OwnedLike) -> Owned:
         return Owned(_Both(_as_rule(other, "the left side of &"), self._rule))
 
-    def _mask(self, paths, leaves) -> np.ndarray:
+    def _mask(self, paths: list[str], leaves: Sequence[Any]) -> np.ndarray:
         return self._rule.mask(paths, leaves)
+
+
+# What owned= and where= take: an Owned, leaf paths, or a (path) or (path, leaf) -> bool.
+_OwnedLike = Owned | Iterable[str] | Callable[..., bool]
 
 
 def sharded() -> Owned:
@@ -261,7 +272,7 @@ def sharded() -> Owned:
     return Owned(_Everything())
 
 
-def replicated(group=None, where=None) -> Owned:
+def replicated(group: Any = None, where: _OwnedLike | None = None) -> Owned:
     """Leaves held whole on every rank of ``group`` count on its rank 0 only.
 
     For tensor-parallel duplicates (layer norms, biases of row-parallel
@@ -278,7 +289,7 @@ def replicated(group=None, where=None) -> Owned:
     return Owned(_Tied(comm.rank == 0, _where(where, required=True)))
 
 
-def tied(owner_rank: int, group=None, where=None) -> Owned:
+def tied(owner_rank: int, group: Any = None, where: _OwnedLike | None = None) -> Owned:
     """Copies of one parameter on several ranks count on ``owner_rank`` of ``group`` only.
 
     For an embedding tied across pipeline stages (the first and last stage
@@ -303,13 +314,13 @@ def tied(owner_rank: int, group=None, where=None) -> Owned:
     return Owned(_Tied(is_owner, _where(where, required=is_owner)))
 
 
-def _where(where, *, required):
+def _where(where: _OwnedLike | None, *, required: bool) -> _Rule:
     if where is None:
         return _Everything()
     return _as_rule(where, "where", required=required)
 
 
-def _as_rule(rule, name, *, required=True):
+def _as_rule(rule: _OwnedLike | _Rule, name: str, *, required: bool = True) -> _Rule:
     """``rule`` as one of the rules below; TypeError saying what is accepted."""
     if isinstance(rule, Owned):
         return rule._rule
@@ -328,32 +339,36 @@ class _Rule:
     """What every rule below has: ``match(path, leaf)``, ``mask(paths, leaves)``
     (which also checks the paths it names) and a ``key`` to cache masks by."""
 
+    key: Hashable
+    match: Callable[[str, Any], bool]
+    mask: Callable[[list[str], Sequence[Any]], np.ndarray]
+
 
 class _Everything(_Rule):
     key = "everything"
 
-    def match(self, path, leaf) -> bool:
+    def match(self, path: str, leaf: Any) -> bool:
         return True
 
-    def mask(self, paths, leaves) -> np.ndarray:
+    def mask(self, paths: list[str], leaves: Sequence[Any]) -> np.ndarray:
         return np.ones(len(paths), dtype=bool)
 
 
 class _Predicate(_Rule):
     """A callable taking ``(path)`` or ``(path, leaf)``, told apart by its signature."""
 
-    def __init__(self, f, name):
+    def __init__(self, f: Callable[..., Any], name: str) -> None:
         self.f = self.key = f
         self.takes_leaf = _takes_leaf(f, name)
 
-    def match(self, path, leaf) -> bool:
+    def match(self, path: str, leaf: Any) -> bool:
         return bool(self.f(path, leaf) if self.takes_leaf else self.f(path))
 
-    def mask(self, paths, leaves) -> np.ndarray:
+    def mask(self, paths: list[str], leaves: Sequence[Any]) -> np.ndarray:
         return np.array([self.match(p, a) for p, a in zip(paths, leaves)], dtype=bool)
 
 
-def _takes_leaf(f, name) -> bool:
+def _takes_leaf(f: Callable[..., Any], name: str) -> bool:
     try:
         signature = inspect.signature(f)
     except (TypeError, ValueError):  # no signature to read (some builtins): the documented (path, leaf)
@@ -370,7 +385,7 @@ class _Paths(_Rule):
     """Leaf paths, matched exactly or by their components, so that ``enc.w``,
     ``['enc'].w`` and ``['enc']['w']`` name the same leaf."""
 
-    def __init__(self, paths, name, required):
+    def __init__(self, paths: Iterable[str], name: str, required: bool) -> None:
         self.name, self.required = name, required
         self.paths = frozenset(paths)
         for p in self.paths:
@@ -379,10 +394,10 @@ class _Paths(_Rule):
         self.components = {_components(p) for p in self.paths}
         self.key = ("paths", required, self.paths)
 
-    def match(self, path, leaf=None) -> bool:
+    def match(self, path: str, leaf: Any = None) -> bool:
         return path in self.paths or _components(path) in self.components
 
-    def mask(self, paths, leaves) -> np.ndarray:
+    def mask(self, paths: list[str], leaves: Sequence[Any]) -> np.ndarray:
         found = np.array([self.match(p) for p in paths], dtype=bool)
         if self.required:
             held = set(paths) | {_components(p) for p in paths}
@@ -392,7 +407,7 @@ class _Paths(_Rule):
         return found
 
 
-def _unknown_paths(name, unknown, paths) -> str:
+def _unknown_paths(name: str, unknown: list[str], paths: list[str]) -> str:
     shown = ", ".join(map(repr, paths[:_PATHS_SHOWN])) + (", ..." if len(paths) > _PATHS_SHOWN else "")
     which = ", ".join(map(repr, unknown))
     return (f"{name}: path{'s' * (len(unknown) > 1)} {which} not a trainable leaf of this tree; "
@@ -402,7 +417,7 @@ def _unknown_paths(name, unknown, paths) -> str:
 _SEGMENT = re.compile(r"""\[('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^\]]*)\]|\.?([^.\[]+)""")
 
 
-def _components(path: str) -> tuple:
+def _components(path: str) -> tuple[str, ...]:
     """The keys along ``path``: ``['enc']['layers'][0].weight`` and
     ``enc.layers.0.weight`` both give ('enc', 'layers', '0', 'weight'); a
     bracketed key stays whole, dots and all.
@@ -423,28 +438,28 @@ def _components(path: str) -> tuple:
 
 
 class _Both(_Rule):
-    def __init__(self, first, second):
+    def __init__(self, first: _Rule, second: _Rule) -> None:
         self.first, self.second = first, second
         self.key = ("both", first.key, second.key)
 
-    def match(self, path, leaf) -> bool:
+    def match(self, path: str, leaf: Any) -> bool:
         return self.first.match(path, leaf) and self.second.match(path, leaf)
 
-    def mask(self, paths, leaves) -> np.ndarray:
+    def mask(self, paths: list[str], leaves: Sequence[Any]) -> np.ndarray:
         return self.first.mask(paths, leaves) & self.second.mask(paths, leaves)
 
 
 class _Tied(_Rule):
     """Counts every leaf on the owner; elsewhere only the leaves ``selected`` leaves out."""
 
-    def __init__(self, is_owner, selected):
+    def __init__(self, is_owner: bool, selected: _Rule) -> None:
         self.is_owner, self.selected = is_owner, selected
         self.key = ("tied", is_owner, selected.key)
 
-    def match(self, path, leaf) -> bool:
+    def match(self, path: str, leaf: Any) -> bool:
         return self.is_owner or not self.selected.match(path, leaf)
 
-    def mask(self, paths, leaves) -> np.ndarray:
+    def mask(self, paths: list[str], leaves: Sequence[Any]) -> np.ndarray:
         chosen = self.selected.mask(paths, leaves)  # checks the paths on the owner too
         return np.ones(len(paths), dtype=bool) if self.is_owner else ~chosen
 
@@ -454,7 +469,7 @@ _masks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _masks_lock = threading.Lock()
 
 
-def _owned_mask(plan, arrays, owned, xp):
+def _owned_mask(plan: Any, arrays: list, owned: _OwnedLike, xp: Any) -> Any:
     """The plan's 0/1 ownership vector on the device of ``xp``, cached weakly per plan."""
     rule = Owned(owned)
     key = (rule._rule.key, xp.__name__)
@@ -467,7 +482,7 @@ def _owned_mask(plan, arrays, owned, xp):
 
 # ---------------------------------------------------------------- the norm
 
-def _reduce_norm(local, p):
+def _reduce_norm(local: _Local, p: float) -> tuple[Any, Any, list]:
     """(global total, this rank's per-leaf norms, the exchanged (ranks, _ROW) packet of each collective).
 
     Each rank writes its own row of a zeroed buffer; one SUM all-reduce fills
@@ -505,7 +520,7 @@ def _reduce_norm(local, p):
     return (xp.sqrt(partial) if p == 2 else partial if p == 1 else partial ** (1.0 / p)), per, packets
 
 
-def _raise_if_nonfinite(local, p, total, packets, scaled=True):
+def _raise_if_nonfinite(local: _Local, p: float, total: Any, packets: list, scaled: bool = True) -> None:
     """Every rank raises the same NonFiniteError when the global norm is not finite.
 
     The rank holding the first non-finite leaf sends its path to the others,
@@ -532,11 +547,11 @@ def _raise_if_nonfinite(local, p, total, packets, scaled=True):
 # float16 sums overflow past 65504 (two ranks of 60000 would give inf), and
 # every addition in 16 bits rounds again. float32 holds float16's range many
 # times over, and gives bfloat16 (whose range it shares) 16 more bits.
-def _wider(dtype):
+def _wider(dtype: Any) -> np.dtype | None:
     return np.dtype(np.float32) if dtype == np.float16 or is_bfloat16(dtype) else None
 
 
-def _check_reduce_arguments(op, bucket_bytes):
+def _check_reduce_arguments(op: str, bucket_bytes: int | None) -> None:
     if op not in ("sum", "mean"):
         raise ValueError(f"op: expected 'sum' or 'mean', got {op!r}")
     if bucket_bytes is not None and not bucket_bytes > 0:
@@ -547,7 +562,7 @@ class _Reduction:
     """What all_reduce_ moves, checked before anything moves: contiguous
     buffers (16-bit ones as float32 copies), and where their sums go back."""
 
-    def __init__(self, grads):
+    def __init__(self, grads: Any) -> None:
         if is_module(grads):
             grads = _module_grads(grads)
         buffers = getattr(grads, "grad_buffers", None)  # read first: a resident model follows its parameters
@@ -581,14 +596,14 @@ class _Reduction:
         """How many of a resident model's parameters have no gradient here."""
         return int(self.held.size - self.held.sum())
 
-    def gradients_given(self, comm) -> list:
+    def gradients_given(self, comm: _Comm) -> list[int]:
         """The resident parameters (in layout order) without a gradient here
         that some rank has one for: after the reduction their views hold it."""
         anywhere = self.held.copy()
         comm.sum_on_host(anywhere, "all_reduce_")
         return np.flatnonzero((anywhere > 0) & (self.held == 0)).tolist()
 
-    def finish(self, op, size):
+    def finish(self, op: str, size: int) -> None:
         """Divide for "mean", then write the sums back, each rounded once."""
         with device_scope(None, self.like):
             for target, moved in zip(self.targets, self.moving):
@@ -601,7 +616,7 @@ class _Reduction:
                 self.backend.scatter(self.plan, self.moving[0], self.leaves)
 
 
-def _refuse_dtensors(call):
+def _refuse_dtensors(call: Call) -> None:
     # A DTensor's shards differ from rank to rank: summing them is no gradient.
     path = dtensor.first_path(call.owners(), call.paths())
     if path is not None:
@@ -610,7 +625,7 @@ def _refuse_dtensors(call):
                         f"parallelism reduce their gradients themselves)")
 
 
-def _module_grads(module) -> dict:
+def _module_grads(module: Any) -> dict[str, Any]:
     grads = {}
     for name, param in module_parameters(module):
         if param.grad is None:
@@ -620,7 +635,7 @@ def _module_grads(module) -> dict:
     return grads
 
 
-def _checked_buffer(name, buffer):
+def _checked_buffer(name: str, buffer: Any) -> Any:
     """A resident model's gradient buffer, as a NumPy or CuPy view fit for an in-place reduction."""
     view = adopt(buffer)
     if view is None or view.ndim != 1 or not view.flags.c_contiguous:
@@ -631,7 +646,7 @@ def _checked_buffer(name, buffer):
     return view
 
 
-def _agree(comm, caller, failure, reduction) -> bool:
+def _agree(comm: _Comm, caller: str, failure: Exception | None, reduction: _Reduction | None) -> bool:
     """Every rank's verdict and size, in one small collective before any data
     moves; returns whether some rank's resident model has a parameter
     without a gradient.
@@ -663,7 +678,7 @@ def _agree(comm, caller, failure, reduction) -> bool:
     return bool(rows[:, 4].any())
 
 
-def _reduce_buffer(comm, buf, bucket_bytes):
+def _reduce_buffer(comm: _Comm, buf: Any, bucket_bytes: int | None) -> None:
     step = buf.size if bucket_bytes is None else max(1, int(bucket_bytes) // buf.dtype.itemsize)
     xp = np if isinstance(buf, np.ndarray) else sys.modules["cupy"]
     with comm.stream(xp):
@@ -674,7 +689,7 @@ def _reduce_buffer(comm, buf, bucket_bytes):
 class _Comm:
     """A process group or communicator seen as (rank, size, in-place SUM all-reduce)."""
 
-    def __init__(self, group):
+    def __init__(self, group: Any) -> None:
         self.group, self.kind = group, _kind_of(group)
         if self.kind == "mpi":
             self.rank, self.size = group.Get_rank(), group.Get_size()
@@ -685,7 +700,7 @@ class _Comm:
         else:
             self.rank, self.size = 0, 1
 
-    def all_reduce(self, buf, caller):
+    def all_reduce(self, buf: Any, caller: str) -> None:
         """Sum the contiguous 1-D ``buf`` (NumPy, CuPy or a tensor) over the ranks, in place."""
         if self.kind is None or buf.size == 0:
             return
@@ -702,7 +717,7 @@ class _Comm:
                 f"another rank probably raised before reaching it, or left the group ({err})"
             ) from err
 
-    def broadcast_text(self, text, root):
+    def broadcast_text(self, text: str | None, root: int) -> str | None:
         """``text`` as rank ``root`` holds it, on every rank."""
         if self.kind == "mpi":
             return self.group.bcast(text, root=root)
@@ -716,14 +731,14 @@ class _Comm:
             return box[0]
         return text
 
-    def gather_rows(self, row, caller) -> np.ndarray:
+    def gather_rows(self, row: Sequence[float], caller: str) -> np.ndarray:
         """Every rank's ``row`` of a few numbers, as a (ranks, len(row)) float64 host array."""
         packet = np.zeros((self.size, len(row)))
         packet[self.rank] = row
         self.sum_on_host(packet.reshape(-1), caller)
         return packet
 
-    def sum_on_host(self, packet, caller) -> None:
+    def sum_on_host(self, packet: np.ndarray, caller: str) -> None:
         """Sum the contiguous 1-D float64 host array ``packet`` over the ranks, in place."""
         if self.nccl():  # NCCL moves device memory only
             import torch
@@ -742,7 +757,7 @@ class _Comm:
 
         return dist.get_backend(self.group) == "nccl"
 
-    def stream(self, xp):
+    def stream(self, xp: Any) -> contextlib.AbstractContextManager[Any]:
         """CuPy work on PyTorch's current stream, where NCCL collectives are ordered."""
         if self.kind != "torch" or xp is np:
             return contextlib.nullcontext()
@@ -751,7 +766,7 @@ class _Comm:
         return xp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
 
 
-def _kind_of(group):
+def _kind_of(group: Any) -> str | None:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and isinstance(group, mpi.Comm):
         return "mpi"
@@ -764,7 +779,7 @@ def _kind_of(group):
                     f"or None, got {type(group).__module__}.{type(group).__name__}")
 
 
-def _mpi_all_reduce(comm, buf):
+def _mpi_all_reduce(comm: Any, buf: Any) -> None:
     from mpi4py import MPI
 
     if not isinstance(buf, np.ndarray):
@@ -774,7 +789,7 @@ def _mpi_all_reduce(comm, buf):
     comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
 
-def _torch_view(buf):
+def _torch_view(buf: Any) -> torch.Tensor:
     """``buf`` as a tensor sharing its memory."""
     import torch
 
@@ -789,7 +804,8 @@ class _Local:
     """This rank's tree: plan, unique trainables (NumPy or CuPy views) and
     backend, the groups its partial is reduced over and what it owns."""
 
-    def __init__(self, tree, backend, group, owned, pp_mesh=None, tied=None):
+    def __init__(self, tree: Any, backend: str | None, group: Any, owned: _OwnedLike | None,
+                 pp_mesh: Any = None, tied: Any = None) -> None:
         self.call = Call(tree)
         self.plan, self.arrays = self.call.plan, list(self.call.unique)
         pipeline = _pipeline(pp_mesh, tied)
@@ -813,7 +829,7 @@ class _Local:
                 self.ranks *= pipeline.stages
             # Stages combined: no one mesh holds the norm, as no one stage does.
             self.mesh = self.sharding.mesh if pipeline is None else None
-        self.elsewhere = None if tied is None else pipeline.elsewhere(tied, self.call)
+        self.elsewhere = None if pipeline is None or tied is None else pipeline.elsewhere(tied, self.call)
         self.first_bad = 0
         if not self.arrays and any(comm.nccl() for comm in self.comms):
             # No local gradients, but NCCL still needs a device buffer to join in.
@@ -821,7 +837,7 @@ class _Local:
         else:
             self.be = self.call.backend(backend)
 
-    def owned_mask(self, xp):
+    def owned_mask(self, xp: Any) -> Any:
         """The 0/1 vector of the leaves this rank counts, or None for all of them."""
         if self.sharding is not None:
             mask = xp.asarray(self.sharding.owned)
@@ -832,14 +848,14 @@ class _Local:
         here = xp.asarray(~self.elsewhere)
         return here if mask is None else mask & here
 
-    def streams(self):
+    def streams(self) -> contextlib.AbstractContextManager[Any]:
         """Every group's stream context (one stream: PyTorch's current one)."""
         return self.comms[0].stream(self.be.xp) if self.comms else contextlib.nullcontext()
 
-    def check_in_place(self):
+    def check_in_place(self) -> None:
         checks.check_in_place([leaf.path for leaf in self.plan.leaves], self.arrays)
 
-    def give_back(self, x):
+    def give_back(self, x: Any) -> Any:
         """A result standing for the whole tree in the caller's kind: a tensor for
         PyTorch leaves, a DTensor replicated over the mesh for DTensors on one
         mesh (a plain tensor where no one mesh holds the norm)."""
@@ -852,7 +868,9 @@ class _Pipeline:
     """The pipeline stages ``pp_mesh=`` names: a 1-D DeviceMesh over them
     (``mesh``), or a process group; this rank's ``stage`` of ``stages``."""
 
-    def __init__(self, pp_mesh):
+    mesh: Any
+
+    def __init__(self, pp_mesh: Any) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -871,14 +889,14 @@ class _Pipeline:
             raise ValueError(f"pp_mesh: expected a group holding this rank ({dist.get_rank()}), got one over "
                              f"ranks {dist.get_process_group_ranks(group)}")
 
-    def reduced_over(self):
+    def reduced_over(self) -> Any:
         """The group the stages' partials are combined over where the leaves'
         meshes do not combine them: the process group given, or for a mesh
         every rank of its root (``dtensor.pipeline_group``), found from the
         mesh alone, as a stage holding nothing must find it."""
         return self.group if self.mesh is None else dtensor.pipeline_group(self.mesh)
 
-    def check_plain(self, group, paths, owners):
+    def check_plain(self, group: Any, paths: list[str], owners: list) -> None:
         """Plain leaves beside ``pp_mesh``: only where each stage is one rank,
         as nothing says whether a stage's other ranks hold copies or shards."""
         import torch.distributed as dist
@@ -897,7 +915,7 @@ class _Pipeline:
                 f"DTensor.from_local with its placements), or, for copies, pass the pipeline's process "
                 f"group as group= (and owned=gfd.tied(...) for a tied weight) instead of pp_mesh")
 
-    def owner_stages(self, tied) -> list:
+    def owner_stages(self, tied: Iterable) -> list[tuple[Any, int]]:
         """``tied`` checked: (leaf, owning stage) pairs, each stage one of pp_mesh's."""
         pairs = []
         for i, entry in enumerate(tied):
@@ -911,7 +929,7 @@ class _Pipeline:
             pairs.append((leaf, stage))
         return pairs
 
-    def elsewhere(self, tied, call) -> np.ndarray:
+    def elsewhere(self, tied: Iterable, call: Call) -> np.ndarray:
         """Per slot of ``call``, True for a weight of ``tied`` that another stage counts."""
         owners, arrays = call.owners(), call.unique
         elsewhere = np.zeros(len(arrays), dtype=bool)
@@ -925,7 +943,7 @@ class _Pipeline:
         return elsewhere
 
 
-def _pipeline(pp_mesh, tied):
+def _pipeline(pp_mesh: Any, tied: Any) -> _Pipeline | None:
     """The _Pipeline of ``pp_mesh``, None without it (then ``tied`` is refused)."""
     if pp_mesh is not None:
         return _Pipeline(pp_mesh)
@@ -935,13 +953,13 @@ def _pipeline(pp_mesh, tied):
     return None
 
 
-def _not_given(i, leaf):
+def _not_given(i: int, leaf: Any) -> ValueError:
     shape = tuple(getattr(leaf, "shape", ()))
     return ValueError(f"tied[{i}]: expected one of the leaves given, found a {type(leaf).__name__} "
                       f"of shape {shape} that is none of them")
 
 
-def _refuse_group_and_owned(group, owned, path):
+def _refuse_group_and_owned(group: Any, owned: _OwnedLike | None, path: str) -> None:
     for name, value in (("group", group), ("owned", owned)):
         if value is not None:
             raise ValueError(f"{name}: expected None for a tree of DTensors, whose mesh and placements say "
