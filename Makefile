@@ -3,7 +3,7 @@
 # builds the kernel gates check). A venv is rebuilt when pyproject.toml or a
 # constraints file changes.
 #
-#   make test               the whole suite (what CI runs)
+#   make test               mypy on the public modules, then the whole suite (what CI runs)
 #   make test-nvrtc-latest  the kernel gates again under the newest NVRTC of
 #                           each major (one venv holds one NVRTC per major)
 #   make bench              the benchmark against PyTorch, JAX and NumPy
@@ -31,6 +31,7 @@ $(TEST_VENV)/.ready: pyproject.toml constraints.txt
 	touch $@
 
 test: $(TEST_VENV)/.ready
+	$(TEST_VENV)/bin/mypy
 	$(TEST_VENV)/bin/python -m pytest -q
 
 # The gates' environment: the package, its test tools and the newest NVRTCs,
