@@ -23,12 +23,13 @@ naming ``param_groups[g]['params'][i]``.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from . import dtensor, tensor_facts
+from . import caches, dtensor, tensor_facts
 from .layout import PARAM_ROW_FIRST, PARAM_ROW_WORDS
 from .memory_order import dense_start
 
@@ -132,12 +133,21 @@ def _found(optimizer, key, everything, group_of, have, state_names, lazy_state):
         columns = [dtensor.local_shards(column) for column in columns]
     found = _Found(key, optimizer.state, params, groups, columns, kept, steps, all_plain)
     optimizer._gpuflat_found = found
+    _holders.add(optimizer)
     return found, firsts if firsts.any() else None
 
 
 def forget(optimizer) -> None:
     """Drop what was kept for ``optimizer`` (its state was loaded anew)."""
     optimizer.__dict__.pop("_gpuflat_found", None)
+    optimizer.__dict__.pop("_gpuflat_all", None)
+
+
+# The optimizers keeping what was found (on themselves, so it goes with
+# them), weakly: gpuflat.cache_clear() makes each find it again.
+_holders: weakref.WeakSet = weakref.WeakSet()
+caches.register("optimizers' parameters found", lambda: sum("_gpuflat_found" in o.__dict__ for o in list(_holders)),
+                lambda: [forget(o) for o in list(_holders)])
 
 
 def tables_of(params, grads, columns, steps, groups, flags, name_of) -> list:

@@ -39,7 +39,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import param_rows, tensor_table
+from . import caches, param_rows, tensor_table
 from .arrays import adopt, device_scope, launch_stream
 from .errors import CaptureError
 from .layout import HYPER, PARAM_ROW_FIRST, TAG_OF_NAME, hyper_row
@@ -110,15 +110,13 @@ def _learning_rates(groups, device, hyper) -> tuple:
     return hyper, at
 
 
-_PLAIN_AMP: dict = {}
+_PLAIN_AMP = caches.LRU("plain amp flags", 8)  # by device
 
 
 def _amp_array(scale, found, device):
     """(the unscale factor, the skip flag) as a float64 array of the backend's kind on ``device``."""
     if scale is None and found is None:
-        amp = _PLAIN_AMP.get(device)
-        if amp is None:
-            amp = _PLAIN_AMP[device] = torch.tensor([1.0, 0.0], dtype=torch.float64, device=device)
+        amp = _PLAIN_AMP.get(device, lambda: torch.tensor([1.0, 0.0], dtype=torch.float64, device=device))
     else:
         one, zero = (torch.full((), v, dtype=torch.float64, device=device) for v in (1.0, 0.0))
         inv = one if scale is None else unscale_factor(scale).reshape(()).to(device)
