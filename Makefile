@@ -4,6 +4,7 @@
 # constraints file changes.
 #
 #   make test               mypy on the public modules, then the whole suite (what CI runs)
+#   make test-fast          the suite but for the tests marked slow (builds, ranks)
 #   make test-nvrtc-latest  the kernel gates again under the newest NVRTC of
 #                           each major (one venv holds one NVRTC per major)
 #   make bench              the benchmark against PyTorch, JAX and NumPy
@@ -21,7 +22,7 @@ BENCH_VENV := .venv-bench
 PIN := -c constraints.txt
 GATE_TESTS := tests/test_kernel_resources.py tests/test_kernel_sass.py tests/test_kernel_loader.py
 
-.PHONY: test test-nvrtc-latest bench clean
+.PHONY: test test-fast test-nvrtc-latest bench clean
 
 $(TEST_VENV)/.ready: pyproject.toml constraints.txt
 	rm -rf $(TEST_VENV)
@@ -33,6 +34,11 @@ $(TEST_VENV)/.ready: pyproject.toml constraints.txt
 test: $(TEST_VENV)/.ready
 	$(TEST_VENV)/bin/mypy
 	$(TEST_VENV)/bin/python -m pytest -q
+
+# The edit loop: the suite without the tests that build with g++ or NVRTC or
+# launch ranks (marked slow), with the build cache warm.
+test-fast: $(TEST_VENV)/.ready
+	$(TEST_VENV)/bin/python -m pytest -q -m "not slow"
 
 # The gates' environment: the package, its test tools and the newest NVRTCs,
 # with every other pin of constraints.txt.

@@ -469,6 +469,23 @@ def grads_for(draw, model):
     return go(model)
 
 
+# The files whose tests build with g++ or NVRTC (a compile each, or the
+# benchmark's and the GPU script's builds) or launch ranks: `make test-fast`
+# leaves out what is marked slow. A test elsewhere that builds (Inductor
+# compiles C++ with g++) is marked in its own file.
+SLOW_FILES = {
+    "test_bench.py", "test_kernel_loader.py", "test_kernel_resources.py", "test_kernel_sass.py",
+    "test_host_compiler.py", "kernel_loader.py",  # NVRTC and g++ builds
+    "test_distributed.py", "test_dtensor.py", "test_meshes.py", "test_torch_optim_fsdp.py",  # ranks
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """In CI only tests marked ``gpu`` may skip: any other skip hides a check, so it fails."""

@@ -77,6 +77,7 @@ def test_new_gradient_tensors_each_step_recompile_nothing():
         assert torch.equal(p, q)
 
 
+@pytest.mark.slow  # Inductor builds C++ with g++
 def test_inductor_compiles_the_clip():
     model, twin = model_and_twin(2)
     x = torch.randn(6, 8)

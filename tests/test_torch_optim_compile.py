@@ -294,6 +294,7 @@ def addresses_updated(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.slow  # Inductor builds C++ with g++
 def test_inductor_updates_in_place_with_the_eager_bits_and_peak_memory(name, monkeypatch):
     torch.manual_seed(4)
     model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
