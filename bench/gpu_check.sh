@@ -79,7 +79,7 @@ for name in ("numpy", "cupy", "torch", "jax", "ml_dtypes", "pytest", "hypothesis
         print(name, getattr(importlib.import_module(name), "__version__", "?"))
     except Exception as exc:
         print(name, "MISSING:", exc)
-from gpuflat import kernel_loader
+from gpuflat._src import kernel_loader
 major = kernel_loader.runtime_major()
 print("cuda runtime major", major)
 print("nvrtc", kernel_loader.nvrtc_version(major), kernel_loader.nvrtc_path(major))
@@ -113,15 +113,15 @@ import sys, time
 began, what = time.perf_counter(), sys.argv[1]
 if what == "cubin":
     import cupy
-    from gpuflat import host_compiler, kernel_loader
+    from gpuflat._src import host_compiler, kernel_loader
     module, lowered = kernel_loader.cupy_module(cupy.cuda.Device(0))
     print(f"{len(lowered)} kernels loaded in {time.perf_counter() - began:.1f} s; cache {host_compiler.cache_root()}")
 elif what == "emulator":
-    from gpuflat import emulator
+    from gpuflat._src import emulator
     emulator.kernels_library()
     print(f"emulator built in {time.perf_counter() - began:.1f} s")
 else:
-    from gpuflat import native, tensor_facts
+    from gpuflat._src import native, tensor_facts
     reason = {"host backend": native, "tensor facts": tensor_facts}[what].unavailable_reason()
     print(what, "built" if reason is None else f"NOT BUILT: {reason[:2000]}", f"in {time.perf_counter() - began:.1f} s")
 '

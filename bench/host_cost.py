@@ -32,9 +32,9 @@ from contextlib import contextmanager
 import numpy as np
 
 import gpuflat as gf
-from gpuflat import tensor_table
-from gpuflat.backends import get_backend
-from gpuflat.backends.cuda_runtime import EmulatedRuntime
+from gpuflat._src import tensor_table
+from gpuflat._src.backends import get_backend
+from gpuflat._src.backends.cuda_runtime import EmulatedRuntime
 
 from . import timing, workloads
 

@@ -23,8 +23,8 @@ from .errors import (
     UnsupportedLeafError,
     UnwalkableError,
 )
-from .flatplan import FlatPlan, LeafSpec
-from .ops import (
+from ._src.flatplan import FlatPlan, LeafSpec
+from ._src.ops import (
     Restructure,
     cache_clear,
     cache_info,
@@ -41,8 +41,8 @@ from .ops import (
     trainables,
     unflatten,
 )
-from .residency import Resident, resident
-from .tree import register
+from ._src.residency import Resident, resident
+from ._src.tree import register
 
 __all__ = [
     "CaptureError",

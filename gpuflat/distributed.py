@@ -14,7 +14,7 @@ communicator. GPU arrays go to NCCL or a CUDA-aware MPI as device buffers.
 
 A tree of DTensors (FSDP2, tensor parallel, expert parallel) brings its
 own groups and ownership: each leaf counts its local shard where its
-placements say (``gpuflat.dtensor``), and the partials are reduced with one
+placements say (``gpuflat._src.dtensor``), and the partials are reduced with one
 collective per mesh dimension that shards some leaf, or in one collective
 over the ranks that meshes flattened or unflattened from one root join;
 ``group=`` and ``owned=`` are then not taken. ``pp_mesh=`` combines the
@@ -44,11 +44,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import caches, checks, dtensor
-from .arrays import adopt, device_scope, is_module, module_parameters
-from .backends import get_backend
-from .dtypes import is_bfloat16
-from .binding import Call, max_norm_for
+from ._src import caches, checks, dtensor
+from ._src.arrays import adopt, device_scope, is_module, module_parameters
+from ._src.backends import get_backend
+from ._src.dtypes import is_bfloat16
+from ._src.binding import Call, max_norm_for
 from .errors import CollectiveError, NonFiniteError
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 expected and what was found (and the leaf path, where there is one).
 
 This module imports nothing of gpuflat's, so every module, down to the
-lowest (``gpuflat.host_compiler``), can raise from it without a cycle.
+lowest (``gpuflat._src.host_compiler``), can raise from it without a cycle.
 """
 
 __all__ = [
@@ -155,7 +155,7 @@ class BuildError(RuntimeError):
 
 
 class EmulatorError(RuntimeError):
-    """Base class of the errors of the kernels run on the host (``gpuflat.emulator``).
+    """Base class of the errors of the kernels run on the host (``gpuflat._src.emulator``).
 
     >>> issubclass(KernelError, EmulatorError), issubclass(EmulatorBuildError, EmulatorError)
     (True, True)

@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import checks
-from .layout import HYPER, RULES, Rule
+from ._src import checks
+from ._src.layout import HYPER, RULES, Rule
 
 if TYPE_CHECKING:
-    from .residency import Resident, Storage
+    from ._src.residency import Resident, Storage
 
 __all__ = ["AdamW", "SGD"]
 
@@ -46,7 +46,7 @@ CLIP_EPS = 1e-6  # PyTorch's clip_grad_norm_: max_norm / (norm + 1e-6)
 class FlatStep:
     """The state and device tables of one resident model's optimizer.
 
-    ``rule`` is the optimizer's :class:`gpuflat.layout.Rule`;
+    ``rule`` is the optimizer's :class:`gpuflat._src.layout.Rule`;
     ``leaf_group[k]`` the parameter group of the resident model's leaf k
     (in ``resident.layout`` order). :meth:`set_hyper` writes each group's
     row of hyperparameters, :meth:`step` updates every buffer. It reads the

@@ -37,7 +37,7 @@ Differences that remain, on purpose:
   ValueError), which PyTorch would scale twice; integer and bool tensors
   raise NonFloatingTensorError, a RuntimeError, as PyTorch's norms do;
 - inside a ``torch.compile``'d function (``fullgraph=True`` too) the
-  drop-ins are gpuflat's operators in the graph (``gpuflat.torch_ops``),
+  drop-ins are gpuflat's operators in the graph (``gpuflat._src.torch_ops``),
   with the eager call's bits; there ``max_norm`` must be a number, and
   DTensor gradients are not supported.
 """
@@ -52,8 +52,8 @@ from typing import Any, cast
 import torch
 
 from . import distributed as _gfd
-from . import dtensor, tensor_facts, tensor_table, torch_ops
-from .checks import check_ord, clip_arguments
+from ._src import dtensor, tensor_facts, tensor_table, torch_ops
+from ._src.checks import check_ord, clip_arguments
 from .errors import NonFiniteError, NonFiniteNormError, NonFloatingTensorError
 
 __all__ = [
@@ -63,7 +63,7 @@ __all__ = [
     "clip_grads_with_norm_",
     "get_total_norm",
 ]
-__all__ += ["SGD", "AdamW", "GradScaler"]  # gpuflat.torch_optim: the flat optimizers
+__all__ += ["SGD", "AdamW", "GradScaler"]  # gpuflat._src.torch_optim: the flat optimizers
 
 _EPS = 1e-6  # PyTorch's: coef = max_norm / (total_norm + 1e-6)
 
@@ -362,4 +362,4 @@ def _check_finite(total: torch.Tensor, p: float, table: Any, tensors: list[torch
     )
 
 
-from .torch_optim import SGD, AdamW, GradScaler
+from ._src.torch_optim import SGD, AdamW, GradScaler

@@ -16,11 +16,11 @@ import pytest
 from hypothesis import strategies as st
 
 import gpuflat as gf
-import gpuflat.dtypes
+import gpuflat._src.dtypes
 
 # ml_dtypes' bfloat16, registered with gpuflat now, so that tables of dtypes
-# read at collection (gpuflat.dtypes.CUDA_NAMES) hold it.
-BF16 = gpuflat.dtypes.bfloat16()
+# read at collection (gpuflat._src.dtypes.CUDA_NAMES) hold it.
+BF16 = gpuflat._src.dtypes.bfloat16()
 
 DTYPES = [np.dtype(np.float16)] + ([BF16] if BF16 is not None else []) + [
     np.dtype(np.float32),
@@ -66,7 +66,7 @@ def backend(request):
     """Every backend that runs without a GPU: "numpy", "host" (the native C++
     path) and "emulated" (the CUDA kernels on the host)."""
     if request.param == "host":
-        from gpuflat.native import available
+        from gpuflat._src.native import available
 
         # The native path must build wherever the tests run (g++ and the
         # Python headers are test requirements): a silent NumPy fallback

@@ -1,5 +1,5 @@
 """A contract check of CuPy, standing in for the few CuPy entry points that
-``gpuflat.backends.cuda_runtime.CupyRuntime`` calls. It is not a GPU.
+``gpuflat._src.backends.cuda_runtime.CupyRuntime`` calls. It is not a GPU.
 
 ``make_cupy()`` returns a module to put in ``sys.modules["cupy"]``. Its
 arrays are NumPy arrays tagged with a device, and its launches run the real
@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpuflat import emulator, kernel_loader
+from gpuflat._src import emulator, kernel_loader
 
 _WARP = 32
 _MAX_BLOCK = 1024
@@ -103,7 +103,7 @@ def make_cupy(compute_capabilities=("90", "80"), sms: int = 2) -> types.ModuleTy
 def install(monkeypatch, compute_capabilities=("90", "80")) -> types.ModuleType:
     """The stand-in as ``cupy`` for one test (device 0 sm_90, device 1 sm_80 by
     default), with gpuflat's backends made afresh on it."""
-    from gpuflat.backends import selection
+    from gpuflat._src.backends import selection
 
     module = make_cupy(compute_capabilities)
     monkeypatch.setitem(sys.modules, "cupy", module)

@@ -4,7 +4,7 @@ tests/test_kernel_resources.py: the ptxas gates; tests/test_kernel_sass.py:
 the SASS gates).
 
 Each major's NVRTC is the one this environment installed. The gates hold for
-the versions in gpuflat.kernel_loader.GATED_NVRTC, which constraints.txt pins
+the versions in gpuflat._src.kernel_loader.GATED_NVRTC, which constraints.txt pins
 (12.6 and 13.0: what torch's CUDA 12.6 and 13.0 wheels, and so a GPU
 environment with them, load) and, for a second environment,
 constraints-nvrtc-latest.txt (12.9 and 13.5, the newest of each major): one
@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from functools import cache
 
-from gpuflat import kernel_loader as kl
+from gpuflat._src import kernel_loader as kl
 
 # Every (CUDA major, architecture) the kernels are compiled for.
 TARGETS = [(major, arch) for major, archs in kl.CUDA_ARCHS.items() for arch in archs]

@@ -26,7 +26,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import gpuflat.torch as gft
-from gpuflat import distributed as gfd, dtensor
+from gpuflat import distributed as gfd
+from gpuflat._src import dtensor
 from dtensor_worker import ORDS, assert_close, comm_count, ref_norm
 from ranks import run_cases
 

@@ -1,4 +1,4 @@
-"""gpuflat.arrays: NumPy and PyTorch leaves seen zero-copy, array-likes refused,
+"""gpuflat._src.arrays: NumPy and PyTorch leaves seen zero-copy, array-likes refused,
 results handed back in the caller's kind, and the CUDA paths through stand-ins.
 
 JAX arrays are tested in test_jax.py.
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import BF16, DTYPES, DTYPE_IDS
-from gpuflat import arrays
-from gpuflat.arrays import UnsupportedLeafError, adopt, kind, to_caller
+from gpuflat._src import arrays
+from gpuflat._src.arrays import UnsupportedLeafError, adopt, kind, to_caller
 
 TORCH_DTYPES = {
     np.dtype(np.float16): torch.float16,

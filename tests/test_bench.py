@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuflat.backends import BACKEND_NAMES
+from gpuflat._src.backends import BACKEND_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = ("flatten", "unflatten", "scatter", "global_norm", "per_leaf_norm", "clip",
@@ -285,7 +285,7 @@ def warm_builds():
     busy with the rest of the suite, may take longer than the step's 100 s,
     which the GPU's 16-core host does not. The script's own steps then run
     with their real limits."""
-    from gpuflat import emulator, kernel_loader, native, tensor_facts
+    from gpuflat._src import emulator, kernel_loader, native, tensor_facts
 
     kernel_loader.device_cubin("sm_90", 13)
     emulator.kernels_library()
@@ -340,7 +340,7 @@ def test_a_build_that_outlasts_the_compile_step_is_finished_and_loaded_not_rebui
     # the benchmark waits for it and loads it; a build killed with its step
     # would be built a second time by the benchmark. The later steps' limits
     # are raised: on this machine the cold cubin alone takes minutes at worst.
-    from gpuflat import host_compiler
+    from gpuflat._src import host_compiler
 
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -472,7 +472,7 @@ def test_the_timers_spin_kernel_compiles_for_the_gpu(tmp_path, monkeypatch, majo
     # The GPU timer's spin kernel runs only on a device: compile it here with
     # each NVRTC a GPU may load, as CuPy's RawKernel would.
     from bench import timing
-    from gpuflat import kernel_loader as kl
+    from gpuflat._src import kernel_loader as kl
 
     (tmp_path / "spin.cu").write_text(timing._SPIN)
     monkeypatch.setattr(kl, "name_expressions", lambda: ["gpuflat_bench_spin"])

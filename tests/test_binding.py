@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import gpuflat as gf
-from gpuflat import tree as _tree
+from gpuflat._src import tree as _tree
 
 
 @pytest.fixture

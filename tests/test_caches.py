@@ -1,4 +1,4 @@
-"""gpuflat.caches: every cache registered and bounded; gf.cache_clear() empties them all."""
+"""gpuflat._src.caches: every cache registered and bounded; gf.cache_clear() empties them all."""
 from __future__ import annotations
 
 import ast
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import gpuflat as gf
-from gpuflat import caches
+from gpuflat._src import caches
 
 PACKAGE = Path(gf.__file__).parent
 # Loaded builds and one-time set-ups, not caches of anything a call passes:
@@ -48,8 +48,8 @@ def _fill_caches():
     the flat optimizers (on the emulated CUDA backend, whose step keeps tables)."""
     torch = pytest.importorskip("torch")
     import gpuflat.torch as gft
-    from gpuflat import tensor_table
-    from gpuflat.backends import get_backend
+    from gpuflat._src import tensor_table
+    from gpuflat._src.backends import get_backend
 
     tree = {"w": np.ones((3, 2), np.float32), "b": np.arange(4.0)}
     values = [float(gf.global_norm(tree)), float(gf.global_norm(tree, backend="emulated"))]
@@ -68,7 +68,7 @@ def test_cache_clear_empties_every_cache_and_changes_no_result():
     values, stepped, opt = _fill_caches()
     held = gf.cache_info()
     for name in ("plans", "trees seen", "tensor tables", "optimizer step tables", "per-call device tables",
-                 "static device tables", "gpuflat.layout.leaf_row", "optimizers' parameters found"):
+                 "static device tables", "gpuflat._src.layout.leaf_row", "optimizers' parameters found"):
         assert held[name] > 0, (name, held)
     gf.cache_clear()
     assert {name: n for name, n in gf.cache_info().items() if n} == {}
@@ -78,7 +78,7 @@ def test_cache_clear_empties_every_cache_and_changes_no_result():
 
 
 def test_device_tables_go_back_to_the_runtime_when_cleared(monkeypatch):
-    from gpuflat.backends import get_backend
+    from gpuflat._src.backends import get_backend
 
     runtime = get_backend("emulated").runtime
     released = []

@@ -227,7 +227,7 @@ def test_a_table_released_during_a_capture_is_freed_after_it(cp):
     # A garbage collector's finaliser may release a table at any moment: the
     # release queries no event while a stream captures, and the table is
     # freed by the first release after the capture.
-    from gpuflat.backends.cuda_runtime import CupyRuntime
+    from gpuflat._src.backends.cuda_runtime import CupyRuntime
 
     rt = CupyRuntime(0)
     uploaded = rt.upload_table(np.arange(4, dtype=np.int64))

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import gpuflat as gf
-from gpuflat.backends import cuda, get_backend
-from gpuflat.backends.cuda import ITEM, CudaBackend
-from gpuflat.backends.cuda_runtime import EmulatedRuntime
+from gpuflat._src.backends import cuda, get_backend
+from gpuflat._src.backends.cuda import ITEM, CudaBackend
+from gpuflat._src.backends.cuda_runtime import EmulatedRuntime
 
 from conftest import cupy_with_device, nonfinite_cases, torch_scaled
 
@@ -435,7 +435,7 @@ def test_finisher_gives_the_host_backends_bits_for_trees_of_tiny_leaves(p):
     """The host backend finishes the norm on one thread in the finishing
     block's order: the same bits for every slot, the total and its unrooted
     sum, and the same first non-finite slot (a NaN only has to be a NaN)."""
-    from gpuflat.backends.host import HostBackend
+    from gpuflat._src.backends.host import HostBackend
 
     for name, arrays in _tiny_leaf_trees(np.random.default_rng(17)):
         plan, leaves = planned(arrays)
@@ -570,7 +570,7 @@ gpu = pytest.mark.skipif(_cp is None, reason="needs CuPy and a CUDA device")
 def test_gpu_gives_the_emulated_bits():
     """The same tables and launches on a GPU: the same bits as the emulator
     (both compile a*b+c as two roundings), except ulps in pow and hypot."""
-    from gpuflat.backends.cuda_runtime import CupyRuntime
+    from gpuflat._src.backends.cuda_runtime import CupyRuntime
 
     cp = _cp
     gbe, ebe = CudaBackend(CupyRuntime()), CudaBackend(_RUNTIME)

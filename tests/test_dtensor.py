@@ -1,4 +1,4 @@
-"""DTensor leaves (FSDP2, tensor parallel): gpuflat.dtensor and its use by
+"""DTensor leaves (FSDP2, tensor parallel): gpuflat._src.dtensor and its use by
 gpuflat.distributed, gpuflat.torch and the tree functions.
 
 The multi-process cases live in tests/dtensor_worker.py. Starting a process
@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 import dtensor_worker  # noqa: E402
 from ranks import Launches, check_case  # noqa: E402
 import gpuflat as gf  # noqa: E402
-from gpuflat import dtensor  # noqa: E402
+from gpuflat._src import dtensor  # noqa: E402
 
 LAUNCH_TIMEOUT = {2: 150, 4: 300}  # seconds for one launch; a hang fails every case of it
 LAUNCHES = Launches(Path(__file__).with_name("dtensor_worker.py"), LAUNCH_TIMEOUT)

@@ -1,4 +1,4 @@
-"""gpuflat.dtypes: every floating array is handled or refused by name, never dropped."""
+"""gpuflat._src.dtypes: every floating array is handled or refused by name, never dropped."""
 from __future__ import annotations
 
 import subprocess
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gpuflat as gf
-from gpuflat.dtypes import TAGS, unsupported_float
+from gpuflat._src.dtypes import TAGS, unsupported_float
 
 UNSUPPORTED = [np.dtype(">f4"), np.dtype(">f8"), np.dtype(">c16"), np.dtype(">f2"), np.dtype(np.longdouble),
                np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)]
@@ -50,7 +50,7 @@ def test_import_gpuflat_leaves_ml_dtypes_for_later():
 
 def test_bfloat16_made_after_import_is_admitted_at_first_sight():
     code = ("import numpy as np, gpuflat as gf, ml_dtypes\n"
-            "from gpuflat import dtypes\n"
+            "from gpuflat._src import dtypes\n"
             "x = np.array([3, 4], ml_dtypes.bfloat16)\n"
             "assert np.dtype(ml_dtypes.bfloat16) not in dtypes.TAGS\n"
             "print(float(gf.global_norm({'w': x}, backend='host')), dtypes.TAGS[x.dtype], dtypes.c_name(x.dtype))")

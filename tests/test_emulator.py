@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from gpuflat import emulator, host_compiler
+from gpuflat._src import emulator, host_compiler
 from gpuflat.errors import EmulatorBuildError, KernelError, UnknownKernelError
 
 FULL = "0xffffffffu"

@@ -34,9 +34,9 @@ import numpy as np
 import pytest
 
 import gpuflat as gf
-from gpuflat.backends import selection as backends_selection
-from gpuflat.backends import get_backend
-from gpuflat.backends.cuda import ITEM, CudaBackend
+from gpuflat._src.backends import selection as backends_selection
+from gpuflat._src.backends import get_backend
+from gpuflat._src.backends.cuda import ITEM, CudaBackend
 
 import cupy_stand_in
 from conftest import BF16, DTYPES, cupy_with_device, exact_norm, nonfinite_cases, random_array, rel_err
@@ -507,7 +507,7 @@ def test_tied_gradients_follow_the_contract(dtype):
 # ---------------------------------------------------------------- determinism
 
 def test_same_bits_on_every_repeat_and_any_grid():
-    from gpuflat.backends.cuda_runtime import CupyRuntime
+    from gpuflat._src.backends.cuda_runtime import CupyRuntime
 
     specs = [((ITEM * 20 + 11,), np.float32, "c"), ((ITEM * 3,), np.float16, "reversed"),
              ((999,), np.complex64, "c"), ((64, 70), np.float64, "negative")]
@@ -662,7 +662,7 @@ def test_subnormals_give_the_emulated_bits(dtype):
 
 
 def test_tables_serve_launches_on_other_streams():
-    from gpuflat.backends.cuda_runtime import CupyRuntime
+    from gpuflat._src.backends.cuda_runtime import CupyRuntime
 
     rng = np.random.default_rng(11)
     host_leaves = [random_array(rng, (n,), np.float32) for n in (5, 70_000, 1)]

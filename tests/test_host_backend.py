@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import gpuflat as gf
-from gpuflat.backends import get_backend
-from gpuflat.backends.host import HostBackend
-from gpuflat.native import available, unavailable_reason
+from gpuflat._src.backends import get_backend
+from gpuflat._src.backends.host import HostBackend
+from gpuflat._src.native import available, unavailable_reason
 
 from conftest import (BF16, DTYPE_IDS, DTYPES, assert_bits_equal, random_array, read_order_copy, strided_variant,
                       torch_scaled)
@@ -190,9 +190,9 @@ def test_the_largest_slots_summed_by_the_whole_block_keep_the_tree_bits():
     """A slot of more than 4096 items is summed by the CUDA finisher's whole
     block, the others one warp each: the same tree, so the same bits, on any
     grid, as the host backend's."""
-    from gpuflat.backends.cuda import CudaBackend
-    from gpuflat.backends.cuda_runtime import EmulatedRuntime
-    from gpuflat.layout import BLOCK_SLOT_ITEMS
+    from gpuflat._src.backends.cuda import CudaBackend
+    from gpuflat._src.backends.cuda_runtime import EmulatedRuntime
+    from gpuflat._src.layout import BLOCK_SLOT_ITEMS
 
     rng = np.random.default_rng(11)
     leaves = [rng.standard_normal((BLOCK_SLOT_ITEMS + 3) * ITEM + 5).astype(np.float32),
@@ -561,7 +561,7 @@ def test_the_optimizer_step_refuses_a_dtype_it_has_no_update_for():
 # NumPy, an explicit backend="host" says why it cannot run.
 _NO_COMPILER = r"""
 import numpy as np, gpuflat as gf
-from gpuflat.backends.selection import host_default
+from gpuflat._src.backends.selection import host_default
 tree = {"w": np.array([3.0, 4.0])}
 print(host_default(), float(gf.global_norm(tree)))
 try:
@@ -583,7 +583,7 @@ def test_an_explicit_host_backend_that_cannot_be_built_says_why(tmp_path):
 
 
 def _recorded_list(arrays, token):
-    from gpuflat.identity import Recorded
+    from gpuflat._src.identity import Recorded
 
     out = Recorded(arrays)
     out.token = token
@@ -601,7 +601,7 @@ def test_a_token_holds_only_for_the_very_arrays_it_came_with():
         out = np.empty(plan.size)
         be.gather(plan, [[a] for a in arrays], out)
         want = out.copy()
-        be.gather(plan, gf.backends.protocol.OneSourcePerSlot(_recorded_list(arrays, 991)), out)
+        be.gather(plan, gf._src.backends.protocol.OneSourcePerSlot(_recorded_list(arrays, 991)), out)
         assert out.tolist() == want.tolist()
         assert float(be.norms(plan, _recorded_list(arrays, 991), 2, per_leaf=False).total) == pytest.approx(
             math.sqrt(sum(float(np.sum(a.astype(np.float64) ** 2)) for a in arrays)))
@@ -615,7 +615,7 @@ def test_kept_leaves_are_found_again_among_several_tokens_and_plans():
             plan = gf.plan(arrays)
             leaves = _recorded_list(arrays, token)
             out = np.empty(plan.size)
-            be.gather(plan, gf.backends.protocol.OneSourcePerSlot(leaves), out)
+            be.gather(plan, gf._src.backends.protocol.OneSourcePerSlot(leaves), out)
             assert out.tolist() == np.concatenate(arrays).astype(np.float64).tolist()
             be.scatter(plan, out * 2, leaves)
             be.scatter(plan, out, leaves)

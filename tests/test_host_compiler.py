@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpuflat import host_compiler
+from gpuflat._src import host_compiler
 
 
 def test_the_cache_follows_the_environment(tmp_path, monkeypatch):
@@ -52,7 +52,7 @@ def test_a_build_lands_in_the_fallback(tmp_path, monkeypatch):
 _RACE = r"""
 import sys, time
 from pathlib import Path
-from gpuflat import host_compiler
+from gpuflat._src import host_compiler
 go = Path(sys.argv[1])
 while not go.exists():
     time.sleep(0.01)
@@ -92,7 +92,7 @@ def test_a_build_says_what_it_does_and_a_raised_level_silences_it(tmp_path, monk
 
 
 def test_the_default_handler_shows_build_lines_on_stderr():
-    code = "import logging; from gpuflat import host_compiler as h; h.logger.info('a line')"
+    code = "import logging; from gpuflat._src import host_compiler as h; h.logger.info('a line')"
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert shown.stderr == "gpuflat: a line\n"
     # Once the application configures logging, the line goes to its handlers only.

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import DTYPES, DTYPE_IDS, random_array
-from gpuflat.arrays import UnsupportedLeafError, adopt, kind, to_caller
+from gpuflat._src.arrays import UnsupportedLeafError, adopt, kind, to_caller
 
 SHAPES = [(), (0,), (3,), (2, 0), (3, 4)]
 
@@ -127,7 +127,7 @@ def test_calls_inside_jit_are_refused_clearly():
 
 # ---------------------------------------------------------------- result dtypes with jax_enable_x64 off
 
-from gpuflat.arrays import Float32OverflowError  # noqa: E402
+from gpuflat._src.arrays import Float32OverflowError  # noqa: E402
 
 
 def test_x64_off_a_norm_past_float32_raises_instead_of_becoming_inf():

@@ -14,9 +14,9 @@ import kernel_builds
 import numpy as np
 import pytest
 
-from gpuflat import kernel_loader as kl
-from gpuflat.backends import cuda
-from gpuflat.dtypes import CUDA_NAMES
+from gpuflat._src import kernel_loader as kl
+from gpuflat._src.backends import cuda
+from gpuflat._src.dtypes import CUDA_NAMES
 
 
 def test_sources_found():
@@ -199,7 +199,7 @@ def test_nvrtc_builtins_are_loaded_before_the_first_compile(major):
     # CUDA 13.0's wheel NVRTC fails every compile unless its builtins are
     # already loaded; NVRTC itself would open them only at the first compile,
     # so a fresh process shows whether the loader did.
-    code = ("from gpuflat import kernel_loader as kl\n"
+    code = ("from gpuflat._src import kernel_loader as kl\n"
             f"kl.nvrtc_library({major})\n"
             "print(open('/proc/self/maps').read())\n")
     maps = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -247,7 +247,7 @@ def test_the_disk_cache_is_keyed_by_the_kernel_list(tmp_path, monkeypatch):
 
 def test_bf16_kernels_are_listed_without_ml_dtypes():
     code = ("import sys; sys.modules['ml_dtypes'] = None\n"
-            "from gpuflat import kernel_loader as kl, dtypes\n"
+            "from gpuflat._src import kernel_loader as kl, dtypes\n"
             "assert dtypes.bfloat16() is None\n"
             "print('gpuflat_gather<bf16>' in kl.name_expressions(), 'gpuflat_adamw<bf16>' in kl.name_expressions())")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -274,7 +274,7 @@ def test_the_gated_nvrtcs_are_the_pinned_ones():
 @pytest.mark.parametrize("major", [12, 13])
 def test_the_loaded_nvrtc_is_logged_and_an_ungated_one_warned(major):
     code = ("import logging\n"
-            "from gpuflat import kernel_loader as kl\n"
+            "from gpuflat._src import kernel_loader as kl\n"
             "kl.GATED_NVRTC = () if %r else kl.GATED_NVRTC\n"
             "kl.nvrtc_library(%d)\n")
     gated = subprocess.run([sys.executable, "-c", code % (False, major)], capture_output=True, text=True, check=True)

@@ -13,7 +13,7 @@ bandwidth.
 Each NVRTC's ptxas allocates registers its own way, so the gates are held
 for the NVRTCs pinned in constraints.txt (12.6 and 13.0, what CUDA 12.6 and
 13.0 environments with torch load) and constraints-nvrtc-latest.txt (12.9
-and 13.5, gated in a second environment): gpuflat.kernel_loader.GATED_NVRTC.
+and 13.5, gated in a second environment): gpuflat._src.kernel_loader.GATED_NVRTC.
 For sm_90, the H200's, no hot kernel spills or has a stack frame under any
 of them; sm_100 keeps the spill ceilings measured per NVRTC (SPILL_CEILINGS),
 and a build by an NVRTC with no measurements fails rather than passing
@@ -26,9 +26,9 @@ import re
 import kernel_builds
 import pytest
 
-from gpuflat import kernel_loader as kl
-from gpuflat.backends import cuda
-from gpuflat.dtypes import CUDA_NAMES
+from gpuflat._src import kernel_loader as kl
+from gpuflat._src.backends import cuda
+from gpuflat._src.dtypes import CUDA_NAMES
 
 HOT = ([kl.gather_name(d) for d in CUDA_NAMES] + [kl.scatter_name(d) for d in CUDA_NAMES]
        + [kl.norm_partial_name(k) for k in kl.NORM_KINDS] + [kl.SCALE_NAME, kl.SCALE_AT_NAME])

@@ -3,7 +3,7 @@
 The kernels are compiled as an H200 loads them: the sm_90 cubin of CUDA 12's
 NVRTC and of CUDA 13's, with the project's options (the builds
 tests/kernel_builds.py shares; a GPU's runtime major picks one, see
-gpuflat.kernel_loader.cupy_module), and disassembled with the nvdisasm of the
+gpuflat._src.kernel_loader.cupy_module), and disassembled with the nvdisasm of the
 nvidia-cuda-nvdisasm wheel. Which NVRTC of each major runs the gates is
 pinned: constraints.txt pins the builds that CUDA 12.6 and 13.0 environments
 load, constraints-nvrtc-latest.txt the newest of each major, gated in a
@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpuflat import kernel_loader as kl
-from gpuflat.dtypes import bfloat16
+from gpuflat._src import kernel_loader as kl
+from gpuflat._src.dtypes import bfloat16
 
 import kernel_builds
 

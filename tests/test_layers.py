@@ -1,6 +1,6 @@
 """The house's drawing, checked: the layer map is the README's table (under
 "How the package is built", its one source); every import inside gpuflat
-points down its layers, only gpuflat.backends imports a backend's
+points down its layers, only gpuflat._src.backends imports a backend's
 implementation, no module imports the package itself, and no imports form a
 circle.
 
@@ -19,8 +19,9 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "gpuflat"
 README = PACKAGE.parent / "README.md"
 
-# The modules that implement a backend: only gpuflat.backends may import them.
-IMPLEMENTATIONS = {"backends.cuda", "backends.cuda_runtime", "backends.host", "backends.numpy_backend"}
+# The modules that implement a backend: only gpuflat._src.backends may import them.
+IMPLEMENTATIONS = {"_src.backends.cuda", "_src.backends.cuda_runtime", "_src.backends.host",
+                   "_src.backends.numpy_backend"}
 
 
 def readme_layers(text):
@@ -120,11 +121,11 @@ def test_imports_point_down(name):
     assert up == [], f"gpuflat.{name} imports from a higher layer: {up}"
 
 
-@pytest.mark.parametrize("name", sorted(n for n in LAYER if not n.startswith("backends")))
+@pytest.mark.parametrize("name", sorted(n for n in LAYER if not n.startswith("_src.backends")))
 def test_front_ends_reach_a_backend_through_selection_and_protocol(name):
     reached = sorted({target for target, _ in imports_of(name)} & IMPLEMENTATIONS)
-    assert reached == [], (f"gpuflat.{name}: expected backends through gpuflat.backends.selection and "
-                           f"gpuflat.backends.protocol, found imports of {reached}")
+    assert reached == [], (f"gpuflat.{name}: expected backends through gpuflat._src.backends.selection and "
+                           f"gpuflat._src.backends.protocol, found imports of {reached}")
 
 
 @pytest.mark.parametrize("name", sorted(set(LAYER) - {"__init__"}))
@@ -155,15 +156,16 @@ def test_the_reader_resolves_imports():
     """Relative, absolute, nested and package imports all name the module they import."""
     source = """
 from ..ops import flatten
+from ...errors import TreeMismatchError
 from . import cuda, protocol as p
-import gpuflat.tree
+import gpuflat._src.tree
 def later():
     from gpuflat import errors
     import gpuflat
 """
-    assert [t for t, _ in imports_in(source, ["backends"])] == [
-        "ops", "backends.cuda", "backends.protocol", "tree", "errors", "__init__"]
-    assert "backends.selection" in {t for t, _ in imports_of("ops")}
+    assert [t for t, _ in imports_in(source, ["_src", "backends"])] == [
+        "_src.ops", "errors", "_src.backends.cuda", "_src.backends.protocol", "_src.tree", "errors", "__init__"]
+    assert "_src.backends.selection" in {t for t, _ in imports_of("_src.ops")}
 
 
 @pytest.mark.parametrize("old", ["gpuflat.runtime", "gpuflat.backends.base"])

@@ -1,4 +1,4 @@
-"""gpuflat.layout against the C++ that mirrors it: every constant the kernels
+"""gpuflat._src.layout against the C++ that mirrors it: every constant the kernels
 and the host libraries spell out again is read back from their sources here,
 so a drift on either side fails."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from gpuflat import dtypes, layout
-from gpuflat import kernel_loader as kl
+from gpuflat._src import dtypes, layout
+from gpuflat._src import kernel_loader as kl
 
 SOURCES = {**kl.sources(), **{f"host/{p.name}": p.read_text() for p in (kl.kernel_dir() / "host").glob("*.cpp")}}
 # The value literal each kernel dispatch case passes for a C++ type.

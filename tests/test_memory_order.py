@@ -1,4 +1,4 @@
-"""gpuflat.memory_order: which leaves are read as their dense block of memory,
+"""gpuflat._src.memory_order: which leaves are read as their dense block of memory,
 and how; every backend's norms and clips read them so."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import gpuflat as gf
-from gpuflat.backends import get_backend
-from gpuflat.backends.protocol import LeafRows
-from gpuflat.memory_order import dense_start, in_memory_order
+from gpuflat._src.backends import get_backend
+from gpuflat._src.backends.protocol import LeafRows
+from gpuflat._src.memory_order import dense_start, in_memory_order
 
 from conftest import DTYPES, assert_bits_equal, exact_norm, random_array, read_order_copy, rel_err, torch_scaled
 
@@ -216,7 +216,7 @@ def _read_order(tensors):
 
 def _tensor_norms(backend, tensors, p):
     """The float64 norms the backend computes from the tensors' leaf-table rows."""
-    from gpuflat import tensor_table
+    from gpuflat._src import tensor_table
 
     be = get_backend(backend)
     with tensor_table.serve_with(be):
@@ -244,7 +244,7 @@ def test_tensor_rows_of_dense_permuted_gradients_clip_elementwise(backend, dtype
     the gradients' and their read-order copies' elements end up the same bits."""
     torch = pytest.importorskip("torch")
     import gpuflat.torch as gft
-    from gpuflat import tensor_table
+    from gpuflat._src import tensor_table
 
     tensors = _tensors(dtype, seed=1)
     copies = [t.clone() for t in _read_order(tensors)]

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import gpuflat as gf
-from gpuflat.backends import Backend, NormResult, get_backend
-from gpuflat.backends.numpy_backend import PIECE
+from gpuflat._src.backends import Backend, NormResult, get_backend
+from gpuflat._src.backends.numpy_backend import PIECE
 
 from conftest import (BF16, DTYPES, DTYPE_IDS, assert_bits_equal, cast, exact_norm, random_array, rel_err,
                       torch_scaled)
@@ -198,7 +198,7 @@ def test_numpy_norms_at_the_edges_match_a_float64_reference(case, ord):
 @pytest.mark.parametrize("case, ord", [(c, o) for c in EDGE_CASES for o in EDGE_ORDS
                                        if (c, o) != ("inf beside nan", 2)], ids=str)
 def test_numpy_and_host_norms_agree_at_the_edges(case, ord):
-    from gpuflat.native import available
+    from gpuflat._src.native import available
 
     assert available(), "the native host backend did not build"
     tree = _edge_trees()[case]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import gpuflat as gf
-from gpuflat.backends import get_backend
+from gpuflat._src.backends import get_backend
 
 from conftest import DTYPES, DTYPE_IDS, exact_norm, exact_sumsq, ref_unique, rel_err, random_array, strided_variant
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import gpuflat as gf
-from gpuflat.backends.cuda import ITEM
-from gpuflat.layout import RULES
+from gpuflat._src.backends.cuda import ITEM
+from gpuflat._src.layout import RULES
 from gpuflat.optim import SGD, AdamW
 
 from conftest import BACKENDS, BF16, assert_bits_equal
@@ -28,7 +28,7 @@ REAL = [np.dtype(np.float16)] + ([BF16] if BF16 is not None else []) + [np.dtype
 def test_the_native_update_builds():
     # Where it does not, the host backend's step is NumPy's and the
     # comparisons below would compare NumPy with itself.
-    from gpuflat import native
+    from gpuflat._src import native
 
     assert native.optim_library()[0] is not None
 
@@ -268,7 +268,7 @@ def test_cupy_arrays_give_the_emulated_bits(variant, monkeypatch):
     # the same launches on the host emulator with CuPy's contract.
     import cupy_stand_in
     from conftest import cupy_with_device
-    from gpuflat.backends import selection
+    from gpuflat._src.backends import selection
 
     cp = cupy_with_device() if variant == "cupy" else cupy_stand_in.make_cupy(("90", "80"))
     if cp is None:

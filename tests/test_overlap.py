@@ -6,7 +6,7 @@ import pytest
 from numpy.lib.stride_tricks import as_strided
 
 import gpuflat as gf
-from gpuflat.overlap import find_overlap
+from gpuflat._src.overlap import find_overlap
 
 from conftest import exact_norm, rel_err, snapshot
 

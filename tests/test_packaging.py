@@ -51,7 +51,7 @@ def _names(requirements) -> set:
 
 @pytest.mark.parametrize("major", [12, 13])
 def test_each_cuda_extra_brings_cupy_and_the_nvrtc_of_its_major(major):
-    from gpuflat import kernel_loader
+    from gpuflat._src import kernel_loader
 
     names = _names(_extras()[f"cuda{major}"])
     assert {f"cupy-cuda{major}x", kernel_loader.NVRTC_WHEELS[major], "cuda-pathfinder"} <= names
@@ -68,7 +68,7 @@ def _expanded(extra) -> list:
 
 @pytest.mark.parametrize("extra", ["test", "gates"])
 def test_the_tests_and_the_gates_install_both_nvrtcs(extra):
-    from gpuflat import kernel_loader
+    from gpuflat._src import kernel_loader
 
     requirements = _expanded(extra)
     assert set(kernel_loader.NVRTC_WHEELS.values()) | {"cuda-pathfinder", "nvidia-cuda-nvdisasm"} <= _names(
@@ -80,7 +80,7 @@ def test_the_tests_and_the_gates_install_both_nvrtcs(extra):
 def test_every_pinned_gate_dependency_is_in_the_constraints():
     # make test, make bench, CI and the Dockerfile install from constraints.txt:
     # what the kernel gates check must be pinned there, each exactly once.
-    from gpuflat import kernel_loader
+    from gpuflat._src import kernel_loader
 
     pins = [line.split("==")[0] for line in (ROOT / "constraints.txt").read_text().splitlines()
             if line and not line.startswith("#")]

@@ -10,7 +10,7 @@ import pytest
 import gpuflat as gf
 import importlib
 
-gplan = importlib.import_module("gpuflat.flatplan")
+gplan = importlib.import_module("gpuflat._src.flatplan")
 
 from conftest import BF16, DTYPES, DTYPE_IDS, ref_flat_dtype
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import gpuflat as gf
-from gpuflat import tree as gtree
-from gpuflat.residency import ALIGN_BYTES
+from gpuflat._src import tree as gtree
+from gpuflat._src.residency import ALIGN_BYTES
 
 from conftest import DTYPES, DTYPE_IDS, assert_bits_equal, exact_norm, random_array, ref_unique, rel_err
 
@@ -171,7 +171,7 @@ def test_per_step_calls_never_walk_the_tree(monkeypatch, backend):
 
 
 def test_backend_calls_per_step_do_not_grow_with_the_leaves():
-    from gpuflat.backends import get_backend
+    from gpuflat._src.backends import get_backend
 
     be = get_backend("numpy")
     counts = []
@@ -195,7 +195,7 @@ def test_a_host_clip_reads_each_buffer_whole_whatever_the_leaf_count(kind, monke
     # leaves or 10,000 holding the same elements. A PyTorch model's checks
     # read the parameters in one native pass for their storage and one for
     # their gradients, and follow nothing when nothing changed.
-    from gpuflat import native, tensor_facts
+    from gpuflat._src import native, tensor_facts
 
     lib = native.host_library()[0]
     if lib is None or (kind == "torch" and not tensor_facts.available()):
@@ -379,7 +379,7 @@ def test_a_mixed_dtype_clip_matches_the_tree_clip(ord, backend):
 
 
 def test_per_step_table_lookups_do_not_look_at_each_leaf(monkeypatch):
-    from gpuflat.backends import cuda
+    from gpuflat._src.backends import cuda
 
     r = gf.resident({f"w{i}": np.ones(10, np.float32) for i in range(300)}, backend="emulated")
     looked_at = []

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import gpuflat as gf
-from gpuflat import kernel_loader as kl
-from gpuflat.backends.cuda import CudaBackend
-from gpuflat.backends.cuda_runtime import CupyRuntime, EmulatedRuntime
+from gpuflat._src import kernel_loader as kl
+from gpuflat._src.backends.cuda import CudaBackend
+from gpuflat._src.backends.cuda_runtime import CupyRuntime, EmulatedRuntime
 
 import cupy_stand_in
 from conftest import BF16, DTYPES, assert_bits_equal, cast, exact_norm, random_array, ref_flatten, torch_scaled
@@ -271,7 +271,7 @@ def test_flatten_chooses_the_backend_from_every_gradient_of_a_tied_slot(cupy):
     ("ccn", None, r"mixes NumPy and CuPy arrays: leaf 'p2' is a NumPy array, leaf 'p0' is a CuPy array"),
 ])
 def test_select_names_the_first_leaf_of_each_kind(cupy, kinds, backend, error):
-    from gpuflat.backends.selection import host_default, select
+    from gpuflat._src.backends.selection import host_default, select
 
     arrays = [np.ones(2) if k == "n" else cupy.on_device(np.ones(2), 0) for k in kinds]
     if error is None:

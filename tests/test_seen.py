@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import gpuflat as gf
-from gpuflat import native
-from gpuflat import seen as _seen
+from gpuflat._src import native
+from gpuflat._src import seen as _seen
 from gpuflat.errors import OverlapError, TreeMismatchError
 
 # A tree is recorded on its second walk, and read through its record from the third.
@@ -278,7 +278,7 @@ def test_a_tree_that_is_not_plain_does_not_reuse_a_stale_in_place_verdict(change
 def test_a_layout_of_arrays_without_numpy_flags_compares_their_strides():
     from types import SimpleNamespace
 
-    from gpuflat.identity import Layout
+    from gpuflat._src.identity import Layout
 
     a = SimpleNamespace(flags=SimpleNamespace(c_contiguous=True), strides=(8,))  # as a CuPy array has them
     layout = Layout([a])
@@ -288,7 +288,7 @@ def test_a_layout_of_arrays_without_numpy_flags_compares_their_strides():
 
 
 def test_a_record_gives_its_arrays_a_token_only_where_their_facts_are_compared(facts_reader):
-    from gpuflat.identity import Recorded
+    from gpuflat._src.identity import Recorded
 
     tree = _recorded(_tree())
     walked, record = _seen.trees.walk(tree)

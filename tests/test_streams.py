@@ -18,8 +18,8 @@ import torch
 import gpuflat as gf
 import gpuflat.distributed as gfd
 import gpuflat.torch as gft
-from gpuflat.backends.cuda import TABLES_KEPT, CudaBackend
-from gpuflat.backends.cuda_runtime import CupyRuntime
+from gpuflat._src.backends.cuda import TABLES_KEPT, CudaBackend
+from gpuflat._src.backends.cuda_runtime import CupyRuntime
 
 import cupy_stand_in
 import torch_cuda_stand_in as tcs

@@ -1,4 +1,4 @@
-"""gpuflat.tensor_facts: the native reader against the Python one, fact by
+"""gpuflat._src.tensor_facts: the native reader against the Python one, fact by
 fact, on every kind of tensor and parameter a training loop hands over; and
 what it leaves to Python."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpuflat import tensor_facts
-from gpuflat.tensor_facts import CONTIGUOUS, DTYPES, LAZY_VIEW
+from gpuflat._src import tensor_facts
+from gpuflat._src.tensor_facts import CONTIGUOUS, DTYPES, LAZY_VIEW
 
 
 @pytest.fixture(params=["native", "python"])

@@ -1,4 +1,4 @@
-"""gpuflat.tensor_table: tensors read from their metadata, on the native host
+"""gpuflat._src.tensor_table: tensors read from their metadata, on the native host
 backend and on the CUDA kernels (emulated), against float64 references; what
 is remembered from call to call, and when it must not be."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 
 import gpuflat.torch as gft
 from conftest import exact_norm
-from gpuflat import tensor_table
-from gpuflat.backends import get_backend
-from gpuflat.backends.protocol import LeafRows
+from gpuflat._src import tensor_table
+from gpuflat._src.backends import get_backend
+from gpuflat._src.backends.protocol import LeafRows
 from gpuflat.errors import NonFloatingTensorError, OverlapError, UnsupportedLeafError
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]

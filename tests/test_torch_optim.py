@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch")
 
 import gpuflat as gf  # noqa: E402
 import gpuflat.torch as gft  # noqa: E402
-from gpuflat import tensor_table  # noqa: E402
-from gpuflat.backends import get_backend  # noqa: E402
+from gpuflat._src import tensor_table  # noqa: E402
+from gpuflat._src.backends import get_backend  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
 # Not closer: PyTorch's CPU kernels fuse multiplies and adds (addcmul,

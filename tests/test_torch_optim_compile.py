@@ -1,5 +1,5 @@
 """gpuflat.torch.AdamW and SGD inside torch.compile: ``step()`` traces down
-to gpuflat's operators (gpuflat.torch_optim_ops) with no graph break in
+to gpuflat's operators (gpuflat._src.torch_optim_ops) with no graph break in
 gpuflat's code, with and without max_norm, under gpuflat's GradScaler and
 PyTorch's; ``zero_grad()`` reallocating the gradients recompiles nothing;
 compiled steps give eager steps' bits. Under Inductor the operator updates
@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 
 import gpuflat  # noqa: E402
 import gpuflat.torch as gft  # noqa: E402
-from gpuflat import torch_optim_ops  # noqa: E402
+from gpuflat._src import torch_optim_ops  # noqa: E402
 
 nn = torch.nn
 GPUFLAT_DIR = Path(gpuflat.__file__).resolve().parent
@@ -231,7 +231,7 @@ def test_dtensor_parameters_compile_with_the_eager_bits(name):
                 for p, g in zip(ps, grads):
                     p.grad = distribute_tensor(g, mesh, [Shard(0)])
                 o.step()
-        local = gpuflat.dtensor.local
+        local = gpuflat._src.dtensor.local
         for p, q in zip(params, twins):
             assert torch.equal(local(p), local(q))
             assert all(torch.equal(local(opt.state[p][k]), local(twin_opt.state[q][k])) for k in opt.state[p])

@@ -1,4 +1,4 @@
-"""gpuflat.torch_params: a resident PyTorch model inside a real training loop.
+"""gpuflat._src.torch_params: a resident PyTorch model inside a real training loop.
 
 Each test runs the same loop twice, once on a resident model and once in
 plain PyTorch, and compares: a resident model either gives PyTorch's answer

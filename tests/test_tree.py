@@ -292,15 +292,15 @@ def test_a_gradient_dataclass_missing_a_field_names_the_path_and_the_field(call)
 
 
 def test_arrays_like_names_a_missing_field_too():
-    treedef = gf.tree.walk({"l": Linear(np.ones(2), np.ones(1))}).treedef
+    treedef = gf._src.tree.walk({"l": Linear(np.ones(2), np.ones(1))}).treedef
     with pytest.raises(gf.TreeMismatchError, match=r"leaf \"\['l'\]\": expected a Linear with field 'bias'"):
-        gf.tree.arrays_like(treedef, {"l": _without_bias()})
+        gf._src.tree.arrays_like(treedef, {"l": _without_bias()})
 
 
 def test_register_enters_the_one_kind_table_and_wins_over_dict():
     # A registered dict subclass is opened by its registered fields, not as a
     # dict: registration and the built-in kinds are one table.
-    from gpuflat import tree as _tree
+    from gpuflat._src import tree as _tree
 
     class Params(dict):
         def __init__(self, w, scale):

@@ -3,7 +3,7 @@ its C++ library builds, on a CPU; "cuda" on a GPU)."""
 from __future__ import annotations
 
 import gpuflat as gf
-from gpuflat import native
+from gpuflat._src import native
 
 from .. import arrays
 from ..case import Case

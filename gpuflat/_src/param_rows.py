@@ -1,6 +1,6 @@
 """What a flat optimizer's step updates: PyTorch's parameters that have a
 gradient, with their gradients, state and step counts, as tables of
-addresses (one row of ``gpuflat.layout.PARAM_ROW_FIELDS`` per parameter),
+addresses (one row of ``gpuflat._src.layout.PARAM_ROW_FIELDS`` per parameter),
 one table per device and dtype.
 
 A training loop's steps mostly see the same parameters with the same state,
@@ -9,7 +9,7 @@ gradient, and their state tensors, are kept and found again while
 ``param_groups``, the optimizer's state dict and the set of parameters with
 a gradient stay the same; the addresses, element counts, dtypes, devices and
 layouts of every tensor are read every step in one native pass per list
-(``gpuflat.tensor_facts``), so memory that moved (``p.data = t``,
+(``gpuflat._src.tensor_facts``), so memory that moved (``p.data = t``,
 ``model.to()``, ``zero_grad()``'s new gradients) is followed. Everything is
 checked before the step writes anything; what cannot be updated raises
 naming ``param_groups[g]['params'][i]``.
@@ -213,7 +213,7 @@ def _state_words(found, params, param_facts, parameter) -> np.ndarray:
 
 
 def _facts(tensors):
-    """The tensors' facts (gpuflat.tensor_facts), read in Python for a tensor
+    """The tensors' facts (gpuflat._src.tensor_facts), read in Python for a tensor
     subclass the native reader leaves out."""
     facts = tensor_facts.of_tensors(tensors)
     return facts if facts is not None else tensor_facts.in_python(tensors)

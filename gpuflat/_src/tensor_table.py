@@ -4,7 +4,7 @@
 step. Importing a tensor (``Tensor.numpy()``, or DLPack on CUDA) costs
 microseconds; on 10,000 tiny gradients the imports alone took longer than
 PyTorch's foreach clip. Here the tensors of a call become
-:class:`~gpuflat.backends.protocol.LeafRows` straight from each one's
+:class:`~gpuflat._src.backends.protocol.LeafRows` straight from each one's
 ``data_ptr()``, shape, strides and dtype: the table the CUDA kernels and the
 native host library read. What a call works out is kept, keyed by what
 decides it: each tensor's address, element count, dtype and contiguity
@@ -13,7 +13,7 @@ loop's next step finds its table again whether it clips the very same
 gradient tensors or new ones in the same memory (``optimizer.zero_grad()``
 sets gradients to None by default, and the next backward allocates new ones,
 usually where the last ones were): the tensors' facts read in one native
-pass (``gpuflat.tensor_facts``), then the kernels. Where the memory moved,
+pass (``gpuflat._src.tensor_facts``), then the kernels. Where the memory moved,
 the rows are rebuilt from the metadata with the plan and the rows' layout
 found again; nothing is imported.
 
@@ -40,7 +40,7 @@ from .backends.selection import get_backend, host_default
 from .binding import max_norm_for
 from .checks import check_in_place, may_overlap_itself
 from .dtypes import bfloat16
-from .errors import NonFloatingTensorError, OverlapError, UnsupportedLeafError
+from ..errors import NonFloatingTensorError, OverlapError, UnsupportedLeafError
 from .flatplan import FlatPlan, cached
 from .tree import walk
 
@@ -73,7 +73,7 @@ class Group:
 @dataclass(frozen=True, eq=False)
 class Reading:
     """What decides a table, read from the tensors each call: their facts
-    (``gpuflat.tensor_facts``: address, element count, and a code for the
+    (``gpuflat._src.tensor_facts``: address, element count, and a code for the
     dtype, contiguity, device and conjugate or negative bit; one native
     pass), their layout (True when every tensor is contiguous,
     else their shapes and strides) and the backend :func:`serve_with` put in
@@ -135,7 +135,7 @@ def serve_with(backend):
     records launches without running them times the host work alone.
 
     >>> import torch, gpuflat.torch as gft
-    >>> from gpuflat.backends import get_backend
+    >>> from gpuflat._src.backends import get_backend
     >>> with serve_with(get_backend("emulated")):
     ...     float(gft.get_total_norm([torch.tensor([3.0, 4.0])]))
     5.0

@@ -7,7 +7,7 @@ of its tree once and afterwards only reads the leaves. The cache holds
 structure only, never a value of the user's: the plan ``gf.plan(tree)``
 returns is a copy that carries ``tree``'s non-trainable values, equal to the
 cached plan it was made from. The operations that
-use a plan live in ``gpuflat.ops``; backends read plans and keep their own
+use a plan live in ``gpuflat._src.ops``; backends read plans and keep their own
 per-plan caches, keyed weakly by the plan.
 """
 from __future__ import annotations
@@ -192,7 +192,7 @@ def build(treedef, slot_of, unique) -> FlatPlan:
 
 class PlanCache:
     """A bounded LRU of plans keyed by tree signature (a registered
-    ``gpuflat.caches.LRU``), with hit and miss counts; safe under threads.
+    ``gpuflat._src.caches.LRU``), with hit and miss counts; safe under threads.
 
     >>> c = PlanCache(maxsize=1)
     >>> c.get("a", lambda: 1), c.get("a", lambda: 2), c.get("b", lambda: 3), c.info()

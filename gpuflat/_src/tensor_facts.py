@@ -1,7 +1,7 @@
 """What decides a list of PyTorch tensors' leaf table, read in one native pass.
 
 ``gpuflat.torch`` finds a call's table again by each tensor's address,
-element count, dtype and contiguity (``gpuflat.tensor_table``). Those facts
+element count, dtype and contiguity (``gpuflat._src.tensor_table``). Those facts
 come back as one int64 array of three words per tensor: the address, the
 element count, and a code: the dtype's position in :data:`DTYPES`,
 :data:`CONTIGUOUS` set for a contiguous tensor, :data:`LAZY_VIEW` for a
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from . import caches, host_compiler
-from .errors import BuildError
+from ..errors import BuildError
 from .kernel_loader import kernel_dir
 
 __all__ = ["CONTIGUOUS", "DTYPES", "LAZY_VIEW", "PLAIN", "available", "device_keys", "dtype_codes", "gradients",

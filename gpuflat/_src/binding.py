@@ -1,6 +1,6 @@
 """Binding a call to its trees: what every front end does before a backend runs.
 
-A front end (``gpuflat.ops``, ``gpuflat.residency``, ``gpuflat.distributed``,
+A front end (``gpuflat._src.ops``, ``gpuflat._src.residency``, ``gpuflat.distributed``,
 ``gpuflat.torch``) binds each call here: the walk of the call's tree (once),
 its plan from the cache, the caller's own objects behind adopted views, the
 backend the leaves choose, the gradients of a ``model=`` slot by slot (ties
@@ -19,7 +19,7 @@ from . import flatplan
 from . import tree as _tree
 from .backends.protocol import OneSourcePerSlot
 from .backends.selection import select
-from .errors import NonFiniteError, TreeMismatchError
+from ..errors import NonFiniteError, TreeMismatchError
 from .seen import trees
 
 # Arrays last found fit for an in-place write, per plan (see InPlaceChecked).
@@ -33,7 +33,7 @@ class Call:
     same way, once; ``walked`` is kept so that matching this tree against
     another plan (a gradient tree read through its model's plan) needs no
     second walk. A plain tree met again unchanged is read again without a
-    walk (``seen``, its record; see ``gpuflat.seen.SeenTrees``).
+    walk (``seen``, its record; see ``gpuflat._src.seen.SeenTrees``).
 
     >>> import numpy as np
     >>> a = np.ones(2)
@@ -176,7 +176,7 @@ def max_norm_for(backend, max_norm):
     stream.
 
     >>> import numpy as np
-    >>> from gpuflat.backends import get_backend
+    >>> from gpuflat._src.backends import get_backend
     >>> max_norm_for(get_backend("numpy"), np.float32(0.5))
     0.5
     """
@@ -205,7 +205,7 @@ def raise_if_nonfinite(be, plan, result, p, where="") -> None:
     not finite (the one host synchronisation of a checked clip).
 
     >>> import numpy as np, gpuflat as gf
-    >>> from gpuflat.backends import get_backend
+    >>> from gpuflat._src.backends import get_backend
     >>> g = [np.ones(2), np.array([np.nan])]
     >>> be, p = get_backend("numpy"), gf.plan(g)
     >>> raise_if_nonfinite(be, p, be.norms(p, g, 2.0, False), 2.0)

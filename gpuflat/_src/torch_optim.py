@@ -37,7 +37,7 @@ dense block, and gradients laid out unlike their parameter are refused,
 naming the parameter, before anything is written.
 
 Inside ``torch.compile(opt.step)`` the step is traced down to gpuflat's
-operators (``gpuflat.torch_optim_ops``): no graph break in gpuflat's code,
+operators (``gpuflat._src.torch_optim_ops``): no graph break in gpuflat's code,
 the eager steps' bits, no recompile as ``zero_grad()`` reallocates the
 gradients. SGD's momentum buffer made at a step that a GradScaler skips on
 the device stays new, as ``torch.optim.SGD``, which never ran that step,
@@ -45,9 +45,14 @@ has none yet: its first applied update makes it the gradient itself.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import Any
+
 import torch
 
-from . import distributed, dtensor, param_rows, tensor_table, torch_optim_ops
+from . import dtensor, param_rows, tensor_table, torch_optim_ops
+
+from .. import distributed
 from .checks import clip_arguments, optimizer_options
 from .residency import Resident
 from .torch_optim_ops import CLIP_EPS, NewBuffers, name_of, skipped_on_the_device, unscale_factor, update
@@ -101,7 +106,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("_last_grad_norm", [None])[0] = total
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every parameter that has a gradient (one launch per
         device and dtype, after one norm pass with ``max_norm``); returns the
         closure's loss."""
@@ -162,7 +167,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
     def _traced_update(self):
         """The step as TorchDynamo traces it, with no host read of a tensor:
         the lists made by ``_init_group``, then the norm and the update as
-        gpuflat's operators (``gpuflat.torch_optim_ops``) over plain tensors
+        gpuflat's operators (``gpuflat._src.torch_optim_ops``) over plain tensors
         (a DTensor's local shard). A norm over the ranks (DTensors, pipeline
         stages) is a collective, run between two graphs, outside any
         operator, where every rank reaches it in the same order."""
@@ -252,7 +257,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
             total = total * unscale_factor(scale).to(total.device)
         return total, nonfinite
 
-    def load_state_dict(self, state_dict) -> None:
+    def load_state_dict(self, state_dict: dict) -> None:
         """PyTorch's, then each ``step`` as this optimizer keeps it: a 0-d
         float32 tensor on its parameter's device; no loaded momentum buffer is new."""
         super().load_state_dict(state_dict)
@@ -307,9 +312,11 @@ class AdamW(_FlatOptimizer):
     _state_names = ("exp_avg", "exp_avg_sq")
     _counts_steps = True
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 max_norm=None, norm_type=2.0, pp_mesh=None, tied=None):
+    def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None, max_norm: float | None = None, norm_type: float | str = 2.0,
+                 pp_mesh: Any = None, tied: Iterable | None = None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused, decoupled_weight_decay=True)
@@ -347,9 +354,11 @@ class SGD(_FlatOptimizer):
     _state_names = ("momentum_buffer",)
     _counts_steps = False
 
-    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
-                 maximize=False, foreach=None, differentiable=False, fused=None, max_norm=None, norm_type=2.0,
-                 pp_mesh=None, tied=None):
+    def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None,
+                 max_norm: float | None = None, norm_type: float | str = 2.0, pp_mesh: Any = None,
+                 tied: Iterable | None = None):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
                         fused=fused)
@@ -397,7 +406,7 @@ class GradScaler(torch.amp.GradScaler):
     (128.0, 0.0, inf)
     """
 
-    def step(self, optimizer, *args, **kwargs):
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """As ``torch.amp.GradScaler.step``; a gpuflat optimizer finds NaN and inf in its own norm pass."""
         from torch.amp.grad_scaler import OptState
 

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-from gpuflat import host_compiler
-from gpuflat.dtypes import C_NAMES, c_name
-from gpuflat.layout import NORM_KINDS, OPTIM_DTYPES, OPTIM_RULES, norm_kind
+from gpuflat._src import host_compiler
+from gpuflat._src.dtypes import C_NAMES, c_name
+from gpuflat._src.layout import NORM_KINDS, OPTIM_DTYPES, OPTIM_RULES, norm_kind
 
 # NVRTC's options, for the compile checks and the GPU alike. No fast-math,
 # and flush-to-zero off (NVRTC's default): NaN, inf and subnormals must
@@ -49,7 +49,7 @@ from gpuflat.layout import NORM_KINDS, OPTIM_DTYPES, OPTIM_RULES, norm_kind
 # code under NVRTC.
 OPTIONS = ("-std=c++17", "-default-device", "--fmad=false")
 
-# The kernels templated on a dtype, by its C++ name (gpuflat.dtypes.C_NAMES).
+# The kernels templated on a dtype, by its C++ name (gpuflat._src.dtypes.C_NAMES).
 GATHER = "gpuflat_gather<{}>"
 SCATTER = "gpuflat_scatter<{}>"
 SCALE_NAME = "gpuflat_scale"
@@ -101,7 +101,7 @@ def name_expressions() -> list[str]:
     Gather and scatter are templated on the flat dtype (the leaf dtype is a
     runtime tag, so a mixed-dtype tree is one launch); the norm kernels on the
     norm kind; the clip takes max_norm by value or from device memory. Every
-    dtype of gpuflat.dtypes is instantiated, whether or not the package that
+    dtype of gpuflat._src.dtypes is instantiated, whether or not the package that
     provides it (ml_dtypes, for bfloat16) is installed.
 
     >>> len(name_expressions()) == 2 * len(C_NAMES) + 2 * len(NORM_KINDS) + 2 + 2 * 2 * 4 + 1
@@ -152,7 +152,7 @@ def kernel_dir() -> Path:
     >>> (kernel_dir() / "norms.cu").is_file()
     True
     """
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # the package, above _src
     for candidate in (here / "kernels", here.parent / "kernels"):
         if candidate.is_dir() and any(candidate.glob("*.cu")):
             return candidate

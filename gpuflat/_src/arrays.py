@@ -27,7 +27,7 @@ import numpy as np
 
 from . import dtensor
 from .dtypes import bfloat16, is_bfloat16
-from .errors import Float32OverflowError, UnsupportedLeafError
+from ..errors import Float32OverflowError, UnsupportedLeafError
 
 _ARRAY_PROTOCOLS = ("__dlpack__", "__array__", "__array_interface__", "__cuda_array_interface__")
 _BUFFERS = (memoryview, _array.array)
@@ -347,7 +347,7 @@ def device_scope(backend, like):
     be None: then only ``like`` says where the work runs.
 
     >>> import numpy as np
-    >>> from gpuflat.backends import get_backend
+    >>> from gpuflat._src.backends import get_backend
     >>> with device_scope(get_backend("numpy"), np.ones(2)):
     ...     pass
     """

@@ -14,7 +14,7 @@ the gradients read, each parameter group's hyperparameters as lists with
 each parameter's group and index in it, a tensor ``lr`` beside the float
 one, the norm and ``max_norm``, a GradScaler's ``grad_scale`` and
 ``found_inf``. The operators take plain tensors (a DTensor's local shard)
-and read their rows at every call (``gpuflat.param_rows.tables_of``), so
+and read their rows at every call (``gpuflat._src.param_rows.tables_of``), so
 new gradient tensors in a later step neither recompile nor re-trace
 anything. Inductor hands the update the tensors themselves; ``aot_eager``,
 which does not reinplace mutated arguments, hands it copies of the mutated
@@ -41,7 +41,7 @@ import torch
 
 from . import caches, param_rows, tensor_table
 from .arrays import adopt, device_scope, launch_stream
-from .errors import CaptureError
+from ..errors import CaptureError
 from .layout import HYPER, PARAM_ROW_FIRST, TAG_OF_NAME, hyper_row
 
 __all__ = ["CLIP_EPS", "NewBuffers", "adamw_", "name_of", "norm_and_nonfinite", "sgd_", "skipped_on_the_device",
@@ -52,7 +52,7 @@ CLIP_EPS = 1e-6  # PyTorch's clip_grad_norm_: max_norm / (norm + 1e-6)
 
 def update(rule, tables, groups, total, max_norm, scale, found) -> None:
     """One ``rule`` update ("adamw" or "sgd") of the parameters of
-    ``tables`` (``gpuflat.param_rows``), each group's hyperparameters read
+    ``tables`` (``gpuflat._src.param_rows``), each group's hyperparameters read
     from ``groups`` (dicts as ``param_groups`` holds them), the gradients
     clipped by their norm ``total`` to ``max_norm`` (None: no clip),
     unscaled by a GradScaler's ``scale`` and skipped on the device where

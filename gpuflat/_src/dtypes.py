@@ -2,7 +2,7 @@
 
 Every module that needs to know which dtypes are trainable, how a dtype is
 called in the CUDA sources, or which integer tag marks it in a device table,
-reads it from here; the rows themselves are gpuflat.layout's DTYPES, so
+reads it from here; the rows themselves are gpuflat._src.layout's DTYPES, so
 adding a dtype is a one-line change there (and its kernel conversions).
 
 bfloat16 comes from ml_dtypes, whose import takes most of a second; it is

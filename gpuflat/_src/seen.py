@@ -305,5 +305,5 @@ class SeenTrees:
         self._entries.clear()
 
 
-# The trees every front end walks (``gpuflat.binding`` and ``gpuflat.checks``).
+# The trees every front end walks (``gpuflat._src.binding`` and ``gpuflat._src.checks``).
 trees = SeenTrees()

@@ -14,7 +14,7 @@ reversed) as that block, contiguously, in memory order; any other leaf in its
 logical order. Arrays are read in native code (no Python work per leaf), and
 a resident model's norms read its one flat buffer at the plan's offsets.
 
-The libraries are ``gpuflat.native``'s. Where they cannot be built (no
+The libraries are ``gpuflat._src.native``'s. Where they cannot be built (no
 compiler, no Python or NumPy headers, a compiler error) this backend cannot
 be made: asking for it by name raises with the build's message, and NumPy
 arrays take the NumPy backend by default instead.
@@ -34,10 +34,10 @@ import os
 
 import numpy as np
 
-from gpuflat import native
-from gpuflat.dtypes import TAGS
-from gpuflat.identity import Recorded
-from gpuflat.layout import DTYPES, NORM_KINDS, OPTIM_DTYPES, norm_kind, rule_id
+from gpuflat._src import native
+from gpuflat._src.dtypes import TAGS
+from gpuflat._src.identity import Recorded
+from gpuflat._src.layout import DTYPES, NORM_KINDS, OPTIM_DTYPES, norm_kind, rule_id
 
 from .numpy_backend import HostMemory
 from .protocol import LeafRows, NormResult, OneSourcePerSlot
@@ -45,7 +45,7 @@ from .protocol import LeafRows, NormResult, OneSourcePerSlot
 
 def _token(arrays) -> int:
     """The token under which the library may keep what it read from ``arrays``
-    (a :class:`~gpuflat.identity.Recorded` list's), else 0.
+    (a :class:`~gpuflat._src.identity.Recorded` list's), else 0.
 
     >>> _token([np.ones(2)])
     0

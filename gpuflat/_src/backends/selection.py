@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from gpuflat import native
+from gpuflat._src import native
 
 BACKEND_NAMES = ("numpy", "host", "cuda", "emulated")
 

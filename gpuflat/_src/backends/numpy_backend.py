@@ -6,7 +6,7 @@ cut), so the float64 copy stays in cache and memory use stays flat. Pieces are
 fixed by the plan, so every repeat adds the same numbers in the same order.
 Norms and clips read a leaf that fills one dense block of memory in another
 order than C's (transposed, channels_last, reversed) in memory order, as the
-1-D view of that block (``gpuflat.memory_order``); any other leaf in its
+1-D view of that block (``gpuflat._src.memory_order``); any other leaf in its
 logical order.
 """
 from __future__ import annotations
@@ -18,10 +18,10 @@ import weakref
 
 import numpy as np
 
-from gpuflat import caches
-from gpuflat.dtypes import cast_copy, dtype_of_tag
-from gpuflat.layout import HYPER, PARAM_ROW_FIRST
-from gpuflat.memory_order import in_memory_order
+from gpuflat._src import caches
+from gpuflat._src.dtypes import cast_copy, dtype_of_tag
+from gpuflat._src.layout import HYPER, PARAM_ROW_FIRST
+from gpuflat._src.memory_order import in_memory_order
 
 from .protocol import NormResult
 

@@ -16,7 +16,7 @@ import numpy as np
 from . import arrays, caches
 from . import tree as _tree
 from .dtypes import admit
-from .errors import OverlapError, TreeMismatchError, UnsupportedLeafError
+from ..errors import OverlapError, TreeMismatchError, UnsupportedLeafError
 from .identity import CONTIGUOUS, Layout, SameArrays, flag_bits
 from .overlap import find_overlap
 from .seen import trees
@@ -37,7 +37,7 @@ def occurrences(plan, tree, *, allow_none, walked=None, seen=None):
     anything else takes the slow path that finds and names the first
     difference. ``walked`` is ``tree``'s walk, where the caller has it (and
     ``seen`` its record, if any). ``seen`` comes back where the tree was
-    read through its record (``gpuflat.seen.SeenTree``) and is exact.
+    read through its record (``gpuflat._src.seen.SeenTree``) and is exact.
 
     >>> import numpy as np, gpuflat as gf
     >>> p = gf.plan({"w": np.ones(2)})
@@ -158,14 +158,14 @@ class InPlaceChecked:
     A training loop clips the same gradient arrays every step; the overlap
     tests cost far more than the write on a tree of tiny leaves. When the
     very same arrays come again (of the plan's shapes and dtypes, as every
-    caller has checked) in the same layout (``gpuflat.identity.Layout``:
+    caller has checked) in the same layout (``gpuflat._src.identity.Layout``:
     their flags, writable among them, and the strides of those not
     contiguous, which NumPy lets a caller change in place), the verdict
     stands. CuPy arrays have no such flags: their device memory is always
     writable, and their strides are compared.
     The arrays are held by weak reference: a dead array never matches, and
     the memo never keeps a step's gradients alive. A recorded tree keeps
-    its verdict itself (``verdicts``, see ``gpuflat.seen.SeenTree``).
+    its verdict itself (``verdicts``, see ``gpuflat._src.seen.SeenTree``).
 
     >>> import numpy as np
     >>> memo, arrays = InPlaceChecked(), [np.ones(2), np.ones(3)]

@@ -24,7 +24,7 @@ from . import caches
 
 # The dtypes of the kernel tables: (tag, NumPy name, C++ type in kernels/,
 # bytes). The kernels' gf_dispatch and the host libraries switch on the tag;
-# gpuflat.dtypes maps NumPy's dtypes onto these rows.
+# gpuflat._src.dtypes maps NumPy's dtypes onto these rows.
 DTYPES = (
     (0, "float16", "f16", 2),
     (1, "bfloat16", "bf16", 2),

@@ -1,7 +1,7 @@
 """The public whole-tree operations.
 
-Each function binds its trees (``gpuflat.binding``: one walk, the plan from
-the cache), checks everything (``gpuflat.checks``), and only then hands a
+Each function binds its trees (``gpuflat._src.binding``: one walk, the plan from
+the cache), checks everything (``gpuflat._src.checks``), and only then hands a
 backend the plan and arrays; in-place operations therefore change nothing when they raise.
 Leaves may be NumPy, CuPy, PyTorch or JAX arrays: PyTorch and JAX leaves are
 read through zero-copy views. Results come back in the caller's kinds: a
@@ -18,14 +18,15 @@ import numpy as np
 
 from . import arrays as _arrays
 from . import checks
-from . import distributed, dtensor
+from . import dtensor
+from .. import distributed
 from . import caches, flatplan
 from . import tree as _tree
 from .backends.selection import select
 from .binding import (Call, gradients_of, in_place, max_norm_for, norm_inputs, raise_if_nonfinite, slot_sources,
                       summed_wide)
 from .dtypes import cast_copy
-from .errors import OverlapError, TreeMismatchError, UnsupportedLeafError
+from ..errors import OverlapError, TreeMismatchError, UnsupportedLeafError
 from .flatplan import FlatPlan
 from .overlap import first_sharing
 

@@ -1,7 +1,7 @@
 """What a backend is: the whole-tree operations every backend implements, and
 the result of a fused norm pass.
 
-The public operations (``gpuflat.ops``) check everything, then hand a backend
+The public operations (``gpuflat._src.ops``) check everything, then hand a backend
 a frozen plan and arrays already known to fit it; a backend never walks a
 tree and never validates. Backends keep their own per-plan caches, keyed
 weakly by the plan, so a dropped plan frees them.
@@ -67,7 +67,7 @@ class OneSourcePerSlot(Sequence):
 class LeafRows:
     """Leaves given by address instead of as arrays: one leaf-table row per
     slot (``words``, int64, shape (slots, LEAF_ROW_WORDS): the address,
-    then ``gpuflat.layout.leaf_row``: dtype tag, merged dims, byte strides),
+    then ``gpuflat._src.layout.leaf_row``: dtype tag, merged dims, byte strides),
     built from tensors' metadata without importing them. The backends whose
     ``reads_rows`` is true take it as ``leaves`` in ``norms`` and
     ``clip_``; the caller keeps the memory alive and has checked every
@@ -110,7 +110,7 @@ class Backend(Protocol):
     code or on the device); a backend whose ``reads_rows`` is false is
     given arrays.
 
-    >>> from gpuflat.backends import get_backend
+    >>> from gpuflat._src.backends import get_backend
     >>> isinstance(get_backend("numpy"), Backend), get_backend("numpy").reads_rows
     (True, False)
     """
@@ -128,7 +128,7 @@ class Backend(Protocol):
     def norms(self, plan, leaves: Sequence[Any], ord: float, per_leaf: bool, flat=None) -> NormResult:
         """Total and per-leaf norms, accumulated in float64 in a fixed order: a
         leaf filling one dense block of memory in another order than C's in
-        memory order (``gpuflat.memory_order``), any other in logical order."""
+        memory order (``gpuflat._src.memory_order``), any other in logical order."""
 
     def clip_(self, plan, leaves: Sequence[Any], total, max_norm, eps: float, flat=None) -> None:
         """Every leaf *= min(1, max_norm / (total + eps)), computed where ``total``
@@ -172,7 +172,7 @@ class Backend(Protocol):
     def step_rows(self, rule: str, tag: int, rows, hyper, lr_at, total, max_norm: float, eps: float, amp) -> None:
         """One optimizer update of parameters where they are (PyTorch's, one
         table row each), in place: ``rows`` is a host int64 array of
-        gpuflat.layout.PARAM_ROW_FIELDS per parameter, every tensor of dtype
+        gpuflat._src.layout.PARAM_ROW_FIELDS per parameter, every tensor of dtype
         tag ``tag``, dense and laid out alike, addressed at its lowest
         element; ``hyper`` the groups' rows (host float64) and ``lr_at`` where
         a tensor ``lr`` is read instead (host int64, address and dtype tag per

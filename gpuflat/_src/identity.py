@@ -44,7 +44,7 @@ class SameArrays:
 
 
 class Recorded(list):
-    """Arrays that a recorded tree (``gpuflat.seen``) found unchanged in this
+    """Arrays that a recorded tree (``gpuflat._src.seen``) found unchanged in this
     call. ``token`` names exactly these arrays, at the addresses and with the
     dtypes, shapes, strides and flags they had when first read, for the life
     of the process (a token is never given twice); a backend may keep what it

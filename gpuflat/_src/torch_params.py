@@ -15,7 +15,7 @@ with StaleResidentError naming the parameter, before it writes anything: the
 buffers are never computed on stale.
 
 Per step the checks read two facts per parameter, its storage address and
-its gradient, in one native pass each where ``gpuflat.tensor_facts`` builds
+its gradient, in one native pass each where ``gpuflat._src.tensor_facts`` builds
 (Python reads them elsewhere), and compare them in C. Changes to the
 modules' tables (a parameter or submodule set, replaced or added) are
 noticed through PyTorch's global registration hooks, which count every
@@ -31,7 +31,7 @@ from itertools import chain
 import numpy as np
 
 from . import dtensor
-from .errors import StaleResidentError
+from ..errors import StaleResidentError
 
 _grad_of = operator.attrgetter("grad")
 _REBUILD = "; rebuild it with gf.resident(model)"

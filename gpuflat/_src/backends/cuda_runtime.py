@@ -3,7 +3,7 @@ emulator.
 
 Both runtimes take the same launches (a kernel name expression, a grid, a
 block, and arguments that are device arrays or NumPy scalars), so
-``gpuflat.backends.cuda`` builds every table, grid and argument list once
+``gpuflat._src.backends.cuda`` builds every table, grid and argument list once
 for both. Both count what a test wants to pin down: kernel launches, host
 synchronisations (every device-to-host read) and table uploads (none of
 which makes the host wait).
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpuflat import caches, kernel_loader
+from gpuflat._src import caches, kernel_loader
 from gpuflat.errors import CaptureError
 
 WARP = 32
@@ -279,7 +279,7 @@ class Runtime:
 
 
 class EmulatedRuntime(Runtime):
-    """The kernels compiled for the host (``gpuflat.emulator``): host memory is
+    """The kernels compiled for the host (``gpuflat._src.emulator``): host memory is
     device memory and arrays are NumPy arrays.
 
     Every thread of a block is a host thread, so the grid is kept small (one
@@ -301,7 +301,7 @@ class EmulatedRuntime(Runtime):
     def library(self):
         """The emulator library of the kernels, built on first use."""
         if self._library is None:
-            from gpuflat import emulator  # only the emulated backend builds and loads it
+            from gpuflat._src import emulator  # only the emulated backend builds and loads it
 
             self._library = emulator.kernels_library()
         return self._library
@@ -332,7 +332,7 @@ class CupyRuntime(Runtime):
     Every allocation, upload, launch and read-back runs inside ``with
     device:``, so a runtime for device 1 never touches the current device.
     Launches and uploads go on CuPy's current stream: to launch on PyTorch's,
-    wrap the calls in ``gpuflat.arrays.device_scope``. The kernels are
+    wrap the calls in ``gpuflat._src.arrays.device_scope``. The kernels are
     the cubin of ``kernel_loader.device_cubin`` for the device's compute
     capability, the binary the compile checks build.
 

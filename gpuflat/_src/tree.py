@@ -29,7 +29,7 @@ import numpy as np
 
 from . import arrays
 from .dtypes import TAGS, admit, unsupported_float
-from .errors import TreeMismatchError, UnsupportedLeafError, UnwalkableError
+from ..errors import TreeMismatchError, UnsupportedLeafError, UnwalkableError
 
 class _Leaf:
     """Marks the place of a trainable array in a treedef."""

@@ -14,7 +14,7 @@ work. The tables:
   byte strides), plus the CSR slot -> sources for tied gradients. Norms and
   clips read a leaf whose elements fill one dense block (transposed,
   channels_last, reversed) as that block, lowest address first, through the
-  contiguous row (``gpuflat.memory_order``); gather and scatter keep the
+  contiguous row (``gpuflat._src.memory_order``); gather and scatter keep the
   logical order of every leaf. The last
   few tables are kept per plan, found again by the identity of the arrays
   (weak references, so a table never keeps old gradients alive and a
@@ -25,7 +25,7 @@ The same code drives the GPU (``CupyRuntime``) and the host emulator
 (``EmulatedRuntime``); only the runtime differs.
 
 >>> import numpy as np, gpuflat as gf
->>> from gpuflat.backends.cuda_runtime import EmulatedRuntime
+>>> from gpuflat._src.backends.cuda_runtime import EmulatedRuntime
 >>> be = CudaBackend(EmulatedRuntime())
 >>> tree = {"w": np.ones((2, 3), np.float32), "b": np.full(2, 2.0)}
 >>> plan, leaves = gf.plan(tree), gf.trainables(tree)
@@ -43,14 +43,14 @@ from operator import attrgetter
 
 import numpy as np
 
-from gpuflat import caches
-from gpuflat import kernel_loader as kl
-from gpuflat.dtypes import c_name, dtype_of_tag
-from gpuflat.identity import Layout, SameArrays
-from gpuflat.layout import (BLOCK_THREADS, C_NAMES, FINISH_THREADS, ITEM, ITEM_WORDS, LEAF_ROW_WORDS, MAX_DIMS, WARP,
+from gpuflat._src import caches
+from gpuflat._src import kernel_loader as kl
+from gpuflat._src.dtypes import c_name, dtype_of_tag
+from gpuflat._src.identity import Layout, SameArrays
+from gpuflat._src.layout import (BLOCK_THREADS, C_NAMES, FINISH_THREADS, ITEM, ITEM_WORDS, LEAF_ROW_WORDS, MAX_DIMS, WARP,
                             SMALL_SLOT_ITEMS, leaf_row)
-from gpuflat.memory_order import dense_start
-from gpuflat.native import array_facts
+from gpuflat._src.memory_order import dense_start
+from gpuflat._src.native import array_facts
 
 from .protocol import LeafRows, NormResult
 
@@ -115,7 +115,7 @@ class CudaBackend:
 
     def gather(self, plan, sources, out) -> None:
         """out[offset:offset+size] = sum of each slot's sources, cast to out's dtype
-        (any of gpuflat.dtypes.TAGS: the kernel is instantiated for each) (1 launch)."""
+        (any of gpuflat._src.dtypes.TAGS: the kernel is instantiated for each) (1 launch)."""
         st = _static_tables(plan, self.runtime)
         counts = [len(s) for s in sources]
         arrays = [a for s in sources for a in s]
@@ -133,7 +133,7 @@ class CudaBackend:
 
     def scatter(self, plan, flat, leaves) -> None:
         """leaves[i][...] = flat slice i cast to the leaf's dtype, in place, rounded
-        once whatever flat's dtype (any of gpuflat.dtypes.TAGS) (1 launch)."""
+        once whatever flat's dtype (any of gpuflat._src.dtypes.TAGS) (1 launch)."""
         st = _static_tables(plan, self.runtime)
         table = st.table(leaves, None, lambda: _leaf_rows(st, plan, leaves, range(len(leaves)), self.runtime))
         self._launch(kl.scatter_name(flat.dtype), st, [st.items, np.int64(st.n_items), table.array, flat], table)

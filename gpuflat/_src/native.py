@@ -4,11 +4,11 @@ Two small C++ libraries do gpuflat's work on the host in native code:
 ``kernels/host/host_backend.cpp`` (the host backend's gather, scatter, norms
 and clips, and :func:`array_facts`) and ``kernels/host/host_optim.cpp`` (the
 optimizer update). Both compile the CUDA kernels' own arithmetic headers for
-the host, with g++ on first use (``gpuflat.host_compiler``: cached on disk,
+the host, with g++ on first use (``gpuflat._src.host_compiler``: cached on disk,
 one build per machine), and are loaded once per process.
 
-The host backend (``gpuflat.backends.host``) calls them; recorded trees
-(``gpuflat.seen``) and the CUDA backend's table cache read
+The host backend (``gpuflat._src.backends.host``) calls them; recorded trees
+(``gpuflat._src.seen``) and the CUDA backend's table cache read
 :func:`array_facts`. This module sits beneath the backends, so none of those
 imports a backend for it.
 
@@ -30,10 +30,10 @@ import sysconfig
 
 import numpy as np
 
-from gpuflat import host_compiler
-from gpuflat.dtypes import when_bfloat16
+from gpuflat._src import host_compiler
+from gpuflat._src.dtypes import when_bfloat16
 from gpuflat.errors import BuildError
-from gpuflat.kernel_loader import kernel_dir
+from gpuflat._src.kernel_loader import kernel_dir
 
 __all__ = ["array_facts", "available", "host_library", "optim_library", "unavailable_reason"]
 

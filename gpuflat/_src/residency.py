@@ -10,7 +10,7 @@ From then on a training step never walks the tree: ``grad_norm``,
 ``clip_grad_norm_``, ``zero_grad`` and ``param_norm`` work on the buffers
 with a fixed number of backend calls per dtype, however many leaves there
 are. The one per-leaf work left is, for PyTorch parameters, the checks that
-follow what a training loop did to them (``gpuflat.torch_params``).
+follow what a training loop did to them (``gpuflat._src.torch_params``).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from . import checks
 from . import dtensor
 from . import tree as _tree
 from .backends.selection import select
-from .errors import CaptureError, NonFiniteError
+from ..errors import CaptureError, NonFiniteError
 from .flatplan import FlatPlan, LeafSpec
 from .binding import Call, max_norm_for, raise_if_nonfinite
 from .torch_params import Binding
