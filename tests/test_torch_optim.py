@@ -151,15 +151,16 @@ class Routed(torch.nn.Module):
         return self.out(h + self.expert(h) if routed else h)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_a_parameter_without_a_gradient_is_skipped_as_in_torch(name):
+def test_a_parameter_without_a_gradient_is_skipped_as_in_torch(name, dtype):
     # zero_grad() sets every gradient to None and a layer the forward pass
     # does not use keeps None (an expert no token was routed to): PyTorch's
     # optimizers leave it, its state and its step count as they were, with
     # no weight decay and no momentum step.
     torch_cls, flat_cls, kw = OPTIMIZERS[name]
     torch.manual_seed(3)
-    net_t = Routed()
+    net_t = Routed().to(dtype)
     net_f = copy.deepcopy(net_t)
     opt_t = torch_cls(net_t.parameters(), foreach=True, **kw)
     opt_f = flat_cls(net_f.parameters(), max_norm=1.0, **kw)
@@ -173,7 +174,7 @@ def test_a_parameter_without_a_gradient_is_skipped_as_in_torch(name):
                 torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
             opt.step()
         assert (net_f.expert.weight.grad is None) == (not routed)  # as the loop left it
-    assert_close(net_t, opt_t, net_f, opt_f)
+    assert_close(net_t, opt_t, net_f, opt_f, FLOAT64_TOLERANCE if dtype == torch.float64 else (RTOL, ATOL))
     if "step" in opt_t.state[net_t.expert.weight]:
         assert float(opt_f.state[net_f.expert.weight]["step"]) == 4  # its 4 routed steps
     assert not torch.equal(net_f.expert.weight, first)
@@ -550,9 +551,10 @@ def test_a_head_without_gradients_is_left_alone_when_gradients_are_zeroed_in_pla
 # With a GradScaler the replaced parameters leave torch.optim with no
 # gradient at all, and torch.amp.GradScaler.step raises (no inf checks were
 # recorded): gpuflat's optimizers raise there too (test below).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("max_norm,scaler", [(None, None), (1.0, None)])
 @pytest.mark.parametrize("name", LOOP_OPTIMIZERS)
-def test_parameters_replaced_by_an_assigning_load_are_not_followed_as_in_torch(name, max_norm, scaler):
+def test_parameters_replaced_by_an_assigning_load_are_not_followed_as_in_torch(name, max_norm, scaler, dtype):
     # load_state_dict(assign=True) puts new Parameter objects in the model:
     # neither optimizer holds them, so neither trains them.
     def reload(net, opt, k, is_torch):
@@ -560,11 +562,12 @@ def test_parameters_replaced_by_an_assigning_load_are_not_followed_as_in_torch(n
             net.load_state_dict(copy.deepcopy(net.state_dict()), assign=True)
 
     net_t, opt_t, net_f, opt_f = side_by_side(name, lambda n: n.parameters(), reload, max_norm=max_norm,
-                                              scaler=scaler)
+                                              scaler=scaler, dtype=dtype)
+    rtol, atol = FLOAT64_TOLERANCE if dtype == torch.float64 else (RTOL, ATOL)
     for a, b in zip(net_t.parameters(), net_f.parameters()):
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
     for a, b in zip(opt_t.param_groups[0]["params"], opt_f.param_groups[0]["params"]):
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("name", LOOP_OPTIMIZERS)
