@@ -115,15 +115,19 @@ if what == "cubin":
     import cupy
     from gpuflat._src import host_compiler, kernel_loader
     module, lowered = kernel_loader.cupy_module(cupy.cuda.Device(0))
-    print(f"{len(lowered)} kernels loaded in {time.perf_counter() - began:.1f} s; cache {host_compiler.cache_root()}")
+    line = f"{len(lowered)} kernels loaded in {time.perf_counter() - began:.1f} s; cache {host_compiler.cache_root()}"
 elif what == "emulator":
     from gpuflat._src import emulator
     emulator.kernels_library()
-    print(f"emulator built in {time.perf_counter() - began:.1f} s")
+    line = f"emulator built in {time.perf_counter() - began:.1f} s"
 else:
     from gpuflat._src import native, tensor_facts
     reason = {"host backend": native, "tensor facts": tensor_facts}[what].unavailable_reason()
-    print(what, "built" if reason is None else f"NOT BUILT: {reason[:2000]}", f"in {time.perf_counter() - began:.1f} s")
+    status = "built" if reason is None else "NOT BUILT: " + reason[:2000]
+    line = f"{what} {status} in {time.perf_counter() - began:.1f} s"
+# One write per line: the g++ builds share a log, unbuffered, and print
+# writes each argument apart, so the lines of two builds could interleave.
+sys.stdout.write(line + "\n")
 '
 builds=("cubin" "emulator" "host backend" "tensor facts")
 declare -A build_pid build_rc build_s build_log reported
