@@ -48,8 +48,8 @@ from ._src import caches, checks, dtensor
 from ._src.arrays import adopt, device_scope, is_module, module_parameters
 from ._src.backends import get_backend
 from ._src.dtypes import is_bfloat16
-from ._src.binding import Call, max_norm_for
-from .errors import CollectiveError, NonFiniteError
+from ._src.binding import Call, max_norm_for, nonfinite_error
+from .errors import CollectiveError
 
 if TYPE_CHECKING:
     import torch
@@ -534,11 +534,7 @@ def _raise_if_nonfinite(local: _Local, p: float, total: Any, packets: list, scal
         culprits = np.flatnonzero(local.be.to_host(packet[:, 1]))
         if culprits.size:
             text = comm.broadcast_text(text if comm.rank == culprits[0] else None, int(culprits[0]))
-    where = (f"{text} holds NaN or inf (or its sum overflows float64)" if text else
-             "no rank holds NaN or inf, but the sum overflowed float64")
-    then = ", so no gradient was scaled on any rank" if scaled else ""
-    raise NonFiniteError(f"{where}; the global {p:g}-norm over {local.ranks} ranks is non-finite"
-                         f"{then} (error_if_nonfinite=True)")
+    raise nonfinite_error(p, text, ranks=local.ranks, scaled=scaled)
 
 
 # ---------------------------------------------------------------- all-reduce

@@ -53,6 +53,7 @@ import torch
 
 from . import distributed as _gfd
 from ._src import dtensor, tensor_facts, tensor_table, torch_ops
+from ._src.binding import nonfinite_error
 from ._src.checks import check_ord, clip_arguments
 from .errors import NonFiniteError, NonFiniteNormError, NonFloatingTensorError
 
@@ -107,7 +108,7 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
         return _returned(total, tensors)
     total = tensor_table.norm_pass(table, tensors, p).total
     if error_if_nonfinite:
-        _check_finite(total, p, table, tensors, name_of)
+        _check_finite(total, p, table, tensors, name_of, scaled=False)
     return total.to(table.returned_dtype)
 
 
@@ -192,7 +193,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         return _returned(total, grads)
     total, on_backend, _ = tensor_table.norm_pass(table, grads, p)
     if error_if_nonfinite:
-        _check_finite(total, p, table, grads, name_of)
+        _check_finite(total, p, table, grads, name_of, scaled=True)
     tensor_table.scale_by_norm(table, grads, max_norm, total, _EPS, on_backend)
     return total.to(table.returned_dtype)
 
@@ -217,14 +218,15 @@ def _compiled_clip(parameters: list[torch.Tensor], max_norm: Any, p: float,
     """clip_grad_norm_ as TorchDynamo traces it: the gradients listed in
     Python, then gpuflat's operators (the norm in float64, the scale by its
     factor), so the clip's bits are the eager call's."""
-    grads = [q.grad for q in parameters if q.grad is not None]
+    given = [(k, q.grad) for k, q in enumerate(parameters) if q.grad is not None]
+    grads = [g for _, g in given]
     _compiled_max_norm(max_norm)
     if not grads:
         return torch.tensor(0.0)
     total = torch_ops.total_norm(grads, p)
     if error_if_nonfinite and not torch.isfinite(total):  # a host read: the graph breaks here, as PyTorch's does
-        raise NonFiniteNormError(f"the total norm of order {p:g} for gradients from `parameters` is non-finite, "
-                                 f"so it cannot be clipped; no gradient was scaled")
+        bad = next((k for k, g in given if not torch.isfinite(g).all()), None)
+        raise nonfinite_error(p, None if bad is None else f"leaf 'parameters[{bad}].grad'", kind=NonFiniteNormError)
     _compiled_scale(grads, max_norm, total)
     return total.to(tensor_table.returned_dtype([g.dtype for g in grads]))
 
@@ -346,20 +348,13 @@ def _torch_nonfinite_error() -> Iterator[None]:
 # ---------------------------------------------------------------- the work, per device
 
 def _check_finite(total: torch.Tensor, p: float, table: Any, tensors: list[torch.Tensor],
-                  name_of: Callable[[int], str]) -> None:
+                  name_of: Callable[[int], str], *, scaled: bool) -> None:
     # The one host synchronisation, asked for by the caller.
     if torch.isfinite(total).item():
         return
     members = sorted(i for g in table.groups for i in g.members)
     bad = next((name_of(i) for i in members if not torch.isfinite(tensors[i]).all()), None)
-    where = (f"leaf {bad!r} holds NaN or inf" if bad else
-             "no tensor holds NaN or inf, but the sum overflowed float64")
-    raise NonFiniteNormError(
-        f"{where}: the total norm of order {p:g} for gradients from `parameters` is "
-        f"non-finite ({total.item()}), so it cannot be clipped; no gradient was scaled. To "
-        f"disable this error and scale the gradients by the non-finite norm anyway, set "
-        f"`error_if_nonfinite=False`"
-    )
+    raise nonfinite_error(p, None if bad is None else f"leaf {bad!r}", scaled=scaled, kind=NonFiniteNormError)
 
 
 from ._src.torch_optim import SGD, AdamW, GradScaler

@@ -200,7 +200,7 @@ def _device_index(x) -> int:
     return x.device.index if _arrays.kind(x) == "torch" else x.device.id
 
 
-def raise_if_nonfinite(be, plan, result, p, where="") -> None:
+def raise_if_nonfinite(be, plan, result, p) -> None:
     """NonFiniteError naming the first leaf holding NaN or inf, if the norm is
     not finite (the one host synchronisation of a checked clip).
 
@@ -211,7 +211,7 @@ def raise_if_nonfinite(be, plan, result, p, where="") -> None:
     >>> raise_if_nonfinite(be, p, be.norms(p, g, 2.0, False), 2.0)
     Traceback (most recent call last):
     ...
-    gpuflat.errors.NonFiniteError: leaf '[1]' holds NaN or inf; the total 2-norm is non-finite, so no gradient was scaled (error_if_nonfinite=True)
+    gpuflat.errors.NonFiniteError: leaf '[1]' holds NaN or inf; the total 2-norm is non-finite, so no gradient was scaled (error_if_nonfinite=True; set it to False to scale by the non-finite norm anyway)
     """
     # The norm itself is read: finite leaves whose sum overflows float64 give
     # an inf norm too, and PyTorch raises on that. Only a non-finite norm costs
@@ -219,9 +219,25 @@ def raise_if_nonfinite(be, plan, result, p, where="") -> None:
     if math.isfinite(float(be.to_host(result.total))):
         return
     bad = int(be.to_host(result.first_nonfinite))
-    what = (f"leaf {plan.leaves[bad].path!r} holds NaN or inf" if bad >= 0 else
-            "no leaf holds NaN or inf, but the sum overflowed float64")
-    raise NonFiniteError(
-        f"{what}{where}; the total {p:g}-norm is non-finite, so no gradient was scaled "
-        f"(error_if_nonfinite=True)"
-    )
+    raise nonfinite_error(p, f"leaf {plan.leaves[bad].path!r}" if bad >= 0 else None)
+
+
+def nonfinite_error(p: float, culprit: str | None, *, ranks: int | None = None, scaled: bool = True,
+                    kind: type = NonFiniteError) -> NonFiniteError:
+    """The one error a norm or clip with ``error_if_nonfinite`` raises, in
+    every front end: ``culprit`` names the first leaf holding NaN or inf
+    (and its rank, over many), None where none does and the sum overflowed
+    float64; ``ranks``, the ranks a global norm spans; ``scaled``, whether
+    the call would have scaled; ``kind``, the class (``NonFiniteNormError``
+    for PyTorch's drop-ins, a RuntimeError as PyTorch raises).
+
+    >>> print(nonfinite_error(2.0, "leaf '[1]'"))
+    leaf '[1]' holds NaN or inf; the total 2-norm is non-finite, so no gradient was scaled (error_if_nonfinite=True; set it to False to scale by the non-finite norm anyway)
+    >>> print(nonfinite_error(1.0, None, ranks=4, scaled=False))
+    no leaf holds NaN or inf, but the sum overflowed float64; the global 1-norm over 4 ranks is non-finite (error_if_nonfinite=True; set it to False to return the non-finite norm)
+    """
+    what = f"{culprit} holds NaN or inf" if culprit else "no leaf holds NaN or inf, but the sum overflowed float64"
+    norm = f"the total {p:g}-norm" if ranks is None else f"the global {p:g}-norm over {ranks} ranks"
+    then = "" if not scaled else ", so no gradient was scaled" + ("" if ranks is None else " on any rank")
+    instead = "scale by the non-finite norm anyway" if scaled else "return the non-finite norm"
+    return kind(f"{what}; {norm} is non-finite{then} (error_if_nonfinite=True; set it to False to {instead})")

@@ -29,9 +29,9 @@ from . import checks
 from . import dtensor
 from . import tree as _tree
 from .backends.selection import select
-from ..errors import CaptureError, NonFiniteError
+from ..errors import CaptureError
 from .flatplan import FlatPlan, LeafSpec
-from .binding import Call, max_norm_for, raise_if_nonfinite
+from .binding import Call, max_norm_for, nonfinite_error, raise_if_nonfinite
 from .torch_params import Binding
 
 ALIGN_BYTES = 256
@@ -440,8 +440,7 @@ class Resident:
         # The total came from whole buffers; naming the leaf takes a per-slot pass.
         for group, result in zip(self._groups, self._norms(buffers, p, True)):
             raise_if_nonfinite(self._backend, group.plan, result, p)
-        raise NonFiniteError(f"no leaf holds NaN or inf, but the sum overflowed float64; the total "
-                             f"{p:g}-norm is non-finite, so no gradient was scaled (error_if_nonfinite=True)")
+        raise nonfinite_error(p, None)
 
     def _result(self, x):
         return x if self._like is None else _arrays.to_caller(x, self._like)
