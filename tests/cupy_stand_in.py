@@ -695,7 +695,19 @@ class _StandIn:
             return graph is not None
 
         class _Pinned(bytearray):
-            """Page-locked host memory (cupy.cuda.alloc_pinned_memory)."""
+            """Page-locked host memory (cupy.cuda.alloc_pinned_memory). As
+            CuPy's PinnedMemoryPointer: a buffer, ``ptr`` and ``size()``, and
+            no ``len()`` (code relying on one would fail on a GPU only)."""
+
+            def __len__(self):
+                raise TypeError("object of type 'PinnedMemoryPointer' has no len(): use size()")
+
+            def size(self):
+                return bytearray.__len__(self)
+
+            @property
+            def ptr(self):
+                return np.frombuffer(self, np.uint8).ctypes.data if self.size() else 0
 
         def alloc_pinned_memory(nbytes):
             standin.refuse_in_capture("a pinned host allocation")
@@ -711,8 +723,8 @@ class _StandIn:
                 if not isinstance(owner, _Pinned):
                     raise ContractError(f"UnownedMemory over {type(owner).__name__}: a kernel may read only "
                                         f"page-locked host memory (cupy.cuda.alloc_pinned_memory)")
-                start = np.frombuffer(owner, np.uint8).ctypes.data if len(owner) else 0
-                if not (device_id >= 0 and start <= ptr and ptr + size <= start + len(owner)):
+                start = owner.ptr
+                if not (device_id >= 0 and start <= ptr and ptr + size <= start + owner.size()):
                     raise ContractError(f"UnownedMemory at {ptr:#x}, {size} bytes, device {device_id}: expected "
                                         f"a device id and bytes inside the pinned block at {start:#x}")
                 self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id

@@ -124,7 +124,7 @@ class CaptureReserve:
     >>> for table in (1, 2, 3):
     ...     reserve.note(table, 300)  # 512 bytes each, aligned
     >>> reserve.refill()
-    >>> reserve.need, len(reserve.block)
+    >>> reserve.need, reserve.capacity
     (1024, 2048)
     >>> reserve.take(1000)[1], reserve.take(1000)[1], reserve.take(1000)
     (0, 1024, None)
@@ -136,7 +136,7 @@ class CaptureReserve:
         self.allocate = allocate
         self.need = 0  # the bytes of the tables in ``recent``
         self.recent = caches.LRU("capture reserve's recent tables", window, on_evict=self._forget)  # id -> bytes
-        self.block, self.used = None, 0
+        self.block, self.capacity, self.used = None, 0, 0  # CuPy's pinned memory has size(), no len()
 
     def note(self, key, nbytes: int) -> None:
         """A launch read a table of ``nbytes`` (outside any capture)."""
@@ -150,13 +150,13 @@ class CaptureReserve:
     def refill(self) -> None:
         """Set aside a new block when what is left is less than the recent
         tables need (outside any capture: it is a pinned allocation)."""
-        if self.need and (self.block is None or len(self.block) - self.used < self.need):
-            self.block, self.used = self.allocate(2 * self.need), 0
+        if self.need and self.capacity - self.used < self.need:
+            self.block, self.capacity, self.used = self.allocate(2 * self.need), 2 * self.need, 0
 
     def take(self, nbytes: int):
         """(the block, an offset) holding ``nbytes`` for a capture's table, or
         None when the reserve cannot hold them."""
-        if self.block is None or self.used + nbytes > len(self.block):
+        if self.used + nbytes > self.capacity:
             return None
         offset, self.used = self.used, self.used + _aligned(nbytes)
         return self.block, offset
