@@ -3,28 +3,14 @@ drop-ins compile with fullgraph=True into one graph with no break, give the
 eager calls' bits, and new gradient tensors each step recompile nothing."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import gpuflat.torch as gft  # noqa: E402
+from compiling import fresh_dynamo, model_and_twin, sharded_twins  # noqa: E402,F401  (fresh_dynamo: autouse)
 
 nn = torch.nn
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def model_and_twin(seed):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
-    return model, copy.deepcopy(model)
 
 
 def backward(model, x):
@@ -123,25 +109,13 @@ def test_dtensor_gradients_are_clipped_between_graphs_with_the_eager_bits():
     # DTensors never enter gpuflat's operators: their norm is a collective
     # over the mesh, which runs as it is between two graphs. One rank: the
     # same code paths.
-    dist = pytest.importorskip("torch.distributed")
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        torch.manual_seed(6)
-        values = [torch.randn(6, 4), torch.randn(5)]
-        params, twins = ([nn.Parameter(distribute_tensor(v.clone(), mesh, [Shard(0)])) for v in values]
-                         for _ in range(2))
-        grads = [torch.randn(v.shape) for v in values]
+    with sharded_twins(6) as (shard, params, twins):
+        grads = [torch.randn(p.shape) for p in params]
         for ps in (params, twins):
             for p, g in zip(ps, grads):
-                p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+                p.grad = shard(g.clone())
         got = torch.compile(clip, backend="aot_eager")(params)
         want = clip(twins)
         assert torch.equal(got.full_tensor(), want.full_tensor()) and float(want) > 0.5
         for p, q in zip(params, twins):
             assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor())
-    finally:
-        dist.destroy_process_group()

@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 import gpuflat  # noqa: E402
 import gpuflat.torch as gft  # noqa: E402
 from gpuflat._src import torch_optim_ops  # noqa: E402
+from compiling import fresh_dynamo, model_and_twin, sharded_twins  # noqa: E402,F401  (fresh_dynamo: autouse)
 
 nn = torch.nn
 GPUFLAT_DIR = Path(gpuflat.__file__).resolve().parent
@@ -33,19 +34,6 @@ OPTIMIZERS = {
 }
 SCALERS = {"stock": torch.amp.GradScaler, "gpuflat": gft.GradScaler}
 INF_STEP = 2
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def model_and_twin(seed):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
-    return model, copy.deepcopy(model)
 
 
 def make_optimizer(name, model, max_norm, lr=None):
@@ -209,35 +197,23 @@ def test_a_skipped_first_step_leaves_compiled_sgd_momentum_new_as_torch(scaler_n
 def test_dtensor_parameters_compile_with_the_eager_bits(name):
     # The operators take the local shards; the norm over the mesh, a
     # collective, runs between two graphs. One rank: the same code paths.
-    dist = pytest.importorskip("torch.distributed")
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        torch.manual_seed(5)
-        values = [torch.randn(6, 4), torch.randn(5)]
-        params, twins = ([nn.Parameter(distribute_tensor(v.clone(), mesh, [Shard(0)])) for v in values]
-                         for _ in range(2))
+    with sharded_twins(5) as (shard, params, twins):
         cls, kw, own = OPTIMIZERS[name]
         opt, twin_opt = (cls([{"params": ps[:1]}, {"params": ps[1:], **own}], max_norm=0.5, **kw)
                          for ps in (params, twins))
         opt.step = torch.compile(opt.step, backend="aot_eager")
         for _ in range(3):
-            grads = [torch.randn(v.shape) for v in values]
+            grads = [torch.randn(p.shape) for p in params]
             for ps, o in ((params, opt), (twins, twin_opt)):
                 o.zero_grad()
                 for p, g in zip(ps, grads):
-                    p.grad = distribute_tensor(g, mesh, [Shard(0)])
+                    p.grad = shard(g)
                 o.step()
         local = gpuflat._src.dtensor.local
         for p, q in zip(params, twins):
             assert torch.equal(local(p), local(q))
             assert all(torch.equal(local(opt.state[p][k]), local(twin_opt.state[q][k])) for k in opt.state[p])
         assert torch.equal(opt.last_grad_norm, twin_opt.last_grad_norm)
-    finally:
-        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- in place, under Inductor
