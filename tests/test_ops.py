@@ -674,3 +674,27 @@ def test_restructure_prints_and_rebuilds_with_the_same_statics_rule_as_unflatten
         assert via_re[k].dtype == tree[k].dtype
     # A bare array's Restructure names it as such.
     assert repr(gf.destructure(np.ones(4))[1]) == "Restructure(array, ..., 4)"
+
+
+def test_a_clip_of_a_gradient_tree_is_one_binding_call_and_one_backend_call_each_for_the_norm_and_the_scale(
+        monkeypatch):
+    from gpuflat._src import ops
+    from gpuflat._src.backends import get_backend
+
+    calls = []
+    backend = get_backend("numpy")
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(ops, "Call", counted("bind", ops.Call))
+    monkeypatch.setattr(backend, "norms", counted("norms", backend.norms))
+    monkeypatch.setattr(backend, "clip_", counted("clip_", backend.clip_))
+    grads = {"w": np.full((3, 4), 2.0), "b": np.full(5, 2.0, np.float32)}
+    for _ in range(3):
+        calls.clear()
+        gf.clip_grad_norm_(grads, 1.0, backend="numpy")
+        assert calls == ["bind", "norms", "clip_"]

@@ -530,3 +530,32 @@ def test_max_norm_zero_and_foreach_as_in_pytorch(max_norm, foreach):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
     if max_norm == 0.0:
         assert all(not p.grad.any() for p in ours)
+
+
+def test_a_clip_is_one_binding_call_and_one_backend_call_each_for_the_norm_and_the_scale(monkeypatch):
+    # The host cost of a clip is its table read and two launches' worth of
+    # backend calls, whatever the number of tensors: counted here on the
+    # host backend.
+    from gpuflat._src import tensor_table
+    from gpuflat._src.backends import get_backend
+
+    calls = []
+    backend = get_backend("host")
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(tensor_table, "read", counted("read", tensor_table.read))
+    monkeypatch.setattr(backend, "norms", counted("norms", backend.norms))
+    monkeypatch.setattr(backend, "clip_", counted("clip_", backend.clip_))
+    params = [nn.Parameter(torch.ones(n)) for n in (3, 5, 7, 1000)]
+    for p in params:
+        p.grad = torch.full_like(p, 2.0)
+    with tensor_table.serve_with(backend):
+        for _ in range(3):
+            calls.clear()
+            gft.clip_grad_norm_(params, 1.0)
+            assert calls == ["read", "norms", "clip_"]
