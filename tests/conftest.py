@@ -469,6 +469,15 @@ def grads_for(draw, model):
     return go(model)
 
 
+def counted(calls: list, name: str, fn):
+    """``fn``, appending ``name`` to ``calls`` at each call: for tests
+    counting which calls an operation makes."""
+    def wrapper(*args, **kwargs):
+        calls.append(name)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
 # The files whose tests build with g++ or NVRTC (a compile each, or the
 # benchmark's and the GPU script's builds) or launch ranks: `make test-fast`
 # leaves out what is marked slow. A test elsewhere that builds (Inductor

@@ -681,18 +681,13 @@ def test_a_clip_of_a_gradient_tree_is_one_binding_call_and_one_backend_call_each
     from gpuflat._src import ops
     from gpuflat._src.backends import get_backend
 
+    from conftest import counted
+
     calls = []
     backend = get_backend("numpy")
-
-    def counted(name, fn):
-        def wrapper(*args, **kwargs):
-            calls.append(name)
-            return fn(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(ops, "Call", counted("bind", ops.Call))
-    monkeypatch.setattr(backend, "norms", counted("norms", backend.norms))
-    monkeypatch.setattr(backend, "clip_", counted("clip_", backend.clip_))
+    monkeypatch.setattr(ops, "Call", counted(calls, "bind", ops.Call))
+    monkeypatch.setattr(backend, "norms", counted(calls, "norms", backend.norms))
+    monkeypatch.setattr(backend, "clip_", counted(calls, "clip_", backend.clip_))
     grads = {"w": np.full((3, 4), 2.0), "b": np.full(5, 2.0, np.float32)}
     for _ in range(3):
         calls.clear()

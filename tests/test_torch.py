@@ -12,7 +12,7 @@ from torch import nn
 
 import gpuflat as gf
 import gpuflat.torch as gft
-from conftest import exact_norm, torch_scaled
+from conftest import counted, exact_norm, torch_scaled
 
 # PyTorch's own suite's orders, the string 'inf' among them (float(norm_type)).
 NORM_TYPES = [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, math.inf, "inf"]
@@ -541,16 +541,9 @@ def test_a_clip_is_one_binding_call_and_one_backend_call_each_for_the_norm_and_t
 
     calls = []
     backend = get_backend("host")
-
-    def counted(name, fn):
-        def wrapper(*args, **kwargs):
-            calls.append(name)
-            return fn(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(tensor_table, "read", counted("read", tensor_table.read))
-    monkeypatch.setattr(backend, "norms", counted("norms", backend.norms))
-    monkeypatch.setattr(backend, "clip_", counted("clip_", backend.clip_))
+    monkeypatch.setattr(tensor_table, "read", counted(calls, "read", tensor_table.read))
+    monkeypatch.setattr(backend, "norms", counted(calls, "norms", backend.norms))
+    monkeypatch.setattr(backend, "clip_", counted(calls, "clip_", backend.clip_))
     params = [nn.Parameter(torch.ones(n)) for n in (3, 5, 7, 1000)]
     for p in params:
         p.grad = torch.full_like(p, 2.0)
