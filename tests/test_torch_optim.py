@@ -107,6 +107,11 @@ def assert_tensors_close(a, b, name, tolerance=(RTOL, ATOL)):
 FLOAT64_TOLERANCE = (1e-12, 1e-14)
 
 
+def tolerance(dtype) -> tuple:
+    """(rtol, atol) beside torch.optim for a loop in ``dtype``."""
+    return FLOAT64_TOLERANCE if dtype == torch.float64 else (RTOL, ATOL)
+
+
 def pair(seed=0):
     torch.manual_seed(seed)
     net = Net()
@@ -174,7 +179,7 @@ def test_a_parameter_without_a_gradient_is_skipped_as_in_torch(name, dtype):
                 torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
             opt.step()
         assert (net_f.expert.weight.grad is None) == (not routed)  # as the loop left it
-    assert_close(net_t, opt_t, net_f, opt_f, FLOAT64_TOLERANCE if dtype == torch.float64 else (RTOL, ATOL))
+    assert_close(net_t, opt_t, net_f, opt_f, tolerance(dtype))
     if "step" in opt_t.state[net_t.expert.weight]:
         assert float(opt_f.state[net_f.expert.weight]["step"]) == 4  # its 4 routed steps
     assert not torch.equal(net_f.expert.weight, first)
@@ -487,7 +492,7 @@ def test_a_layer_unfrozen_after_construction_is_trained(name, max_norm, scaler, 
 
     net_t, opt_t, net_f, opt_f = side_by_side(name, lambda n: n.parameters(), unfreeze, max_norm=max_norm,
                                               scaler=scaler, dtype=dtype)
-    assert_close(net_t, opt_t, net_f, opt_f, FLOAT64_TOLERANCE if dtype == torch.float64 else (RTOL, ATOL))
+    assert_close(net_t, opt_t, net_f, opt_f, tolerance(dtype))
     assert net_f.frozen.weight in opt_f.state
     torch.manual_seed(7)  # side_by_side's seed: the weights it started from
     assert (net_f.frozen.weight - Net().to(dtype).frozen.weight).abs().max() > 1e-3
@@ -507,7 +512,7 @@ def test_an_adapter_added_mid_training_as_a_group(name, max_norm, scaler, dtype)
             opt.add_param_group({"params": list(net.hidden.adapter.parameters()), "lr": 0.02})
 
     net_t, opt_t, net_f, opt_f = side_by_side(name, groups, adapt, max_norm=max_norm, scaler=scaler, dtype=dtype)
-    assert_close(net_t, opt_t, net_f, opt_f, FLOAT64_TOLERANCE if dtype == torch.float64 else (RTOL, ATOL))
+    assert_close(net_t, opt_t, net_f, opt_f, tolerance(dtype))
     assert len(opt_f.param_groups) == 3 and net_f.hidden.adapter.weight in opt_f.state
 
 
@@ -563,7 +568,7 @@ def test_parameters_replaced_by_an_assigning_load_are_not_followed_as_in_torch(n
 
     net_t, opt_t, net_f, opt_f = side_by_side(name, lambda n: n.parameters(), reload, max_norm=max_norm,
                                               scaler=scaler, dtype=dtype)
-    rtol, atol = FLOAT64_TOLERANCE if dtype == torch.float64 else (RTOL, ATOL)
+    rtol, atol = tolerance(dtype)
     for a, b in zip(net_t.parameters(), net_f.parameters()):
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
     for a, b in zip(opt_t.param_groups[0]["params"], opt_f.param_groups[0]["params"]):
