@@ -201,3 +201,23 @@ def test_in_place_ops_refuse_overlapping_torch_views(name, backend):
     with pytest.raises(gf.OverlapError, match=r"\['a'\].*\['b'\]"):
         gf.scatter(p, np.full(p.size, 7.0), {"a": a, "b": b}, backend=backend)
     assert storage.equal(before)
+
+
+def test_a_tree_and_a_tensor_list_refuse_shared_memory_alike():
+    # Arrays (a tree's walk) and leaf rows (a tensor list's table) are swept
+    # by one function and refused with one message.
+    import torch
+
+    import gpuflat.torch as gft
+    from gpuflat.errors import OverlapError
+
+    base = torch.zeros(6)
+    params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(2)]
+    params[0].grad, params[1].grad = base[:4], base[2:]
+    with pytest.raises(OverlapError) as from_tree:
+        gf.clip_grad_norm_([base[:4], base[2:]], 1.0)
+    with pytest.raises(OverlapError) as from_list:
+        gft.clip_grad_norm_(params, 1.0)
+    assert str(from_tree.value) == str(from_list.value).replace("parameters[0].grad", "[0]").replace(
+        "parameters[1].grad", "[1]")
+    assert base.tolist() == [0.0] * 6

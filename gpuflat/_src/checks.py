@@ -130,18 +130,32 @@ def check_in_place(paths, arrays) -> None:
     for k in _not_contiguous(arrays):
         path, a = paths[k], arrays[k]
         if may_overlap_itself(a):
-            raise OverlapError(
-                f"leaf {path!r}: expected an array whose elements are distinct memory, got shape "
-                f"{tuple(a.shape)} with strides {tuple(a.strides)} (a broadcast or self-overlapping "
-                f"view); an in-place write would race. Pass a copy"
-            )
+            raise overlapping_itself(path, "an array", a.shape, a.strides, "a broadcast")
     pair = find_overlap(arrays)
     if pair is not None:
-        first, second = (paths[k] for k in pair)
-        raise OverlapError(
-            f"leaves {first!r} and {second!r} share memory; an in-place operation would "
-            f"write one through the other (expected distinct memory, found overlapping views)"
-        )
+        raise sharing_memory(*(paths[k] for k in pair))
+
+
+def overlapping_itself(path, what, shape, strides, made_by) -> OverlapError:
+    """The error for a leaf about to be written in place whose elements may
+    share an address: ``what`` it is, ``made_by`` what usually makes one.
+
+    >>> print(overlapping_itself("w", "a tensor", (2,), (0,), "an expanded"))
+    leaf 'w': expected a tensor whose elements are distinct memory, got shape (2,) with strides (0,) (an expanded or self-overlapping view); an in-place write would race. Pass a copy
+    """
+    return OverlapError(f"leaf {path!r}: expected {what} whose elements are distinct memory, got shape "
+                        f"{tuple(shape)} with strides {tuple(strides)} ({made_by} or self-overlapping view); "
+                        f"an in-place write would race. Pass a copy")
+
+
+def sharing_memory(first, second) -> OverlapError:
+    """The error for two leaves about to be written in place that share memory.
+
+    >>> print(sharing_memory("a", "b"))
+    leaves 'a' and 'b' share memory; an in-place operation would write one through the other (expected distinct memory, found overlapping views)
+    """
+    return OverlapError(f"leaves {first!r} and {second!r} share memory; an in-place operation would "
+                        f"write one through the other (expected distinct memory, found overlapping views)")
 
 
 def _not_contiguous(arrays):

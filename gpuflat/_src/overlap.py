@@ -57,7 +57,14 @@ def _owns_memory(a) -> bool:
     return getattr(a.flags, "owndata", False)
 
 
-def _really_overlap(a, b) -> bool:
+def really_overlap(a, b) -> bool:
+    """Whether two arrays whose byte ranges meet share an element: exact on
+    the CPU, and True on a GPU, which has no exact test.
+
+    >>> base = np.zeros(4)
+    >>> really_overlap(base[::2], base[1::2]), really_overlap(base[:3], base[2:])
+    (False, True)
+    """
     if isinstance(a, np.ndarray):
         # Exact for any strides, whatever the two arrays' bases (it reads
         # only pointers, shapes and strides).
@@ -83,6 +90,18 @@ def find_overlap(arrays):
     if len(index) < 2:
         return None
     lo, hi = _byte_ranges(arrays, index)
+    return first_pair(lo, hi, index, lambda i, j: really_overlap(arrays[i], arrays[j]))
+
+
+def first_pair(lo, hi, index, overlap):
+    """The first pair (i, j), i < j, of ``index`` whose byte ranges
+    [``lo``, ``hi``) meet and for which ``overlap(i, j)`` holds, or None:
+    the ranges sorted by start and swept once. The one sweep of every
+    overlap check, over arrays or over leaf rows.
+
+    >>> first_pair(np.array([0, 8, 4]), np.array([4, 12, 9]), [0, 1, 2], lambda i, j: True)
+    (1, 2)
+    """
     order = np.argsort(lo, kind="stable")
     lo, hi, index = lo[order], hi[order], np.asarray(index)[order]
     # In address order, a span can only overlap an earlier one if it starts
@@ -91,7 +110,7 @@ def find_overlap(arrays):
     for m in np.flatnonzero(lo[1:] < furthest[:-1]) + 1:
         for k in np.flatnonzero(hi[:m] > lo[m]):
             i, j = sorted((int(index[k]), int(index[m])))
-            if _really_overlap(arrays[i], arrays[j]):
+            if overlap(i, j):
                 return i, j
     return None
 
@@ -120,7 +139,7 @@ def first_sharing(arrays, buffer):
     (blo,), (bhi,) = _byte_ranges([buffer], [0])
     for k in np.flatnonzero((lo < bhi) & (hi > blo)):
         i = index[k]
-        if arrays[i] is buffer or _really_overlap(arrays[i], buffer):
+        if arrays[i] is buffer or really_overlap(arrays[i], buffer):
             return i
     return None
 

@@ -38,10 +38,11 @@ from .layout import ITEMSIZES, LEAF_ROW_WORDS, MAX_DIMS, leaf_row
 from .backends.protocol import LeafRows
 from .backends.selection import get_backend, host_default
 from .binding import max_norm_for
-from .checks import check_in_place, may_overlap_itself
+from .checks import check_in_place, may_overlap_itself, overlapping_itself, sharing_memory
 from .dtypes import bfloat16
-from ..errors import NonFloatingTensorError, OverlapError, UnsupportedLeafError
+from ..errors import NonFloatingTensorError, UnsupportedLeafError
 from .flatplan import FlatPlan, cached
+from .overlap import first_pair, really_overlap
 from .tree import walk
 
 TABLES_KEPT = 8  # calls remembered: a few clips and norms over different tensor lists
@@ -445,7 +446,8 @@ def _template(numels, dtypes, layout):
 # ---------------------------------------------------------------- in-place fitness
 
 def _check_in_place(table, tensors, name_of):
-    """Refuse, naming the leaves, tensors with overlapping elements or sharing memory."""
+    """Refuse, naming the leaves, tensors with overlapping elements or sharing
+    memory: ``checks.check_in_place`` on arrays, its tests on rows."""
     for g in table.groups:
         if not isinstance(g.leaves, LeafRows):
             check_in_place([name_of(i) for i in g.members], g.leaves)
@@ -455,16 +457,10 @@ def _check_in_place(table, tensors, name_of):
             t = tensors[g.members[k]]
             itemsize = _NUMPY_DTYPES[t.dtype].itemsize
             if may_overlap_itself(_Layout(t.numel(), t.shape, [s * itemsize for s in t.stride()], itemsize)):
-                raise OverlapError(
-                    f"leaf {name_of(g.members[k])!r}: expected a tensor whose elements are distinct memory, "
-                    f"got shape {tuple(t.shape)} with strides {tuple(t.stride())} (an expanded or "
-                    f"self-overlapping view); an in-place write would race. Pass a copy")
+                raise overlapping_itself(name_of(g.members[k]), "a tensor", t.shape, t.stride(), "an expanded")
         pair = _sharing_pair(words, lambda k, members=g.members: adopt(tensors[members[k]]))
         if pair is not None:
-            first, second = (name_of(g.members[k]) for k in pair)
-            raise OverlapError(
-                f"leaves {first!r} and {second!r} share memory; an in-place operation would "
-                f"write one through the other (expected distinct memory, found overlapping views)")
+            raise sharing_memory(*(name_of(g.members[k]) for k in pair))
 
 
 class _Layout:
@@ -475,12 +471,8 @@ class _Layout:
 
 
 def _sharing_pair(words, view):
-    """The first pair (i, j), i < j, of rows whose elements share memory, or None.
-
-    Byte ranges are swept in address order; rows whose ranges meet are
-    compared exactly (``np.shares_memory``) on the CPU, and refused on a GPU,
-    which has no exact test.
-    """
+    """The first pair (i, j), i < j, of rows whose elements share memory, or
+    None: their byte ranges read from the rows, swept as ``overlap.first_pair`` sweeps."""
     itemsize = _ITEMSIZE_BY_TAG[words[:, 1]]
     ndim = words[:, 2]
     reach = np.maximum(words[:, 4:4 + MAX_DIMS] - 1, 0) * words[:, 4 + MAX_DIMS:4 + 2 * MAX_DIMS]
@@ -490,13 +482,4 @@ def _sharing_pair(words, view):
     if len(index) < 2:
         return None
     lo, hi = words[index, 0] + below[index], words[index, 0] + above[index] + itemsize[index]
-    order = np.argsort(lo, kind="stable")
-    lo, hi, index = lo[order], hi[order], index[order]
-    furthest = np.maximum.accumulate(hi)
-    for m in np.flatnonzero(lo[1:] < furthest[:-1]) + 1:
-        for k in np.flatnonzero(hi[:m] > lo[m]):
-            i, j = sorted((int(index[k]), int(index[m])))
-            a, b = view(i), view(j)
-            if not isinstance(a, np.ndarray) or np.shares_memory(a, b):
-                return i, j
-    return None
+    return first_pair(lo, hi, index, lambda i, j: really_overlap(view(i), view(j)))
