@@ -39,16 +39,16 @@ import re
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._src import caches, checks, dtensor
+from ._src import caches, checks, clipping, dtensor
 from ._src.arrays import adopt, device_scope, is_module, module_parameters
 from ._src.backends import get_backend
 from ._src.dtypes import is_bfloat16
-from ._src.binding import Call, max_norm_for, nonfinite_error
+from ._src.binding import Call
 from .errors import CollectiveError
 
 if TYPE_CHECKING:
@@ -104,14 +104,9 @@ def global_norm(tree: Any, ord: float = 2, *, group: Any = None, owned: _OwnedLi
     (5.0, 7.0, 4.0)
     """
     p = checks.check_ord(ord)
-    local = _Local(tree, backend, group, owned, pp_mesh, tied)
-    with device_scope(local.be, local.call.like), local.streams():
-        total, per, packets = _reduce_norm(local, p)
-        if error_if_nonfinite:
-            _raise_if_nonfinite(local, p, total, packets, scaled=False)
-        if per_leaf:
-            return local.give_back(total), local.call.result(per)
-        return local.give_back(total)
+    bound = _RankBound(_Local(tree, backend, group, owned, pp_mesh, tied), per_leaf)
+    total = clipping.total_norm(bound, p, error_if_nonfinite).total
+    return (total, bound.per_leaf) if per_leaf else total
 
 
 def clip_grad_norm_(grads: Any, max_norm: float, ord: float = 2, *, group: Any = None,
@@ -139,13 +134,7 @@ def clip_grad_norm_(grads: Any, max_norm: float, ord: float = 2, *, group: Any =
     max_norm, p, eps = checks.clip_arguments(max_norm, ord, eps)
     local = _Local(grads, backend, group, owned, pp_mesh, tied)
     local.check_in_place()
-    with device_scope(local.be, local.call.like), local.streams():
-        total, _, packets = _reduce_norm(local, p)
-        if error_if_nonfinite:
-            _raise_if_nonfinite(local, p, total, packets)
-        if local.arrays:
-            local.be.clip_(local.plan, local.arrays, total, max_norm_for(local.be, max_norm), eps)
-        return local.give_back(total)
+    return clipping.clip_(_RankBound(local), max_norm, p, eps, error_if_nonfinite)
 
 
 def check_pipeline(pp_mesh: Any, tied: Any = None, leaves: Any = None) -> None:
@@ -497,14 +486,21 @@ def _reduce_norm(local: _Local, p: float) -> tuple[Any, Any, list]:
     partial, first_bad = xp.zeros((), np.float64), xp.zeros((), np.float64)
     per = xp.zeros(0, np.float64)
     if local.arrays:
-        per = local.be.norms(local.plan, local.arrays, p, per_leaf=True).per_leaf
+        result = local.be.norms(local.plan, local.arrays, p, per_leaf=True)
+        per = result.per_leaf
         contrib = per if p in (1, math.inf) else per ** p
         mask = local.owned_mask(xp)
+        # The first slot holding NaN or inf, from the elements: a leaf whose
+        # own norm overflows float64 holds neither.
+        first_bad = result.first_nonfinite + 1
         if mask is not None:
             contrib = xp.where(mask, contrib, 0.0)
-        bad = ~xp.isfinite(contrib)
+            # A slot this rank does not count names the first counted one
+            # whose norm is not finite instead.
+            bad = ~xp.isfinite(contrib)
+            first_bad = xp.where((first_bad == 0) | mask[first_bad - 1], first_bad,
+                                 xp.where(bad.any(), bad.argmax() + 1, 0))
         partial = contrib.max() if p == math.inf else contrib.sum()
-        first_bad = xp.where(bad.any(), bad.argmax() + 1, 0)
     local.first_bad = first_bad
     packets = []
     for comm in local.comms:
@@ -520,21 +516,43 @@ def _reduce_norm(local: _Local, p: float) -> tuple[Any, Any, list]:
     return (xp.sqrt(partial) if p == 2 else partial if p == 1 else partial ** (1.0 / p)), per, packets
 
 
-def _raise_if_nonfinite(local: _Local, p: float, total: Any, packets: list, scaled: bool = True) -> None:
-    """Every rank raises the same NonFiniteError when the global norm is not finite.
+class _RankBound(clipping.Bound):
+    """This rank's share of a model spread over ranks, bound for a norm and a
+    clip: the norm is :func:`_reduce_norm`'s, over the ranks; a stage
+    without gradients joins the collective and scales nothing."""
 
-    The rank holding the first non-finite leaf sends its path to the others,
-    one group after the other: more collectives, on this error path only.
-    """
-    if math.isfinite(float(local.be.to_host(total))):
-        return
-    first = int(local.be.to_host(local.first_bad))
-    text = f"leaf {local.plan.leaves[first - 1].path!r} on rank {local.rank}" if first else None
-    for comm, packet in zip(local.comms, packets):
-        culprits = np.flatnonzero(local.be.to_host(packet[:, 1]))
-        if culprits.size:
-            text = comm.broadcast_text(text if comm.rank == culprits[0] else None, int(culprits[0]))
-    raise nonfinite_error(p, text, ranks=local.ranks, scaled=scaled)
+    def __init__(self, local: _Local, per_leaf: bool = False) -> None:
+        part = clipping.Part(local.plan, local.arrays, local.be, local.call.like,
+                             path=lambda slot: local.plan.leaves[slot].path)
+        super().__init__([part], [part] if local.arrays else [])
+        self.local, self.ranks, self.wants_per_leaf = local, local.ranks, per_leaf
+        self.per_leaf: Any = None
+
+    @contextlib.contextmanager
+    def place(self) -> Iterator[None]:
+        """The leaves' device scope and every group's stream."""
+        with device_scope(self.local.be, self.local.call.like), self.local.streams():
+            yield
+
+    def norm(self, p: float) -> clipping.Norm:
+        total, per, packets = _reduce_norm(self.local, p)
+        if self.wants_per_leaf:
+            self.per_leaf = self.local.call.result(per)
+        return clipping.Norm(self.local.give_back(total), total, packets)
+
+    def culprit(self, norm: clipping.Norm, p: float) -> str | None:
+        """The leaf and rank of the first non-finite leaf, the same on every
+        rank: the rank holding it sends its path to the others, one group
+        after the other (more collectives, on this error path only)."""
+        local, text = self.local, None
+        first = int(local.be.to_host(local.first_bad))
+        if first:
+            text = f"leaf {local.plan.leaves[first - 1].path!r} on rank {local.rank}"
+        for comm, packet in zip(local.comms, norm.results):
+            culprits = np.flatnonzero(local.be.to_host(packet[:, 1]))
+            if culprits.size:
+                text = comm.broadcast_text(text if comm.rank == culprits[0] else None, int(culprits[0]))
+        return text
 
 
 # ---------------------------------------------------------------- all-reduce

@@ -52,8 +52,8 @@ from typing import Any, cast
 import torch
 
 from . import distributed as _gfd
-from ._src import dtensor, tensor_facts, tensor_table, torch_ops
-from ._src.binding import nonfinite_error
+from ._src import clipping, dtensor, tensor_facts, tensor_table, torch_ops
+from ._src.clipping import nonfinite_error
 from ._src.checks import check_ord, clip_arguments
 from .errors import NonFiniteError, NonFiniteNormError, NonFloatingTensorError
 
@@ -106,9 +106,8 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
             total = _gfd.global_norm(tensors, p, pp_mesh=pp_mesh, tied=tied,
                                      error_if_nonfinite=error_if_nonfinite)
         return _returned(total, tensors)
-    total = tensor_table.norm_pass(table, tensors, p).total
-    if error_if_nonfinite:
-        _check_finite(total, p, table, tensors, name_of, scaled=False)
+    bound = tensor_table.bound(table, tensors, name_of)
+    total = clipping.total_norm(bound, p, error_if_nonfinite, kind=NonFiniteNormError).total
     return total.to(table.returned_dtype)
 
 
@@ -145,7 +144,7 @@ def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max
     if table is None:  # DTensors: their local shards are scaled, with no redistribution
         grads = [dtensor.local(g) if dtensor.is_dtensor(g) else g for g in grads]
         table = tensor_table.read(grads, name_of, in_place=True)
-    tensor_table.scale_by_norm(table, grads, max_norm, total_norm, _EPS)
+    clipping.scale_by(tensor_table.bound(table, grads), total_norm, max_norm, _EPS)
 
 
 @torch.no_grad()
@@ -191,10 +190,8 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
             total = _gfd.clip_grad_norm_(grads, max_norm, p, pp_mesh=pp_mesh, tied=tied, eps=_EPS,
                                          error_if_nonfinite=error_if_nonfinite)
         return _returned(total, grads)
-    total, on_backend, _ = tensor_table.norm_pass(table, grads, p)
-    if error_if_nonfinite:
-        _check_finite(total, p, table, grads, name_of, scaled=True)
-    tensor_table.scale_by_norm(table, grads, max_norm, total, _EPS, on_backend)
+    total = clipping.clip_(tensor_table.bound(table, grads, name_of), max_norm, p, _EPS, error_if_nonfinite,
+                           kind=NonFiniteNormError)
     return total.to(table.returned_dtype)
 
 
@@ -343,18 +340,6 @@ def _torch_nonfinite_error() -> Iterator[None]:
         yield
     except NonFiniteError as err:
         raise NonFiniteNormError(str(err)) from None
-
-
-# ---------------------------------------------------------------- the work, per device
-
-def _check_finite(total: torch.Tensor, p: float, table: Any, tensors: list[torch.Tensor],
-                  name_of: Callable[[int], str], *, scaled: bool) -> None:
-    # The one host synchronisation, asked for by the caller.
-    if torch.isfinite(total).item():
-        return
-    members = sorted(i for g in table.groups for i in g.members)
-    bad = next((name_of(i) for i in members if not torch.isfinite(tensors[i]).all()), None)
-    raise nonfinite_error(p, None if bad is None else f"leaf {bad!r}", scaled=scaled, kind=NonFiniteNormError)
 
 
 from ._src.torch_optim import SGD, AdamW, GradScaler

@@ -4,12 +4,11 @@ A front end (``gpuflat._src.ops``, ``gpuflat._src.residency``, ``gpuflat.distrib
 ``gpuflat.torch``) binds each call here: the walk of the call's tree (once),
 its plan from the cache, the caller's own objects behind adopted views, the
 backend the leaves choose, the gradients of a ``model=`` slot by slot (ties
-added), the in-place checks, results in the caller's kind, and the one
-error naming the first non-finite leaf. Backends never walk or check.
+added), the in-place checks, results in the caller's kind, and a clip's
+gradients bound as ``gpuflat._src.clipping`` takes them (as a tensor list's
+are in ``gpuflat._src.tensor_table``). Backends never walk or check.
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
@@ -19,7 +18,8 @@ from . import flatplan
 from . import tree as _tree
 from .backends.protocol import OneSourcePerSlot
 from .backends.selection import select
-from ..errors import NonFiniteError, TreeMismatchError
+from .clipping import Bound, Part
+from ..errors import TreeMismatchError
 from .seen import trees
 
 # Arrays last found fit for an in-place write, per plan (see InPlaceChecked).
@@ -167,77 +167,27 @@ def summed_wide(plan, sources, backend, like=None):
     return wide
 
 
-def max_norm_for(backend, max_norm):
-    """``max_norm`` as ``backend.clip_`` takes it: a float, or, when it is a
-    0-d device tensor and the backend runs on that device, a 0-d float64
-    array of the backend's that the kernel reads, so that no value crosses
-    to the host and a captured CUDA graph reads its current value at every
-    replay. Called inside the call's device scope: the cast runs on its
-    stream.
+def clip_bound(call, grads, model, backend) -> Bound:
+    """The gradients ``grads`` (walked as ``call``) bound for a clip
+    (``gpuflat._src.clipping``), checked fit for an in-place write: their
+    norm read through ``model``'s plan where given (a tied weight's
+    gradients added first), each distinct gradient array scaled.
 
     >>> import numpy as np
-    >>> from gpuflat._src.backends import get_backend
-    >>> max_norm_for(get_backend("numpy"), np.float32(0.5))
-    0.5
+    >>> from gpuflat._src import clipping
+    >>> g = {"w": np.array([3.0, 4.0])}
+    >>> float(clipping.clip_(clip_bound(Call(g), g, None, None), 1.0, 2.0, 0.0, False)), g["w"]
+    (5.0, array([0.6, 0.8]))
     """
-    if isinstance(max_norm, float):
-        return max_norm
-    if backend.name != "cuda":
-        return float(max_norm)  # host memory, or a device value for a host backend: one read
-    found, expected = _device_index(max_norm), backend.runtime.device.id
-    if found != expected:
-        raise ValueError(f"max_norm: expected a number or a 0-d tensor on CUDA device {expected}, the "
-                         f"gradients' device, got one on CUDA device {found}")
-    if _arrays.kind(max_norm) == "torch":
-        import torch
-
-        return _arrays.adopt(max_norm.detach().to(torch.float64))
-    return max_norm.astype(np.float64, copy=False)
-
-
-def _device_index(x) -> int:
-    """The CUDA device of a CuPy array or a PyTorch CUDA tensor."""
-    return x.device.index if _arrays.kind(x) == "torch" else x.device.id
-
-
-def raise_if_nonfinite(be, plan, result, p) -> None:
-    """NonFiniteError naming the first leaf holding NaN or inf, if the norm is
-    not finite (the one host synchronisation of a checked clip).
-
-    >>> import numpy as np, gpuflat as gf
-    >>> from gpuflat._src.backends import get_backend
-    >>> g = [np.ones(2), np.array([np.nan])]
-    >>> be, p = get_backend("numpy"), gf.plan(g)
-    >>> raise_if_nonfinite(be, p, be.norms(p, g, 2.0, False), 2.0)
-    Traceback (most recent call last):
-    ...
-    gpuflat.errors.NonFiniteError: leaf '[1]' holds NaN or inf; the total 2-norm is non-finite, so no gradient was scaled (error_if_nonfinite=True; set it to False to scale by the non-finite norm anyway)
-    """
-    # The norm itself is read: finite leaves whose sum overflows float64 give
-    # an inf norm too, and PyTorch raises on that. Only a non-finite norm costs
-    # a second read, to name the leaf.
-    if math.isfinite(float(be.to_host(result.total))):
-        return
-    bad = int(be.to_host(result.first_nonfinite))
-    raise nonfinite_error(p, f"leaf {plan.leaves[bad].path!r}" if bad >= 0 else None)
-
-
-def nonfinite_error(p: float, culprit: str | None, *, ranks: int | None = None, scaled: bool = True,
-                    kind: type = NonFiniteError) -> NonFiniteError:
-    """The one error a norm or clip with ``error_if_nonfinite`` raises, in
-    every front end: ``culprit`` names the first leaf holding NaN or inf
-    (and its rank, over many), None where none does and the sum overflowed
-    float64; ``ranks``, the ranks a global norm spans; ``scaled``, whether
-    the call would have scaled; ``kind``, the class (``NonFiniteNormError``
-    for PyTorch's drop-ins, a RuntimeError as PyTorch raises).
-
-    >>> print(nonfinite_error(2.0, "leaf '[1]'"))
-    leaf '[1]' holds NaN or inf; the total 2-norm is non-finite, so no gradient was scaled (error_if_nonfinite=True; set it to False to scale by the non-finite norm anyway)
-    >>> print(nonfinite_error(1.0, None, ranks=4, scaled=False))
-    no leaf holds NaN or inf, but the sum overflowed float64; the global 1-norm over 4 ranks is non-finite (error_if_nonfinite=True; set it to False to return the non-finite norm)
-    """
-    what = f"{culprit} holds NaN or inf" if culprit else "no leaf holds NaN or inf, but the sum overflowed float64"
-    norm = f"the total {p:g}-norm" if ranks is None else f"the global {p:g}-norm over {ranks} ranks"
-    then = "" if not scaled else ", so no gradient was scaled" + ("" if ranks is None else " on any rank")
-    instead = "scale by the non-finite norm anyway" if scaled else "return the non-finite norm"
-    return kind(f"{what}; {norm} is non-finite{then} (error_if_nonfinite=True; set it to False to {instead})")
+    norm_plan, norm_leaves = norm_inputs(call, grads, model, backend)
+    # The grads' own walk holds each distinct gradient array once.
+    scale_plan, scale_leaves, scale_paths = call.plan, list(call.unique), call.paths()
+    # Without a model the norm reads the very arrays it scales: one list chooses the backend.
+    chosen_by = scale_leaves if model is None else norm_leaves + scale_leaves
+    be = select(backend, chosen_by,
+                lambda i: (norm_plan.leaves[i].path if i < len(norm_leaves)
+                           else scale_paths[i - len(norm_leaves)]))
+    in_place.check(scale_plan, scale_paths, scale_leaves,
+                   None if call.seen is None else call.seen.verdicts(scale_leaves))
+    norm = Part(norm_plan, norm_leaves, be, call.like, path=lambda slot: norm_plan.leaves[slot].path)
+    return Bound([norm], [norm if model is None else Part(scale_plan, scale_leaves, be, call.like)])

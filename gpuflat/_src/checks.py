@@ -258,7 +258,7 @@ def clip_arguments(max_norm, ord, eps) -> tuple[Any, float, float]:
     """(max_norm, p, eps) of a clip, checked: ``max_norm`` and ``eps`` real
     numbers >= 0, ``ord`` 1, 2, inf or any p > 0 (no strings, no NaN).
     ``max_norm`` may also be a 0-d device tensor, kept as it is (see
-    ``binding.max_norm_for``).
+    ``clipping.max_norm_for``).
 
     >>> clip_arguments(1, 2, 1e-6)
     (1.0, 2.0, 1e-06)

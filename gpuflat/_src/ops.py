@@ -20,11 +20,10 @@ from . import arrays as _arrays
 from . import checks
 from . import dtensor
 from .. import distributed
-from . import caches, flatplan
+from . import caches, clipping, flatplan
 from . import tree as _tree
 from .backends.selection import select
-from .binding import (Call, gradients_of, in_place, max_norm_for, norm_inputs, raise_if_nonfinite, slot_sources,
-                      summed_wide)
+from .binding import Call, clip_bound, gradients_of, in_place, norm_inputs, slot_sources, summed_wide
 from .dtypes import cast_copy
 from ..errors import OverlapError, TreeMismatchError, UnsupportedLeafError
 from .flatplan import FlatPlan
@@ -429,22 +428,7 @@ def clip_grad_norm_(grads: Any, max_norm: float, ord: float = 2, *, eps: float =
         _refuse_model(model, call)
         return distributed.clip_grad_norm_(grads, max_norm, ord, eps=eps, error_if_nonfinite=error_if_nonfinite,
                                            backend=backend)
-    norm_plan, norm_leaves = norm_inputs(call, grads, model, backend)
-    # The grads' own walk holds each distinct gradient array once.
-    scale_plan, scale_leaves, scale_paths = call.plan, list(call.unique), call.paths()
-    # Without a model the norm reads the very arrays it scales: one list chooses the backend.
-    chosen_by = scale_leaves if model is None else norm_leaves + scale_leaves
-    be = select(backend, chosen_by,
-                lambda i: (norm_plan.leaves[i].path if i < len(norm_leaves)
-                           else scale_paths[i - len(norm_leaves)]))
-    in_place.check(scale_plan, scale_paths, scale_leaves,
-                   None if call.seen is None else call.seen.verdicts(scale_leaves))
-    with _arrays.device_scope(be, call.like):
-        result = be.norms(norm_plan, norm_leaves, p, per_leaf=False)
-        if error_if_nonfinite:
-            raise_if_nonfinite(be, norm_plan, result, p)
-        be.clip_(scale_plan, scale_leaves, result.total, max_norm_for(be, max_norm), eps)
-        return call.result(result.total)
+    return clipping.clip_(clip_bound(call, grads, model, backend), max_norm, p, eps, error_if_nonfinite)
 
 
 def clip_by_global_norm(tree: Any, max_norm: float, ord: float = 2, *, eps: float = 1e-6,
@@ -469,11 +453,12 @@ def clip_by_global_norm(tree: Any, max_norm: float, ord: float = 2, *, eps: floa
     _refuse_dtensors(call, "clip_by_global_norm")
     be = call.backend(backend)
     with _arrays.device_scope(be, call.like):
-        result = be.norms(call.plan, call.unique, p, per_leaf=False)
         copies = [be.copy(a) for a in call.unique]
-        be.clip_(call.plan, copies, result.total, max_norm_for(be, max_norm), eps)
+        # The norm of the originals, the scale of the copies: the input stays untouched.
+        bound = clipping.Bound([clipping.Part(call.plan, call.unique, be, call.like)],
+                               [clipping.Part(call.plan, copies, be, call.like)])
+        norm = clipping.clip_(bound, max_norm, p, eps, False)
         leaves = _in_kinds(copies, call.owners())
-        norm = call.result(result.total)
     clipped = _tree.rebuild(call.plan.treedef, [leaves[s] for s in call.plan.slot_of], call.statics)
     return clipped, norm
 

@@ -31,7 +31,8 @@ from . import tree as _tree
 from .backends.selection import select
 from ..errors import CaptureError
 from .flatplan import FlatPlan, LeafSpec
-from .binding import Call, max_norm_for, nonfinite_error, raise_if_nonfinite
+from . import clipping
+from .binding import Call
 from .torch_params import Binding
 
 ALIGN_BYTES = 256
@@ -202,6 +203,7 @@ class Resident:
         self._grouped_index = np.argsort(grouped).tolist()
         # Each thread's places for each buffer's norm (see _totals_places).
         self._scratch = threading.local()
+        self._bounds: dict = {}  # by id of the buffer list (the parameters', the gradients'), both fixed
         with self._scope():
             self._params = [self._allocate(g) for g in self._groups]
             self._grads = [self._allocate(g) for g in self._groups] if grads else None
@@ -324,11 +326,11 @@ class Resident:
         """
         p = checks.check_ord(ord)
         self._sync()
+        if not per_leaf:
+            return clipping.total_norm(self._bound(self._require_grads()), p).total
         with self._scope():
-            results = self._norms(self._require_grads(), p, per_leaf)
+            results = self._per_slot_norms(self._require_grads(), p)
             total = self._combine(results, p)
-            if not per_leaf:
-                return self._result(total)
             return self._result(total), self._result(self._per_leaf(results))
 
     def param_norm(self, ord: float = 2) -> Any:
@@ -340,8 +342,7 @@ class Resident:
         """
         p = checks.check_ord(ord)
         self._sync()
-        with self._scope():
-            return self._result(self._combine(self._norms(self._params, p, False), p))
+        return clipping.total_norm(self._bound(self._params), p).total
 
     def clip_grad_norm_(self, max_norm: float, ord: float = 2, *, eps: float = 1e-6,
                         error_if_nonfinite: bool = False) -> Any:
@@ -361,16 +362,7 @@ class Resident:
         """
         max_norm, p, eps = checks.clip_arguments(max_norm, ord, eps)
         self._sync()
-        buffers = self._require_grads()
-        with self._scope():
-            results = self._norms(buffers, p, False)
-            total = self._combine(results, p)
-            if error_if_nonfinite:
-                self._raise_if_nonfinite(total, buffers, p)
-            max_norm = max_norm_for(self._backend, max_norm)
-            for group, buf in zip(self._groups, buffers):
-                self._backend.clip_(group.leaf_plan, buf.leaves, total, max_norm, eps, flat=buf.array)
-            return self._result(total)
+        return clipping.clip_(self._bound(self._require_grads()), max_norm, p, eps, error_if_nonfinite)
 
     def zero_grad(self) -> None:
         """Zero every gradient buffer (PyTorch gradients become views of it; one
@@ -394,13 +386,11 @@ class Resident:
         PyTorch, its current stream and allocator (``arrays.device_scope``)."""
         return _arrays.device_scope(self._backend, self._like)
 
-    def _norms(self, buffers, p, per_leaf):
-        """Each buffer's norms: per slot when ``per_leaf``, else over the whole
-        buffer as one slot (an order of its own, the same on every backend)."""
-        if per_leaf:
-            return [self._backend.norms(g.plan, buf.pieces, p, True, flat=buf.array)
-                    for g, buf in zip(self._groups, buffers)]
-        return [self._backend.norms(g.whole_plan, [buf.array], p, False, flat=buf.array)
+    def _per_slot_norms(self, buffers, p):
+        """Each buffer's norms slot by slot (the total over the whole buffer
+        as one slot, an order of its own, the same on every backend, is
+        :meth:`_bound`'s)."""
+        return [self._backend.norms(g.plan, buf.pieces, p, True, flat=buf.array)
                 for g, buf in zip(self._groups, buffers)]
 
     def _combine(self, results, p):
@@ -434,13 +424,28 @@ class Resident:
         self._backend.gather(self._per_leaf_plan, [[grouped[k]] for k in self._grouped_index], out)
         return out
 
-    def _raise_if_nonfinite(self, total, buffers, p):
-        if math.isfinite(float(self._backend.to_host(total))):
-            return
-        # The total came from whole buffers; naming the leaf takes a per-slot pass.
-        for group, result in zip(self._groups, self._norms(buffers, p, True)):
-            raise_if_nonfinite(self._backend, group.plan, result, p)
-        raise nonfinite_error(p, None)
+    def _bound(self, buffers) -> clipping.Bound:
+        """``buffers`` bound for a norm and a clip: each read whole for its norm
+        (named, where a leaf holds NaN or inf, from a per-slot pass), only the
+        leaves scaled, the buffers' norms combined on the backend. Bound once:
+        the buffers and the caller's kind never change."""
+        bound = self._bounds.get(id(buffers))
+        if bound is None:
+            bound = self._bounds[id(buffers)] = self._bind(buffers)
+        return bound
+
+    def _bind(self, buffers) -> clipping.Bound:
+        be, like = self._backend, self._like
+        norm_parts = [clipping.Part(g.whole_plan, [buf.array], be, like, flat=buf.array, naming=(g.plan, buf.pieces),
+                                    path=lambda slot, plan=g.plan: plan.leaves[slot].path)
+                      for g, buf in zip(self._groups, buffers)]
+        scale_parts = [clipping.Part(g.leaf_plan, buf.leaves, be, like, flat=buf.array)
+                       for g, buf in zip(self._groups, buffers)]
+        return clipping.Bound(norm_parts, scale_parts, combine=None if len(self._groups) == 1 else self._combined)
+
+    def _combined(self, bound, results, p):
+        total = self._combine(results, p)
+        return self._result(total), total
 
     def _result(self, x):
         return x if self._like is None else _arrays.to_caller(x, self._like)
@@ -571,7 +576,7 @@ class Buffers:
         (5.0, 4.0)
         """
         r = self._resident
-        return r._combine(r._norms(r._grads, p, False), p)
+        return r._bound(r._grads).norm(p).on_backend
 
     def to_caller(self, x: Any) -> Any:
         """A backend array as the caller's kind: a PyTorch tensor for a

@@ -33,11 +33,11 @@ import numpy as np
 import torch
 
 from . import caches, dtensor, tensor_facts
-from .arrays import adopt, device_scope, plain_tensor, tensor_refusal, to_caller
+from .arrays import adopt, plain_tensor, tensor_refusal
 from .layout import ITEMSIZES, LEAF_ROW_WORDS, MAX_DIMS, leaf_row
 from .backends.protocol import LeafRows
 from .backends.selection import get_backend, host_default
-from .binding import max_norm_for
+from .clipping import Bound, Part
 from .checks import check_in_place, may_overlap_itself, overlapping_itself, sharing_memory
 from .dtypes import bfloat16
 from ..errors import NonFloatingTensorError, UnsupportedLeafError
@@ -290,64 +290,61 @@ def _named(name, check, t):
         raise type(err)(f"leaf {name!r}: {err}") from None
 
 
-class Norm(NamedTuple):
-    """A norm pass over a table's tensors: ``total``, the float64 norm as a
-    0-d tensor on the first group's device; ``on_backend``, with one group,
-    the same norm as its backend's own 0-d array (read where it lies, no
-    import), else None; ``nonfinite``, when asked for, a 0-d float64 tensor
-    beside ``total``: 1 where some tensor holds NaN or inf, else 0."""
+def bound(table, tensors, name_of=None) -> Bound:
+    """The tensors of ``table`` bound for a norm, a check and a scale
+    (``gpuflat._src.clipping``): one part per device, their totals combined
+    in PyTorch on the first one's device; ``name_of(i)`` names
+    ``tensors[i]`` where a leaf is named.
 
-    total: torch.Tensor
-    on_backend: object
-    nonfinite: torch.Tensor | None
+    >>> from gpuflat._src import clipping
+    >>> ts = [torch.tensor([3.0]), torch.tensor([4.0])]
+    >>> clipping.total_norm(bound(read(ts, str), ts), 2.0).total
+    tensor(5., dtype=torch.float64)
+    """
+    parts = [Part(g.plan, g.leaves, g.backend, table.first(tensors, g), positions=g.members,
+                  path=None if name_of is None else (lambda slot, members=g.members: name_of(members[slot])))
+             for g in table.groups]
+    return Bound(parts, combine=None if len(parts) == 1 else _combined_in_torch, total_for=_total_for)
 
 
-def norm_pass(table, tensors, p, detect=False) -> Norm:
-    """The norm of order ``p`` of all of ``tensors`` (read as ``table``), one
-    fused pass per device; with ``detect``, whether any holds NaN or inf (from
-    the elements themselves, not the norm, which can overflow alone).
+def _combined_in_torch(bound, results, p):
+    """The norm of the parts' norms, each in PyTorch on its own device first."""
+    totals = []
+    for part, result in zip(bound.norm_parts, results):
+        with bound.within(part):
+            totals.append(part.result(result.total))
+    device = totals[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in totals]), p), None
+
+
+def _total_for(part, total):
+    """A norm given as a tensor (or a number), as ``part``'s backend reads it: on its device."""
+    return adopt(torch.as_tensor(total, dtype=torch.float64).to(part.like.device))
+
+
+def norm_pass(table, tensors, p, detect=False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the float64 norm of order ``p`` of all of ``tensors``, read as
+    ``table``, as a 0-d tensor on the first one's device; with ``detect``, a
+    0-d float64 tensor beside it: 1 where some tensor holds NaN or inf (from
+    the elements themselves, not the norm, which can overflow alone), else
+    None), one fused pass per device.
 
     >>> ts = [torch.tensor([3.0]), torch.tensor([4.0, float("nan")])]
-    >>> n = norm_pass(read(ts, str), ts, 2.0, detect=True)
-    >>> n.total.dtype, float(n.nonfinite)
+    >>> total, nonfinite = norm_pass(read(ts, str), ts, 2.0, detect=True)
+    >>> total.dtype, float(nonfinite)
     (torch.float64, 1.0)
     """
-    totals, firsts, on_backend = [], [], None
-    for g in table.groups:
-        like = table.first(tensors, g)
-        with device_scope(g.backend, like):
-            result = g.backend.norms(g.plan, g.leaves, p, per_leaf=False)
-            totals.append(to_caller(result.total, like))
-            if detect:
-                firsts.append(to_caller(result.first_nonfinite, like))
-            on_backend = result.total
-    device = totals[0].device
-    if len(totals) > 1:
-        on_backend = None
-        totals = [torch.linalg.vector_norm(torch.stack([n.to(device) for n in totals]), p)]
-    nonfinite = None
-    if detect:
-        nonfinite = (torch.stack([f.to(device) for f in firsts]) >= 0).any().double()
-    return Norm(totals[0], on_backend, nonfinite)
-
-
-def scale_by_norm(table, tensors, max_norm, total_norm, eps, on_backend=None) -> None:
-    """Scale every tensor of ``table`` in place by min(1, max_norm / (total_norm
-    + eps)): ``total_norm`` a tensor, or ``on_backend``, the one group's norm
-    as its backend's own array (read where it lies, no import).
-
-    >>> ts = [torch.tensor([3.0, 4.0])]
-    >>> scale_by_norm(read(ts, str, in_place=True), ts, 1.0, torch.tensor(5.0), 0.0)
-    >>> ts[0]
-    tensor([0.6000, 0.8000])
-    """
-    for g in table.groups:
-        like = table.first(tensors, g)
-        with device_scope(g.backend, like):
-            total = on_backend
-            if total is None:
-                total = adopt(torch.as_tensor(total_norm, dtype=torch.float64).to(like.device))
-            g.backend.clip_(g.plan, g.leaves, total, max_norm_for(g.backend, max_norm), eps)
+    bound_ = bound(table, tensors)
+    with bound_.place():
+        norm = bound_.norm(p)
+        if not detect:
+            return norm.total, None
+        firsts = []
+        for part, result in zip(bound_.norm_parts, norm.results):
+            with bound_.within(part):
+                firsts.append(part.result(result.first_nonfinite))
+    device = norm.total.device
+    return norm.total, (torch.stack([f.to(device) for f in firsts]) >= 0).any().double()
 
 
 def returned_dtype(dtypes):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from . import tensor_table
+from . import clipping, tensor_table
 
 __all__ = ["scale_by_norm_", "scale_by_tensor_norm_", "total_norm"]
 
@@ -37,7 +37,7 @@ def total_norm(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     vector, a 0-d tensor on the first one's device (one fused pass per device).
     """
     table = tensor_table.read(tensors, "tensors[{}]".format)
-    return tensor_table.norm_pass(table, tensors, norm_type).total.clone()
+    return tensor_table.norm_pass(table, tensors, norm_type)[0].clone()
 
 
 @total_norm.register_fake
@@ -50,7 +50,7 @@ def scale_by_norm_(tensors: list[torch.Tensor], max_norm: float, total: torch.Te
     """Scale every tensor in place by min(1, max_norm / (total + eps)), the
     factor taken from ``total`` on the device (no host read)."""
     table = tensor_table.read(tensors, "tensors[{}]".format, in_place=True)
-    tensor_table.scale_by_norm(table, tensors, max_norm, total, eps)
+    clipping.scale_by(tensor_table.bound(table, tensors), total, max_norm, eps)
 
 
 @scale_by_norm_.register_fake
@@ -65,7 +65,7 @@ def scale_by_tensor_norm_(tensors: list[torch.Tensor], max_norm: torch.Tensor, t
     lies (on a GPU by the kernel: a schedule may change it between calls of
     a compiled function or replays of a graph)."""
     table = tensor_table.read(tensors, "tensors[{}]".format, in_place=True)
-    tensor_table.scale_by_norm(table, tensors, max_norm, total, eps)
+    clipping.scale_by(tensor_table.bound(table, tensors), total, max_norm, eps)
 
 
 @scale_by_tensor_norm_.register_fake
