@@ -18,6 +18,25 @@ import numpy as np
 _deref = weakref.ref.__call__
 
 
+# Fact arrays up to this many words are compared as bytes (two copies, one
+# memcmp: 0.3 against np.array_equal's 1.3 µs at 900 words); longer ones
+# element by element, where the copies would cost more (18 against 13 µs
+# at 60,000 words).
+BYTES_COMPARED_UP_TO = 8192
+
+
+def equal_facts(now, recorded) -> bool:
+    """Whether two 1-D int64 arrays of native facts are equal, as cheaply as
+    their length allows.
+
+    >>> equal_facts(np.arange(3), np.arange(3)), equal_facts(np.arange(3), np.arange(4))
+    (True, False)
+    """
+    if len(now) <= BYTES_COMPARED_UP_TO:
+        return now.tobytes() == recorded.tobytes()
+    return np.array_equal(now, recorded)
+
+
 class SameArrays:
     """Weak references to a list of arrays, to tell whether exactly these
     objects, in this order, come again.

@@ -24,7 +24,7 @@ import numpy as np
 from . import caches, flatplan
 from . import tree as _tree
 from .dtypes import TAGS
-from .identity import Layout, Recorded
+from .identity import Layout, Recorded, equal_facts
 from .native import array_facts
 
 _shape, _dtype = attrgetter("shape"), attrgetter("dtype")
@@ -57,7 +57,7 @@ class SeenTree:
     """
 
     __slots__ = ("node", "treedef", "refs", "ids", "alive", "array_at", "static_at", "held", "static_arrays",
-                 "shapes", "dtypes", "facts", "facts_bytes", "token", "slot_of", "first", "key", "_plans", "_verdicts", "__weakref__")
+                 "shapes", "dtypes", "facts", "token", "slot_of", "first", "key", "_plans", "_verdicts", "__weakref__")
 
     @classmethod
     def of(cls, tree, walked) -> "SeenTree | None":
@@ -97,8 +97,6 @@ class SeenTree:
         # Identities, shapes, dtypes, flags and strides in one native read,
         # where the host library is built (None: compared in Python instead).
         self.facts = array_facts(arrays, 4 * len(arrays) + 2 * sum(map(len, self.shapes)))
-        # Compared as bytes: one memcmp, stopping at the first difference.
-        self.facts_bytes = None if self.facts is None else self.facts.tobytes()
         # Where those facts are compared, arrays read again are the very arrays
         # recorded, unchanged: a native backend may keep what it read from them.
         self.token = next(_TOKENS) if self.facts is not None else 0
@@ -119,7 +117,7 @@ class SeenTree:
         # read has marked the record dead by the time it is asked.
         if self.facts is not None:
             now = array_facts(arrays, len(self.facts))
-            if now is None or now.tobytes() != self.facts_bytes or not self.alive[0]:
+            if now is None or not equal_facts(now, self.facts) or not self.alive[0]:
                 return None
         elif (list(map(id, arrays)) != self.ids or not self.alive[0]
               or list(map(_shape, arrays)) != self.shapes or list(map(_dtype, arrays)) != self.dtypes):

@@ -46,7 +46,7 @@ import numpy as np
 from gpuflat._src import caches
 from gpuflat._src import kernel_loader as kl
 from gpuflat._src.dtypes import c_name, dtype_of_tag
-from gpuflat._src.identity import Layout, SameArrays
+from gpuflat._src.identity import Layout, SameArrays, equal_facts
 from gpuflat._src.layout import (BLOCK_THREADS, C_NAMES, FINISH_THREADS, ITEM, ITEM_WORDS, LEAF_ROW_WORDS, MAX_DIMS, WARP,
                             SMALL_SLOT_ITEMS, leaf_row)
 from gpuflat._src.memory_order import dense_start
@@ -330,8 +330,6 @@ class _TableEntry:
         numpy = bool(arrays) and isinstance(arrays[0], np.ndarray)
         words = 4 * len(arrays) + 2 * sum(a.ndim for a in arrays) if numpy else 0
         self.facts = array_facts(arrays, words) if numpy else None
-        # Compared as bytes: one memcmp, stopping at the first difference.
-        self.facts_bytes = None if self.facts is None else self.facts.tobytes()
         self.arrays = SameArrays(arrays) if self.facts is None else None
         self.layout = Layout(arrays) if numpy and self.facts is None else None
         self.key = key
@@ -339,21 +337,20 @@ class _TableEntry:
         self.uploaded = uploaded  # a runtime.DeviceTable
 
     def holds(self, arrays, key, facts) -> bool:
-        """Whether this table is ``arrays``'s (``facts``: theirs as bytes, as
+        """Whether this table is ``arrays``'s (``facts``: theirs, as
         :func:`_current_facts` read them once for every entry)."""
         if self.key != key:
             return False
         if self.facts is not None:
-            return facts == self.facts_bytes
+            return facts is not None and equal_facts(facts, self.facts)
         return self.arrays.holds(arrays) and (self.layout is None or self.layout.holds(arrays))
 
 
 def _current_facts(arrays, entries):
-    """The facts of ``arrays`` as bytes, read once, in room for the longest an
-    entry keeps (longer ones match no entry: None), or None where no entry keeps any."""
+    """The facts of ``arrays`` read once, in room for the longest an entry
+    keeps (longer ones match no entry: None), or None where no entry keeps any."""
     words = max((len(e.facts) for e in entries if e.facts is not None), default=0)
-    facts = array_facts(arrays, words) if words else None
-    return None if facts is None else facts.tobytes()
+    return array_facts(arrays, words) if words else None
 
 
 class _StaticTables:
