@@ -540,7 +540,7 @@ class _RankBound(clipping.Bound):
             self.per_leaf = self.local.call.result(per)
         return clipping.Norm(self.local.give_back(total), total, packets)
 
-    def culprit(self, norm: clipping.Norm, p: float) -> str | None:
+    def culprit(self, norm: clipping.Norm, p: float, name_of: Callable[[int], str] | None = None) -> str | None:
         """The leaf and rank of the first non-finite leaf, the same on every
         rank: the rank holding it sends its path to the others, one group
         after the other (more collectives, on this error path only)."""

@@ -106,8 +106,7 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
             total = _gfd.global_norm(tensors, p, pp_mesh=pp_mesh, tied=tied,
                                      error_if_nonfinite=error_if_nonfinite)
         return _returned(total, tensors)
-    bound = tensor_table.bound(table, tensors, name_of)
-    total = clipping.total_norm(bound, p, error_if_nonfinite, kind=NonFiniteNormError).total
+    total = clipping.total_norm(table.bound, p, error_if_nonfinite, kind=NonFiniteNormError, name_of=name_of).total
     return total.to(table.returned_dtype)
 
 
@@ -144,7 +143,7 @@ def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max
     if table is None:  # DTensors: their local shards are scaled, with no redistribution
         grads = [dtensor.local(g) if dtensor.is_dtensor(g) else g for g in grads]
         table = tensor_table.read(grads, name_of, in_place=True)
-    clipping.scale_by(tensor_table.bound(table, grads), total_norm, max_norm, _EPS)
+    clipping.scale_by(table.bound, total_norm, max_norm, _EPS)
 
 
 @torch.no_grad()
@@ -190,8 +189,8 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
             total = _gfd.clip_grad_norm_(grads, max_norm, p, pp_mesh=pp_mesh, tied=tied, eps=_EPS,
                                          error_if_nonfinite=error_if_nonfinite)
         return _returned(total, grads)
-    total = clipping.clip_(tensor_table.bound(table, grads, name_of), max_norm, p, _EPS, error_if_nonfinite,
-                           kind=NonFiniteNormError)
+    total = clipping.clip_(table.bound, max_norm, p, _EPS, error_if_nonfinite, kind=NonFiniteNormError,
+                           name_of=name_of)
     return total.to(table.returned_dtype)
 
 

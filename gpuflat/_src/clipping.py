@@ -125,8 +125,10 @@ class Bound:
             return math.isfinite(float(norm.total))
         return math.isfinite(float(self.norm_parts[0].backend.to_host(norm.on_backend)))
 
-    def culprit(self, norm: Norm, p: float) -> str | None:
-        """``"leaf 'path'"`` for the first leaf holding NaN or inf, or None."""
+    def culprit(self, norm: Norm, p: float, name_of: Callable[[int], str] | None = None) -> str | None:
+        """``"leaf 'path'"`` for the first leaf holding NaN or inf, or None;
+        ``name_of(i)`` names the caller's i-th leaf where a part has no
+        ``path`` but ``positions`` (a tensor list's)."""
         found = []
         for k, (part, result) in enumerate(zip(self.norm_parts, norm.results)):
             with self.within(part):
@@ -135,7 +137,8 @@ class Bound:
                     result = part.backend.norms(plan, leaves, p, True, flat=part.flat)
                 bad = int(part.backend.to_host(result.first_nonfinite))
             if bad >= 0:
-                found.append(((k, bad) if part.positions is None else part.positions[bad], part.path(bad)))
+                at = (k, bad) if part.positions is None else part.positions[bad]
+                found.append((at, part.path(bad) if part.path is not None else name_of(at)))
         return f"leaf {min(found)[1]!r}" if found else None
 
     def scale_(self, norm: Norm, max_norm: Any, eps: float) -> None:
@@ -149,9 +152,11 @@ class Bound:
                 part.backend.clip_(part.plan, part.leaves, total, given, eps, flat=part.flat)
 
 
-def total_norm(bound: Bound, p: float, error_if_nonfinite: bool = False, kind: type = NonFiniteError) -> Norm:
+def total_norm(bound: Bound, p: float, error_if_nonfinite: bool = False, kind: type = NonFiniteError,
+               name_of: Callable[[int], str] | None = None) -> Norm:
     """``bound``'s norm; with ``error_if_nonfinite``, ``kind`` raised naming
-    the first leaf holding NaN or inf where it is not finite.
+    the first leaf holding NaN or inf where it is not finite (``name_of``:
+    see :meth:`Bound.culprit`).
 
     >>> import numpy as np, gpuflat as gf
     >>> from gpuflat._src.backends import get_backend
@@ -164,12 +169,12 @@ def total_norm(bound: Bound, p: float, error_if_nonfinite: bool = False, kind: t
     with bound.place():
         norm = bound.norm(p)
         if error_if_nonfinite:
-            _check_finite(bound, norm, p, False, kind)
+            _check_finite(bound, norm, p, False, kind, name_of)
     return norm
 
 
 def clip_(bound: Bound, max_norm: Any, p: float, eps: float, error_if_nonfinite: bool,
-          kind: type = NonFiniteError) -> Any:
+          kind: type = NonFiniteError, name_of: Callable[[int], str] | None = None) -> Any:
     """Scale ``bound``'s scale parts in place by min(1, max_norm / (norm + eps));
     return the norm in the caller's kind.
 
@@ -177,7 +182,7 @@ def clip_(bound: Bound, max_norm: Any, p: float, eps: float, error_if_nonfinite:
     device value, so no host synchronisation; a NaN norm makes the
     gradients NaN. With ``error_if_nonfinite`` the norm is read first, and
     a non-finite one raises ``kind`` naming the first leaf holding NaN or
-    inf, with nothing scaled.
+    inf (``name_of``: see :meth:`Bound.culprit`), with nothing scaled.
 
     >>> import numpy as np, gpuflat as gf
     >>> from gpuflat._src.backends import get_backend
@@ -192,7 +197,7 @@ def clip_(bound: Bound, max_norm: Any, p: float, eps: float, error_if_nonfinite:
     with bound.place():
         norm = bound.norm(p)
         if error_if_nonfinite:
-            _check_finite(bound, norm, p, True, kind)
+            _check_finite(bound, norm, p, True, kind, name_of)
         bound.scale_(norm, max_norm, eps)
     return norm.total
 
@@ -204,7 +209,7 @@ def scale_by(bound: Bound, total: Any, max_norm: Any, eps: float) -> None:
     >>> import torch
     >>> from gpuflat._src import tensor_table
     >>> ts = [torch.tensor([3.0, 4.0])]
-    >>> scale_by(tensor_table.bound(tensor_table.read(ts, str, in_place=True), ts), torch.tensor(5.0), 1.0, 0.0)
+    >>> scale_by(tensor_table.read(ts, str, in_place=True).bound, torch.tensor(5.0), 1.0, 0.0)
     >>> ts[0]
     tensor([0.6000, 0.8000])
     """
@@ -212,12 +217,12 @@ def scale_by(bound: Bound, total: Any, max_norm: Any, eps: float) -> None:
         bound.scale_(Norm(total, None, []), max_norm, eps)
 
 
-def _check_finite(bound: Bound, norm: Norm, p: float, scaled: bool, kind: type) -> None:
+def _check_finite(bound: Bound, norm: Norm, p: float, scaled: bool, kind: type, name_of: Callable | None) -> None:
     # The norm itself is read: finite leaves whose sum overflows float64 give
     # an inf norm too, and PyTorch raises on that. Only a non-finite norm costs
     # a second read, to name the leaf.
     if not bound.finite(norm):
-        raise nonfinite_error(p, bound.culprit(norm, p), ranks=bound.ranks, scaled=scaled, kind=kind)
+        raise nonfinite_error(p, bound.culprit(norm, p, name_of), ranks=bound.ranks, scaled=scaled, kind=kind)
 
 
 def max_norm_for(backend: Any, max_norm: Any) -> Any:

@@ -62,13 +62,14 @@ _override: contextvars.ContextVar = contextvars.ContextVar("gpuflat_tensor_backe
 @dataclass(frozen=True, eq=False)
 class Group:
     """The tensors of one device in a call: their positions in the call's
-    list (``members``), plan, backend and leaves (LeafRows, or NumPy views
-    where the backend reads arrays only)."""
+    list (``members``), plan, backend, leaves (LeafRows, or NumPy views
+    where the backend reads arrays only) and device."""
 
     members: tuple
     plan: FlatPlan
     backend: object
     leaves: object
+    device: torch.device
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,14 +118,28 @@ class Table:
     ties: tuple | None
     fit_in_place: bool = False
 
-    def first(self, tensors, group):
-        """The tensor the group's work is placed by (its device, its stream)."""
-        return tensors[group.members[0]]
+    @functools.cached_property
+    def bound(self) -> Bound:
+        """The tensors bound for a norm, a check and a scale
+        (``gpuflat._src.clipping``): one part per device, placed by a tensor
+        of no elements there (the work needs only the device and its current
+        stream, and a table kept for later calls must hold none of a call's
+        tensors), their totals combined in PyTorch on the first device; a
+        leaf is named by its position in the call's list.
+
+        >>> from gpuflat._src import clipping
+        >>> ts = [torch.tensor([3.0]), torch.tensor([4.0])]
+        >>> clipping.total_norm(read(ts, str).bound, 2.0).total
+        tensor(5., dtype=torch.float64)
+        """
+        parts = [Part(g.plan, g.leaves, g.backend, _placed_on(g.device), positions=g.members) for g in self.groups]
+        return Bound(parts, combine=None if len(parts) == 1 else _combined_in_torch, total_for=_total_for)
 
 
 _tables = caches.Recent("tensor tables", TABLES_KEPT)
 _plans = caches.LRU("tensor-list plans", TABLES_KEPT)  # by (numels, dtypes)
 _templates = caches.LRU("tensor-list rows", TABLES_KEPT)  # rows but their addresses, by (numels, dtypes, layout)
+_places = caches.LRU("tensor-list devices", TABLES_KEPT)  # a tensor of no elements per device (_placed_on)
 
 
 @contextlib.contextmanager
@@ -290,23 +305,6 @@ def _named(name, check, t):
         raise type(err)(f"leaf {name!r}: {err}") from None
 
 
-def bound(table, tensors, name_of=None) -> Bound:
-    """The tensors of ``table`` bound for a norm, a check and a scale
-    (``gpuflat._src.clipping``): one part per device, their totals combined
-    in PyTorch on the first one's device; ``name_of(i)`` names
-    ``tensors[i]`` where a leaf is named.
-
-    >>> from gpuflat._src import clipping
-    >>> ts = [torch.tensor([3.0]), torch.tensor([4.0])]
-    >>> clipping.total_norm(bound(read(ts, str), ts), 2.0).total
-    tensor(5., dtype=torch.float64)
-    """
-    parts = [Part(g.plan, g.leaves, g.backend, table.first(tensors, g), positions=g.members,
-                  path=None if name_of is None else (lambda slot, members=g.members: name_of(members[slot])))
-             for g in table.groups]
-    return Bound(parts, combine=None if len(parts) == 1 else _combined_in_torch, total_for=_total_for)
-
-
 def _combined_in_torch(bound, results, p):
     """The norm of the parts' norms, each in PyTorch on its own device first."""
     totals = []
@@ -315,6 +313,12 @@ def _combined_in_torch(bound, results, p):
             totals.append(part.result(result.total))
     device = totals[0].device
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in totals]), p), None
+
+
+def _placed_on(device):
+    """A tensor of no elements on ``device``, kept: where work for tensors
+    there runs (the device, its current stream) and what kind its results take."""
+    return _places.get(device, lambda: torch.empty(0, device=device))
 
 
 def _total_for(part, total):
@@ -334,7 +338,7 @@ def norm_pass(table, tensors, p, detect=False) -> tuple[torch.Tensor, torch.Tens
     >>> total.dtype, float(nonfinite)
     (torch.float64, 1.0)
     """
-    bound_ = bound(table, tensors)
+    bound_ = table.bound
     with bound_.place():
         norm = bound_.norm(p)
         if not detect:
@@ -369,11 +373,12 @@ def _groups(tensors, unique, devices, facts, name_of) -> list:
         by_device = {}
         for i in unique:
             by_device.setdefault(devices[i], []).append(i)
-    return [_group(tensors, tuple(members), facts, backend_for(tensors[members[0]].device), name_of)
+    return [_group(tensors, tuple(members), facts, tensors[members[0]].device, name_of)
             for members in by_device.values()]
 
 
-def _group(tensors, members, facts, backend, name_of):
+def _group(tensors, members, facts, device, name_of):
+    backend = backend_for(device)
     whole = len(members) == len(tensors)
     pick = (lambda xs: xs) if whole else (lambda xs: tuple(xs[i] for i in members))
     numels, dtypes = pick(facts.numels), pick(facts.dtypes)
@@ -387,7 +392,7 @@ def _group(tensors, members, facts, backend, name_of):
             leaves = LeafRows(words)
     if leaves is None:  # a backend reading arrays only, or a leaf of too many dims for a row
         leaves = [_named_adopt(name_of(i), tensors[i]) for i in members]
-    return Group(members, _plan(numels, dtypes), backend, leaves)
+    return Group(members, _plan(numels, dtypes), backend, leaves, device)
 
 
 def backend_for(device):

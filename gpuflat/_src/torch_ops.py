@@ -50,7 +50,7 @@ def scale_by_norm_(tensors: list[torch.Tensor], max_norm: float, total: torch.Te
     """Scale every tensor in place by min(1, max_norm / (total + eps)), the
     factor taken from ``total`` on the device (no host read)."""
     table = tensor_table.read(tensors, "tensors[{}]".format, in_place=True)
-    clipping.scale_by(tensor_table.bound(table, tensors), total, max_norm, eps)
+    clipping.scale_by(table.bound, total, max_norm, eps)
 
 
 @scale_by_norm_.register_fake
@@ -65,7 +65,7 @@ def scale_by_tensor_norm_(tensors: list[torch.Tensor], max_norm: torch.Tensor, t
     lies (on a GPU by the kernel: a schedule may change it between calls of
     a compiled function or replays of a graph)."""
     table = tensor_table.read(tensors, "tensors[{}]".format, in_place=True)
-    clipping.scale_by(tensor_table.bound(table, tensors), total, max_norm, eps)
+    clipping.scale_by(table.bound, total, max_norm, eps)
 
 
 @scale_by_tensor_norm_.register_fake
