@@ -142,7 +142,7 @@ def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max
     table = tensor_table.read(grads, name_of, in_place=True, facts=facts)
     if table is None:  # DTensors: their local shards are scaled, with no redistribution
         grads = [dtensor.local(g) if dtensor.is_dtensor(g) else g for g in grads]
-        table = tensor_table.read(grads, name_of, in_place=True)
+        table = cast(tensor_table.Table, tensor_table.read(grads, name_of, in_place=True))  # plain tensors now
     clipping.scale_by(table.bound, total_norm, max_norm, _EPS)
 
 
