@@ -44,6 +44,7 @@ class Part(NamedTuple):
     naming: tuple | None = None
 
     def scope(self) -> contextlib.AbstractContextManager[Any]:
+        """Where this part's work runs (``arrays.device_scope``)."""
         return _arrays.device_scope(self.backend, self.like)
 
     def result(self, x: Any) -> Any:
@@ -94,7 +95,7 @@ class Bound:
         self.combine, self.total_for = combine, total_for
         first = norm_parts[0]
         self.one_place = True
-        for part in norm_parts + self.scale_parts:  # a plain loop: this runs on every clip
+        for part in norm_parts + self.scale_parts:  # a plain loop: a tree binds on every clip
             if part.backend is not first.backend or part.like is not first.like:
                 self.one_place = False
 
@@ -119,6 +120,7 @@ class Bound:
             return Norm(total if like is None else _arrays.to_caller(total, like), total, results)
         total, on_backend = self.combine(self, results, p)
         return Norm(total, on_backend, results)
+
     def finite(self, norm: Norm) -> bool:
         """Whether the norm is finite: a host read of it (a synchronisation)."""
         if norm.on_backend is None:
