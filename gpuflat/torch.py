@@ -53,7 +53,6 @@ import torch
 
 from . import distributed as _gfd
 from ._src import clipping, dtensor, tensor_facts, tensor_table, torch_ops
-from ._src.clipping import nonfinite_error
 from ._src.checks import check_ord, clip_arguments
 from .errors import NonFiniteError, NonFiniteNormError, NonFloatingTensorError
 
@@ -96,7 +95,9 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
     if torch.compiler.is_compiling():  # gpuflat's operator, opaque in the graph
         if pp_mesh is not None or tied is not None or _any_dtensor(tensors):
             return _total_norm_between_graphs(tensors, norm_type, error_if_nonfinite, pp_mesh=pp_mesh, tied=tied)
-        return torch_ops.total_norm(tensors, p).to(tensor_table.returned_dtype([t.dtype for t in tensors]))
+        traced = _Traced(tensors, ["tensors[{}]".format(i) for i in range(len(tensors))])
+        total = clipping.total_norm(traced, p, error_if_nonfinite, kind=NonFiniteNormError).total
+        return total.to(tensor_table.returned_dtype([t.dtype for t in tensors]))
     name_of = "tensors[{}]".format
     table = tensor_table.read(tensors, name_of) if pp_mesh is None and tied is None else None
     if table is None:  # DTensors or pipeline stages: over the ranks
@@ -212,29 +213,52 @@ def _any_dtensor(tensors: Iterable[torch.Tensor | None]) -> bool:
 def _compiled_clip(parameters: list[torch.Tensor], max_norm: Any, p: float,
                    error_if_nonfinite: bool) -> torch.Tensor:
     """clip_grad_norm_ as TorchDynamo traces it: the gradients listed in
-    Python, then gpuflat's operators (the norm in float64, the scale by its
-    factor), so the clip's bits are the eager call's."""
+    Python, then the one clip (``gpuflat._src.clipping``) over gpuflat's
+    operators, so the clip's bits are the eager call's."""
     given = [(k, q.grad) for k, q in enumerate(parameters) if q.grad is not None]
     grads = [g for _, g in given]
     _compiled_max_norm(max_norm)
     if not grads:
         return torch.tensor(0.0)
-    total = torch_ops.total_norm(grads, p)
-    if error_if_nonfinite and not torch.isfinite(total):  # a host read: the graph breaks here, as PyTorch's does
-        bad = next((k for k, g in given if not torch.isfinite(g).all()), None)
-        raise nonfinite_error(p, None if bad is None else f"leaf 'parameters[{bad}].grad'", kind=NonFiniteNormError)
-    _compiled_scale(grads, max_norm, total)
+    traced = _Traced(grads, [f"parameters[{k}].grad" for k, _ in given])
+    total = clipping.clip_(traced, max_norm, p, _EPS, error_if_nonfinite, kind=NonFiniteNormError)
     return total.to(tensor_table.returned_dtype([g.dtype for g in grads]))
 
 
-def _compiled_scale(grads: list[torch.Tensor], max_norm: Any, total: torch.Tensor) -> None:
+class _Traced(clipping.Bound):
+    """Tensors bound as TorchDynamo traces them: the norm (in float64) and the
+    scale are gpuflat's operators, opaque in the graph, whose insides are an
+    eager table's bound (``gpuflat._src.torch_ops``). Checking the norm reads
+    it on the host, so the graph breaks there, as at PyTorch's own check."""
+
+    def __init__(self, tensors: list[torch.Tensor], names: list[str]) -> None:
+        self.tensors, self.names = tensors, names
+
+    def place(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # each operator places its own work
+
+    def norm(self, p: float) -> clipping.Norm:
+        return clipping.Norm(torch_ops.total_norm(self.tensors, p), None, [])
+
+    def finite(self, norm: clipping.Norm) -> bool:
+        return bool(torch.isfinite(norm.total))
+
+    def culprit(self, norm: clipping.Norm, p: float, name_of: Callable[[int], str] | None = None) -> str | None:
+        bad = next((name for name, t in zip(self.names, self.tensors) if not torch.isfinite(t).all()), None)
+        return None if bad is None else f"leaf {bad!r}"
+
+    def scale_(self, norm: clipping.Norm, max_norm: Any, eps: float) -> None:
+        _compiled_scale(self.tensors, max_norm, norm.total, eps)
+
+
+def _compiled_scale(grads: list[torch.Tensor], max_norm: Any, total: torch.Tensor, eps: float = _EPS) -> None:
     """The scale by min(1, max_norm / (total + eps)) as gpuflat's operator: a
     number by value, a 0-d tensor read where it lies (no host read)."""
     max_norm = _compiled_max_norm(max_norm)
     if isinstance(max_norm, torch.Tensor):
-        torch_ops.scale_by_tensor_norm_(grads, max_norm, total, _EPS)
+        torch_ops.scale_by_tensor_norm_(grads, max_norm, total, eps)
     else:
-        torch_ops.scale_by_norm_(grads, max_norm, total, _EPS)
+        torch_ops.scale_by_norm_(grads, max_norm, total, eps)
 
 
 def _compiled_max_norm(max_norm: Any) -> float | torch.Tensor:

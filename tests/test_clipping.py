@@ -103,7 +103,21 @@ class Torch:
         return [q.grad.numpy().copy() for q in self.params]
 
 
-FRONT_ENDS = [Tree, TreeWithModel, Distributed, Resident, Torch]
+class TorchCompiled(Torch):
+    """The same inside ``torch.compile`` (TorchDynamo alone: gpuflat's
+    operators in the graph, run as they are)."""
+
+    def clip(self, max_norm, p, error):
+        torch._dynamo.reset()  # a fresh trace each time, never the eager fallback past the recompile limit
+
+        def clipped(params):
+            assert torch.compiler.is_compiling()
+            return gft.clip_grad_norm_(params, max_norm, p, error_if_nonfinite=error)
+
+        return torch.compile(clipped, backend="eager")(self.params)
+
+
+FRONT_ENDS = [Tree, TreeWithModel, Distributed, Resident, Torch, TorchCompiled]
 
 
 def gradients(dtype, rng=None):

@@ -119,3 +119,14 @@ def test_dtensor_gradients_are_clipped_between_graphs_with_the_eager_bits():
         assert torch.equal(got.full_tensor(), want.full_tensor()) and float(want) > 0.5
         for p, q in zip(params, twins):
             assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor())
+
+
+def test_a_compiled_total_norm_checks_the_norm_as_the_eager_one_does():
+    # The check reads the norm on the host, so the graph breaks there, as at
+    # torch.nn.utils.get_total_norm's own; before, the compiled norm skipped it.
+    grads = [torch.ones(3), torch.tensor([1.0, float("inf")])]
+    compiled = torch.compile(lambda ts: gft.get_total_norm(ts, error_if_nonfinite=True), backend="eager")
+    with pytest.raises(gft.NonFiniteNormError, match=r"^leaf 'tensors\[1\]' holds NaN or inf; the total 2-norm is "
+                                                       r"non-finite \(error_if_nonfinite=True"):
+        compiled(grads)
+    assert float(compiled([torch.ones(3), torch.ones(1)])) == 2.0
