@@ -17,11 +17,8 @@ compares figures taken under the same load on a shared machine.
 """
 from __future__ import annotations
 
-from .ops import FLOOR_PARTS
+from .ops import FLOOR_PARTS, TREE_AND_BUFFER, moved_bytes
 from .timing import measure
-
-# The operations that copy between the tree and its flat buffer.
-TREE_AND_BUFFER = ("flatten", "scatter")
 
 
 def part_bytes(op, part, tree_bytes, buffer_bytes) -> int:
@@ -37,7 +34,7 @@ def part_bytes(op, part, tree_bytes, buffer_bytes) -> int:
     1500
     """
     if part == "copy" and op in TREE_AND_BUFFER:
-        return (tree_bytes + buffer_bytes) // 2
+        return moved_bytes(op, tree_bytes, buffer_bytes) // 2
     return tree_bytes
 
 

@@ -15,7 +15,7 @@ import time
 from . import chart, host_cost, machine, report, timing, workloads
 from .arrays import rel_err
 from .impls import gpuflat_impl, jax_peers, split_available
-from .ops import BYTES_FACTOR, OPS
+from .ops import OPS, moved_bytes
 
 # --quick on a CPU: the many-leaves case and the mixed-dtype tree, under a
 # minute on 2 cores; on a GPU: what its targets are judged on (bench/targets.py).
@@ -137,8 +137,7 @@ def run_case(case, op, ctx, settings) -> dict:
     except Exception as exc:
         return {**row, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:300]}
     del result
-    factor = BYTES_FACTOR[op]
-    nbytes = None if factor is None else factor * ctx.nbytes
+    nbytes = moved_bytes(op, ctx.nbytes, ctx.out.nbytes)
     return {**row, "status": status, "rel_err": err,
             "median_ms": t.median_s * 1e3, "min_ms": t.min_s * 1e3, "reps": t.reps, "bytes": nbytes,
             "gb_s": None if nbytes is None else nbytes / t.median_s / 1e9}

@@ -491,3 +491,21 @@ def test_step_rows_time_every_step_and_the_host_work_of_gpuflats():
         assert r["status"] == "ok" and r["leaves"] == 10_000 and r["us_per_call"] > 0, r
         assert (r["launches"], r["syncs"], r["uploads"]) == (4, 0, 0), r
     assert "host work of a gpuflat.torch AdamW(max_norm=1.0) step" in step.text(results)
+
+
+def test_a_flatten_row_counts_the_tree_and_its_flat_buffer_as_its_floor_does():
+    # One count of the bytes each operation moves (bench.ops.moved_bytes)
+    # for the rows' GB/s and the floors: on the mixed tree, whose float64
+    # buffer is about twice its bytes, flatten and scatter move N + F, not 2N.
+    import numpy as np
+
+    from bench import context, run, timing, workloads
+    from bench.impls import gpuflat_impl
+
+    device = context.Device("cpu", np, ("numpy",), timing.HostTimer())
+    ctx = context.build(workloads.build("mixed", workloads.load()["mixed"], "mixed"), device)
+    for op, moved in (("flatten", ctx.nbytes + ctx.out.nbytes), ("scatter", ctx.nbytes + ctx.out.nbytes),
+                      ("clip", 3 * ctx.nbytes), ("unflatten", None)):
+        case = next(c for c in gpuflat_impl.cases(op, ctx) if not c.skip)
+        row = run.run_case(case, op, ctx, timing.QUICK)
+        assert row["status"] == "ok" and row["bytes"] == moved, (op, row)
