@@ -109,3 +109,21 @@ def test_a_file_system_without_locks_builds_unlocked(tmp_path, monkeypatch):
     target = tmp_path / "out.txt"
     host_compiler.build_once("an unlocked file", target, lambda: target.write_text("built"))
     assert target.read_text() == "built"
+
+
+def test_a_killed_builds_temporary_file_is_removed_by_the_next_build(tmp_path):
+    # A build killed by SIGKILL (a timeout) cannot remove its temporary file;
+    # the next build on this machine does, and leaves alone those of running
+    # builds and of other machines sharing the cache.
+    import socket
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    host = socket.gethostname()
+    killed = tmp_path / f"lib-abc.pid{ended.pid}@{host}.q1w2.tmp"
+    running = tmp_path / f"lib-abc.pid{os.getpid()}@{host}.e3r4.tmp"
+    elsewhere = tmp_path / f"lib-abc.pid{ended.pid}@not-{host}.t5y6.tmp"
+    for path in (killed, running, elsewhere):
+        path.write_bytes(b"half a library")
+    assert host_compiler.remove_abandoned(tmp_path) == [killed]
+    assert not killed.exists() and running.exists() and elsewhere.exists()

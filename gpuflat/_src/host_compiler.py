@@ -26,6 +26,7 @@ import hashlib
 import logging
 import os
 import re
+import socket
 import subprocess
 import tempfile
 import threading
@@ -275,6 +276,7 @@ def _compile(name, cxx, main_source, files, include_dirs, flags, path: Path) -> 
     """Compile into a temporary file beside ``path``, then rename it into place:
     another process building the same library at once is harmless."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned(path.parent)
     with tempfile.TemporaryDirectory(prefix="gpuflat-build-") as work:
         for file_name, text in files.items():
             dest = Path(work, file_name)
@@ -282,7 +284,7 @@ def _compile(name, cxx, main_source, files, include_dirs, flags, path: Path) -> 
             dest.write_text(text)
         main = Path(work, "main.cpp")
         main.write_text(main_source)
-        fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f"{path.stem}.{_BUILDER}", suffix=".tmp", dir=path.parent)
         os.close(fd)
         includes = [arg for d in include_dirs for arg in ("-I", str(d))]
         cmd = [cxx, *flags, "-I", work, *includes, "-o", tmp, str(main)]
@@ -298,6 +300,45 @@ def _compile(name, cxx, main_source, files, include_dirs, flags, path: Path) -> 
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+
+# A build's temporary file names its process and machine, so that a later
+# build can tell one whose process was killed (a timeout's SIGKILL leaves no
+# chance to remove it) from one still being written, here or on another
+# machine sharing the cache.
+_BUILDER = f"pid{os.getpid()}@{socket.gethostname()}."
+_ABANDONED = re.compile(r"\.pid(\d+)@(.*)\.\w+\.tmp$")
+
+
+def remove_abandoned(folder: Path) -> list[Path]:
+    """Delete the temporary files of builds on this machine whose process has
+    ended; return them.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     mine = Path(d, f"lib-1.{_BUILDER}x1.tmp"); _ = mine.write_bytes(b"")
+    ...     remove_abandoned(Path(d)), mine.exists()
+    ([], True)
+    """
+    removed = []
+    host = socket.gethostname()
+    for tmp in folder.glob("*.tmp"):
+        found = _ABANDONED.search(tmp.name)
+        if found and found.group(2) == host and not _running(int(found.group(1))):
+            with contextlib.suppress(FileNotFoundError):  # another build removed it first
+                tmp.unlink()
+                removed.append(tmp)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: no signal, only the check that the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 _loaded: dict = {}
