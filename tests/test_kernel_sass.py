@@ -86,17 +86,26 @@ def _sass(major: int) -> dict:
     return {name: functions[lowered] for name, lowered in compiled.lowered.items()}
 
 
-def _loops(major: int, name: str) -> list[Counter]:
-    """Opcode counts of every loop of kernel ``name``, with '' -> its length."""
+def _loop_spans(major: int, name: str) -> list[tuple[int, int]]:
+    """(first, last) instruction of every loop of kernel ``name``: a backward branch and its target."""
     instructions, labels = _sass(major)[name]
-    loops = []
+    spans = []
     for i, ins in enumerate(instructions):
         m = re.match(r"BRA `?\(?(\.L_x_\d+)", ins)
         if m and labels.get(m.group(1), i + 1) <= i:
-            body = instructions[labels[m.group(1)] : i + 1]
-            ops = Counter(x.split()[0] for x in body)
-            ops[""] = len(body)
-            loops.append(ops)
+            spans.append((labels[m.group(1)], i))
+    return spans
+
+
+def _loops(major: int, name: str) -> list[Counter]:
+    """Opcode counts of every loop of kernel ``name``, with '' -> its length."""
+    instructions, _ = _sass(major)[name]
+    loops = []
+    for first, last in _loop_spans(major, name):
+        body = instructions[first : last + 1]
+        ops = Counter(x.split()[0] for x in body)
+        ops[""] = len(body)
+        loops.append(ops)
     return loops
 
 
@@ -194,6 +203,24 @@ def test_the_optimizer_updates_read_vectors_and_16_bit_adds_only_its_conversions
         assert per[name] - conversions <= per["float32"], \
             f"{rule} {name} (CUDA {major}): {per[name] - conversions:.2f} instructions per element besides its " \
             f"conversions, against float32's {per['float32']:.2f}"
+
+
+@pytest.mark.parametrize("major", MAJORS)
+def test_no_hot_kernels_innermost_loop_touches_local_memory(major):
+    # Where a gated NVRTC spills a hot kernel (test_kernel_resources'
+    # ceilings), the value goes to local memory once per item or row, never
+    # inside the loops over elements: an innermost loop (holding no other)
+    # has no STL or LDL.
+    from test_kernel_resources import HOT
+
+    for name in HOT:
+        instructions, _ = _sass(major)[name]
+        spans = _loop_spans(major, name)
+        for first, last in spans:
+            if any(first <= a and b <= last and (a, b) != (first, last) for a, b in spans):
+                continue  # holds another loop: per item or row
+            local = [ins for ins in instructions[first : last + 1] if ins.startswith(("STL", "LDL"))]
+            assert not local, f"{name} (CUDA {major}): {local} in an innermost loop"
 
 
 def _first_block_loads(major: int, name: str) -> int:
