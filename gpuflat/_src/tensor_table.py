@@ -326,26 +326,26 @@ def _total_for(part, total):
     return adopt(torch.as_tensor(total, dtype=torch.float64).to(part.like.device))
 
 
-def norm_pass(table, tensors, p, detect=False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the float64 norm of order ``p`` of all of ``tensors``, read as
-    ``table``, as a 0-d tensor on the first one's device; with ``detect``, a
-    0-d float64 tensor beside it: 1 where some tensor holds NaN or inf (from
-    the elements themselves, not the norm, which can overflow alone), else
+def norm_pass(table, p, detect=False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the float64 norm of order ``p`` of all of ``table``'s tensors, as a
+    0-d tensor on the first one's device; with ``detect``, a 0-d float64
+    tensor beside it: 1 where some tensor holds NaN or inf (from the
+    elements themselves, not the norm, which can overflow alone), else
     None), one fused pass per device.
 
     >>> ts = [torch.tensor([3.0]), torch.tensor([4.0, float("nan")])]
-    >>> total, nonfinite = norm_pass(read(ts, str), ts, 2.0, detect=True)
+    >>> total, nonfinite = norm_pass(read(ts, str), 2.0, detect=True)
     >>> total.dtype, float(nonfinite)
     (torch.float64, 1.0)
     """
-    bound_ = table.bound
-    with bound_.place():
-        norm = bound_.norm(p)
+    bound = table.bound
+    with bound.place():
+        norm = bound.norm(p)
         if not detect:
             return norm.total, None
         firsts = []
-        for part, result in zip(bound_.norm_parts, norm.results):
-            with bound_.within(part):
+        for part, result in zip(bound.norm_parts, norm.results):
+            with bound.within(part):
                 firsts.append(part.result(result.first_nonfinite))
     device = norm.total.device
     return norm.total, (torch.stack([f.to(device) for f in firsts]) >= 0).any().double()

@@ -37,7 +37,7 @@ def total_norm(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     vector, a 0-d tensor on the first one's device (one fused pass per device).
     """
     table = tensor_table.read(tensors, "tensors[{}]".format)
-    return tensor_table.norm_pass(table, tensors, norm_type)[0].clone()
+    return tensor_table.norm_pass(table, norm_type)[0].clone()
 
 
 @total_norm.register_fake

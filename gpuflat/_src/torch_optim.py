@@ -252,7 +252,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
             nonfinite = (~torch.isfinite(total)).double() if detect else None
         else:
             table = tensor_table.read(grads, step.name_of_gradient, facts=step.grad_facts)
-            total, nonfinite = tensor_table.norm_pass(table, grads, p, detect)
+            total, nonfinite = tensor_table.norm_pass(table, p, detect)
         if scale is not None:  # the norm of the unscaled gradients, as after GradScaler.unscale_
             total = total * unscale_factor(scale).to(total.device)
         return total, nonfinite

@@ -229,7 +229,7 @@ def norm_and_nonfinite(grads: list[torch.Tensor], norm_type: float,
     pass: gpuflat's GradScaler takes the flag from the gradients themselves,
     not from the norm, which can overflow alone."""
     table = tensor_table.read(grads, "grads[{}]".format)
-    total, nonfinite = tensor_table.norm_pass(table, grads, norm_type, detect)
+    total, nonfinite = tensor_table.norm_pass(table, norm_type, detect)
     return total.clone(), nonfinite if detect else torch.zeros_like(total)
 
 
