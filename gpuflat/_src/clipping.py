@@ -113,7 +113,7 @@ class Bound:
         one fused pass per part, then the combine (none for one part)."""
         results = []
         for part in self.norm_parts:
-            with _NOWHERE if self.one_place else part.scope():
+            with self.within(part):
                 results.append(part.backend.norms(part.plan, part.leaves, p, False, flat=part.flat))
         if self.combine is None:
             total, like = results[0].total, self.norm_parts[0].like
@@ -147,7 +147,7 @@ class Bound:
         """Scale every scale part in place by min(1, max_norm / (norm + eps))."""
         converted_for = given = None
         for part in self.scale_parts:
-            with _NOWHERE if self.one_place else part.scope():
+            with self.within(part):
                 total = norm.on_backend if norm.on_backend is not None else self.total_for(part, norm.total)
                 if part.backend is not converted_for:  # parts of one backend take one conversion
                     converted_for, given = part.backend, max_norm_for(part.backend, max_norm)
