@@ -39,7 +39,15 @@ is CuPy's calling contract, enforced on every call (a breach raises
 - memory CuPy did not allocate (``cuda.UnownedMemory``) is only page-locked
   host memory from ``cuda.alloc_pinned_memory``, which a kernel may read
   through its address (CUDA's unified virtual address space); a launch reads
-  it as it is when the launch runs, a graph's replay included.
+  it as it is when the launch runs, a graph's replay included;
+- streams are CuPy 14's: a foreign stream is wrapped by
+  ``Stream.from_external`` (the CUDA stream protocol, ``__cuda_stream__``;
+  its device unknown, -1, so the current one), and ``ExternalStream`` warns
+  that it is deprecated, as CuPy 14's does;
+- once ``destroy_context()`` (a test helper, not CuPy) has run, as at an
+  exit that tore CUDA down, asking a stream whether it captures and querying
+  an event raise CuPy's ``cuda.runtime.CUDARuntimeError``
+  (cudaErrorContextIsDestroyed).
 
 Every allocation, upload, module load, launch, fill and element-wise
 operation is recorded in ``events`` with the current device and stream, for
@@ -58,6 +66,7 @@ import operator
 import sys
 import threading
 import types
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -84,6 +93,16 @@ _COMPARISONS = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": o
 
 class ContractError(AssertionError):
     """A call CuPy would run wrongly or refuse on a real device."""
+
+
+class CUDARuntimeError(RuntimeError):
+    """CuPy's ``cupy.cuda.runtime.CUDARuntimeError``: a CUDA call's error status."""
+
+    _NAMES = {709: "cudaErrorContextIsDestroyed: context is destroyed"}
+
+    def __init__(self, status: int):
+        super().__init__(self._NAMES.get(status, f"CUDA error {status}"))
+        self.status = status
 
 
 @dataclass
@@ -168,6 +187,7 @@ class _StandIn:
         self.states: dict = {}  # stream key -> _StreamState
         self.captures: dict = {}  # stream key -> _Graph being captured
         self.exported: dict = {}  # arrays kept alive by a DLPack consumer
+        self.context_destroyed = False
         # Weakly: an allocation is freed when its last array goes, as in CuPy's pool.
         self.live_memories = weakref.WeakSet()
         self.module = self._module()
@@ -216,6 +236,11 @@ class _StandIn:
         """Whether ``stream`` (None: any stream) is capturing a graph."""
         with self.lock:
             return bool(self.captures) if stream is None else stream.key in self.captures
+
+    def check_context(self):
+        """A CUDA call: refused once the context is destroyed (``destroy_context``)."""
+        if self.context_destroyed:
+            raise CUDARuntimeError(709)
 
     def refuse_in_capture(self, what):
         if self.capturing():
@@ -324,20 +349,45 @@ class _StandIn:
                 self.ptr = ptr if ptr is not None else next(standin.stream_ids) * 0x100
 
             @classmethod
+            def from_external(cls, obj):
+                """CuPy 14's wrapper of a foreign stream, from its CUDA stream
+                protocol (``__cuda_stream__() -> (0, pointer)``); its device is
+                unknown (-1): the current one wherever it is used."""
+                try:
+                    version, ptr = obj.__cuda_stream__()
+                except AttributeError as e:
+                    raise TypeError(f"Object of type {type(obj).__name__} does not implement the CUDA stream "
+                                    f"protocol (__cuda_stream__ method)") from e
+                if type(version) is not int or type(ptr) is not int or version != 0:
+                    raise TypeError(f"__cuda_stream__() must return (0, int), got ({version!r}, {ptr!r})")
+                stream = cls.__new__(cls)
+                stream.device_id, stream.ptr = -1, ptr
+                stream._foreign_stream_ref = obj
+                return stream
+
+            def __cuda_stream__(self):
+                return (0, self.ptr)
+
+            @classmethod
             def _null(cls, device):
                 stream = cls.__new__(cls)
                 stream.device_id, stream.ptr = device, 0
                 return stream
 
             @property
+            def device(self):
+                """The stream's device: an unknown one (-1) is the current device."""
+                return standin.current_device() if self.device_id == -1 else self.device_id
+
+            @property
             def key(self):
-                return (self.device_id, self.ptr)
+                return (self.device, self.ptr)
 
             def __enter__(self):
                 streams = standin.local.__dict__.setdefault("streams", {})
                 saved = standin.local.__dict__.setdefault("saved", [])
-                saved.append((self.device_id, streams.get(self.device_id)))
-                streams[self.device_id] = self
+                saved.append((self.device, streams.get(self.device)))
+                streams[self.device] = self
                 return self
 
             def __exit__(self, *exc):
@@ -367,6 +417,7 @@ class _StandIn:
                 return event
 
             def is_capturing(self):
+                standin.check_context()
                 return standin.capturing(self)
 
             def begin_capture(self, mode=None):
@@ -383,6 +434,9 @@ class _StandIn:
 
         class ExternalStream(Stream):
             def __init__(self, ptr, device_id=-1):
+                warnings.warn("ExternalStream is deprecated. Use Stream.from_external() instead to interoperate "
+                              "with external streams that implement the CUDA stream protocol.",
+                              DeprecationWarning, stacklevel=2)
                 super().__init__(ptr=int(ptr))
                 if device_id >= 0:
                     self.device_id = device_id
@@ -401,6 +455,7 @@ class _StandIn:
 
             @property
             def done(self):
+                standin.check_context()
                 standin.refuse_in_capture("an event query (cudaEventQuery)")
                 if self.mark is None:
                     return True
@@ -831,6 +886,8 @@ class _StandIn:
                     work()
 
         class runtime:
+            CUDARuntimeError = CUDARuntimeError
+
             @staticmethod
             def getDeviceCount():
                 return len(standin.capabilities)
@@ -875,6 +932,7 @@ class _StandIn:
         mod.get_default_memory_pool = lambda: pool
         mod.on_device = on_device
         mod.add_to_capture = add_to_capture
+        mod.destroy_context = lambda: setattr(standin, "context_destroyed", True)
         mod.events = standin.events
         mod.freed_in_flight = standin.freed_in_flight
         mod.ContractError = ContractError
