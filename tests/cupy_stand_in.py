@@ -44,6 +44,10 @@ is CuPy's calling contract, enforced on every call (a breach raises
   ``Stream.from_external`` (the CUDA stream protocol, ``__cuda_stream__``;
   its device unknown, -1, so the current one), and ``ExternalStream`` warns
   that it is deprecated, as CuPy 14's does;
+- events keep CUDA's device time: ``cuda.get_elapsed_time`` between two
+  events of one stream is the time the work queued on that stream between
+  them took to run (the stand-in runs each piece as it is queued and times
+  it); work on other streams, or on none (host work), does not count;
 - once ``destroy_context()`` (a test helper, not CuPy) has run, as at an
   exit that tore CUDA down, asking a stream whether it captures and querying
   an event raise CuPy's ``cuda.runtime.CUDARuntimeError``
@@ -65,6 +69,7 @@ import itertools
 import operator
 import sys
 import threading
+import time
 import types
 import warnings
 import weakref
@@ -135,13 +140,15 @@ class _StreamState:
 
     ``enqueued`` counts the work given to it; ``done`` how much of it the
     host knows finished (after a synchronisation); ``waited[key]`` how much
-    of stream ``key``'s work it waited for through events.
+    of stream ``key``'s work it waited for through events; ``busy_s`` the
+    seconds its work took to run, its device clock.
     """
 
     def __init__(self):
         self.enqueued = 0
         self.done = 0
         self.waited: dict = {}
+        self.busy_s = 0.0
 
 
 class _Memory:
@@ -283,7 +290,17 @@ class _StandIn:
             graph.work.append(work)
             if writes:
                 return None
-        return work()
+        return self.execute(stream, work)
+
+    def execute(self, stream, work):
+        """``work()``, its time added to ``stream``'s device clock."""
+        began = time.perf_counter()
+        try:
+            return work()
+        finally:
+            state = self.state(stream.key)
+            with self.lock:
+                state.busy_s += time.perf_counter() - began
 
     def freed(self, memory_state, label):
         """An allocation was freed: list it if another stream or a live graph may still use it."""
@@ -442,16 +459,20 @@ class _StandIn:
                     self.device_id = device_id
 
         class CudaEvent:
-            """cupy.cuda.Event: a point in a stream's work."""
+            """cupy.cuda.Event: a point in a stream's work, and its device clock there."""
 
             def __init__(self, block=False, disable_timing=False, interprocess=False):
                 self.mark = None
+                self.timing = not disable_timing
+                self.clock_s = None
 
             def record(self, stream=None):
                 stream = stream if stream is not None else standin.current_stream(standin.current_device())
                 if standin.capturing(stream):
                     raise ContractError("an event recorded while capturing cannot be queried afterwards")
-                self.mark = (stream.key, standin.state(stream.key).enqueued)
+                state = standin.state(stream.key)
+                self.mark = (stream.key, state.enqueued)
+                self.clock_s = state.busy_s
 
             @property
             def done(self):
@@ -883,7 +904,7 @@ class _StandIn:
                 if graph is not None:
                     graph.work.append(work)
                 else:
-                    work()
+                    standin.execute(stream, work)
 
         class runtime:
             CUDARuntimeError = CUDARuntimeError
@@ -897,12 +918,35 @@ class _StandIn:
                 return RUNTIME_VERSION
 
             @staticmethod
+            def getDeviceProperties(device_id):
+                """The few properties callers read; CuPy returns the name as bytes."""
+                return {"name": b"CuPy stand-in", "multiProcessorCount": standin.sms, "l2CacheSize": 1 << 16,
+                        "clockRate": 1_000_000, "major": int(standin.capabilities[device_id][:-1]),
+                        "minor": int(standin.capabilities[device_id][-1])}
+
+            @staticmethod
             def memGetInfo():
                 """(free, total) bytes of the current device."""
                 return DEVICE_MEMORY - standin.used_bytes(standin.current_device()), DEVICE_MEMORY
 
+        def get_elapsed_time(start, end):
+            """Milliseconds of device time between two events: the time the
+            work queued between them on their stream took to run. Work on any
+            other stream does not count: the events never see it."""
+            for event in (start, end):
+                if not event.timing or event.mark is None:
+                    raise ContractError("get_elapsed_time takes two recorded events made without disable_timing")
+            if start.mark[0] != end.mark[0]:
+                raise ContractError(f"events on two streams ({start.mark[0]}, {end.mark[0]}): the stand-in's "
+                                    f"device clock is per stream")
+            if not end.done:
+                raise ContractError("get_elapsed_time before its end event completed (cudaErrorNotReady): "
+                                    "synchronize the end event first")
+            return (end.clock_s - start.clock_s) * 1e3
+
         cuda.Device = Device
         cuda.Stream = Stream
+        cuda.get_elapsed_time = get_elapsed_time
         cuda.ExternalStream = ExternalStream
         cuda.Event = CudaEvent
         cuda.get_current_stream = lambda device_id=None: standin.current_stream(
