@@ -369,10 +369,16 @@ def test_the_device_scripts_limits_add_up_to_under_5_minutes():
              for literal, name in re.findall(r'\btimeout (?:(\d+)|"\$(\w+_TIMEOUT)")', script)]
     compile_wait = re.findall(r'wait_builds "\$\(\(step_began \+ (\w+)\)\)"', script)
     assert compile_wait == ["COMPILE_TIMEOUT"]
-    assert len(steps) == 5 and sum(steps) + defaults["COMPILE_TIMEOUT"] < 300, steps
+    # environment (the device check in it), tests, benchmark, nvidia-smi; and the compile step's wait
+    environment, tests, bench, smi = steps
+    assert environment <= 20 and defaults["COMPILE_TIMEOUT"] <= 60 and tests <= 100 and bench <= 110 and smi <= 10
+    assert sum(steps) + defaults["COMPILE_TIMEOUT"] < 300, steps
     # The background builds stop, at the latest, when the steps after them would have.
     assert re.findall(r'timeout "\$\(\((\w+) \+ (\w+) \+ (\w+)\)\)" "\$PY" -c "\$build_py"', script) == [
         STEP_LIMITS]
+    # The benchmark starts nothing past its own limit less a margin to finish, write and exit.
+    margin = int(re.search(r"^BENCH_MARGIN=\$\{BENCH_MARGIN:-(\d+)\}$", script, re.M).group(1))
+    assert '--time-limit "$((BENCH_TIMEOUT - BENCH_MARGIN))"' in script and 10 <= margin < bench / 4
 
 
 def test_help_lists_every_workload_and_explains_every_flag():
