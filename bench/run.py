@@ -140,9 +140,9 @@ def run_case(case, op, ctx, settings, deadline=None) -> dict:
     if case.skip:
         return {**row, "status": "skipped", "reason": case.skip}
     budget = _budget(case, settings, deadline)
-    if budget is not None:
-        if budget <= 0:
-            return {**row, "status": "skipped", "reason": "not run: the run's time limit was reached"}
+    if budget is not None and budget <= 0:
+        return {**row, "status": "skipped", "reason": f"not run: {_OUT_OF_TIME}"}
+    if case.kind == "peer":
         row["budget_s"] = budget
     gc.collect()
     try:

@@ -681,6 +681,10 @@ def test_a_peer_over_its_budget_runs_fewer_repeats_and_says_so():
     assert mine["reps"] == settings.min_reps and not mine["cut_by_budget"] and "budget_s" not in mine
     over = run.run_case(Case("slower", "numpy", _sleeper(0.3, ctx), values), "global_norm", ctx, settings)
     assert over["status"] == "skipped" and "over its 0.2 s budget: the warm-up alone took 0.3 s" in over["reason"]
+    import time
+
+    late = run.run_case(slow, "global_norm", ctx, settings, deadline=time.perf_counter())
+    assert (late["status"], late["reason"]) == ("skipped", "not run: the run's time limit (--time-limit) was reached")
 
 
 def test_nothing_starts_past_the_time_limit_and_what_is_left_is_named(tmp_path):
