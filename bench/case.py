@@ -13,6 +13,10 @@ class Case:
 
     ``skip`` holds why the case could not be built (a peer that lacks the
     dtype, a compile that failed); such cases are reported, never timed.
+
+    ``own_streams``: its work runs on streams of its own (JAX's), which the
+    CUDA events of the run's timer do not see; ``fn`` waits for its result
+    and is timed on the host clock (the timer's ``own_streams``).
     """
 
     impl: str
@@ -22,7 +26,7 @@ class Case:
     kind: str = "peer"  # "gpuflat" or "peer"
     compile_s: Optional[float] = None
     skip: Optional[str] = None
-    note: str = ""
+    own_streams: bool = False
 
 
 def skipped(impl: str, library: str, reason: str, kind: str = "peer") -> Case:

@@ -44,7 +44,8 @@ def _every_row(results) -> list:
     for r in results["rows"]:
         floor = summary.floor_ms(results, r["workload"], r["dtype"], r["op"])
         ms = r.get("median_ms")
-        body.append((r["workload"], r["dtype"], r["op"], r["impl"], _num(ms), _num(r.get("reps"), "{}"),
+        impl = r["impl"] + (" [host clock]" if r in summary.other_clocks(results) else "")
+        body.append((r["workload"], r["dtype"], r["op"], impl, _num(ms), _num(r.get("reps"), "{}"),
                      _num(r.get("gb_s"), "{:.1f}"), _num(ms / floor if ms and floor else None, "{:.2f}x"),
                      r["status"]))
     return _columns(head, body, left={0, 1, 2, 3, 8})
@@ -54,7 +55,8 @@ def _header(results) -> list:
     m, s = results["machine"], results["settings"]
     where = m.get("gpu") or f"{m['cpu']}, {m['cores']} cores"
     out = [f"gpuflat benchmark on {where}: backends {', '.join(results['backends'])}, {results['clock']}, "
-           f"median of {s['min_reps']}-{s['max_reps']} runs after {s['warmup']} warm-up"]
+           f"median of {s['min_reps']}-{s['max_reps']} runs after {s['warmup']} warm-up "
+           f"(a peer: at most {s['peer_budget_s']:g} s a row)"]
     out += [f"absent: {lib}: {why}" for lib, why in results["absent"].items()]
     return out
 
@@ -69,6 +71,20 @@ def _problems(results) -> list:
         if r["status"] != "ok":
             out.append(f"  host cost {r['workload']} {r['runtime']} {r['call']}: {r['status']}: {r['reason']}")
     return out
+
+
+def _other_clocks(results) -> tuple:
+    """(lines, clocks) of the rows timed on another clock than the run's: not in the ratios."""
+    rows = summary.other_clocks(results)
+    clocks = sorted({r["clock"] for r in rows})
+    return [f"  {r['workload']} {r['dtype']} {r['op']} {r['impl']}: {r['median_ms']:.3g} ms"
+            + (f" [{r['clock']}]" if len(clocks) > 1 else "") for r in rows], clocks
+
+
+def _budgets(results) -> list:
+    """The peers whose time budget cut them below the minimum of repeats."""
+    return [f"  {r['workload']} {r['dtype']} {r['op']} {r['impl']}: {r['reps']} of {results['settings']['min_reps']}"
+            f" repeats in its {r['budget_s']:.1f} s" for r in results["rows"] if r.get("cut_by_budget")]
 
 
 def _compiles(results) -> list:
@@ -103,6 +119,12 @@ def text(results, every=False) -> str:
         out += _host_cost(results["host_cost"])
     out += ["", "targets (each against the fastest gpuflat row of its operation, any backend):"]
     out += _targets(results)
+    other, clocks = _other_clocks(results)
+    if other:
+        out += ["", f"timed on another clock ({'; '.join(clocks)}): their work runs on streams of their own, "
+                "which the CUDA events do not see; host work included, so not in the ratios above:"] + other
+    if _budgets(results):
+        out += ["", "fewer repeats than the minimum (the peer's time budget, warm-up counted):"] + _budgets(results)
     if _compiles(results):
         out += ["", "JAX lower+compile time (not in the medians):"] + _compiles(results)
     if _precision(results):

@@ -69,6 +69,9 @@ def parser(argv=None) -> argparse.ArgumentParser:
                         "faster than linearly with them (default: %(default)s)")
     p.add_argument("--name", help="file name stem instead of the machine's name")
     p.add_argument("--all", action="store_true", help="also print one line per implementation timed")
+    p.add_argument("--time-limit", type=float, metavar="SECONDS",
+                   help="start no operation, and time no case, past this many seconds from the start; "
+                        "what is left is named as not run (default: no limit)")
     p.add_argument("--step-only", action="store_true",
                    help="only the optimizer step rows (bench/step.py): clip + AdamW, PyTorch's against "
                         "gpuflat's, written to <name>-step.json")
@@ -123,39 +126,67 @@ def _check(case, result, op, ctx):
     return ("ok" if err <= ctx.rtol else "wrong"), err
 
 
-def run_case(case, op, ctx, settings) -> dict:
-    """Time one case and check its answer; failures become rows, never crashes."""
+def run_case(case, op, ctx, settings, deadline=None) -> dict:
+    """Time one case and check its answer; failures become rows, never crashes.
+
+    A peer's row takes at most ``settings.peer_budget_s`` (fewer repeats if
+    need be, and the row says so); no row runs past ``deadline`` (a
+    ``time.perf_counter()`` reading).
+    """
+    timer = ctx.device.timer.own_streams if case.own_streams else ctx.device.timer
     row = {"workload": ctx.workload, "dtype": ctx.dtype, "op": op, "impl": case.impl,
-           "library": case.library, "kind": case.kind,
+           "library": case.library, "kind": case.kind, "clock": timer.clock,
            "compile_ms": None if case.compile_s is None else case.compile_s * 1e3}
     if case.skip:
         return {**row, "status": "skipped", "reason": case.skip}
+    budget = _budget(case, settings, deadline)
+    if budget is not None and budget <= 0:
+        return {**row, "status": "skipped", "reason": f"not run: {_OUT_OF_TIME}"}
+    if case.kind == "peer":
+        row["budget_s"] = budget
     gc.collect()
     try:
-        t, result = timing.measure(case.fn, ctx.device.timer, settings, before=ctx.restore(op))
+        t, result = timing.measure(case.fn, timer, settings, before=ctx.restore(op), budget_s=budget)
         status, err = _check(case, result, op, ctx)
+    except timing.OverBudget as exc:
+        return {**row, "status": "skipped", "reason": str(exc)}
     except Exception as exc:
         return {**row, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:300]}
     del result
     nbytes = moved_bytes(op, ctx.nbytes, ctx.out.nbytes)
-    return {**row, "status": status, "rel_err": err,
-            "median_ms": t.median_s * 1e3, "min_ms": t.min_s * 1e3, "reps": t.reps, "bytes": nbytes,
-            "gb_s": None if nbytes is None else nbytes / t.median_s / 1e9}
+    return {**row, "status": status, "rel_err": err, "median_ms": t.median_s * 1e3, "min_ms": t.min_s * 1e3,
+            "reps": t.reps, "cut_by_budget": t.cut, "bytes": nbytes,
+            "gb_s": nbytes / t.median_s / 1e9 if nbytes and t.median_s > 0 else None}
 
 
-def run_unit(name, label, spec, device, providers, settings, progress):
-    """(rows, floor rows, note) for one workload in one dtype."""
+def _budget(case, settings, deadline):
+    """Seconds ``case`` may take: a peer's budget, and no further than the deadline; None: unbounded."""
+    left = None if deadline is None else deadline - time.perf_counter()
+    if case.kind != "peer":
+        return left
+    return settings.peer_budget_s if left is None else min(settings.peer_budget_s, left)
+
+
+def run_unit(name, label, spec, device, providers, settings, progress, deadline=None):
+    """(rows, floor rows, notes) for one workload in one dtype; the operations
+    not begun by ``deadline`` are named in a note, not run."""
     from .context import build
     from .floors import Floors
 
+    if _past(deadline):
+        progress.update(len(OPS))
+        return [], [], [f"{name} {label}: not run: {_OUT_OF_TIME}"]
     progress.set_description(f"{name} {label} setup")
     try:
         ctx = build(workloads.build(name, spec, label), device)
     except Exception as exc:  # e.g. bfloat16 where the array library has none
         progress.update(len(OPS))
-        return [], [], f"{name} {label}: not run ({type(exc).__name__}: {exc})"[:300]
+        return [], [], [f"{name} {label}: not run ({type(exc).__name__}: {exc})"[:300]]
     rows, floors, limits = [], [], Floors(ctx)
-    for op in OPS:
+    for i, op in enumerate(OPS):
+        if _past(deadline):
+            progress.update(len(OPS) - i)
+            return rows, floors, [f"{name} {label}: {', '.join(OPS[i:])} not run: {_OUT_OF_TIME}"]
         progress.set_description(f"{name} {label} {op}")
         where = {"workload": name, "dtype": label, "op": op}
         floors += [{**where, **f} for f in limits.measure(op, settings)]
@@ -165,9 +196,16 @@ def run_unit(name, label, spec, device, providers, settings, progress):
             except Exception as exc:  # a setup that fails (a resident model, say) is a row too
                 rows.append(_setup_error(provider, op, ctx, exc))
                 continue
-            rows += [run_case(case, op, ctx, settings) for case in cases]
+            rows += [run_case(case, op, ctx, settings, deadline) for case in cases]
         progress.update()
-    return rows, floors, None
+    return rows, floors, []
+
+
+_OUT_OF_TIME = "the run's time limit (--time-limit) was reached"
+
+
+def _past(deadline) -> bool:
+    return deadline is not None and time.perf_counter() >= deadline
 
 
 def _write(results, out, stem) -> list:
@@ -187,11 +225,12 @@ def _setup_error(provider, op, ctx, exc) -> dict:
 def main(argv=None) -> int:
     from . import progress as progress_bar
 
-    args = parse(argv)
+    began, args = time.perf_counter(), parse(argv)
     if args.step_only:
         from . import step
 
         return step.main(args)
+    deadline = None if args.time_limit is None else began + args.time_limit
     jax_peers.MAX_LEAVES = args.jax_max_leaves
     device = make_device(args.device)
     settings = timing.QUICK if args.quick else timing.FULL
@@ -200,10 +239,10 @@ def main(argv=None) -> int:
     providers, absent = split_available(device)
     results = {"machine": machine.describe(device.name, device.xp), "device": device.name,
                "backends": list(device.backends), "clock": device.timer.clock, "quick": args.quick,
-               "settings": vars(settings), "absent": absent, "rows": [], "floors": [],
-               "notes": gpuflat_impl.notes(device)}
+               "settings": vars(settings), "time_limit_s": args.time_limit, "absent": absent, "rows": [],
+               "floors": [], "notes": gpuflat_impl.notes(device)}
     stem = (args.name or machine.name(device.name, device.xp)) + ("-quick" if args.quick else "")
-    began, progress = time.perf_counter(), progress_bar.bar(len(todo) * len(OPS))
+    progress = progress_bar.bar(len(todo) * len(OPS))
     try:
         # The host-cost rows first, then the workloads in order (the targets'
         # first): after each, the JSON, its verdicts and the chart are written
@@ -212,10 +251,11 @@ def main(argv=None) -> int:
         results["host_cost"] = host_cost.measure(spec, settings, device.xp if device.name == "cuda" else None)
         _write(results, args.out, stem)
         for name, label in todo:
-            rows, floors, note = run_unit(name, label, spec[name], device, providers, settings, progress)
+            rows, floors, notes = run_unit(name, label, spec[name], device, providers, settings, progress,
+                                           deadline)
             results["rows"] += rows
             results["floors"] += floors
-            results["notes"] += [note] if note else []
+            results["notes"] += notes
             _write(results, args.out, stem)
             gc.collect()
     finally:

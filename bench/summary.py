@@ -1,5 +1,10 @@
 """Per workload, dtype and operation: gpuflat's best row (any backend), its best
-peer and the floor."""
+peer and the floor.
+
+Ratios compare times on one clock: a peer timed on the host clock (JAX on a
+GPU, whose streams the CUDA events do not see) counts its host work too, so
+it is never the best peer of a run on the device clock; :func:`other_clocks`
+lists such rows apart."""
 from __future__ import annotations
 
 from .ops import FLOOR_PARTS
@@ -28,10 +33,21 @@ def _groups(results):
     return seen
 
 
-def _timed(rows, kind):
-    """The rows of ``kind`` that ran and were right, fastest first."""
-    return sorted((r for r in rows if r["kind"] == kind and r["status"] == "ok"),
-                  key=lambda r: r["median_ms"])
+def _timed(rows, kind, clock=None):
+    """The rows of ``kind`` that ran and were right, on the run's ``clock``, fastest first."""
+    return sorted((r for r in rows if r["kind"] == kind and r["status"] == "ok"
+                   and r.get("clock", clock) == clock), key=lambda r: r["median_ms"])
+
+
+def other_clocks(results) -> list:
+    """The rows that ran and were right on a clock other than the run's.
+
+    >>> other_clocks({"clock": "events", "rows": [{"status": "ok", "clock": "host"},
+    ...                                           {"status": "ok", "clock": "events"}]})
+    [{'status': 'ok', 'clock': 'host'}]
+    """
+    clock = results.get("clock")
+    return [r for r in results["rows"] if r["status"] == "ok" and r.get("clock", clock) != clock]
 
 
 def summarize(results) -> list:
@@ -39,8 +55,8 @@ def summarize(results) -> list:
     out = []
     for workload, dtype, op in _groups(results):
         rows = [r for r in results["rows"] if (r["workload"], r["dtype"], r["op"]) == (workload, dtype, op)]
-        mine = _timed(rows, "gpuflat")
-        peers = _timed(rows, "peer")
+        clock = results.get("clock")
+        mine, peers = _timed(rows, "gpuflat", clock), _timed(rows, "peer", clock)
         floor = floor_ms(results, workload, dtype, op)
         g = mine[0] if mine else None
         best = peers[0] if peers else None

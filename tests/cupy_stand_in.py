@@ -39,7 +39,19 @@ is CuPy's calling contract, enforced on every call (a breach raises
 - memory CuPy did not allocate (``cuda.UnownedMemory``) is only page-locked
   host memory from ``cuda.alloc_pinned_memory``, which a kernel may read
   through its address (CUDA's unified virtual address space); a launch reads
-  it as it is when the launch runs, a graph's replay included.
+  it as it is when the launch runs, a graph's replay included;
+- streams are CuPy 14's: a foreign stream is wrapped by
+  ``Stream.from_external`` (the CUDA stream protocol, ``__cuda_stream__``;
+  its device unknown, -1, so the current one), and ``ExternalStream`` warns
+  that it is deprecated, as CuPy 14's does;
+- events keep CUDA's device time: ``cuda.get_elapsed_time`` between two
+  events of one stream is the time the work queued on that stream between
+  them took to run (the stand-in runs each piece as it is queued and times
+  it); work on other streams, or on none (host work), does not count;
+- once ``destroy_context()`` (a test helper, not CuPy) has run, as at an
+  exit that tore CUDA down, asking a stream whether it captures and querying
+  an event raise CuPy's ``cuda.runtime.CUDARuntimeError``
+  (cudaErrorContextIsDestroyed).
 
 Every allocation, upload, module load, launch, fill and element-wise
 operation is recorded in ``events`` with the current device and stream, for
@@ -57,7 +69,9 @@ import itertools
 import operator
 import sys
 import threading
+import time
 import types
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -84,6 +98,16 @@ _COMPARISONS = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": o
 
 class ContractError(AssertionError):
     """A call CuPy would run wrongly or refuse on a real device."""
+
+
+class CUDARuntimeError(RuntimeError):
+    """CuPy's ``cupy.cuda.runtime.CUDARuntimeError``: a CUDA call's error status."""
+
+    _NAMES = {709: "cudaErrorContextIsDestroyed: context is destroyed"}
+
+    def __init__(self, status: int):
+        super().__init__(self._NAMES.get(status, f"CUDA error {status}"))
+        self.status = status
 
 
 @dataclass
@@ -116,13 +140,15 @@ class _StreamState:
 
     ``enqueued`` counts the work given to it; ``done`` how much of it the
     host knows finished (after a synchronisation); ``waited[key]`` how much
-    of stream ``key``'s work it waited for through events.
+    of stream ``key``'s work it waited for through events; ``busy_s`` the
+    seconds its work took to run, its device clock.
     """
 
     def __init__(self):
         self.enqueued = 0
         self.done = 0
         self.waited: dict = {}
+        self.busy_s = 0.0
 
 
 class _Memory:
@@ -168,6 +194,7 @@ class _StandIn:
         self.states: dict = {}  # stream key -> _StreamState
         self.captures: dict = {}  # stream key -> _Graph being captured
         self.exported: dict = {}  # arrays kept alive by a DLPack consumer
+        self.context_destroyed = False
         # Weakly: an allocation is freed when its last array goes, as in CuPy's pool.
         self.live_memories = weakref.WeakSet()
         self.module = self._module()
@@ -217,6 +244,11 @@ class _StandIn:
         with self.lock:
             return bool(self.captures) if stream is None else stream.key in self.captures
 
+    def check_context(self):
+        """A CUDA call: refused once the context is destroyed (``destroy_context``)."""
+        if self.context_destroyed:
+            raise CUDARuntimeError(709)
+
     def refuse_in_capture(self, what):
         if self.capturing():
             raise ContractError(f"{what} while a CUDA graph is being captured (global capture mode)")
@@ -258,7 +290,17 @@ class _StandIn:
             graph.work.append(work)
             if writes:
                 return None
-        return work()
+        return self.execute(stream, work)
+
+    def execute(self, stream, work):
+        """``work()``, its time added to ``stream``'s device clock."""
+        began = time.perf_counter()
+        try:
+            return work()
+        finally:
+            state = self.state(stream.key)
+            with self.lock:
+                state.busy_s += time.perf_counter() - began
 
     def freed(self, memory_state, label):
         """An allocation was freed: list it if another stream or a live graph may still use it."""
@@ -324,20 +366,45 @@ class _StandIn:
                 self.ptr = ptr if ptr is not None else next(standin.stream_ids) * 0x100
 
             @classmethod
+            def from_external(cls, obj):
+                """CuPy 14's wrapper of a foreign stream, from its CUDA stream
+                protocol (``__cuda_stream__() -> (0, pointer)``); its device is
+                unknown (-1): the current one wherever it is used."""
+                try:
+                    version, ptr = obj.__cuda_stream__()
+                except AttributeError as e:
+                    raise TypeError(f"Object of type {type(obj).__name__} does not implement the CUDA stream "
+                                    f"protocol (__cuda_stream__ method)") from e
+                if type(version) is not int or type(ptr) is not int or version != 0:
+                    raise TypeError(f"__cuda_stream__() must return (0, int), got ({version!r}, {ptr!r})")
+                stream = cls.__new__(cls)
+                stream.device_id, stream.ptr = -1, ptr
+                stream._foreign_stream_ref = obj
+                return stream
+
+            def __cuda_stream__(self):
+                return (0, self.ptr)
+
+            @classmethod
             def _null(cls, device):
                 stream = cls.__new__(cls)
                 stream.device_id, stream.ptr = device, 0
                 return stream
 
             @property
+            def device(self):
+                """The stream's device: an unknown one (-1) is the current device."""
+                return standin.current_device() if self.device_id == -1 else self.device_id
+
+            @property
             def key(self):
-                return (self.device_id, self.ptr)
+                return (self.device, self.ptr)
 
             def __enter__(self):
                 streams = standin.local.__dict__.setdefault("streams", {})
                 saved = standin.local.__dict__.setdefault("saved", [])
-                saved.append((self.device_id, streams.get(self.device_id)))
-                streams[self.device_id] = self
+                saved.append((self.device, streams.get(self.device)))
+                streams[self.device] = self
                 return self
 
             def __exit__(self, *exc):
@@ -367,6 +434,7 @@ class _StandIn:
                 return event
 
             def is_capturing(self):
+                standin.check_context()
                 return standin.capturing(self)
 
             def begin_capture(self, mode=None):
@@ -383,24 +451,32 @@ class _StandIn:
 
         class ExternalStream(Stream):
             def __init__(self, ptr, device_id=-1):
+                warnings.warn("ExternalStream is deprecated. Use Stream.from_external() instead to interoperate "
+                              "with external streams that implement the CUDA stream protocol.",
+                              DeprecationWarning, stacklevel=2)
                 super().__init__(ptr=int(ptr))
                 if device_id >= 0:
                     self.device_id = device_id
 
         class CudaEvent:
-            """cupy.cuda.Event: a point in a stream's work."""
+            """cupy.cuda.Event: a point in a stream's work, and its device clock there."""
 
             def __init__(self, block=False, disable_timing=False, interprocess=False):
                 self.mark = None
+                self.timing = not disable_timing
+                self.clock_s = None
 
             def record(self, stream=None):
                 stream = stream if stream is not None else standin.current_stream(standin.current_device())
                 if standin.capturing(stream):
                     raise ContractError("an event recorded while capturing cannot be queried afterwards")
-                self.mark = (stream.key, standin.state(stream.key).enqueued)
+                state = standin.state(stream.key)
+                self.mark = (stream.key, state.enqueued)
+                self.clock_s = state.busy_s
 
             @property
             def done(self):
+                standin.check_context()
                 standin.refuse_in_capture("an event query (cudaEventQuery)")
                 if self.mark is None:
                     return True
@@ -828,9 +904,11 @@ class _StandIn:
                 if graph is not None:
                     graph.work.append(work)
                 else:
-                    work()
+                    standin.execute(stream, work)
 
         class runtime:
+            CUDARuntimeError = CUDARuntimeError
+
             @staticmethod
             def getDeviceCount():
                 return len(standin.capabilities)
@@ -840,12 +918,35 @@ class _StandIn:
                 return RUNTIME_VERSION
 
             @staticmethod
+            def getDeviceProperties(device_id):
+                """The few properties callers read; CuPy returns the name as bytes."""
+                return {"name": b"CuPy stand-in", "multiProcessorCount": standin.sms, "l2CacheSize": 1 << 16,
+                        "clockRate": 1_000_000, "major": int(standin.capabilities[device_id][:-1]),
+                        "minor": int(standin.capabilities[device_id][-1])}
+
+            @staticmethod
             def memGetInfo():
                 """(free, total) bytes of the current device."""
                 return DEVICE_MEMORY - standin.used_bytes(standin.current_device()), DEVICE_MEMORY
 
+        def get_elapsed_time(start, end):
+            """Milliseconds of device time between two events: the time the
+            work queued between them on their stream took to run. Work on any
+            other stream does not count: the events never see it."""
+            for event in (start, end):
+                if not event.timing or event.mark is None:
+                    raise ContractError("get_elapsed_time takes two recorded events made without disable_timing")
+            if start.mark[0] != end.mark[0]:
+                raise ContractError(f"events on two streams ({start.mark[0]}, {end.mark[0]}): the stand-in's "
+                                    f"device clock is per stream")
+            if not end.done:
+                raise ContractError("get_elapsed_time before its end event completed (cudaErrorNotReady): "
+                                    "synchronize the end event first")
+            return (end.clock_s - start.clock_s) * 1e3
+
         cuda.Device = Device
         cuda.Stream = Stream
+        cuda.get_elapsed_time = get_elapsed_time
         cuda.ExternalStream = ExternalStream
         cuda.Event = CudaEvent
         cuda.get_current_stream = lambda device_id=None: standin.current_stream(
@@ -875,6 +976,7 @@ class _StandIn:
         mod.get_default_memory_pool = lambda: pool
         mod.on_device = on_device
         mod.add_to_capture = add_to_capture
+        mod.destroy_context = lambda: setattr(standin, "context_destroyed", True)
         mod.events = standin.events
         mod.freed_in_flight = standin.freed_in_flight
         mod.ContractError = ContractError

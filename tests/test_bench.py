@@ -369,10 +369,16 @@ def test_the_device_scripts_limits_add_up_to_under_5_minutes():
              for literal, name in re.findall(r'\btimeout (?:(\d+)|"\$(\w+_TIMEOUT)")', script)]
     compile_wait = re.findall(r'wait_builds "\$\(\(step_began \+ (\w+)\)\)"', script)
     assert compile_wait == ["COMPILE_TIMEOUT"]
-    assert len(steps) == 5 and sum(steps) + defaults["COMPILE_TIMEOUT"] < 300, steps
+    # environment (the device check in it), tests, benchmark, nvidia-smi; and the compile step's wait
+    environment, tests, bench, smi = steps
+    assert environment <= 20 and defaults["COMPILE_TIMEOUT"] <= 60 and tests <= 100 and bench <= 110 and smi <= 10
+    assert sum(steps) + defaults["COMPILE_TIMEOUT"] < 300, steps
     # The background builds stop, at the latest, when the steps after them would have.
     assert re.findall(r'timeout "\$\(\((\w+) \+ (\w+) \+ (\w+)\)\)" "\$PY" -c "\$build_py"', script) == [
         STEP_LIMITS]
+    # The benchmark starts nothing past its own limit less a margin to finish, write and exit.
+    margin = int(re.search(r"^BENCH_MARGIN=\$\{BENCH_MARGIN:-(\d+)\}$", script, re.M).group(1))
+    assert '--time-limit "$((BENCH_TIMEOUT - BENCH_MARGIN))"' in script and 10 <= margin < bench / 4
 
 
 def test_help_lists_every_workload_and_explains_every_flag():
@@ -509,3 +515,186 @@ def test_a_flatten_row_counts_the_tree_and_its_flat_buffer_as_its_floor_does():
         case = next(c for c in gpuflat_impl.cases(op, ctx) if not c.skip)
         row = run.run_case(case, op, ctx, timing.QUICK)
         assert row["status"] == "ok" and row["bytes"] == moved, (op, row)
+
+
+# ---------------------------------------------------------------- clocks and budgets
+
+
+def _dry_run_cupy(monkeypatch):
+    """The CuPy stand-in with the benchmark's calls (bench/dry_run/sitecustomize.py) as ``cupy``,
+    gpuflat's backends made afresh on it."""
+    import importlib.util
+
+    from gpuflat._src.backends import selection
+
+    spec = importlib.util.spec_from_file_location("dry_run_cupy", ROOT / "bench" / "dry_run" / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cp = module.stand_in()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setattr(selection, "_backends", {})
+    return cp
+
+
+def _busy_on_its_own_stream(cp, seconds):
+    """A JAX-like call: device work on a stream of its own for ``seconds``, then a wait for it."""
+    import time
+
+    import numpy as np
+
+    stream, x = cp.cuda.Stream(), cp.asarray(np.ones(1 << 16))
+    cp.cuda.Device().synchronize()  # the upload landed for every stream
+
+    def call():
+        began = time.perf_counter()
+        with stream:
+            while time.perf_counter() - began < seconds:
+                x * 2.0
+        stream.synchronize()  # block_until_ready
+        return np.float64(1.0)
+    return call
+
+
+def test_a_peer_on_streams_of_its_own_is_timed_at_its_real_cost_on_the_host_clock(monkeypatch):
+    # JAX runs on streams of its own: CUDA events on CuPy's stream saw none
+    # of its work and read 0.0013 ms on an H200. On the stand-in the events
+    # keep device time per stream, so the old timer reads nothing here too.
+    import numpy as np
+
+    from bench import context, run, timing, workloads
+    from bench.case import Case
+    from bench.impls import gpuflat_impl
+
+    cp = _dry_run_cupy(monkeypatch)
+    events = timing.CudaEventTimer(cp)
+    device = context.Device("cuda", cp, ("cuda",), events)
+    ctx = context.build(workloads.build("small", SMALL_SPEC, "float32"), device)
+    call = _busy_on_its_own_stream(cp, 0.02)
+    assert timing.measure(call, events, timing.QUICK)[0].median_s < 0.002  # what the old timer read
+    case = Case("jax-like", "jax", call, lambda _: np.array([ctx.ref_norm]), own_streams=True)
+    row = run.run_case(case, "global_norm", ctx, timing.QUICK)
+    assert row["status"] == "ok" and row["median_ms"] >= 20, row
+    assert row["clock"] == timing.GpuHostTimer.clock != events.clock
+    (mine,) = gpuflat_impl.cases("global_norm", ctx)
+    mine_row = run.run_case(mine, "global_norm", ctx, timing.QUICK)
+    assert mine_row["status"] == "ok" and mine_row["clock"] == events.clock  # its kernels: on the events' stream
+
+
+# The JAX rows that need no optax (the test environment has JAX alone).
+JAX_OPS = ("flatten", "unflatten", "per_leaf_norm")
+
+
+def test_jax_rows_wait_for_their_result_on_the_host_clock_and_are_no_best_peer():
+    import numpy as np
+
+    from bench import context, report, run, summary, timing, workloads
+    from bench.impls import jax_peers
+
+    device = context.Device("cpu", np, ("numpy",), timing.HostTimer())
+    ctx = context.build(workloads.build("small", SMALL_SPEC, "float32"), device)
+    cases = [c for op in JAX_OPS for c in jax_peers.cases(op, ctx)]
+    assert len(cases) == len(JAX_OPS) and all(c.own_streams for c in cases)
+    row = run.run_case(cases[-1], "per_leaf_norm", ctx, timing.QUICK)
+    assert row["status"] == "ok" and row["clock"] == timing.HostTimer.clock  # on a CPU one clock serves all
+    # On a GPU run its clock is not the run's: it is listed apart, never the best peer.
+    fast = {**row, "clock": timing.GpuHostTimer.clock, "median_ms": 1e-6}
+    slow = {**row, "impl": "cupy loop", "library": "cupy", "clock": "events", "median_ms": 5.0}
+    mine = {**row, "impl": "gpuflat (cuda)", "kind": "gpuflat", "clock": "events", "median_ms": 1.0}
+    results = {"clock": "events", "rows": [mine, slow, fast], "floors": []}
+    (s,) = summary.summarize(results)
+    assert (s["best_peer"], s["speedup_vs_best_peer"]) == ("cupy loop", 5.0)
+    assert summary.other_clocks(results) == [fast]
+    lines, clocks = report._other_clocks(results)
+    assert clocks == [timing.GpuHostTimer.clock] and "jax tree_map(linalg.norm)" in lines[0]
+
+
+class _CupyLikeBfloat16:
+    """A bfloat16 array as JAX meets one of CuPy's: its array interface says raw 2-byte void."""
+
+    def __init__(self, a):
+        self._a = a
+
+    dtype = property(lambda self: self._a.dtype)
+
+    def view(self, dtype):
+        return self._a.view(dtype)
+
+    @property
+    def __array_interface__(self):
+        return {**self._a.__array_interface__, "typestr": "|V2", "descr": [("", "|V2")]}
+
+
+def test_bfloat16_reaches_jax_as_bfloat16_not_as_raw_void():
+    import jax.numpy as jnp
+    import ml_dtypes
+    import numpy as np
+
+    from bench.impls import jax_peers
+
+    a = np.array([1.5, -2.0, 3e38], ml_dtypes.bfloat16)
+    with pytest.raises((TypeError, ValueError)):
+        jnp.asarray(_CupyLikeBfloat16(a))  # what the rows did: JAX refuses the void dtype
+    got = jax_peers.to_jax(_CupyLikeBfloat16(a))
+    assert got.dtype == jnp.bfloat16 and np.asarray(got).tobytes() == a.tobytes()
+
+
+def test_jax_rows_run_in_bfloat16():
+    import numpy as np
+
+    from bench import context, run, timing, workloads
+    from bench.impls import jax_peers
+
+    device = context.Device("cpu", np, ("numpy",), timing.HostTimer())
+    ctx = context.build(workloads.build("small", SMALL_SPEC, "bfloat16"), device)
+    rows = [run.run_case(c, op, ctx, timing.QUICK) for op in JAX_OPS for c in jax_peers.cases(op, ctx)]
+    assert len(rows) == len(JAX_OPS) and all(r["status"] == "ok" for r in rows), rows
+
+
+def _sleeper(seconds, ctx):
+    import time
+
+    import numpy as np
+
+    return lambda: time.sleep(seconds) or np.array([ctx.ref_norm])
+
+
+def test_a_peer_over_its_budget_runs_fewer_repeats_and_says_so():
+    import dataclasses
+
+    import numpy as np
+
+    from bench import context, report, run, timing, workloads
+    from bench.arrays import values
+    from bench.case import Case
+
+    device = context.Device("cpu", np, ("numpy",), timing.HostTimer())
+    ctx = context.build(workloads.build("small", SMALL_SPEC, "float32"), device)
+    settings = dataclasses.replace(timing.QUICK, peer_budget_s=0.25)
+    slow = Case("slow loop", "numpy", _sleeper(0.1, ctx), values)
+    row = run.run_case(slow, "global_norm", ctx, settings)
+    # warm-up 0.1 s, one repeat to 0.2 s; a second would end at 0.3 s, past 0.25 s
+    assert (row["status"], row["reps"], row["cut_by_budget"], row["budget_s"]) == ("ok", 1, True, 0.25), row
+    results = {"settings": vars(settings), "rows": [row]}
+    assert report._budgets(results) == ["  small float32 global_norm slow loop: 1 of 3 repeats in its 0.2 s"]
+    # gpuflat's own rows have no budget; a warm-up alone over the budget times nothing
+    mine = run.run_case(Case("gpuflat x", "gpuflat", _sleeper(0.1, ctx), values, kind="gpuflat"), "global_norm",
+                        ctx, settings)
+    assert mine["reps"] == settings.min_reps and not mine["cut_by_budget"] and "budget_s" not in mine
+    over = run.run_case(Case("slower", "numpy", _sleeper(0.3, ctx), values), "global_norm", ctx, settings)
+    assert over["status"] == "skipped" and "over its 0.2 s budget: the warm-up alone took 0.3 s" in over["reason"]
+    import time
+
+    late = run.run_case(slow, "global_norm", ctx, settings, deadline=time.perf_counter())
+    assert (late["status"], late["reason"]) == ("skipped", "not run: the run's time limit (--time-limit) was reached")
+
+
+def test_nothing_starts_past_the_time_limit_and_what_is_left_is_named(tmp_path):
+    from bench import run
+
+    (tmp_path / "w.json").write_text(json.dumps({"one": SMALL_SPEC, "two": SMALL_SPEC}))
+    assert run.main(["--quick", "--device", "cpu", "--workloads-file", str(tmp_path / "w.json"), "--workloads",
+                     "one,two", "--out", str(tmp_path), "--name", "t", "--time-limit", "0"]) == 0
+    results = json.loads((tmp_path / "t-quick.json").read_text())
+    assert results["rows"] == [] and results["time_limit_s"] == 0
+    assert [n for n in results["notes"] if "time limit" in n] == [
+        f"{w} float32: not run: the run's time limit (--time-limit) was reached" for w in ("one", "two")]

@@ -16,7 +16,7 @@ import pytest
 import gpuflat as gf
 from gpuflat._src import kernel_loader as kl
 from gpuflat._src.backends.cuda import CudaBackend
-from gpuflat._src.backends.cuda_runtime import CupyRuntime, EmulatedRuntime
+from gpuflat._src.backends.cuda_runtime import CupyRuntime, EmulatedRuntime, external_stream
 
 import cupy_stand_in
 from conftest import BF16, DTYPES, assert_bits_equal, cast, exact_norm, random_array, ref_flatten, torch_scaled
@@ -109,7 +109,7 @@ def test_tables_uploaded_on_one_stream_serve_another(cupy):
     be = CudaBackend(CupyRuntime(0))
     with cupy.cuda.Stream():
         first = be.norms(plan, leaves, 2, per_leaf=True)  # uploads the plan's tables
-    with cupy.cuda.ExternalStream(0xBEEF00):  # e.g. PyTorch's current stream
+    with external_stream(cupy, 0xBEEF00):  # e.g. PyTorch's current stream
         again = be.norms(plan, leaves, 2, per_leaf=True)  # reuses them, no upload
         launches = [e for e in cupy.events if e.kind == "launch" and e.stream.ptr == 0xBEEF00]
         assert len(launches) == 2
@@ -121,7 +121,7 @@ def test_uploads_and_launches_share_the_callers_stream(cupy):
     rng = np.random.default_rng(5)
     _, leaves, plan = tree_of(rng, [np.float32] * 4, 0, cupy)
     be = CudaBackend(CupyRuntime(0))
-    with cupy.cuda.ExternalStream(0xABC00):
+    with external_stream(cupy, 0xABC00):
         be.norms(plan, leaves, 2, per_leaf=False)
     used = {e.stream.ptr for e in cupy.events if e.kind in ("upload", "launch")}
     assert used == {0xABC00}
@@ -136,6 +136,33 @@ def test_blocks_must_be_whole_warps(cupy, block):
         CupyRuntime(0, block=block)
     with pytest.raises(ValueError, match="whole warps"):
         EmulatedRuntime(block=block)
+
+
+@pytest.mark.filterwarnings("error::DeprecationWarning")
+def test_foreign_streams_are_wrapped_as_cupy_14_wants(cupy):
+    # CuPy 14 deprecates ExternalStream (the stand-in warns as it does, and
+    # the warning is an error here): a foreign stream, and each stream the
+    # runtime later asks whether it captures, goes through Stream.from_external.
+    rng = np.random.default_rng(6)
+    _, leaves, plan = tree_of(rng, [np.float32] * 4, 0, cupy)
+    be = CudaBackend(CupyRuntime(0))
+    with cupy.cuda.Stream():
+        be.norms(plan, leaves, 2, per_leaf=False)
+    with external_stream(cupy, 0xABC00, 0) as stream:
+        assert isinstance(stream, cupy.cuda.Stream) and stream.device_id == 0
+        be.norms(plan, leaves, 2, per_leaf=False)
+    rt = be.runtime
+    rt.release(rt.upload_table(np.arange(3)))  # asks each stream that used a table whether it captures
+    assert set(rt._streams) == {0, 0x100, 0xABC00}
+    with pytest.warns(DeprecationWarning, match="Stream.from_external"):
+        cupy.cuda.ExternalStream(0xABC00)
+
+
+def test_on_cupy_13_a_foreign_stream_is_an_external_stream(cupy, monkeypatch):
+    monkeypatch.delattr(cupy.cuda.Stream, "from_external")
+    with pytest.warns(DeprecationWarning):
+        stream = external_stream(cupy, 0xABC00, 1)
+    assert isinstance(stream, cupy.cuda.ExternalStream) and (stream.ptr, stream.device_id) == (0xABC00, 1)
 
 
 def test_runtime_without_synchronize():

@@ -10,6 +10,7 @@ allocation from PyTorch's caching allocator on that stream.
 from __future__ import annotations
 
 import gc
+import sys
 
 import numpy as np
 import pytest
@@ -250,3 +251,42 @@ def test_a_collected_plan_keeps_its_tables_until_other_streams_are_done(cp):
         be.norms(gf.plan([np.ones(3)]), [cp.on_device(np.ones(3), 0)], 2, per_leaf=False)
     gc.collect()
     assert be.runtime._retired == [] and cp.freed_in_flight == []
+
+
+# ---------------------------------------------------------------- at exit
+
+
+def tables_on_two_streams(cp, rng):
+    """A runtime whose tables two streams read, a plan owning some of them, and one more table."""
+    hosts, leaves = leaves_on(cp, rng)
+    be = CudaBackend(CupyRuntime(0))
+    plan = gf.plan(hosts)
+    for stream in (cp.cuda.Stream(), cp.cuda.Stream()):
+        with stream:
+            be.norms(plan, leaves, 2, per_leaf=False)
+    return be.runtime, plan, be.runtime.upload_table(np.arange(3))
+
+
+def test_nothing_raises_once_the_context_is_gone(cp, monkeypatch):
+    # At exit CUDA may be torn down before the last finalisers release their
+    # tables: asking a stream or an event then raises cudaErrorContextIsDestroyed.
+    rt, plan, table = tables_on_two_streams(cp, np.random.default_rng(7))
+    cp.destroy_context()
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    rt.release(table)
+    gf.plan_cache_clear()
+    del plan
+    gc.collect()  # the plan's finaliser releases its tables
+    assert unraisable == []
+    assert len(rt._retired) == 3  # kept: nothing can be asked or freed on a context that is gone
+    with pytest.raises(cp.cuda.runtime.CUDARuntimeError, match="context is destroyed"):
+        cp.cuda.get_current_stream().is_capturing()  # the stand-in's check can fail
+
+
+def test_nothing_is_freed_while_the_interpreter_shuts_down(cp, monkeypatch):
+    rt, plan, table = tables_on_two_streams(cp, np.random.default_rng(8))
+    asked = len(cp.events)
+    monkeypatch.setattr(sys, "is_finalizing", lambda: True)
+    rt.release(table)
+    assert rt._retired == [] and cp.events[asked:] == []

@@ -4,54 +4,21 @@ gives the CuPy contract stand-in (tests/cupy_stand_in.py: one sm_90 device
 reporting CUDA 13, its kernels run by the host emulator), so the script's
 plumbing runs end to end before it ever meets a GPU.
 
-The stand-in covers what gpuflat calls; the few calls the benchmark's
-timer, floors and machine report add are given here, on the host. Their
-times are host times of emulated kernels: a dry run's figures mean nothing.
+The stand-in covers what gpuflat calls, and CUDA events' device time (the
+time the work queued on the events' stream took to run on the host); the
+few calls the benchmark's timer and floors add are given here
+(:func:`stand_in`, which the tests load too). Its times are host times of
+emulated kernels: a dry run's figures mean nothing.
 """
 import sys
-import time
 
 import cupy_stand_in  # tests/, on PYTHONPATH in a dry run
 import numpy as np
 
-cupy = cupy_stand_in.make_cupy(("90",))
-
-
-def _properties(device_id):
-    return {"name": b"CuPy stand-in (dry run)", "l2CacheSize": 1 << 16}
-
-
-def _elapsed_ms(start, end):
-    # The stand-in's events mark work, not time: a dry run's timer reads the host clock.
-    return (end.host_time - start.host_time) * 1e3
-
-
-_record = cupy.cuda.Event.record
-
-
-def _record_with_time(self, stream=None):
-    _record(self, stream)
-    self.host_time = time.perf_counter()
-
-
-_data = cupy.ndarray.data
-
-
-class _Memory:
-    """``ndarray.data``: the stand-in's pointer, and the floors' device-to-device copy."""
-
-    def __init__(self, array):
-        self.array, self.ptr = array, _data.fget(array).ptr
-
-    def copy_from_device_async(self, src, nbytes):
-        dest = cupy.asnumpy(self.array).reshape(-1).view(np.uint8)
-        dest[:nbytes] = cupy.asnumpy(src.array).reshape(-1).view(np.uint8)[:nbytes]
-        self.array[...] = cupy.asarray(dest.view(self.array.dtype).reshape(self.array.shape))
-
 
 class _SpinKernel:
-    """``cupy.RawKernel`` of the timer's spin: the host runs nothing (a dry
-    run's timer reads the host clock, which no queue orders)."""
+    """``cupy.RawKernel`` of the timer's spin: it runs nothing, as a spin
+    adds nothing to the device time between the events after it."""
 
     def __init__(self, code, name):
         if name != "gpuflat_bench_spin":
@@ -73,12 +40,30 @@ class _CopyKernel:
         return y
 
 
-for _name in ("uint8", "int16", "int32", "int64", "float16", "float32", "float64", "complex64", "complex128"):
-    setattr(cupy, _name, getattr(cupy, _name, getattr(np, _name)))  # CuPy's dtype names are NumPy's
-cupy.cuda.runtime.getDeviceProperties = staticmethod(_properties)
-cupy.cuda.get_elapsed_time = _elapsed_ms
-cupy.cuda.Event.record = _record_with_time
-cupy.ndarray.data = property(_Memory)
-cupy.ElementwiseKernel = _CopyKernel
-cupy.RawKernel = _SpinKernel
-sys.modules["cupy"] = cupy
+def stand_in():
+    """The CuPy stand-in with the benchmark's own calls: the timer's spin
+    kernel, the floors' copy kernel and device-to-device copy."""
+    cupy = cupy_stand_in.make_cupy(("90",))
+    data = cupy.ndarray.data
+
+    class Memory:
+        """``ndarray.data``: the stand-in's pointer, and the floors' device-to-device copy."""
+
+        def __init__(self, array):
+            self.array, self.ptr = array, data.fget(array).ptr
+
+        def copy_from_device_async(self, src, nbytes):
+            dest = cupy.asnumpy(self.array).reshape(-1).view(np.uint8)
+            dest[:nbytes] = cupy.asnumpy(src.array).reshape(-1).view(np.uint8)[:nbytes]
+            self.array[...] = cupy.asarray(dest.view(self.array.dtype).reshape(self.array.shape))
+
+    for name in ("uint8", "int16", "int32", "int64", "float16", "float32", "float64", "complex64", "complex128"):
+        setattr(cupy, name, getattr(cupy, name, getattr(np, name)))  # CuPy's dtype names are NumPy's
+    cupy.ndarray.data = property(Memory)
+    cupy.ElementwiseKernel = _CopyKernel
+    cupy.RawKernel = _SpinKernel
+    return cupy
+
+
+if __name__ == "sitecustomize":
+    sys.modules["cupy"] = stand_in()

@@ -1,7 +1,10 @@
 """JAX with optax: ravel_pytree, global_norm, clip_by_global_norm, all jitted.
 
 Each function is lowered and compiled before timing and the compile time is
-reported apart, so the medians are steady-state calls. JAX arrays are
+reported apart, so the medians are steady-state calls. Each call waits for
+its result (``block_until_ready``) and is timed on the host clock: on a GPU
+JAX runs its kernels on streams of its own, which CUDA events recorded on
+CuPy's stream do not see (they would time nothing). JAX arrays are
 immutable: there is no in-place scatter and no resident model to clip in
 place, so those operations are listed as not applicable.
 """
@@ -46,20 +49,37 @@ def _compiled(impl, f, *args):
     except Exception as exc:  # a dtype XLA lacks on this device, say
         return skipped(impl, "jax", f"compile failed: {type(exc).__name__}: {exc}"[:200])
     spent = time.perf_counter() - t0
-    return Case(impl, "jax", lambda: jax.block_until_ready(run(*args)), compile_s=spent)
+    return Case(impl, "jax", lambda: jax.block_until_ready(run(*args)), compile_s=spent, own_streams=True)
+
+
+def to_jax(a):
+    """A NumPy or CuPy array as a JAX array of the same dtype and values.
+
+    bfloat16 crosses as its 16 bits, reinterpreted by JAX as ``jnp.bfloat16``
+    (ml_dtypes' type): CuPy's array interface describes a bfloat16 array as
+    raw 2-byte void, which JAX refuses ("Unknown NumPy dtype dtype('V2')").
+
+    >>> import ml_dtypes, numpy as np
+    >>> x = to_jax(np.array([1.5, -2.0], ml_dtypes.bfloat16))
+    >>> str(x.dtype), x.tolist()
+    ('bfloat16', [1.5, -2.0])
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if a.dtype.name == "bfloat16":
+        return jax.lax.bitcast_convert_type(jnp.asarray(a.view("uint16")), jnp.bfloat16)
+    return jnp.asarray(a)
 
 
 def _leaves(ctx):
-    import jax.numpy as jnp
-
     if "jax" not in ctx.cache:
-        ctx.cache["jax"] = [jnp.asarray(a) for a in ctx.leaves]
+        ctx.cache["jax"] = [to_jax(a) for a in ctx.leaves]
     return ctx.cache["jax"]
 
 
 def _build(op, ctx):
     import jax.numpy as jnp
-    import optax
     from jax.flatten_util import ravel_pytree
 
     leaves = _leaves(ctx)
@@ -71,12 +91,16 @@ def _build(op, ctx):
         case = _compiled("jax ravel_pytree unravel", unravel, flat)
         case.value = arrays.norm_of
     elif op == "global_norm":
+        import optax
+
         case = _compiled("optax global_norm", optax.global_norm, leaves)
         case.value = arrays.values
     elif op == "per_leaf_norm":
         case = _compiled("jax tree_map(linalg.norm)", lambda ls: [jnp.linalg.norm(x) for x in ls], leaves)
         case.value = arrays.values
     else:
+        import optax
+
         clip = optax.clip_by_global_norm(ctx.max_norm)
         case = _compiled("optax clip_by_global_norm", lambda ls: clip.update(ls, clip.init(ls))[0], leaves)
         # optax returns the clipped leaves, not the norm: undo the scale to compare it with the norm met

@@ -28,6 +28,7 @@ kernels read through its address.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -38,6 +39,53 @@ from gpuflat.errors import CaptureError
 
 WARP = 32
 MAX_BLOCK = 1024
+# CUDA's errors for a context that is gone: the process is tearing CUDA down
+# (cudaErrorCudartUnloading) or the context was destroyed
+# (cudaErrorContextIsDestroyed); nothing on it can be freed or asked any more.
+# https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html
+CONTEXT_GONE = (4, 709)
+
+
+class _StreamHandle:
+    """A raw ``cudaStream_t`` in the CUDA stream protocol, which CuPy 14's
+    ``Stream.from_external`` takes
+    (https://nvidia.github.io/cuda-python/cuda-core/latest/interoperability.html#cuda-stream-protocol)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = int(ptr)
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def external_stream(cupy, ptr: int, device_id: int = -1):
+    """CuPy's stream object over a stream CuPy did not create (PyTorch's,
+    say): ``Stream.from_external`` where CuPy has it (CuPy 14, which
+    deprecates ``ExternalStream``), else ``ExternalStream`` (CuPy 13).
+
+    The stream protocol carries no device: CuPy 14 marks the stream's device
+    unknown (-1, the current device when used); a known ``device_id`` is
+    set as ``ExternalStream`` sets it, so CuPy refuses the stream on another
+    device.
+
+    >>> import types
+    >>> class Stream:
+    ...     @classmethod
+    ...     def from_external(cls, obj):
+    ...         s = cls(); s.ptr, s.device_id = obj.__cuda_stream__()[1], -1; return s
+    >>> s = external_stream(types.SimpleNamespace(cuda=types.SimpleNamespace(Stream=Stream)), 0xBEEF00, 1)
+    >>> hex(s.ptr), s.device_id
+    ('0xbeef00', 1)
+    """
+    cuda = cupy.cuda
+    if not hasattr(cuda.Stream, "from_external"):
+        return cuda.ExternalStream(int(ptr), device_id)
+    stream = cuda.Stream.from_external(_StreamHandle(ptr))
+    if device_id >= 0:
+        stream.device_id = device_id
+    return stream
 
 
 @dataclass
@@ -336,7 +384,7 @@ class CupyRuntime(Runtime):
     the cubin of ``kernel_loader.device_cubin`` for the device's compute
     capability, the binary the compile checks build.
 
-    Tables are shared by every stream (another thread's, an ExternalStream,
+    Tables are shared by every stream (another thread's, PyTorch's,
     a graph's capture stream): each upload is asynchronous from pinned
     staging and marked with an event, which a launch on another stream
     waits for on the device; a released table is kept until the events
@@ -364,7 +412,7 @@ class CupyRuntime(Runtime):
         self._module = None
         self._retired: list = []  # released tables other streams may still read
         self._kept: list = []  # tables read by captured graphs
-        self._streams: set = set()  # the streams that uploaded or launched: asked whether they capture
+        self._streams: dict = {}  # ptr -> CuPy's stream over it, for each that uploaded or launched
         self._reserve = CaptureReserve(cupy.cuda.alloc_pinned_memory)
 
     @property
@@ -394,7 +442,7 @@ class CupyRuntime(Runtime):
             stream = cuda.get_current_stream()
             if stream.is_capturing():
                 return self._table_in_capture(host, purpose, stream)
-            self._streams.add(stream.ptr)
+            self._note_stream(stream.ptr)
             self._free_finished()
             table = self.xp.empty(host.shape, host.dtype)
             staging = cuda.alloc_pinned_memory(max(host.nbytes, 1))
@@ -428,7 +476,7 @@ class CupyRuntime(Runtime):
         stream = self.xp.cuda.get_current_stream()
         if stream.ptr == table.stream or stream.ptr in table.waited or table.ready is None:
             return
-        self._streams.add(stream.ptr)
+        self._note_stream(stream.ptr)
         # No event is queried here: in the global capture mode torch.cuda.graph
         # uses, an event query from any thread while any stream captures
         # invalidates the capture (PyTorch's allocator defers its own event
@@ -454,12 +502,21 @@ class CupyRuntime(Runtime):
                 event = table.last_use[stream.ptr] = self.xp.cuda.Event(disable_timing=True)
             event.record(stream)
 
+    def _note_stream(self, ptr: int) -> None:
+        """Remember stream ``ptr``, which :meth:`_free_finished` asks whether it captures."""
+        if ptr not in self._streams:
+            self._streams[ptr] = external_stream(self.xp, ptr)
+
     def release(self, table: DeviceTable) -> None:
         """Free ``table`` once every other stream that read it is done with it;
         never if a captured graph reads it. ``release`` may run from a garbage
         collector's finaliser at any moment, a capture's included: the
         freeing (event queries) then waits for a later release or upload
-        outside any capture."""
+        outside any capture. While the interpreter shuts down nothing is
+        freed: CuPy's modules may be half gone, and the process's end frees
+        the device memory anyway."""
+        if sys.is_finalizing():
+            return
         with self._lock:
             if table.captured:
                 self._kept.append(table)
@@ -471,14 +528,19 @@ class CupyRuntime(Runtime):
         """Drop the released tables no stream can still read (event queries,
         no wait), unless the current stream or one this runtime used is
         capturing a graph (``cudaStreamIsCapturing`` may be asked during a
-        capture; an event query may not)."""
+        capture; an event query may not), or the device's context is gone
+        (:data:`CONTEXT_GONE`: at exit, CUDA may be torn down before the
+        last finalisers run), when nothing can be asked or freed."""
         with self.device, self._lock:
-            cuda = self.xp.cuda
-            if cuda.get_current_stream().is_capturing() or \
-                    any(cuda.ExternalStream(ptr).is_capturing() for ptr in self._streams):
-                return
-            self._retired = [t for t in self._retired if not (
-                (t.ready is None or t.ready.done) and all(e.done for e in t.last_use.values()))]
+            try:
+                if self.xp.cuda.get_current_stream().is_capturing() or \
+                        any(stream.is_capturing() for stream in self._streams.values()):
+                    return
+                self._retired = [t for t in self._retired if not (
+                    (t.ready is None or t.ready.done) and all(e.done for e in t.last_use.values()))]
+            except self.xp.cuda.runtime.CUDARuntimeError as exc:
+                if getattr(exc, "status", None) not in CONTEXT_GONE:
+                    raise
 
     def _to_host(self, array):
         with self.device:
