@@ -777,7 +777,7 @@ class _Comm:
             return contextlib.nullcontext()
         import torch
 
-        return xp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        return external_stream(xp, torch.cuda.current_stream().cuda_stream)
 
 
 def _kind_of(group: Any) -> str | None:

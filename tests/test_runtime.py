@@ -16,7 +16,8 @@ import pytest
 import gpuflat as gf
 from gpuflat._src import kernel_loader as kl
 from gpuflat._src.backends.cuda import CudaBackend
-from gpuflat._src.backends.cuda_runtime import CupyRuntime, EmulatedRuntime, external_stream
+from gpuflat._src.arrays import external_stream
+from gpuflat._src.backends.cuda_runtime import CupyRuntime, EmulatedRuntime
 
 import cupy_stand_in
 from conftest import BF16, DTYPES, assert_bits_equal, cast, exact_norm, random_array, ref_flatten, torch_scaled

@@ -31,6 +31,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree
 
+from gpuflat._src.arrays import external_stream
+
 CUDA = torch.device("cuda", 0)
 _HOST_READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"}
 
@@ -159,7 +161,7 @@ class TorchCuda(TorchFunctionMode):
         return Graph(graph), out
 
     def _cupy_stream(self):
-        return self.cupy.cuda.ExternalStream(self.current_stream().cuda_stream, 0)
+        return external_stream(self.cupy, self.current_stream().cuda_stream, 0)
 
     # ------------------------------------------------------------ operations on CUDA tensors
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -332,8 +332,49 @@ def launch_stream(like):
 
 
 def _torch_stream(device, torch, cupy):
-    stream = torch.cuda.current_stream(device)
-    return cupy.cuda.ExternalStream(stream.cuda_stream, device.index)
+    return external_stream(cupy, torch.cuda.current_stream(device).cuda_stream, device.index)
+
+
+class _StreamHandle:
+    """A raw ``cudaStream_t`` in the CUDA stream protocol, which CuPy 14's
+    ``Stream.from_external`` takes
+    (https://nvidia.github.io/cuda-python/cuda-core/latest/interoperability.html#cuda-stream-protocol)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = int(ptr)
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def external_stream(cupy, ptr: int, device_id: int = -1):
+    """CuPy's stream object over a stream CuPy did not create (PyTorch's,
+    say): ``Stream.from_external`` where CuPy has it (CuPy 14, which
+    deprecates ``ExternalStream``), else ``ExternalStream`` (CuPy 13).
+
+    The stream protocol carries no device: CuPy 14 marks the stream's device
+    unknown (-1, the current device when used); a known ``device_id`` is
+    set as ``ExternalStream`` sets it, so CuPy refuses the stream on another
+    device.
+
+    >>> import types
+    >>> class Stream:
+    ...     @classmethod
+    ...     def from_external(cls, obj):
+    ...         s = cls(); s.ptr, s.device_id = obj.__cuda_stream__()[1], -1; return s
+    >>> s = external_stream(types.SimpleNamespace(cuda=types.SimpleNamespace(Stream=Stream)), 0xBEEF00, 1)
+    >>> hex(s.ptr), s.device_id
+    ('0xbeef00', 1)
+    """
+    from_external = getattr(getattr(cupy.cuda, "Stream", None), "from_external", None)
+    if from_external is None:
+        return cupy.cuda.ExternalStream(int(ptr), device_id)
+    stream = from_external(_StreamHandle(ptr))
+    if device_id >= 0:
+        stream.device_id = device_id
+    return stream
 
 
 @contextlib.contextmanager
