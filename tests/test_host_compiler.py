@@ -136,7 +136,8 @@ def test_a_killed_builds_temporary_file_is_removed_by_the_next_build(tmp_path):
 def _counting_compiler(tmp_path, body):
     """A C++ compiler script that appends a line to ``runs`` per compile and then runs ``body``."""
     cxx, runs = tmp_path / "c++", tmp_path / "runs"
-    cxx.write_text(f'#!/bin/sh\nif [ "$1" = "--version" ]; then echo counting; exit 0; fi\necho run >> {runs}\n{body}\n')
+    cxx.write_text(f'#!/bin/sh\nif [ "$1" = "--version" ]; then echo counting; exit 0; fi\n'
+                   f'echo run >> {runs}\n{body}\n')
     cxx.chmod(0o755)
     return str(cxx), runs
 

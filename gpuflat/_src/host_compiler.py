@@ -96,7 +96,7 @@ def first_error(message: str) -> str:
     """The line of a build's message that says what went wrong: the compiler's
     first error line, else the message's first line.
 
-    >>> first_error("g++ failed (exit 1):\nIn file included from a.h:1:\nb.cpp:2:3: error: 'x' was not declared")
+    >>> first_error("g++ failed (exit 1):\\nIn file included from a.h:1:\\nb.cpp:2:3: error: 'x' was not declared")
     "b.cpp:2:3: error: 'x' was not declared"
     >>> first_error("cannot run the C++ compiler 'cc': not found")
     "cannot run the C++ compiler 'cc': not found"
@@ -113,9 +113,10 @@ def warn_unbuilt(part: str, reason: str, instead: str) -> str:
 
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")
-    ...     _ = warn_unbuilt("demo part", "g++ failed:\nx.cpp:1:1: error: boom", "Python reads it")
-    >>> print(caught[0].message)
-    gpuflat's native demo part is not used: x.cpp:1:1: error: boom. Instead Python reads it; gpuflat.native_info() has the whole message
+    ...     _ = warn_unbuilt("demo part", "g++ failed:\\nx.cpp:1:1: error: boom", "Python reads it")
+    >>> print(caught[0].message)  # doctest: +NORMALIZE_WHITESPACE
+    gpuflat's native demo part is not used: x.cpp:1:1: error: boom. Instead Python reads it;
+    gpuflat.native_info() has the whole message
     """
     warnings.warn(f"gpuflat's native {part} is not used: {first_error(reason)}. Instead {instead}; "
                   f"gpuflat.native_info() has the whole message", stacklevel=3)
