@@ -258,7 +258,7 @@ def native_info() -> dict[str, NativePart]:
 
 
 def _part(reason: str | None, name: str) -> NativePart:
-    """The part built as ``name``: in use where there is no ``reason`` it is not."""
+    """The word on the part built as ``name``: not in use for ``reason``, else in use, and how it was come by."""
     return NativePart(True, host_compiler.obtained(name)) if reason is None else NativePart(False, reason)
 
 
