@@ -24,6 +24,7 @@ from .errors import (
     UnwalkableError,
 )
 from ._src.flatplan import FlatPlan, LeafSpec
+from ._src.native import native_info
 from ._src.ops import (
     Restructure,
     cache_clear,
@@ -68,6 +69,7 @@ __all__ = [
     "distributed",
     "flatten",
     "global_norm",
+    "native_info",
     "plan",
     "plan_cache_clear",
     "plan_cache_info",

@@ -557,6 +557,28 @@ def test_the_optimizer_step_refuses_a_dtype_it_has_no_update_for():
     assert p.tolist() == [1.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize("rule", ["adamw", "sgd"])
+def test_without_the_optimizer_library_the_steps_are_the_numpy_backends_bits(rule, monkeypatch):
+    from gpuflat._src import native
+
+    rng = np.random.default_rng(5)
+    p0, g = rng.standard_normal(37).astype(np.float32), rng.standard_normal(37).astype(np.float32)
+    # AdamW: lr, weight decay, betas, eps; SGD: lr, weight decay, momentum, dampening, nesterov.
+    hyper = np.array([0.1, 0.01, 0.9, 0.999, 1e-8] if rule == "adamw" else [0.1, 0.01, 0.9, 0.1, 0.0])
+
+    def step():
+        p, states = p0.copy(), [np.full(37, 0.5, np.float32), np.full(37, 0.25, np.float32)]
+        states = states if rule == "adamw" else states[:1]
+        HostBackend().step_(rule, gf.plan([p]), p, g, states, np.zeros(1, np.int64), hyper, np.full(1, 3.0),
+                            np.float64(2.0), 1.0, 1e-6, np.array([1.0, 0.0]))
+        return p, *states
+
+    native_bits = step()
+    monkeypatch.setattr(native, "optim_library", lambda: (None, "disabled by GPUFLAT_NATIVE=0"))
+    for ours, theirs in zip(native_bits, step()):
+        assert_bits_equal(ours, theirs)
+
+
 # A process whose C++ compiler does not exist: the default falls back to
 # NumPy, an explicit backend="host" says why it cannot run.
 _NO_COMPILER = r"""

@@ -1,6 +1,6 @@
 """The host build's cache folder: where it is, and the temporary folder it
-falls back to when its home cannot be written, and one build per machine
-(a file lock) that says what it does."""
+falls back to when its home cannot be written, one build per machine (a file
+lock) that says what it does, and a rejected build remembered."""
 import logging
 import os
 import re
@@ -10,7 +10,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 from gpuflat._src import host_compiler
+from gpuflat.errors import BuildError
 
 
 def test_the_cache_follows_the_environment(tmp_path, monkeypatch):
@@ -53,6 +56,7 @@ _RACE = r"""
 import sys, time
 from pathlib import Path
 from gpuflat._src import host_compiler
+from gpuflat.errors import BuildError
 go = Path(sys.argv[1])
 while not go.exists():
     time.sleep(0.01)
@@ -127,3 +131,54 @@ def test_a_killed_builds_temporary_file_is_removed_by_the_next_build(tmp_path):
         path.write_bytes(b"half a library")
     assert host_compiler.remove_abandoned(tmp_path) == [killed]
     assert not killed.exists() and running.exists() and elsewhere.exists()
+
+
+def _counting_compiler(tmp_path, body):
+    """A C++ compiler script that appends a line to ``runs`` per compile and then runs ``body``."""
+    cxx, runs = tmp_path / "c++", tmp_path / "runs"
+    cxx.write_text(f'#!/bin/sh\nif [ "$1" = "--version" ]; then echo counting; exit 0; fi\n'
+                   f'echo run >> {runs}\n{body}\n')
+    cxx.chmod(0o755)
+    return str(cxx), runs
+
+
+def test_a_rejected_build_is_remembered_and_raised_again_without_compiling(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUFLAT_CACHE_DIR", str(tmp_path / "cache"))
+    cxx, runs = _counting_compiler(tmp_path, 'echo "x.cpp:1:1: error: rejected" >&2; exit 1')
+    monkeypatch.setenv("GPUFLAT_CXX", cxx)
+    with pytest.raises(BuildError, match=r"failed to build remember-test \(exit 1\):\nx.cpp:1:1: error: rejected") \
+            as first:
+        host_compiler.build_library("remember-test", "int f();")
+    with pytest.raises(BuildError, match="remembered from an earlier build with the same sources and tools") \
+            as again:
+        host_compiler.build_library("remember-test", "int f();")
+    assert runs.read_text().count("run") == 1
+    assert str(again.value).startswith(str(first.value)) and again.value.stderr == first.value.stderr
+    # Other sources are built; so is the same one once its record is deleted.
+    with pytest.raises(BuildError):
+        host_compiler.build_library("remember-test", "int g();")
+    for record in (tmp_path / "cache" / "host").glob("remember-test-*.failed"):
+        record.unlink()
+    with pytest.raises(BuildError):
+        host_compiler.build_library("remember-test", "int f();")
+    assert runs.read_text().count("run") == 3
+
+
+def test_a_compiler_killed_by_a_signal_is_not_remembered(tmp_path, monkeypatch):
+    # Out of memory or a timeout says nothing of the sources: the next call builds again.
+    monkeypatch.setenv("GPUFLAT_CACHE_DIR", str(tmp_path / "cache"))
+    cxx, runs = _counting_compiler(tmp_path, "kill -9 $$")
+    monkeypatch.setenv("GPUFLAT_CXX", cxx)
+    for _ in range(2):
+        with pytest.raises(BuildError, match=r"exit -9"):
+            host_compiler.build_library("killed-test", "int f();")
+    assert runs.read_text().count("run") == 2
+    assert list((tmp_path / "cache" / "host").glob("*.failed")) == []
+
+
+def test_how_a_build_was_come_by_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUFLAT_CACHE_DIR", str(tmp_path))
+    path = host_compiler.build_library("obtained-test", 'extern "C" int four() { return 4; }')
+    assert re.fullmatch(rf"built in \d+\.\d s \({re.escape(str(path))}\)", host_compiler.obtained("obtained-test"))
+    host_compiler.build_library("obtained-test", 'extern "C" int four() { return 4; }')
+    assert host_compiler.obtained("obtained-test") == f"loaded from the cache ({path})"

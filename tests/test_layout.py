@@ -56,13 +56,9 @@ def test_the_kernels_dispatch_each_tag_to_its_type():
 
 
 def test_the_host_library_reads_each_tag():
+    # Python gives the library each tag's NumPy type number (gpuflat._src.native, from the dtype table).
     source = SOURCES["host/host_backend.cpp"]
-    numpy_names = {"NPY_HALF": "float16", "NPY_FLOAT": "float32", "NPY_DOUBLE": "float64",
-                   "NPY_CFLOAT": "complex64", "NPY_CDOUBLE": "complex128"}
-    cases = dict(re.findall(r"case (NPY_\w+): return (\d+);", source))
-    assert {numpy_names[k]: int(v) for k, v in cases.items()} == \
-        {name: tag for name, tag in layout.TAG_OF_NAME.items() if name != "bfloat16"}
-    assert f"num == g_bfloat16_num ? {layout.TAG_OF_NAME['bfloat16']}" in source
+    assert re.search(r"constexpr int N_TAGS = (\d+);", source).group(1) == str(len(layout.DTYPES))
     sizes = re.search(r"static const long long sizes\[\] = \{([\d, ]+)\};", source).group(1)
     assert tuple(int(s) for s in sizes.split(",")) == layout.ITEMSIZES
 

@@ -6,8 +6,12 @@ cache directory, content hashes, a disk cache keyed by a hash of everything
 that goes into the build, one build per machine (:func:`build_once`: a file
 lock, so processes starting on a cold cache build once and the others wait),
 a line on the ``gpuflat`` logger when a build starts and when it ends, an
-atomic rename (concurrent builders never see a half-written library) and an
-in-process memo of loaded libraries.
+atomic rename (concurrent builders never see a half-written library), a
+remembered failure (a compiler that rejects the sources leaves a record under
+the same hash, so other processes and ranks raise its message instead of
+building again, until a source or tool changes), an in-process memo of loaded
+libraries and of how each build was come by (:func:`obtained`), and the switch
+that turns gpuflat's optional native parts off (:func:`native_disabled`).
 
 >>> src = 'extern "C" int twice(int x) { return 2 * x; }'
 >>> path = build_library("doctest-twice", src, flags=("-O2",))
@@ -23,6 +27,7 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import json
 import logging
 import os
 import re
@@ -31,6 +36,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from gpuflat.errors import BuildError
@@ -40,8 +46,9 @@ try:
 except ImportError:  # pragma: no cover - not POSIX: builds run unlocked
     fcntl = None
 
-__all__ = ["build_library", "build_once", "cache_dir", "cache_root", "compiler", "digest", "load",
-           "logger", "tree_digest"]
+__all__ = ["NATIVE_SWITCH", "build_library", "build_once", "cache_dir", "cache_root", "compiler", "digest",
+           "failure_record", "first_error", "load", "logger", "native_disabled", "obtained", "tree_digest",
+           "warn_unbuilt"]
 
 # gpuflat's logger. A first-use build blocks its caller for seconds to
 # minutes, so its lines are shown by default (on stderr, while the
@@ -69,6 +76,51 @@ LOCK_WAIT_SECONDS = 900.0
 
 # Every library is position-independent and shared; the caller adds the rest.
 BASE_FLAGS = ("-shared", "-fPIC")
+
+
+# The environment variable that turns gpuflat's optional native parts off
+# ("0"); they then take their Python and NumPy paths.
+NATIVE_SWITCH = "GPUFLAT_NATIVE"
+
+
+def native_disabled() -> str | None:
+    """Why the optional native parts are off (``GPUFLAT_NATIVE=0``), or None where they are on.
+
+    >>> native_disabled() is None or os.environ["GPUFLAT_NATIVE"] == "0"
+    True
+    """
+    return f"disabled by {NATIVE_SWITCH}=0" if os.environ.get(NATIVE_SWITCH) == "0" else None
+
+
+def first_error(message: str) -> str:
+    """The line of a build's message that says what went wrong: the compiler's
+    first error line, else the message's first line.
+
+    >>> first_error("g++ failed (exit 1):\\nIn file included from a.h:1:\\nb.cpp:2:3: error: 'x' was not declared")
+    "b.cpp:2:3: error: 'x' was not declared"
+    >>> first_error("cannot run the C++ compiler 'cc': not found")
+    "cannot run the C++ compiler 'cc': not found"
+    """
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return next((line for line in lines if re.search(r"\berror\b", line)), lines[0] if lines else message)
+
+
+def warn_unbuilt(part: str, reason: str, instead: str) -> str:
+    """Warn that native ``part`` is not used, naming the cause
+    (:func:`first_error` of ``reason``) and the slower path taken
+    ``instead``; return ``reason``. Its callers are loaders run once per
+    process, so the warning is too.
+
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     _ = warn_unbuilt("demo part", "g++ failed:\\nx.cpp:1:1: error: boom", "Python reads it")
+    >>> print(caught[0].message)  # doctest: +NORMALIZE_WHITESPACE
+    gpuflat's native demo part is not used: x.cpp:1:1: error: boom. Instead Python reads it;
+    gpuflat.native_info() has the whole message
+    """
+    warnings.warn(f"gpuflat's native {part} is not used: {first_error(reason)}. Instead {instead}; "
+                  f"gpuflat.native_info() has the whole message", stacklevel=3)
+    return reason
 
 
 def compiler() -> str:
@@ -188,7 +240,9 @@ def build_library(name: str, main_source: str, include_dirs=(), flags=(), key_pa
     "name"`` finds them; they are hashed). The library is kept under
     :func:`cache_dir` as ``<name>-<hash>.so``, the hash covering the
     compiler and its version, the flags, the sources and ``key_parts``.
-    Raises :class:`~gpuflat.errors.BuildError` with the compiler's message on failure.
+    Raises :class:`~gpuflat.errors.BuildError` with the compiler's message on
+    failure; where the compiler rejected the sources, again from the record
+    it left (:func:`failure_record`) without building, until the hash changes.
 
     >>> build_library("doctest-bad", "int f() { return }")
     Traceback (most recent call last):
@@ -204,19 +258,53 @@ def build_library(name: str, main_source: str, include_dirs=(), flags=(), key_pa
     key = digest([cxx, _compiler_identity(cxx), *all_flags, "\0", *map(str, include_dirs), "\0",
                   main_source, *[x for n in sorted(files) for x in (n, files[n])], "\0", *key_parts])
     path = cache_dir() / f"{_safe_name(name)}-{key[:20]}.so"
-    build_once(name, path, lambda: _compile(name, cxx, main_source, files, include_dirs, all_flags, path))
+    build_once(name, path, lambda: _compile(name, cxx, main_source, files, include_dirs, all_flags, path),
+               failed=failure_record(path))
     return path
 
 
-def build_once(what: str, path: Path, build) -> None:
+def failure_record(path: Path) -> Path:
+    """Where a rejected build of library ``path`` leaves the compiler's message
+    (under the same hash: a changed source or tool builds again; deleting it does too).
+
+    >>> failure_record(Path("/cache/host/lib-0123.so"))
+    PosixPath('/cache/host/lib-0123.failed')
+    """
+    return path.with_suffix(".failed")
+
+
+def _remember_failure(record: Path, error: BuildError) -> None:
+    """Write ``error`` to ``record`` by an atomic rename (a reader never sees half a record)."""
+    tmp = record.with_name(f"{record.stem}.{_BUILDER}{os.urandom(4).hex()}.tmp")
+    with contextlib.suppress(OSError):  # unrecorded, the next process builds again: slower, never wrong
+        tmp.write_text(json.dumps({"message": str(error), "stderr": error.stderr}))
+        os.replace(tmp, record)
+
+
+def _raise_remembered(record: Path | None) -> None:
+    """Raise the BuildError ``record`` holds, if there is one."""
+    if record is None:
+        return
+    try:
+        held = json.loads(record.read_text())
+    except (OSError, ValueError):  # no record, or an unreadable one: build
+        return
+    raise BuildError(f"{held['message']}\n(remembered from an earlier build with the same sources and tools, "
+                     f"in {record}; delete it to build again)", held["stderr"])
+
+
+def build_once(what: str, path: Path, build, failed: Path | None = None) -> None:
     """``build()``, which must leave ``path`` in place (by an atomic rename),
-    unless ``path`` is there already: once per machine and content.
+    unless ``path`` is there already: once per machine and content. With
+    ``failed`` (a :func:`failure_record`), the failure recorded there, if
+    any, is raised instead of building.
 
     A lock file beside ``path`` makes other processes (ranks starting on a
-    cold cache) wait and then find the result instead of building it again;
-    where the file system cannot lock, or after :data:`LOCK_WAIT_SECONDS`,
-    they build as well. The build's start (what, where) and end (with its
-    time) go to :data:`logger`.
+    cold cache) wait and then find the result (or the failure) instead of
+    building it again; where the file system cannot lock, or after
+    :data:`LOCK_WAIT_SECONDS`, they build as well. The build's start (what,
+    where) and end (its time, or its first error line) go to
+    :data:`logger`; how this process came by ``what`` to :func:`obtained`.
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as d:
@@ -227,16 +315,42 @@ def build_once(what: str, path: Path, build) -> None:
     'built'
     """
     if path.is_file():
+        _obtained[what] = f"loaded from the cache ({path})"
         return
+    _raise_remembered(failed)
     path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
     with _build_lock, _file_lock(path, what):
         if path.is_file():
+            _obtained[what] = f"built by another process, waited for {time.perf_counter() - start:.1f} s ({path})"
             return
+        _raise_remembered(failed)
         logger.info("building %s into %s (not in the cache yet: first use on this machine, "
                     "or new sources or tools)", what, path.parent)
         start = time.perf_counter()
-        build()
-        logger.info("built %s in %.1f s", what, time.perf_counter() - start)
+        try:
+            build()
+        except BuildError as exc:
+            logger.info("could not build %s (%.1f s): %s", what, time.perf_counter() - start, first_error(str(exc)))
+            raise
+        took = time.perf_counter() - start
+        logger.info("built %s in %.1f s", what, took)
+        _obtained[what] = f"built in {took:.1f} s ({path})"
+
+
+# How this process came by each build, by the name build_once was given.
+_obtained: dict[str, str] = {}
+
+
+def obtained(what: str) -> str:
+    """How this process came by ``what`` (a :func:`build_once` name): built
+    here, by another process, or loaded from the cache.
+
+    >>> _ = build_library("doctest-twice", 'extern "C" int twice(int x) { return 2 * x; }', flags=("-O2",))
+    >>> obtained("doctest-twice").startswith(("built", "loaded from the cache"))
+    True
+    """
+    return _obtained.get(what, "not built or loaded by this process")
 
 
 @contextlib.contextmanager
@@ -294,8 +408,13 @@ def _compile(name, cxx, main_source, files, include_dirs, flags, path: Path) -> 
             except OSError as exc:
                 raise BuildError(f"cannot run the C++ compiler {cxx!r}: {exc}") from exc
             if proc.returncode != 0:
-                raise BuildError(f"{cxx} failed to build {name} (exit {proc.returncode}):\n{proc.stderr}",
-                                 proc.stderr)
+                # The build folder is temporary: its name would only hide the file's.
+                stderr = proc.stderr.replace(work + os.sep, "")
+                error = BuildError(f"{cxx} failed to build {name} (exit {proc.returncode}):\n{stderr}", stderr)
+                # A compiler killed by a signal (out of memory, a timeout) says nothing of the sources.
+                if proc.returncode > 0:
+                    _remember_failure(failure_record(path), error)
+                raise error
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

@@ -13,8 +13,16 @@ The host backend (``gpuflat._src.backends.host``) calls them; recorded trees
 imports a backend for it.
 
 Where a library cannot be built or loaded (no compiler, no Python headers, a
-compiler error) its loader gives the reason instead: NumPy arrays then take
-the NumPy backend by default, and array facts are read in Python.
+compiler error) its loader gives the reason instead, and warns once per
+process with the compiler's first error line: NumPy arrays then take the
+NumPy backend by default, array facts are read in Python, and the host
+backend's optimizer steps are the NumPy backend's. ``GPUFLAT_NATIVE=0`` turns
+every native part off (without a warning). :func:`native_info` says which
+parts are in use, and why any is not.
+
+The C++ reads NumPy arrays through the few names of NumPy's C API in
+:data:`NUMPY_API`, so that it builds against every NumPy from the floor to the
+newest; what those cannot tell is decided in Python.
 
 >>> lib, reason = host_library()
 >>> (lib is None) == (reason is not None) == (not available())
@@ -24,18 +32,42 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.util
 import os
 import platform
+import sys
 import sysconfig
+from typing import NamedTuple
 
 import numpy as np
 
 from gpuflat._src import host_compiler
-from gpuflat._src.dtypes import when_bfloat16
+from gpuflat._src.dtypes import TAGS, when_bfloat16
 from gpuflat.errors import BuildError
 from gpuflat._src.kernel_loader import kernel_dir
+from gpuflat._src.layout import DTYPES
 
-__all__ = ["array_facts", "available", "host_library", "optim_library", "unavailable_reason"]
+__all__ = ["NUMPY_API", "NativePart", "array_facts", "available", "host_library", "native_info", "optim_library",
+           "unavailable_reason"]
+
+# The names of NumPy's C API that the native sources (kernels/host) may use,
+# and the one descriptor field (``PyArray_DESCR->field``). Each is an inline
+# read of NumPy's array struct, or a macro configuring the header, with the
+# same meaning and place in every NumPy from the floor in pyproject.toml
+# (1.24, numpy/core/include/numpy/ndarraytypes.h) to 2.5
+# (numpy/_core/include/numpy/ndarraytypes.h), and none needs import_array().
+# Others did not hold: PyArray_ISNOTSWAPPED calls npy_2_compat.h's
+# PyDataType_BYTEORDER in 2.5, which needs import_array(); NPY_MAXDIMS went
+# from 32 to 64 in 2.0; the item size moved out of the descriptor's first
+# fields in 2.0. So type numbers come from Python (:data:`TAGS`), item sizes
+# from the dtype tags, and byte order is judged by the tree walk.
+# tests/test_native.py fails on a name outside this list.
+NUMPY_API = frozenset({
+    "NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION",  # the header without the deprecated direct field access
+    "PyArrayObject", "PyArray_DATA", "PyArray_NDIM", "PyArray_DIMS", "PyArray_STRIDES",
+    "PyArray_FLAGS", "NPY_ARRAY_ALIGNED", "PyArray_TYPE",  # the type number
+    "PyArray_DESCR->byteorder",  # recorded by the facts reader, judged in Python
+})
 
 # The arithmetic must stay the kernels': no fast-math, and no contraction of
 # a*b+c into one fma (the kernels are built with --fmad=false). -march=native
@@ -44,6 +76,8 @@ __all__ = ["array_facts", "available", "host_library", "optim_library", "unavail
 FLAGS = ("-O3", "-std=c++20", "-pthread", "-march=native", "-ffp-contract=off", "-fno-math-errno",
          "-fno-strict-aliasing", "-fvisibility=hidden")
 SHARED_HEADERS = ("gpuflat_common.cuh", "gpuflat_math.cuh")
+# The libraries' names in the cache (and in host_compiler.obtained).
+HOST_NAME, OPTIM_NAME = "gpuflat-host", "gpuflat-host-optim"
 
 
 def available() -> bool:
@@ -65,32 +99,39 @@ def unavailable_reason() -> str | None:
     return host_library()[1]
 
 
+# The slower paths taken where a library is not used, as its warning says.
+HOST_INSTEAD = 'NumPy arrays take backend="numpy" (the same operations in NumPy, slower)'
+OPTIM_INSTEAD = 'the host backend\'s optimizer steps are backend="numpy"\'s (the same bits, slower)'
+
+
 @functools.lru_cache(maxsize=None)
 def host_library():
-    """(the loaded host backend library, None), or (None, why it cannot be
-    built or loaded); built on first use.
+    """(the loaded host backend library, None), or (None, why it is not
+    used: off, or why it cannot be built or loaded); built on first use.
 
     >>> lib, reason = host_library()
     >>> lib is not None or isinstance(reason, str)
     True
     """
-    numpy_include = np.get_include()
+    off = host_compiler.native_disabled()
+    if off:
+        return None, off
     python_include = sysconfig.get_paths()["include"]
     if not os.path.isfile(os.path.join(python_include, "Python.h")):
-        return None, f"no Python.h in {python_include}"
+        return None, host_compiler.warn_unbuilt("host library", f"no Python.h in {python_include}", HOST_INSTEAD)
     kernels = kernel_dir()
     host = kernels / "host"
     files = {name: (kernels / name).read_text() for name in SHARED_HEADERS}
     files["host_prelude.h"] = (host / "host_prelude.h").read_text()
     try:
         path = host_compiler.build_library(
-            "gpuflat-host", (host / "host_backend.cpp").read_text(), include_dirs=(python_include, numpy_include),
-            flags=FLAGS, files=files, key_parts=(python_include, np.__version__, _cpu_identity()))
+            HOST_NAME, (host / "host_backend.cpp").read_text(), include_dirs=(python_include, np.get_include()),
+            flags=FLAGS, files=files, key_parts=(python_include, sys.version, np.__version__, _cpu_identity()))
         lib = host_compiler.load(path, ctypes.PyDLL)
     except (BuildError, OSError) as exc:
-        return None, str(exc)
+        return None, host_compiler.warn_unbuilt("host library", str(exc), HOST_INSTEAD)
     obj, i64, f64, c_int = ctypes.py_object, ctypes.c_longlong, ctypes.c_double, ctypes.c_int
-    lib.gf_host_init.argtypes = [obj, c_int]
+    lib.gf_host_init.argtypes = [obj, ctypes.POINTER(c_int)]
     lib.gf_host_init.restype = None
     lib.gf_host_norms_flat.argtypes = [obj, obj, c_int, f64, c_int, obj, obj, obj]
     lib.gf_host_norms_rows.argtypes = lib.gf_host_norms_flat.argtypes
@@ -106,9 +147,21 @@ def host_library():
                lib.gf_host_clip_flat, lib.gf_host_norms_rows, lib.gf_host_clip_rows, lib.gf_host_facts):
         fn.restype = i64
     # bfloat16 is ml_dtypes' type, known by its number once it is imported.
-    lib.gf_host_init(np.ndarray, -1)
-    when_bfloat16(lambda dtype: lib.gf_host_init(np.ndarray, dtype.num))
+    lib.gf_host_init(np.ndarray, _type_numbers())
+    when_bfloat16(lambda _: lib.gf_host_init(np.ndarray, _type_numbers()))
     return lib, None
+
+
+def _type_numbers():
+    """The NumPy type number of each dtype tag (-1 for one not registered yet), as the library takes them.
+
+    >>> list(_type_numbers())[2:4] == [np.dtype(np.float32).num, np.dtype(np.float64).num]
+    True
+    """
+    nums = (ctypes.c_int * len(DTYPES))(*[-1] * len(DTYPES))
+    for dtype, tag in TAGS.items():
+        nums[tag] = dtype.num
+    return nums
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,15 +174,18 @@ def optim_library():
     >>> lib is not None or isinstance(reason, str)
     True
     """
+    off = host_compiler.native_disabled()
+    if off:
+        return None, off
     kernels = kernel_dir()
     files = {name: (kernels / name).read_text() for name in ("gpuflat_common.cuh", "gpuflat_optim.cuh")}
     files["host_prelude.h"] = (kernels / "host" / "host_prelude.h").read_text()
     try:
-        path = host_compiler.build_library("gpuflat-host-optim", (kernels / "host" / "host_optim.cpp").read_text(),
+        path = host_compiler.build_library(OPTIM_NAME, (kernels / "host" / "host_optim.cpp").read_text(),
                                            flags=FLAGS, files=files, key_parts=(_cpu_identity(),))
         lib = host_compiler.load(path, ctypes.CDLL)
     except (BuildError, OSError) as exc:
-        return None, str(exc)
+        return None, host_compiler.warn_unbuilt("optimizer library", str(exc), OPTIM_INSTEAD)
     vp, i64, f64, c_int = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_double, ctypes.c_int
     lib.gf_host_optim_step.argtypes = [c_int, c_int, vp, i64, vp, vp, vp, vp, vp, vp, vp, vp, f64, f64, vp, c_int]
     lib.gf_host_optim_step.restype = c_int
@@ -170,3 +226,45 @@ def _cpu_identity() -> str:
         return "".join(sorted(set(lines)))
     except OSError:
         return platform.machine() + platform.processor()
+
+
+class NativePart(NamedTuple):
+    """What :func:`native_info` says of one native part: whether it is in use, and why (or why not)."""
+
+    in_use: bool
+    why: str
+
+
+def native_info() -> dict[str, NativePart]:
+    """Which of gpuflat's native parts are in use in this process, and why
+    any is not: ``"host"`` (the host backend's gather, scatter, norms and
+    clips of NumPy arrays), ``"host optimizer"`` (its optimizer steps) and
+    ``"tensor facts"`` (the reader of PyTorch tensors' metadata). A part in
+    use says whether it was built now or loaded from the cache; one not in
+    use says why: ``GPUFLAT_NATIVE=0``, no compiler, the compiler's message
+    (remembered in the cache where an earlier build failed the same way),
+    or PyTorch not installed. Parts not yet used are built (or loaded) now.
+
+    >>> info = native_info()
+    >>> sorted(info)
+    ['host', 'host optimizer', 'tensor facts']
+    >>> all(isinstance(part.in_use, bool) and part.why for part in info.values())
+    True
+    >>> info["host"].in_use == available()
+    True
+    """
+    return {"host": _part(host_library()[1], HOST_NAME), "host optimizer": _part(optim_library()[1], OPTIM_NAME),
+            "tensor facts": _tensor_facts_part()}
+
+
+def _part(reason: str | None, name: str) -> NativePart:
+    """The word on the part built as ``name``: not in use for ``reason``, else in use, and how it was come by."""
+    return NativePart(True, host_compiler.obtained(name)) if reason is None else NativePart(False, reason)
+
+
+def _tensor_facts_part() -> NativePart:
+    if importlib.util.find_spec("torch") is None:
+        return NativePart(False, "PyTorch is not installed")
+    from gpuflat._src import tensor_facts
+
+    return _part(tensor_facts.unavailable_reason(), tensor_facts.NAME)

@@ -9,8 +9,8 @@ conjugate or negative view, and the device (:func:`device_keys`). A small C++ li
 against the installed PyTorch's headers (``kernels/host/tensor_facts.cpp``,
 built with g++ on first use and cached on disk) reads them, and the
 gradients of a list of parameters, at about 40 ns per tensor; Python reads
-them where the library cannot be built, at about 300 ns, with the same
-result.
+them where the library cannot be built (a warning says why) or
+``GPUFLAT_NATIVE=0`` turns it off, at about 300 ns, with the same result.
 
 >>> import torch
 >>> w = torch.nn.Parameter(torch.zeros(3)); w.grad = torch.ones(3)
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import sys
 import sysconfig
 from operator import attrgetter
 from pathlib import Path
@@ -35,8 +36,8 @@ from . import caches, host_compiler
 from ..errors import BuildError
 from .kernel_loader import kernel_dir
 
-__all__ = ["CONTIGUOUS", "DTYPES", "LAZY_VIEW", "PLAIN", "available", "device_keys", "dtype_codes", "gradients",
-           "in_python", "is_plain_type", "of_tensors", "unavailable_reason"]
+__all__ = ["CONTIGUOUS", "DTYPES", "LAZY_VIEW", "NAME", "PLAIN", "available", "device_keys", "dtype_codes",
+           "gradients", "in_python", "is_plain_type", "of_tensors", "unavailable_reason"]
 
 # Every torch dtype, in a fixed order: a dtype's code is its position here.
 DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
@@ -49,6 +50,8 @@ _CODE = {dtype: i for i, dtype in enumerate(DTYPES)}
 # The tensor types read natively; a subclass may define what Python sees its own way.
 PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 _grad_of, _dtype = attrgetter("grad"), attrgetter("dtype")
+# The library's name in the cache (and in host_compiler.obtained).
+NAME = "gpuflat-tensor-facts"
 
 
 def gradients(parameters: list) -> tuple[list, np.ndarray | None]:
@@ -182,7 +185,11 @@ def _library():
 
 @functools.lru_cache(maxsize=None)
 def _load():
-    """(the loaded library, None), or (None, why it cannot be built or loaded)."""
+    """(the loaded library, None), or (None, why it is not used: off, or why
+    it cannot be built or loaded); built on first use."""
+    off = host_compiler.native_disabled()
+    if off:
+        return None, off
     python_include = sysconfig.get_paths()["include"]
     # The wheel's own headers and libraries (torch.utils.cpp_extension knows
     # them too, but imports setuptools, which a plain venv may lack).
@@ -195,13 +202,14 @@ def _load():
              f"-Wl,-rpath,{torch_lib}")
     try:
         path = host_compiler.build_library(
-            "gpuflat-tensor-facts", (kernel_dir() / "host" / "tensor_facts.cpp").read_text(),
+            NAME, (kernel_dir() / "host" / "tensor_facts.cpp").read_text(),
             include_dirs=(python_include, torch_include, torch_include / "torch" / "csrc" / "api" / "include"),
             flags=flags,
-            key_parts=(torch.__version__, str(torch_lib)))
+            key_parts=(sys.version, torch.__version__, str(torch_lib)))
         lib = host_compiler.load(path, ctypes.PyDLL)
     except (BuildError, OSError) as exc:
-        return None, str(exc)
+        return None, host_compiler.warn_unbuilt("tensor facts reader", str(exc),
+                                                "PyTorch tensors' facts are read in Python (slower per tensor)")
     obj = ctypes.py_object
     lib.gf_tensor_facts_init.argtypes = [obj, obj, obj]
     lib.gf_tensor_facts_init.restype = None

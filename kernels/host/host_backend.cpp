@@ -21,6 +21,13 @@
 // reading them in Python costs milliseconds. A resident model's norms skip
 // even that: its slots are read from the one flat buffer at the plan's
 // offsets. The GIL is released while the loops run.
+//
+// Of NumPy's C API only the array struct's accessors are used, the names in
+// gpuflat/_src/native.py's NUMPY_API: inline reads of fields whose place is
+// the same in every NumPy from the floor to the newest, which need no
+// import_array(). What they cannot tell without more of the API is decided in
+// Python: which type number is which dtype (given to gf_host_init), and byte
+// order (the tree walk refuses byte-swapped leaves before any backend sees them).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
@@ -72,21 +79,25 @@ struct Leaf {
 
 // ------------------------------------------------------------ reading arrays
 
+// The most dims an array may have: NumPy 2's limit (NumPy 1's is 32). An
+// array with more (a NumPy yet to come) is refused, never overrun.
+constexpr int MAX_DIMS = 64;
+constexpr int N_TAGS = 6;
+
 PyTypeObject* g_ndarray = nullptr;
-int g_bfloat16_num = -1;
+// The NumPy type number of each dtype tag (gpuflat/_src/layout.py's rows),
+// -1 for one not known yet (bfloat16 before ml_dtypes is imported).
+int g_type_num[N_TAGS] = {-1, -1, -1, -1, -1, -1};
 
 int tag_of(PyArrayObject* a) {
-    if (!PyArray_ISNOTSWAPPED(a)) return -1;
-    const int num = PyArray_DESCR(a)->type_num;
-    switch (num) {
-        case NPY_HALF: return 0;
-        case NPY_FLOAT: return 2;
-        case NPY_DOUBLE: return 3;
-        case NPY_CFLOAT: return 4;
-        case NPY_CDOUBLE: return 5;
-        default: return num == g_bfloat16_num ? 1 : -1;
-    }
+    const int num = PyArray_TYPE(a);
+    for (int tag = 0; tag < N_TAGS; ++tag)
+        if (g_type_num[tag] == num) return tag;
+    return -1;
 }
+
+// NumPy's own judgement of whether every element sits at a multiple of its dtype's alignment.
+bool aligned(PyArrayObject* a) { return (PyArray_FLAGS(a) & NPY_ARRAY_ALIGNED) != 0; }
 
 long long itemsize_of(int tag) {
     static const long long sizes[] = {2, 2, 4, 8, 8, 16};
@@ -99,7 +110,7 @@ long long itemsize_of(int tag) {
 // offset of the block's lowest address. Norms and clips read such a leaf as
 // that block, contiguously, in memory order.
 bool dense_block(const long long* n_s, int kept, long long itemsize, long long& start) {
-    int order[NPY_MAXDIMS];
+    int order[MAX_DIMS];
     for (int d = 0; d < kept; ++d) order[d] = d;
     // Equal |strides| never pass (each extent is at least 2), whatever their order here.
     std::sort(order, order + kept,
@@ -135,15 +146,16 @@ struct LeafSet {
         if (tag < 0) return false;
         const long long itemsize = itemsize_of(tag);
         const int nd = PyArray_NDIM(a);
-        const npy_intp* shape = PyArray_DIMS(a);
-        const npy_intp* strides = PyArray_STRIDES(a);
+        if (nd > MAX_DIMS) return false;
+        const auto* shape = PyArray_DIMS(a);
+        const auto* strides = PyArray_STRIDES(a);
         long long size = 1;
         for (int d = 0; d < nd; ++d) size *= shape[d];
         const long long at = (long long)dims.size();
         // Size-1 dims dropped, neighbours merged where the strides allow (as
         // the CUDA backend's table rows): a transposed matrix keeps 2 dims.
         // Pairs (extent, stride) on the stack: no allocation per leaf.
-        long long n_s[2 * NPY_MAXDIMS];
+        long long n_s[2 * MAX_DIMS];
         int kept = 0;
         for (int d = 0; d < nd && size > 0; ++d) {
             if (shape[d] == 1) continue;
@@ -164,7 +176,7 @@ struct LeafSet {
             contiguous = true;
         }
         int ndim = 0;
-        if (size > 0 && !(contiguous && PyArray_ISALIGNED(a))) {
+        if (size > 0 && !(contiguous && aligned(a))) {
             if (contiguous) {
                 kept = 1;
                 n_s[0] = size;
@@ -186,7 +198,7 @@ struct LeafSet {
         if (!PyObject_TypeCheck(flat, g_ndarray)) return false;
         PyArrayObject* a = (PyArrayObject*)flat;
         const int tag = tag_of(a);
-        if (tag < 0 || PyArray_NDIM(a) != 1 || !PyArray_ISALIGNED(a)) return false;
+        if (tag < 0 || PyArray_NDIM(a) != 1 || !aligned(a)) return false;
         const long long itemsize = itemsize_of(tag);
         const long long size = PyArray_DIMS(a)[0];
         if (size != offsets[n_slots] || (size > 1 && PyArray_STRIDES(a)[0] != itemsize)) return false;
@@ -416,7 +428,7 @@ class Cursor {
   private:
     const Leaf& L_;
     char* p_;
-    long long idx_[NPY_MAXDIMS];
+    long long idx_[MAX_DIMS];
 };
 
 template <class S>
@@ -954,13 +966,14 @@ const Prepared* prepare(PyObject* arrays, PyObject* offsets, long long token, Or
 
 // ------------------------------------------------------------ entry points
 // Each returns -1 on success, else the index of the first array it cannot
-// use (not an ndarray of a gpuflat dtype in native byte order, or of the
-// wrong size); the caller names the leaf. Nothing is written before that
+// use (not an ndarray of a gpuflat dtype, or of the wrong size); the caller
+// names the leaf. Nothing is written before that
 // check. Outputs are NumPy arrays of the right dtype and size.
 
-GF_EXPORT void gf_host_init(PyObject* ndarray_type, int bfloat16_num) {
+// type_nums: the NumPy type number of each dtype tag, -1 for one not known yet.
+GF_EXPORT void gf_host_init(PyObject* ndarray_type, const int* type_nums) {
     g_ndarray = (PyTypeObject*)ndarray_type;
-    g_bfloat16_num = bfloat16_num;
+    std::copy(type_nums, type_nums + N_TAGS, g_type_num);
 }
 
 namespace {
@@ -1041,7 +1054,9 @@ GF_EXPORT long long gf_host_norms_rows(PyObject* rows, PyObject* offsets, int ki
 // dtype (number and byte order), flags (writable and contiguous among them),
 // ndim, dims and strides, as int64 words into `out`. Returns the number of
 // words written, or -1 if an item is not an ndarray or `out` is too small
-// (the record then takes the tree as changed).
+// (the record then takes the tree as changed). The byte order is recorded,
+// not judged: a dtype set to a byte-swapped one in place reads as a change,
+// and the walk that follows refuses the leaf.
 GF_EXPORT long long gf_host_facts(PyObject* arrays, PyObject* out) {
     PyObject* fast = fast_sequence(arrays, "expected a sequence of arrays");
     if (!fast) {
@@ -1064,10 +1079,9 @@ GF_EXPORT long long gf_host_facts(PyObject* arrays, PyObject* out) {
             k = -1;
             break;
         }
-        const PyArray_Descr* d = PyArray_DESCR(a);
         w[k++] = (long long)(intptr_t)items[i];
         w[k++] = (long long)(intptr_t)PyArray_DATA(a);
-        w[k++] = (long long)d->type_num | ((long long)(unsigned char)d->byteorder << 32);
+        w[k++] = (long long)PyArray_TYPE(a) | ((long long)(unsigned char)PyArray_DESCR(a)->byteorder << 32);
         w[k++] = (long long)PyArray_FLAGS(a) | ((long long)nd << 32);
         for (int j = 0; j < nd; ++j) w[k++] = PyArray_DIMS(a)[j];
         for (int j = 0; j < nd; ++j) w[k++] = PyArray_STRIDES(a)[j];

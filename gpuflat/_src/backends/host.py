@@ -15,9 +15,14 @@ logical order. Arrays are read in native code (no Python work per leaf), and
 a resident model's norms read its one flat buffer at the plan's offsets.
 
 The libraries are ``gpuflat._src.native``'s. Where they cannot be built (no
-compiler, no Python or NumPy headers, a compiler error) this backend cannot
-be made: asking for it by name raises with the build's message, and NumPy
-arrays take the NumPy backend by default instead.
+compiler, no Python or NumPy headers, a compiler error) or ``GPUFLAT_NATIVE=0``
+turns them off, this backend cannot be made: asking for it by name raises
+with the reason, and NumPy arrays take the NumPy backend by default instead.
+Where only the optimizer library is missing, the optimizer steps are the
+NumPy backend's (the same bits, slower).
+
+Leaves reach this backend from the tree walk, which refuses byte-swapped
+arrays; the library refuses arrays of any dtype but gpuflat's.
 
 >>> import numpy as np, gpuflat as gf
 >>> be = HostBackend()
@@ -39,7 +44,7 @@ from gpuflat._src.dtypes import TAGS
 from gpuflat._src.identity import Recorded
 from gpuflat._src.layout import DTYPES, NORM_KINDS, OPTIM_DTYPES, norm_kind, rule_id
 
-from .numpy_backend import HostMemory
+from .numpy_backend import HostMemory, NumpyBackend
 from .protocol import LeafRows, NormResult, OneSourcePerSlot
 
 
@@ -176,7 +181,10 @@ class HostBackend(HostMemory):
         >>> p.round(6)
         array([0.9, 0.9, 0.9], dtype=float32)
         """
-        lib = _needed(native.optim_library(), "optimizer library")
+        lib = native.optim_library()[0]
+        if lib is None:
+            return NumpyBackend().step_(rule, plan, params, grads, states, slot_group, hyper, steps, total,
+                                        max_norm, eps, amp)
         ptr = _address
         # A dtype the update is not built for gets -1, which the library refuses.
         tag = TAGS.get(params.dtype, -1)
@@ -202,7 +210,9 @@ class HostBackend(HostMemory):
         >>> p, buf
         (array([0.5, 0.5], dtype=float32), array([1., 1.], dtype=float32))
         """
-        lib = _needed(native.optim_library(), "optimizer library")
+        lib = native.optim_library()[0]
+        if lib is None:
+            return NumpyBackend().step_rows(rule, tag, rows, hyper, lr_at, total, max_norm, eps, amp)
         ptr = _address
         rows = np.ascontiguousarray(rows, np.int64)
         code = lib.gf_host_optim_rows(rule_id(rule), tag, ptr(rows), len(rows), ptr(hyper), ptr(lr_at),
