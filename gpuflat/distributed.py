@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._src import caches, checks, clipping, dtensor
-from ._src.arrays import adopt, device_scope, is_module, module_parameters
+from ._src.arrays import adopt, device_scope, external_stream, is_module, module_parameters
 from ._src.backends import get_backend
 from ._src.dtypes import is_bfloat16
 from ._src.binding import Call

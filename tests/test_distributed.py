@@ -6,6 +6,7 @@ each case is then its own test here, passing when every rank reported it ok.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -192,3 +193,23 @@ def test_a_module_with_a_missing_gradient_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"leaf 'weight': expected a gradient tensor, got None"):
         gfd.all_reduce_(net)
 
+
+
+def test_a_torch_groups_cupy_work_runs_on_pytorchs_current_stream(monkeypatch):
+    # NCCL orders its collectives on PyTorch's current stream: CuPy's work on
+    # the buffer it reduces goes there too, wrapped as CuPy 14 wraps a
+    # foreign stream (ExternalStream, which it deprecates, would warn).
+    import warnings
+
+    import cupy_stand_in
+    import torch
+
+    cupy = cupy_stand_in.make_cupy(("90",))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *device: type("S", (), {"cuda_stream": 0x4200})())
+    comm = gfd._Comm(None)
+    comm.kind = "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        with comm.stream(cupy) as stream:
+            assert stream.ptr == 0x4200 and cupy.cuda.get_current_stream() is stream
+    assert isinstance(comm.stream(np), type(contextlib.nullcontext()))
