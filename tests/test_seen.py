@@ -321,3 +321,179 @@ def test_values_changed_in_place_are_read_through_a_recorded_tree(backend, op):
             assert norm == pytest.approx(_norm(values), rel=1e-12)
             scaled = _norm([tree["w"], tree["b"][0], tree["s"]])
             assert scaled == pytest.approx(min(norm, 1.0), rel=1e-6)
+
+
+# ---------------------------------------------------------------- CuPy trees
+#
+# On the CuPy stand-in (tests/cupy_stand_in.py), whose arrays have CuPy's
+# attributes and its device rules; the kernels run on the host emulator.
+
+
+@pytest.fixture
+def cp(monkeypatch):
+    """The stand-in as ``cupy`` (device 0 sm_90, device 1 sm_80), with no device found before."""
+    import cupy_stand_in
+
+    from gpuflat._src.backends import selection
+
+    module = cupy_stand_in.install(monkeypatch)
+    selection._devices_found.clear()
+    yield module
+    selection._devices_found.clear()
+
+
+class _Counted:
+    """Calls into the tree walk, the plan signature and the per-leaf device read."""
+
+    def __init__(self, monkeypatch):
+        from gpuflat._src import flatplan, tree
+        from gpuflat._src.backends import selection
+
+        self.calls = {"walk": 0, "signature": 0, "device": 0}
+        for module, name, key in ((tree, "_walk", "walk"), (flatplan, "signature", "signature"),
+                                  (selection, "_device_id", "device")):
+            monkeypatch.setattr(module, name, self._counting(getattr(module, name), key))
+
+    def _counting(self, fn, key):
+        def counted(*args, **kwargs):
+            self.calls[key] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    def reset(self):
+        self.calls = dict.fromkeys(self.calls, 0)
+
+
+def _cupy_tree(cp):
+    return {"a": cp.asarray(np.full(4, 1.0, np.float32)), "b": [cp.asarray(np.full((2, 3), 2.0)), "relu", None],
+            "c": (cp.asarray(np.full(2, 3.0, np.float32)),)}
+
+
+def _host(cp, arrays):
+    return [cp.asnumpy(a) for a in arrays]
+
+
+@pytest.mark.parametrize("op", ["global_norm", "clip_grad_norm_", "flatten"])
+def test_a_repeated_cupy_tree_is_read_without_a_walk_a_signature_or_a_device_read(cp, monkeypatch, op):
+    tree = _cupy_tree(cp)
+    plan = gf.plan(tree)
+    call = {"global_norm": lambda: gf.global_norm(tree), "clip_grad_norm_": lambda: gf.clip_grad_norm_(tree, 1e9),
+            "flatten": lambda: gf.flatten(plan, tree)}[op]
+    counted = _Counted(monkeypatch)
+    for _ in range(REPEATS):
+        call()
+    assert type(_seen.trees._entries.find(id(tree))) is _seen.SeenTree
+    counted.reset()
+    result = call()
+    assert counted.calls == {"walk": 0, "signature": 0, "device": 0}
+    leaves = _host(cp, [tree["a"], tree["b"][0], tree["c"][0]])
+    if op == "flatten":
+        assert cp.asnumpy(result).tolist() == np.concatenate([x.ravel() for x in leaves]).tolist()
+    else:
+        assert float(result) == pytest.approx(_norm(leaves), rel=1e-12)
+
+
+def test_a_cupy_leaf_replaced_is_walked_again_and_read_anew(cp, monkeypatch):
+    tree = _recorded(_cupy_tree(cp))
+    counted = _Counted(monkeypatch)
+    tree["a"] = cp.asarray(np.full(4, 5.0, np.float32))  # a new array: another object, another address
+    assert float(gf.global_norm(tree)) == pytest.approx(_norm(_host(cp, [tree["a"], tree["b"][0], tree["c"][0]])))
+    assert counted.calls["walk"] > 0
+
+
+def test_a_cupy_array_freed_and_another_made_in_its_place_is_not_taken_for_it(cp):
+    tree = _recorded({"w": cp.asarray(np.ones(4)), "b": cp.asarray(np.ones(1))})
+    tree["w"] = None
+    gc.collect()  # the array and its memory are gone: a new one may take both addresses
+    tree["w"] = cp.asarray(np.full(4, 2.0))
+    assert float(gf.global_norm(tree)) == pytest.approx(np.sqrt(4 * 4.0 + 1.0))
+
+
+def test_a_dead_cupy_array_at_the_same_identity_is_not_taken_for_it(cp):
+    tree = _recorded({"w": cp.asarray(np.ones(4)), "b": cp.asarray(np.ones(1))})
+    seen = _seen.trees._entries.find(id(tree))
+    tree["w"] = cp.asarray(np.full(4, 2.0))  # the first array dies here
+    seen.facts[0][0] = id(tree["w"])  # as if the new one had been given its identity
+    seen.facts[1][0] = tree["w"].data.ptr  # and its memory
+    assert seen.walk_again(tree) is None
+
+
+def test_a_cupy_leaf_reshaped_in_place_is_read_again(cp):
+    # CuPy's ``a.shape = ...`` sets a live array's shape and strides in place;
+    # the stand-in's are its host array's.
+    tree = _recorded(_cupy_tree(cp))
+    plan = gf.plan(tree)
+    tree["a"]._host.shape = (2, 2)
+    assert gf.plan(tree).leaves[0].shape == (2, 2)
+    with pytest.raises(TreeMismatchError, match=r"leaf \"\['a'\]\": expected shape \(4,\), got \(2, 2\)"):
+        gf.flatten(plan, tree)
+
+
+def test_a_cupy_leaf_replaced_by_one_of_other_strides_is_read_with_them(cp):
+    # CuPy sets no strides in place (``strides`` has no setter): other strides
+    # of the same shape come as another array, here over the same memory.
+    base = cp.asarray(np.arange(20.0))
+    tree = _recorded({"x": base[:6]})
+    tree["x"] = base[:18:3]
+    assert float(gf.global_norm(tree)) == pytest.approx(_norm([np.arange(20.0)[:18:3]]), rel=1e-12)
+
+
+def test_a_cupy_leaf_made_an_overlapping_view_is_refused_by_a_clip(cp):
+    base = cp.asarray(np.ones(8))
+    grads = _recorded({"x": base[:4], "y": base[4:]}, lambda g: gf.clip_grad_norm_(g, 1e9))
+    grads["y"] = base[2:6]
+    with pytest.raises(OverlapError, match=r"\['x'\].*\['y'\]"):
+        gf.clip_grad_norm_(grads, 0.5)
+    assert cp.asnumpy(base).tolist() == [1.0] * 8
+
+
+def test_a_cupy_leaf_moved_to_another_device_is_named(cp):
+    tree = _recorded(_cupy_tree(cp))
+    with cp.cuda.Device(1):
+        tree["c"] = (cp.asarray(np.full(2, 3.0, np.float32)),)
+    for _ in range(2):  # the tree as recorded, then as walked and recorded again
+        with pytest.raises(TypeError, match=r"tree spans two GPUs: leaf \"\['a'\]\" is on device 0, "
+                                            r"leaf \"\['c'\]\[0\]\" on device 1"):
+            gf.global_norm(tree)
+
+
+def test_a_device_found_for_some_arrays_is_not_taken_for_others(cp):
+    from gpuflat._src.backends import selection
+
+    a, b = cp.asarray(np.ones(2)), cp.asarray(np.ones(2))
+    with cp.cuda.Device(1):
+        c = cp.asarray(np.ones(2))
+    assert selection._one_device([a, b], str) == 0 and selection._one_device([a], str) == 0
+    with pytest.raises(TypeError, match="leaf '0' is on device 0, leaf '2' on device 1"):
+        selection._one_device([a, b, c], str)
+    assert selection._one_device([c], str) == 1
+
+
+def test_cupy_ties_are_kept_and_a_broken_tie_is_seen(cp):
+    w = cp.asarray(np.ones(2))
+    tree = {"x": w, "y": cp.asarray(np.full(1, 5.0)), "z": w}
+    plan = gf.plan(tree)
+    for _ in range(REPEATS):
+        assert cp.asnumpy(gf.flatten(plan, tree)).tolist() == [1.0, 1.0, 5.0]
+        assert float(gf.global_norm(tree)) == pytest.approx(np.sqrt(27.0))
+    assert _seen.trees._entries.find(id(tree)).first == [0, 1]
+    tree["z"] = cp.asarray(np.full(2, 2.0))  # now a gradient tree: the tied slot's two gradients add up
+    assert cp.asnumpy(gf.flatten(plan, tree)).tolist() == [3.0, 3.0, 5.0]
+
+
+def test_empty_and_zero_dimensional_cupy_leaves_are_recorded(cp, monkeypatch):
+    tree = {"empty": cp.asarray(np.zeros(0, np.float32)), "scalar": cp.asarray(np.array(3.0)),
+            "w": [cp.asarray(np.full(2, 4.0))]}
+    _recorded(tree)
+    counted = _Counted(monkeypatch)
+    assert float(gf.global_norm(tree)) == pytest.approx(np.sqrt(9.0 + 32.0))
+    assert counted.calls["walk"] == 0
+    assert [leaf.shape for leaf in gf.plan(tree).leaves] == [(0,), (), (2,)]
+
+
+def test_a_tree_of_numpy_and_cupy_arrays_is_never_recorded_and_always_refused(cp):
+    tree = {"x": np.ones(2), "y": cp.asarray(np.ones(2))}
+    for _ in range(REPEATS):
+        with pytest.raises(TypeError, match="tree mixes NumPy and CuPy arrays"):
+            gf.global_norm(tree)
+    assert type(_seen.trees._entries.find(id(tree))) is not _seen.SeenTree

@@ -61,6 +61,21 @@ class SameArrays:
         return (refs is not None and len(refs) == len(arrays)
                 and all(map(operator.is_, map(_deref, refs), arrays)))
 
+    def shared_start(self, arrays) -> int:
+        """How many arrays at the start of ``arrays`` are the ones held (all
+        the held ones or all of ``arrays``, whichever is shorter; else 0).
+
+        >>> import numpy as np
+        >>> a, b, c = np.ones(1), np.ones(1), np.ones(1)
+        >>> held = SameArrays([a, b])
+        >>> held.shared_start([a, b, c]), held.shared_start([a]), held.shared_start([b, a])
+        (2, 1, 0)
+        """
+        refs = self._refs
+        if refs is None or not all(map(operator.is_, map(_deref, refs), arrays)):
+            return 0
+        return min(len(refs), len(arrays))
+
 
 class Recorded(list):
     """Arrays that a recorded tree (``gpuflat._src.seen``) found unchanged in this
@@ -119,6 +134,32 @@ class Layout:
         else:
             same_flags = np.array_equal(flags, self._flags)
         return same_flags and all(arrays[i].strides == strides for i, strides in self._strided)
+
+
+_data_ptr, _shape, _strides, _dtype = attrgetter("data.ptr"), attrgetter("shape"), attrgetter("strides"), attrgetter("dtype")
+
+
+def device_array_facts(arrays) -> tuple:
+    """The identity, data address, shape, strides and dtype of each of
+    ``arrays`` (CuPy's: a Cython class, whose struct no native reader can
+    read as it reads NumPy's), as five lists, each read in one ``map``: a C
+    loop over the arrays' own attributes, with no Python of gpuflat's per
+    array. CuPy arrays have no flags of their own to read: writable always,
+    their contiguity follows from shape and strides. Two equal results of
+    living arrays mean the same arrays, unchanged.
+
+    >>> import numpy as np
+    >>> from types import SimpleNamespace
+    >>> a = SimpleNamespace(data=SimpleNamespace(ptr=64), shape=(2,), strides=(4,), dtype=np.dtype("f4"))
+    >>> facts = device_array_facts([a])
+    >>> facts[1:]
+    ([64], [(2,)], [(4,)], [dtype('float32')])
+    >>> a.strides = (8,)
+    >>> facts == device_array_facts([a])
+    False
+    """
+    return (list(map(id, arrays)), list(map(_data_ptr, arrays)), list(map(_shape, arrays)),
+            list(map(_strides, arrays)), list(map(_dtype, arrays)))
 
 
 _flags_num = attrgetter("flags.num")

@@ -6,8 +6,9 @@ every container still holds the same objects, of the same shapes and
 dtypes; what the checks found (fit for an in-place write, apart from a flat
 buffer) as long as, besides, the arrays' layout (``identity.Layout``: flags
 and the strides that matter) is the one they were found in. All of that is
-read again at C speed (one ``map`` per fact over all the leaves) instead of
-walking the tree in Python. Nothing of the caller's is kept alive: arrays
+read again at C speed instead of walking the tree in Python: NumPy arrays'
+facts in one native pass (``native.array_facts``), CuPy arrays' in one
+``map`` per fact over all the leaves (``identity.device_array_facts``). Nothing of the caller's is kept alive: arrays
 are weakly referenced, and only small immutable statics (numbers, strings,
 None) are held.
 """
@@ -24,7 +25,7 @@ import numpy as np
 from . import caches, flatplan
 from . import tree as _tree
 from .dtypes import TAGS
-from .identity import Layout, Recorded, equal_facts
+from .identity import Layout, Recorded, device_array_facts, equal_facts
 from .native import array_facts
 
 _shape, _dtype = attrgetter("shape"), attrgetter("dtype")
@@ -43,8 +44,9 @@ class SeenTree:
     """One tree walked before: enough to read the same tree again without a
     walk, and what was found out about it (see :class:`SeenTrees`).
 
-    Only plain trees are recorded: dicts, lists and tuples holding NumPy
-    arrays and immutable scalars (None, numbers, strings).
+    Only plain trees are recorded: dicts, lists and tuples holding arrays of
+    one kind (NumPy's or CuPy's) and immutable scalars (None, numbers,
+    strings).
 
     >>> import numpy as np
     >>> tree = {"w": np.ones(2), "b": [np.ones(3), "relu"]}
@@ -57,7 +59,7 @@ class SeenTree:
     """
 
     __slots__ = ("node", "treedef", "refs", "ids", "alive", "array_at", "static_at", "held", "static_arrays",
-                 "shapes", "dtypes", "facts", "token", "slot_of", "first", "key", "_plans", "_verdicts", "__weakref__")
+                 "shapes", "dtypes", "kind", "facts", "token", "slot_of", "first", "key", "_plans", "_verdicts", "__weakref__")
 
     @classmethod
     def of(cls, tree, walked) -> "SeenTree | None":
@@ -69,17 +71,20 @@ class SeenTree:
         if node is None:
             return None
         kinds = list(map(type, values))
-        array_at = [i for i, k in enumerate(kinds) if k is np.ndarray and values[i].dtype in TAGS]
+        kind = type(walked.arrays[0]) if walked.arrays else np.ndarray
+        if kind not in _tree._array_types():
+            return None  # a subclass, or a PyTorch or JAX view: walked as it says
+        array_at = [i for i, k in enumerate(kinds) if k is kind and values[i].dtype in TAGS]
         trainable = set(array_at)
         static_at = [i for i in range(len(values)) if i not in trainable] if len(array_at) < len(values) else []
-        if any(kinds[i] is not np.ndarray and kinds[i] not in _HELD for i in static_at):
+        if any(kinds[i] is not np.ndarray and kinds[i] is not kind and kinds[i] not in _HELD for i in static_at):
             return None
         arrays, statics = [values[i] for i in array_at], [values[i] for i in static_at]
         if len(arrays) != len(walked.arrays) or not all(map(operator.is_, arrays, walked.arrays)):
             return None  # not the tree walked (changed meanwhile): nothing is recorded
-        return cls(node, walked.treedef, values, array_at, static_at, statics)
+        return cls(node, walked.treedef, values, array_at, static_at, statics, kind)
 
-    def __init__(self, node, treedef, values, array_at, static_at, statics):
+    def __init__(self, node, treedef, values, array_at, static_at, statics, kind=np.ndarray):
         arrays = [values[i] for i in array_at]
         self.node, self.treedef = node, treedef
         # An array's id is its address, taken again only after it died; the
@@ -94,9 +99,13 @@ class SeenTree:
         self.held = [s if type(s) in _HELD else weakref.ref(s) for s in statics]
         self.static_arrays = [(k, s.shape, s.dtype) for k, s in enumerate(statics) if type(s) not in _HELD]
         self.shapes, self.dtypes = list(map(_shape, arrays)), list(map(_dtype, arrays))
-        # Identities, shapes, dtypes, flags and strides in one native read,
-        # where the host library is built (None: compared in Python instead).
-        self.facts = array_facts(arrays, 4 * len(arrays) + 2 * sum(map(len, self.shapes)))
+        # Identities, addresses, shapes, dtypes, flags and strides: of NumPy
+        # arrays in one native read, where the host library is built (None:
+        # identities, shapes and dtypes compared in Python, the layout by the
+        # verdicts); of CuPy arrays one map per fact.
+        self.kind = kind
+        self.facts = (array_facts(arrays, 4 * len(arrays) + 2 * sum(map(len, self.shapes))) if kind is np.ndarray
+                      else device_array_facts(arrays))
         # Where those facts are compared, arrays read again are the very arrays
         # recorded, unchanged: a native backend may keep what it read from them.
         self.token = next(_TOKENS) if self.facts is not None else 0
@@ -116,8 +125,7 @@ class SeenTree:
         # The ids before the liveness: an array that died while they were
         # read has marked the record dead by the time it is asked.
         if self.facts is not None:
-            now = array_facts(arrays, len(self.facts))
-            if now is None or not equal_facts(now, self.facts) or not self.alive[0]:
+            if not self._same_facts(arrays) or not self.alive[0]:
                 return None
         elif (list(map(id, arrays)) != self.ids or not self.alive[0]
               or list(map(_shape, arrays)) != self.shapes or list(map(_dtype, arrays)) != self.dtypes):
@@ -127,6 +135,13 @@ class SeenTree:
             return None
         arrays.token = self.token
         return _tree.Walked(self.treedef, arrays, statics, {})
+
+    def _same_facts(self, arrays) -> bool:
+        if self.kind is not np.ndarray:
+            with _tree.collector_paused():  # the shapes' and strides' tuples: thousands, none in a cycle
+                return device_array_facts(arrays) == self.facts
+        now = array_facts(arrays, len(self.facts))
+        return now is not None and equal_facts(now, self.facts)
 
     def _same_statics(self, statics) -> bool:
         # An immutable is held, so the same object is the same value; an
@@ -170,8 +185,8 @@ class SeenTree:
         """What was found about the tree's unique arrays (``unique``: this
         tree's, read again), while their layout is the one it was found on;
         a new, empty Verdicts when it has changed. Where the record reads its
-        arrays' facts natively, a tree read again has the layout it was
-        recorded with, so the verdicts always stand."""
+        arrays' facts (natively, or a CuPy tree's every stride), a tree read
+        again has the layout it was recorded with, so the verdicts always stand."""
         verdicts = self._verdicts
         if verdicts is None or (self.facts is None and not verdicts.layout.holds(unique)):
             verdicts = self._verdicts = Verdicts(None if self.facts is not None else Layout(unique))

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import sys
 import threading
+from operator import attrgetter
 
-from gpuflat._src import native
+from gpuflat._src import caches, native
+from gpuflat._src.identity import SameArrays
 
 BACKEND_NAMES = ("numpy", "host", "cuda", "emulated")
 
@@ -122,10 +124,49 @@ def host_default() -> str:
     return "host" if native.available() else "numpy"
 
 
+# The arrays whose device was found lately, each list with its device.
+# A CuPy array's memory, so its device, is fixed for its life (``data`` is
+# read-only), and a weak reference never matches a dead array, so a list
+# met again (a training loop's gradients, step after step) is answered by
+# identity alone: one C loop, no device read per leaf.
+_devices_found = caches.Recent("devices of CuPy arrays", 4)
+_device_id = attrgetter("device.id")
+
+
 def _one_device(arrays, path_of):
-    """The CUDA device all ``arrays`` live on; TypeError naming a leaf on each of two."""
+    """The CUDA device all ``arrays`` live on; TypeError naming a leaf on each of two.
+
+    >>> from types import SimpleNamespace as Array
+    >>> on = lambda d: Array(device=Array(id=d))
+    >>> _one_device([on(1), on(1)], str)
+    1
+    >>> _one_device([on(1), on(0)], str)
+    Traceback (most recent call last):
+    ...
+    TypeError: tree spans two GPUs: leaf '0' is on device 1, leaf '1' on device 0; expected one device
+    """
     if not arrays:
         return None
+    known, start = None, 0
+    for held, device in _devices_found.entries()[::-1]:
+        start = held.shared_start(arrays)
+        if start:
+            known = device
+            break
+    if start == len(arrays):
+        return known
+    rest = arrays[start:]
+    devices = set(map(_device_id, rest))
+    if known is not None:
+        devices.add(known)
+    if len(devices) > 1:
+        _raise_two_devices(arrays, path_of)
+    device = devices.pop()
+    _devices_found.add((SameArrays(arrays), device))
+    return device
+
+
+def _raise_two_devices(arrays, path_of):
     device = arrays[0].device.id
     for i, a in enumerate(arrays):
         if a.device.id != device:
@@ -133,4 +174,3 @@ def _one_device(arrays, path_of):
                 f"tree spans two GPUs: leaf {path_of(0)!r} is on device {device}, "
                 f"leaf {path_of(i)!r} on device {a.device.id}; expected one device"
             )
-    return device
