@@ -32,11 +32,13 @@ FLOOR_VENV := .venv-floor
 # the tests marked slow (Inductor's g++ builds, ranks) to fit CI's time.
 CPU_ISA_TESTS := tests/test_torch_optim.py tests/test_torch_optim_compile.py tests/test_torch.py tests/test_torch_ops.py
 CPU_ISAS := default avx2
-# Core, NumPy and host-backend tests: what runs without PyTorch or JAX.
+# Core, NumPy, host-backend and emulated-kernel tests: what runs without
+# PyTorch or JAX (about 1,650 tests).
 FLOOR_TESTS := tests/test_tree.py tests/test_plan.py tests/test_layout.py tests/test_numpy_backend.py \
 	tests/test_host_backend.py tests/test_host_compiler.py tests/test_binding.py tests/test_dtypes.py \
 	tests/test_identity.py tests/test_ops_out.py tests/test_ops_rounding.py tests/test_ops_sumsq.py \
-	tests/test_seen.py tests/test_caches.py
+	tests/test_seen.py tests/test_caches.py tests/test_ops.py tests/test_reliability.py tests/test_memory_order.py \
+	tests/test_optim.py tests/test_runtime.py tests/test_emulator.py
 
 .PHONY: test test-fast test-nvrtc-latest test-cpu-isa test-floor bench clean
 
