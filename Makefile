@@ -91,6 +91,7 @@ $(FLOOR_VENV)/.ready: pyproject.toml constraints.txt constraints-floor.txt
 	touch $@
 
 test-floor: $(FLOOR_VENV)/.ready
+	$(FLOOR_VENV)/bin/python -c "import numpy; print('NumPy', numpy.__version__)"
 	$(FLOOR_VENV)/bin/python -m pytest -q $(FLOOR_TESTS)
 
 $(BENCH_VENV)/.ready: pyproject.toml constraints.txt
