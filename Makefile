@@ -7,6 +7,10 @@
 #   make test-fast          the suite but for the tests marked slow (builds, ranks)
 #   make test-nvrtc-latest  the kernel gates again under the newest NVRTC of
 #                           each major (one venv holds one NVRTC per major)
+#   make test-cpu-isa       the optimizer, drop-in and compile tests again with
+#                           PyTorch's CPU kernels for AVX2 and for no vector ISA
+#   make test-floor         the tests that need neither PyTorch nor JAX at the
+#                           lowest NumPy pyproject.toml admits (constraints-floor.txt)
 #   make bench              the benchmark against PyTorch, JAX and NumPy
 #
 # torch==2.13.0 is taken from a local wheel index where one offers the CPU
@@ -21,8 +25,22 @@ LATEST_VENV := .venv-nvrtc-latest
 BENCH_VENV := .venv-bench
 PIN := -c constraints.txt
 GATE_TESTS := tests/test_kernel_resources.py tests/test_kernel_sass.py tests/test_kernel_loader.py
+FLOOR_VENV := .venv-floor
+# The tests that compare with PyTorch's CPU kernels, which round differently
+# per CPU: make test runs them with the kernels for this machine's CPU, this
+# target with those for AVX2 and for none (ATEN_CPU_CAPABILITY), leaving out
+# the tests marked slow (Inductor's g++ builds, ranks) to fit CI's time.
+CPU_ISA_TESTS := tests/test_torch_optim.py tests/test_torch_optim_compile.py tests/test_torch.py tests/test_torch_ops.py
+CPU_ISAS := default avx2
+# Core, NumPy, host-backend and emulated-kernel tests: what runs without
+# PyTorch or JAX (about 1,650 tests).
+FLOOR_TESTS := tests/test_tree.py tests/test_plan.py tests/test_layout.py tests/test_numpy_backend.py \
+	tests/test_host_backend.py tests/test_host_compiler.py tests/test_binding.py tests/test_dtypes.py \
+	tests/test_identity.py tests/test_ops_out.py tests/test_ops_rounding.py tests/test_ops_sumsq.py \
+	tests/test_seen.py tests/test_caches.py tests/test_ops.py tests/test_reliability.py tests/test_memory_order.py \
+	tests/test_optim.py tests/test_runtime.py tests/test_emulator.py
 
-.PHONY: test test-fast test-nvrtc-latest bench clean
+.PHONY: test test-fast test-nvrtc-latest test-cpu-isa test-floor bench clean
 
 $(TEST_VENV)/.ready: pyproject.toml constraints.txt
 	rm -rf $(TEST_VENV)
@@ -54,6 +72,28 @@ $(LATEST_VENV)/.ready: pyproject.toml constraints.txt constraints-nvrtc-latest.t
 test-nvrtc-latest: $(LATEST_VENV)/.ready
 	$(LATEST_VENV)/bin/python -m pytest -q $(GATE_TESTS)
 
+test-cpu-isa: $(TEST_VENV)/.ready
+	set -e; for isa in $(CPU_ISAS); do \
+		echo "ATEN_CPU_CAPABILITY=$$isa"; \
+		ATEN_CPU_CAPABILITY=$$isa $(TEST_VENV)/bin/python -m pytest -q -m "not slow" $(CPU_ISA_TESTS); \
+	done
+
+# The floor's environment: the package and its test tools with the versions
+# of constraints-floor.txt, every other pin from constraints.txt.
+$(FLOOR_VENV)/.ready: pyproject.toml constraints.txt constraints-floor.txt
+	rm -rf $(FLOOR_VENV)
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q --upgrade pip
+	sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/^\1==/p' constraints-floor.txt > $(FLOOR_VENV)/floor-names.txt
+	grep -v -i -f $(FLOOR_VENV)/floor-names.txt constraints.txt > $(FLOOR_VENV)/constraints.txt
+	$(FLOOR_VENV)/bin/python -m pip install -q -c $(FLOOR_VENV)/constraints.txt -c constraints-floor.txt \
+		-e '.[gates]'
+	touch $@
+
+test-floor: $(FLOOR_VENV)/.ready
+	$(FLOOR_VENV)/bin/python -c "import numpy; print('NumPy', numpy.__version__)"
+	$(FLOOR_VENV)/bin/python -m pytest -q $(FLOOR_TESTS)
+
 $(BENCH_VENV)/.ready: pyproject.toml constraints.txt
 	rm -rf $(BENCH_VENV)
 	$(PYTHON) -m venv $(BENCH_VENV)
@@ -65,4 +105,4 @@ bench: $(BENCH_VENV)/.ready
 	$(BENCH_VENV)/bin/python -m bench
 
 clean:
-	rm -rf $(TEST_VENV) $(LATEST_VENV) $(BENCH_VENV) build dist
+	rm -rf $(TEST_VENV) $(LATEST_VENV) $(FLOOR_VENV) $(BENCH_VENV) build dist

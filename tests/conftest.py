@@ -347,6 +347,37 @@ def rel_err(x, ref):
     return abs(x - ref) / abs(ref)
 
 
+# ---------------------------------------------------------------- rounding error bounds
+
+def rounding_bound(eps: float, roundings: int) -> float:
+    """gamma_n = n u / (1 - n u), u = eps / 2: the relative error that a chain
+    of n roundings to nearest may leave in a result, against the magnitudes of
+    the values it came from (Higham, Accuracy and Stability of Numerical
+    Algorithms, 2nd ed., Lemma 3.1). A reduction of n terms counts n.
+
+    >>> rounding_bound(2.0 ** -52, 1) == 2.0 ** -53 / (1 - 2.0 ** -53)
+    True
+    """
+    u = eps / 2
+    if roundings * u >= 1:
+        raise ValueError(f"expected fewer than {1 / u:.0f} roundings for eps {eps}, got {roundings}")
+    return roundings * u / (1 - roundings * u)
+
+
+def apart_at_most(eps: float, roundings: int, scale: float) -> float:
+    """How far apart two implementations of one computation may end, each
+    within rounding_bound of exact arithmetic: twice that bound, times
+    ``scale``, the largest magnitude among the values (an absolute tolerance,
+    with rtol 0). PyTorch's CPU kernels round differently on each CPU
+    (AVX-512, AVX2 or none: ATEN_CPU_CAPABILITY), so a comparison with them
+    holds on every CPU only within such a bound.
+
+    >>> apart_at_most(2.0 ** -23, 10, 4.0) == 2 * rounding_bound(2.0 ** -23, 10) * 4.0
+    True
+    """
+    return 2 * rounding_bound(eps, roundings) * scale
+
+
 # ---------------------------------------------------------------- array construction
 
 def random_array(rng, shape, dtype, scale=1.0):

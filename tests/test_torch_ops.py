@@ -79,6 +79,8 @@ def test_inductor_compiles_the_clip():
 def test_a_tensor_max_norm_is_read_where_it_lies_with_no_recompile():
     # A schedule writes max_norm in place: the compiled clip follows it
     # (the operator reads the tensor, no value is baked into the graph).
+    # The eager clip reads the same float32 tensor: 0.05 there is
+    # 0.0500000007, and a Python 0.05 would clip by another factor.
     model, twin = model_and_twin(3)
     max_norm = torch.tensor(0.5)
     compiled = torch.compile(lambda ps: gft.clip_grad_norm_(ps, max_norm), fullgraph=True, backend="aot_eager")
@@ -90,7 +92,7 @@ def test_a_tensor_max_norm_is_read_where_it_lies_with_no_recompile():
             backward(m, x)
         with torch._dynamo.config.patch(error_on_recompile=step > 0):  # compiled once, never again
             got = compiled(list(model.parameters()))
-        want = gft.clip_grad_norm_(list(twin.parameters()), value)
+        want = gft.clip_grad_norm_(list(twin.parameters()), max_norm)
         assert torch.equal(got, want)
         for p, q in zip(model.parameters(), twin.parameters()):
             assert torch.equal(p.grad, q.grad)
