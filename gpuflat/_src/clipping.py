@@ -29,9 +29,7 @@ class Part(NamedTuple):
 
     ``path(slot)`` names a slot's leaf in errors; ``positions``, where the
     parts split one list of the caller's, each slot's place in it, so that
-    the first leaf named is the caller's first (else the parts' order);
-    ``naming``, a ``(plan, leaves)`` pair a per-slot pass names the leaf
-    from, where ``plan`` reads the leaves as one slot (a whole buffer).
+    the first leaf named is the caller's first (else the parts' order).
     """
 
     plan: Any
@@ -41,7 +39,6 @@ class Part(NamedTuple):
     flat: Any = None
     path: Callable[[int], str] | None = None
     positions: Sequence[int] | None = None
-    naming: tuple | None = None
 
     def scope(self) -> contextlib.AbstractContextManager[Any]:
         """Where this part's work runs (``arrays.device_scope``)."""
@@ -134,9 +131,6 @@ class Bound:
         found = []
         for k, (part, result) in enumerate(zip(self.norm_parts, norm.results)):
             with self.within(part):
-                if part.naming is not None:  # the pass read whole buffers: a per-slot pass names the leaf
-                    plan, leaves = part.naming
-                    result = part.backend.norms(plan, leaves, p, True, flat=part.flat)
                 bad = int(part.backend.to_host(result.first_nonfinite))
             if bad >= 0:
                 at = (k, bad) if part.positions is None else part.positions[bad]
