@@ -83,14 +83,16 @@ __device__ __forceinline__ gf_lane_sum gf_item_terms(const Leaf& L, const Item& 
     return s;
 }
 
-// A chunk's non-finite flag when it holds no NaN or inf: above every slot
-// (slots are far below 2^53), so the least flag is the first bad slot.
-#define GF_NO_SLOT 9007199254740992.0
+// An item's non-finite flag when it holds no NaN or inf: above every item
+// index (far below 2^53), so the least flag is the first bad item, whose slot
+// is the first bad slot (items are sorted by slot).
+#define GF_NO_ITEM 9007199254740992.0
 
 // Kernel 1: one warp per work item (grid-stride). partial[it] is the item's
-// sum (or max) of terms and partial[n_items + it] its slot if the item holds
-// a NaN or inf, else GF_NO_SLOT: every item writes both, so the scratch needs
-// no clearing (no memset launch) and no atomics.
+// sum (or max) of terms and partial[n_items + it] its index `it` if the item
+// holds a NaN or inf, else GF_NO_ITEM (the index, not the slot, which would
+// hold one more register through the item's loop): every item writes both,
+// so the scratch needs no clearing (no memset launch) and no atomics.
 template <int K>
 __global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
 gpuflat_norm_partial(const Item* __restrict__ items, long long n_items, const LeafRef* __restrict__ leaves,
@@ -110,7 +112,7 @@ gpuflat_norm_partial(const Item* __restrict__ items, long long n_items, const Le
         const int bad = __any_sync(GF_FULL_MASK, sum.bad);
         if (gf_lane() == 0) {  // read again (see gf_lane)
             partial[it] = acc;
-            partial[n_items + it] = bad ? (double)item.slot : GF_NO_SLOT;
+            partial[n_items + it] = bad ? (double)it : GF_NO_ITEM;
         }
     });
 }
@@ -313,8 +315,8 @@ __device__ __forceinline__ void gf_slot_norms(double* red, long long n_items, co
 
 // Kernel 2: one block of exactly GF_FINISH_THREADS threads.
 //
-// slot_items[s] .. slot_items[s + 1] are slot s's items (items are sorted by
-// slot); big_slots lists, ascending, the slots with more than
+// items are kernel 1's (sorted by slot); slot_items[s] .. slot_items[s + 1]
+// are slot s's; big_slots lists, ascending, the slots with more than
 // GF_SMALL_SLOT_ITEMS items. Writes total[0] (the norm), total[1] (the
 // unrooted total it is the root of: sum |x|**p, or the max for inf, so a sum
 // of squares needs no squaring of a rounded root), first_bad[0] (the first
@@ -328,7 +330,7 @@ __device__ __forceinline__ void gf_slot_norms(double* red, long long n_items, co
 // 128 registers for sm_100, and spills two batches of slots in flight).
 template <int K>
 __global__ void __launch_bounds__(GF_FINISH_THREADS, 1)
-gpuflat_norm_finish(long long n_items, const double* __restrict__ partial,
+gpuflat_norm_finish(const Item* __restrict__ items, long long n_items, const double* __restrict__ partial,
                     const long long* __restrict__ slot_items, long long n_slots,
                     const long long* __restrict__ big_slots, long long n_big, double p, long long per_slot,
                     double* __restrict__ per_leaf, double* __restrict__ total, long long* __restrict__ first_bad) {
@@ -336,8 +338,8 @@ gpuflat_norm_finish(long long n_items, const double* __restrict__ partial,
     const int t = (int)threadIdx.x;
     const long long T = GF_FINISH_THREADS;
     if (per_slot) gf_slot_norms<K>(red, n_items, partial, slot_items, n_slots, big_slots, n_big, p, per_leaf);
-    // The first bad slot, as a double (see GF_NO_SLOT).
-    double v = 0.0, first = GF_NO_SLOT;
+    // The first bad item, as a double (see GF_NO_ITEM).
+    double v = 0.0, first = GF_NO_ITEM;
     for (long long k = t; k < n_items; k += T) {
         v = gf_combine<K>(v, partial[k]);
         first = gf_min_double(first, partial[n_items + k]);
@@ -346,7 +348,7 @@ gpuflat_norm_finish(long long n_items, const double* __restrict__ partial,
     if (t == 0) {
         total[0] = gf_root<K>(v, p);
         total[1] = v;
-        first_bad[0] = first < (double)n_slots ? (long long)first : -1;
+        first_bad[0] = first < (double)n_items ? items[(long long)first].slot : -1;
     }
 }
 

@@ -167,7 +167,7 @@ class CudaBackend:
         # The total never reads the per-leaf norms (kernels/norms.cu's order):
         # they are finished only when asked for.
         rt.launch(kl.norm_finish_name(kind), 1, FINISH_THREADS,
-                  [np.int64(st.n_items), partial, st.slot_items,
+                  [st.items, np.int64(st.n_items), partial, st.slot_items,
                    np.int64(n_slots), st.big_slots, np.int64(st.n_big), np.float64(p), np.int64(per_leaf),
                    per, totals, first], (st.uploaded,))
         return NormResult(totals[:1].reshape(()), per if per_leaf else None, first, totals[1:].reshape(()))
