@@ -72,11 +72,12 @@ def _leaf(rng, dtype):
     return make(values)
 
 
-def gradient_case(seed):
-    """(leaves, index of the first leaf holding NaN or inf or None): a float64
-    leaf always among them, so PyTorch's drop-ins return float64 too."""
+def gradient_case(seed, kinds=DTYPES):
+    """(leaves of ``kinds``, index of the first leaf holding NaN or inf or
+    None): a float64 leaf always among them, so PyTorch's drop-ins return
+    float64 too."""
     rng = np.random.default_rng(seed)
-    dtypes = [np.dtype(np.float64)] + [DTYPES[i] for i in rng.integers(0, len(DTYPES), int(rng.integers(1, 10)))]
+    dtypes = [np.dtype(np.float64)] + [kinds[i] for i in rng.integers(0, len(kinds), int(rng.integers(1, 10)))]
     rng.shuffle(dtypes)
     leaves = [_leaf(rng, d) for d in dtypes]
     bad = None
@@ -105,9 +106,9 @@ def _torch_tensor(a):
 
 def named_index(message):
     """The leaf index a non-finite error names, whatever the front end's path format."""
-    found = re.search(r"\['?g?(\d+)'?\]", message)
+    found = re.search(r"\bg(\d+)\b|\[(\d+)\]", message)  # 'g3' of a dict or module, [3] of a list
     assert found, message
-    return int(found.group(1))
+    return int(found.group(1) or found.group(2))
 
 
 def _nonfinite_leaf(call):
@@ -248,3 +249,47 @@ def test_a_compiled_clip_returns_the_trees_bits():
 
     got = torch.compile(clipped, backend="eager")(params)
     assert bits(got.numpy()) == bits(tree_norm(leaves, 2.0, None))
+
+
+# ---------------------------------------------------------------- the CUDA path, on the stand-ins
+
+@pytest.fixture
+def stand_in_cuda(monkeypatch):
+    """The CuPy and PyTorch CUDA stand-ins (tests/cupy_stand_in.py,
+    tests/torch_cuda_stand_in.py): the CUDA backend's tables and launches,
+    its kernels run by the host emulator."""
+    import cupy_stand_in
+    import torch_cuda_stand_in as tcs
+
+    cp = cupy_stand_in.install(monkeypatch)
+    stand_in = tcs.install(monkeypatch, cp)
+    with stand_in:
+        yield cp, tcs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 5])
+def test_cuda_front_ends_return_the_emulated_trees_bits(seed, stand_in_cuda):
+    cp, tcs = stand_in_cuda
+    # The CuPy stand-in has no bfloat16, as CuPy before 14 has none.
+    leaves, bad = gradient_case(seed, [d for d in DTYPES if d != BF16])
+    leaves = c_order(leaves)
+    model = torch.nn.Module()
+    for i, a in enumerate(leaves):
+        model.register_parameter(f"g{i}", tcs.parameter(torch.zeros(a.shape, dtype=_torch_tensor(a).dtype)))
+        getattr(model, f"g{i}").grad = tcs.cuda(_torch_tensor(a.copy()))
+    r = gf.resident(model)  # the gradients copied into its buffers
+    for p in ORDS:
+        want = bits(tree_norm(leaves, p, "emulated"))
+        got = {"tree of CuPy arrays": gf.global_norm([cp.asarray(a) for a in leaves], p).get(),
+               "tensor list": gft.get_total_norm([tcs.cuda(_torch_tensor(a)) for a in leaves], p),
+               "resident": r.grad_norm(p)}
+        for name, value in got.items():
+            if isinstance(value, torch.Tensor):
+                with torch._C.DisableTorchFunction():
+                    value = value.detach().numpy()
+            assert bits(value) == want, (name, p)
+    if bad is not None:
+        named = {"tree": _nonfinite_leaf(lambda: gf.clip_grad_norm_([cp.asarray(a) for a in leaves], HUGE,
+                                                                     error_if_nonfinite=True)),
+                 "resident": _nonfinite_leaf(lambda: r.clip_grad_norm_(HUGE, error_if_nonfinite=True))}
+        assert set(named.values()) == {bad}, named
