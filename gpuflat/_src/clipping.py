@@ -8,6 +8,16 @@ here do the rest, as PyTorch composes ``clip_grad_norm_`` from
 ``get_total_norm`` and ``clip_grads_with_norm_``. So every front end checks
 before it writes, reads the norm on the host only when asked to check it,
 names a leaf only when the norm is not finite, and raises the same error.
+
+The bits: every front end hands its backend the leaves of one device as one
+plan, in the order a tree of them has, so each norm is one fused pass in
+the one summation order kernels/norms.cu writes down (the host, CUDA and
+emulated backends follow it; NumPy's own order likewise depends on nothing
+but the leaves): a tree, a tensor list, a resident model (its leaves'
+places in its buffers) and ``gpuflat.distributed`` on one rank give the
+same bits on the same arrays, and the pass's first non-finite slot names
+the same leaf. Only parts on several devices or ranks are combined after
+their passes (``Bound.combine``, ``gpuflat.distributed``).
 """
 from __future__ import annotations
 

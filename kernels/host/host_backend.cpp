@@ -19,8 +19,8 @@
 // Arrays arrive as Python objects (the library is loaded with ctypes.PyDLL):
 // reading 10,000 data pointers and strides here costs microseconds, where
 // reading them in Python costs milliseconds. A resident model's norms skip
-// even that: its slots are read from the one flat buffer at the plan's
-// offsets. The GIL is released while the loops run.
+// even that: its leaves come as a table of rows built once (its clips read
+// the one flat buffer). The GIL is released while the loops run.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
