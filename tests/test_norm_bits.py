@@ -293,3 +293,18 @@ def test_cuda_front_ends_return_the_emulated_trees_bits(seed, stand_in_cuda):
                                                                      error_if_nonfinite=True)),
                  "resident": _nonfinite_leaf(lambda: r.clip_grad_norm_(HUGE, error_if_nonfinite=True))}
         assert set(named.values()) == {bad}, named
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_owning_some_leaves_returns_the_bits_of_the_tree_of_those(backend):
+    leaves, _ = gradient_case(4)
+    grads = {f"g{i}": a for i, a in enumerate(leaves)}
+    owned = {f"['g{i}']" for i in range(0, len(leaves), 2)}
+    mine = [a for i, a in enumerate(leaves) if i % 2 == 0]
+    for p in ORDS:
+        assert bits(gfd.global_norm(grads, p, owned=owned, backend=backend)) == bits(tree_norm(mine, p, backend)), p
+    # A NaN in a leaf the rank does not count is not its concern; one it counts is named.
+    grads["g1"] = np.full(3, np.nan)
+    assert math.isfinite(float(gfd.global_norm(grads, owned=owned, backend=backend, error_if_nonfinite=True)))
+    grads["g2"] = np.full(3, np.inf)
+    assert _nonfinite_leaf(lambda: gfd.global_norm(grads, owned=owned, backend=backend, error_if_nonfinite=True)) == 2
