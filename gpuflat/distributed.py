@@ -471,36 +471,37 @@ def _owned_mask(plan: Any, arrays: list, owned: _OwnedLike, xp: Any) -> Any:
 
 # ---------------------------------------------------------------- the norm
 
-def _reduce_norm(local: _Local, p: float) -> tuple[Any, Any, list]:
-    """(global total, this rank's per-leaf norms, the exchanged (ranks, _ROW) packet of each collective).
+def _reduce_norm(local: _Local, p: float, per_leaf: bool) -> tuple[Any, Any, list]:
+    """(global total, this rank's per-leaf norms where asked for, the exchanged (ranks, _ROW) packet of each collective).
 
-    Each rank writes its own row of a zeroed buffer; one SUM all-reduce fills
+    This rank's partial is the unrooted total of one fused pass over the
+    leaves it counts (all of them, or a plan of the owned ones alone): the
+    bits of ``gf.global_norm`` of those leaves, in the kernels' order. Each
+    rank writes its own row of a zeroed buffer; one SUM all-reduce fills
     every row everywhere (adding zeros is exact, NaN and inf included), and
     every rank then combines the rows in rank order: the same bits on every
     rank, and a max for ord=inf without a second collective. Over several
     groups (the mesh dimensions of DTensors) the combined rows of one group
     are this rank's row in the next: ranks sharing a row after one group
-    share it after the next, so every rank still gets the same bits.
+    share it after the next, so every rank still gets the same bits. A norm
+    over one rank is that rank's own pass, root and all.
     """
     xp = local.be.xp
     partial, first_bad = xp.zeros((), np.float64), xp.zeros((), np.float64)
     per = xp.zeros(0, np.float64)
+    own_total = None
     if local.arrays:
-        result = local.be.norms(local.plan, local.arrays, p, per_leaf=True)
-        per = result.per_leaf
-        contrib = per if p in (1, math.inf) else per ** p
-        mask = local.owned_mask(xp)
-        # The first slot holding NaN or inf, from the elements: a leaf whose
-        # own norm overflows float64 holds neither.
-        first_bad = result.first_nonfinite + 1
-        if mask is not None:
-            contrib = xp.where(mask, contrib, 0.0)
-            # A slot this rank does not count names the first counted one
-            # whose norm is not finite instead.
-            bad = ~xp.isfinite(contrib)
-            first_bad = xp.where((first_bad == 0) | mask[first_bad - 1], first_bad,
-                                 xp.where(bad.any(), bad.argmax() + 1, 0))
-        partial = contrib.max() if p == math.inf else contrib.sum()
+        plan, arrays, local.counted = _counted(local)
+        if plan.leaves:
+            result = local.be.norms(plan, arrays, p, per_leaf and local.counted is None)
+            partial, own_total = result.power_sum, result.total
+            # The first counted slot holding NaN or inf, from the elements (a
+            # leaf whose own norm overflows float64 holds neither), plus one.
+            first_bad = result.first_nonfinite + 1
+            if per_leaf and local.counted is None:
+                per = result.per_leaf
+        if per_leaf and local.counted is not None:
+            per = local.be.norms(local.plan, local.arrays, p, True).per_leaf
     local.first_bad = first_bad
     packets = []
     for comm in local.comms:
@@ -511,9 +512,44 @@ def _reduce_norm(local: _Local, p: float) -> tuple[Any, Any, list]:
         partial = packet[:, 0].max() if p == math.inf else packet[:, 0].sum()
         first_bad = packet[:, 1].max()
         packets.append(packet)
+    if local.ranks == 1 and own_total is not None:
+        return own_total, per, packets
     if p == math.inf:
         return partial, per, packets
     return (xp.sqrt(partial) if p == 2 else partial if p == 1 else partial ** (1.0 / p)), per, packets
+
+
+# Plans of the leaves a rank counts, remembered per plan and ownership.
+_counted_plans: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _counted(local: _Local) -> tuple[Any, list, Any]:
+    """(plan, arrays, slots) of the leaves this rank counts: ``local``'s own
+    plan and arrays and None where it counts them all, else a plan of the
+    counted ones (kept per plan and ownership, so a device finds its tables
+    again) and their slots in ``local.plan``."""
+    mask = local.owned_mask(np)
+    if mask is None or bool(np.all(mask)):
+        return local.plan, local.arrays, None
+    slots = np.flatnonzero(mask)
+    with _masks_lock:
+        cache = _counted_plans.get(local.plan)
+        if cache is None:
+            cache = _counted_plans[local.plan] = caches.LRU("counted-leaf plans", _MASKS_KEPT)
+    plan = cache.get(slots.tobytes(), lambda: _plan_of(local.plan, slots))
+    return plan, [local.arrays[i] for i in slots], slots
+
+
+def _plan_of(plan: Any, slots: np.ndarray) -> Any:
+    """A plan of ``plan``'s leaves at ``slots``, laid end to end."""
+    from ._src.flatplan import FlatPlan, LeafSpec
+
+    specs, offset = [], 0
+    for i in slots:
+        leaf = plan.leaves[i]
+        specs.append(LeafSpec(leaf.path, offset, leaf.size, leaf.shape, leaf.dtype))
+        offset += leaf.size
+    return FlatPlan(None, tuple(specs), tuple(range(len(specs))), offset, plan.dtype)
 
 
 class _RankBound(clipping.Bound):
@@ -535,7 +571,7 @@ class _RankBound(clipping.Bound):
             yield
 
     def norm(self, p: float) -> clipping.Norm:
-        total, per, packets = _reduce_norm(self.local, p)
+        total, per, packets = _reduce_norm(self.local, p, self.wants_per_leaf)
         if self.wants_per_leaf:
             self.per_leaf = self.local.call.result(per)
         return clipping.Norm(self.local.give_back(total), total, packets)
@@ -547,7 +583,8 @@ class _RankBound(clipping.Bound):
         local, text = self.local, None
         first = int(local.be.to_host(local.first_bad))
         if first:
-            text = f"leaf {local.plan.leaves[first - 1].path!r} on rank {local.rank}"
+            slot = first - 1 if local.counted is None else int(local.counted[first - 1])
+            text = f"leaf {local.plan.leaves[slot].path!r} on rank {local.rank}"
         for comm, packet in zip(local.comms, norm.results):
             culprits = np.flatnonzero(local.be.to_host(packet[:, 1]))
             if culprits.size:
@@ -845,6 +882,7 @@ class _Local:
             self.mesh = self.sharding.mesh if pipeline is None else None
         self.elsewhere = None if pipeline is None or tied is None else pipeline.elsewhere(tied, self.call)
         self.first_bad = 0
+        self.counted = None  # the slots of the leaves this rank counts, where not all
         if not self.arrays and any(comm.nccl() for comm in self.comms):
             # No local gradients, but NCCL still needs a device buffer to join in.
             self.be = get_backend(backend or "cuda")

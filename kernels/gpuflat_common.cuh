@@ -20,8 +20,8 @@
 // A slot with more work items than this is summed in the finishing block's
 // fixed tree; smaller slots are summed by one thread, in item order.
 #define GF_SMALL_SLOT_ITEMS 16
-// A slot with more items than this (a 16M-element leaf, or a resident
-// model's whole buffer) is summed by the whole finishing block; the others
+// A slot with more items than this (a 16M-element leaf) is summed by the
+// whole finishing block when per-leaf norms are asked for; the others
 // in the tree are played by one warp each, all warps at once. The tree, and
 // so the bits, is the same either way.
 #define GF_BLOCK_SLOT_ITEMS 4096

@@ -1,16 +1,34 @@
 // Fused norms (total, per leaf, first non-finite leaf) in two launches, and
 // the clipping scale in one, with no host synchronisation.
 //
-// Determinism: every sum runs in an order fixed by the plan and the leaves'
-// layouts alone. A leaf filling one dense block of memory in another order
-// than C's (transposed, channels_last, reversed) comes as the contiguous row
-// of that block (gpuflat.memory_order), so it is summed in memory order; any
-// other leaf in its logical (C) order.
-// Kernel 1 gives each work item a partial computed in a fixed lane order and
-// a fixed shuffle tree, stored in the item's own slot; kernel 2 is a single
-// block of GF_FINISH_THREADS threads that combines items per leaf and leaves
-// into the total in fixed trees. Neither the grid of kernel 1 nor the run
-// changes a bit. No atomics anywhere.
+// The summation order: every norm of every front end and backend but NumPy's
+// (gpuflat._src.clipping describes NumPy's) is these bits.
+//  1. Each element's term |x|**p in double (gf_term; |x| for the inf-norm).
+//  2. The leaves in the plan's order, each cut into chunks (work items) of
+//     ITEM elements (gpuflat._src.layout) from its own first element: where a leaf lies in memory,
+//     and what lies between leaves, changes no chunk. A leaf filling one dense
+//     block of memory in another order than C's (transposed, channels_last,
+//     reversed) comes as the contiguous row of that block
+//     (gpuflat.memory_order), so it is read in memory order; any other leaf in
+//     its logical (C) order.
+//  3. A chunk's partial: vector j of the chunk (16 bytes) is lane j % 32's,
+//     each lane combines its terms in order from 0.0, then lane 0 ends with
+//     the fixed shuffle-down tree ((l0+l16)+(l8+l24))+... (kernel 1).
+//  4. The unrooted total: the chunks' partials in order k = 0, 1, ... over
+//     all leaves, thread t of GF_FINISH_THREADS combining k = t (mod
+//     GF_FINISH_THREADS) in increasing k from 0.0, then the fixed tree over
+//     the threads (gf_block_reduce); the root is taken once, of that total.
+//     Leaf boundaries enter only through the chunks, so the total's work is
+//     one pass over the partials whatever the leaf count, the per-leaf norms
+//     are computed only when asked for, and any split of the same chunks
+//     (several front ends' tables, many leaves packed into one work item)
+//     gives the same bits.
+//  5. A leaf's own norm (when asked for): its chunks' partials, from 0.0 in
+//     chunk order for at most GF_SMALL_SLOT_ITEMS of them, else in step 4's
+//     order over its chunks alone; then its root.
+//  6. The first non-finite leaf: the least slot one of whose chunks holds a
+//     NaN or inf element.
+// Neither the grid of kernel 1 nor the run changes a bit. No atomics anywhere.
 #include "gpuflat_math.cuh"
 
 // Vectors in flight per lane (gf_item_loop's U; the order of the sum is the
@@ -65,10 +83,16 @@ __device__ __forceinline__ gf_lane_sum gf_item_terms(const Leaf& L, const Item& 
     return s;
 }
 
+// An item's non-finite flag when it holds no NaN or inf: above every item
+// index (far below 2^53), so the least flag is the first bad item, whose slot
+// is the first bad slot (items are sorted by slot).
+#define GF_NO_ITEM 9007199254740992.0
+
 // Kernel 1: one warp per work item (grid-stride). partial[it] is the item's
-// sum (or max) of terms and partial[n_items + it] is 1 if the item holds a
-// NaN or inf, else 0: every item writes both, so the scratch needs no
-// clearing (no memset launch) and no atomics.
+// sum (or max) of terms and partial[n_items + it] its index `it` if the item
+// holds a NaN or inf, else GF_NO_ITEM (the index, not the slot, which would
+// hold one more register through the item's loop): every item writes both,
+// so the scratch needs no clearing (no memset launch) and no atomics.
 template <int K>
 __global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
 gpuflat_norm_partial(const Item* __restrict__ items, long long n_items, const LeafRef* __restrict__ leaves,
@@ -88,7 +112,7 @@ gpuflat_norm_partial(const Item* __restrict__ items, long long n_items, const Le
         const int bad = __any_sync(GF_FULL_MASK, sum.bad);
         if (gf_lane() == 0) {  // read again (see gf_lane)
             partial[it] = acc;
-            partial[n_items + it] = bad ? 1.0 : 0.0;
+            partial[n_items + it] = bad ? (double)it : GF_NO_ITEM;
         }
     });
 }
@@ -96,11 +120,11 @@ gpuflat_norm_partial(const Item* __restrict__ items, long long n_items, const Le
 __device__ __forceinline__ double gf_min_double(double a, double b) { return a < b ? a : b; }
 
 // The fixed tree over the finishing block (thread t < w takes op(its value,
-// thread t + w's), w = GF_FINISH_THREADS / 2 down to 1) of the total with
-// `op` and, beside it, of the first bad slot with min: the levels wider than
-// a warp through shared memory `red` (2 * GF_FINISH_THREADS doubles), the
-// last ones in warp 0 as shuffles (lane t plays thread t), so three barriers
-// serve both trees. Thread 0 gets both results.
+// thread t + w's), w = GF_FINISH_THREADS / 2 down to 1) of `v` with `op`
+// and, beside it, of `first` with min: the levels wider than a warp through
+// shared memory `red` (2 * GF_FINISH_THREADS doubles), the last ones in
+// warp 0 as shuffles (lane t plays thread t), so three barriers serve both
+// trees. Thread 0 gets both results.
 template <class Op>
 __device__ __forceinline__ void gf_block_reduce(double* red, double& v, double& first, Op op) {
     const int t = (int)threadIdx.x;
@@ -131,14 +155,12 @@ __device__ __forceinline__ void gf_block_reduce(double* red, double& v, double& 
 // GF_FINISH_THREADS threads, each summing the items k = a + t (mod
 // GF_FINISH_THREADS) in order, computed by ONE warp: lane l plays threads
 // l + 32 r, so the tree's first levels stay inside a lane, the last five are
-// shuffles, and no block barrier is needed. Lane 0 gets the sum; `bad` says
-// whether any of the items holds a NaN or inf (flags at partial[n_items + k]).
+// shuffles, and no block barrier is needed. Lane 0 gets the sum.
 template <int K>
-__device__ __forceinline__ double gf_warp_slot_sum(const double* __restrict__ partial, long long n_items,
-                                                   long long a, long long b, int lane, int& bad) {
+__device__ __forceinline__ double gf_warp_slot_sum(const double* __restrict__ partial, long long a, long long b,
+                                                   int lane) {
     constexpr int R = GF_FINISH_THREADS / GF_WARP;
     double r[R];
-    int any = 0;
 #pragma unroll
     for (int i = 0; i < R; ++i) r[i] = 0.0;
     // The R strided sums advance together, each in its own order, so a lane
@@ -149,10 +171,7 @@ __device__ __forceinline__ double gf_warp_slot_sum(const double* __restrict__ pa
 #pragma unroll
         for (int i = 0; i < R; ++i) {
             const long long k = base + i * GF_WARP;
-            if (k < b) {
-                r[i] = gf_combine<K>(r[i], partial[k]);
-                any |= partial[n_items + k] != 0.0;
-            }
+            if (k < b) r[i] = gf_combine<K>(r[i], partial[k]);
         }
     }
 #pragma unroll
@@ -163,7 +182,6 @@ __device__ __forceinline__ double gf_warp_slot_sum(const double* __restrict__ pa
     double v = r[0];
 #pragma unroll
     for (int off = GF_WARP / 2; off > 0; off >>= 1) v = gf_combine<K>(v, __shfl_down_sync(GF_FULL_MASK, v, off));
-    bad = __any_sync(GF_FULL_MASK, any);
     return v;
 }
 
@@ -174,14 +192,14 @@ constexpr int GF_FINISH_SLOTS = 8;
 
 // A finishing thread's slots s0, s0 + T, ... (GF_FINISH_SLOTS of them; T =
 // GF_FINISH_THREADS), of which the first n exist: their bounds a .. b and,
-// as a guess, item s's partial and non-finite flag, right where slot s holds
-// exactly item s (a tree of leaves of one item each). Entries past the ends
-// are left unset and never read.
+// as a guess, item s's partial, right where slot s holds exactly item s (a
+// tree of leaves of one item each). Entries past the ends are left unset and
+// never read.
 struct gf_slot_batch {
     long long s0;
     int n;
     long long a[GF_FINISH_SLOTS], b[GF_FINISH_SLOTS];
-    double x[GF_FINISH_SLOTS], bad_x[GF_FINISH_SLOTS];
+    double x[GF_FINISH_SLOTS];
 };
 
 // How many of s0, s0 + T, ... (at most GF_FINISH_SLOTS) are below `end`; 0 or
@@ -205,31 +223,17 @@ __device__ __forceinline__ void gf_load_slots(gf_slot_batch& q, long long n_item
             q.a[u] = slot_items[s];
             q.b[u] = slot_items[s + 1];
         }
-        if (u < guessed) {
-            q.x[u] = partial[s];
-            q.bad_x[u] = partial[n_items + s];
-        }
+        if (u < guessed) q.x[u] = partial[s];
     }
 }
 
-// Slot s's raw sum into the thread's total `v`, its root into per_leaf and,
-// if it holds a NaN or inf, its index into `first`.
+// The slots of batch q, each's root into per_leaf. A big slot's raw sum is
+// already in per_leaf; a small one's is 0.0 combined with its items'
+// partials in item order. Where a slot's first item is not item s it is
+// loaded again, from the bounds.
 template <int K>
-__device__ __forceinline__ void gf_finish_slot(long long s, double raw, int bad, double p,
-                                               double* __restrict__ per_leaf, double& v, double& first) {
-    v = gf_combine<K>(v, raw);
-    per_leaf[s] = gf_root<K>(raw, p);
-    if (bad) first = gf_min_double(first, (double)s);
-}
-
-// The slots of batch q, in increasing order, through gf_finish_slot. A big
-// slot's raw sum is already in per_leaf; a small one's is 0.0 combined with
-// its items' partials in item order. Where a slot's first item is not item s
-// it is loaded again, from the bounds.
-template <int K>
-__device__ __forceinline__ void gf_finish_slots(gf_slot_batch& q, long long n_items, const double* __restrict__ partial,
-                                                double p, double* __restrict__ per_leaf,
-                                                double& v, double& first) {
+__device__ __forceinline__ void gf_finish_slots(gf_slot_batch& q, const double* __restrict__ partial, double p,
+                                                double* __restrict__ per_leaf) {
     constexpr int U = GF_FINISH_SLOTS;
     const long long T = GF_FINISH_THREADS;
     // Zero where every slot here holds exactly item s (bitwise, not
@@ -242,109 +246,59 @@ __device__ __forceinline__ void gf_finish_slots(gf_slot_batch& q, long long n_it
     }
     if (missed == 0) {
 #pragma unroll
-        for (int u = 0; u < U && u < q.n; ++u) {
-            const long long s = q.s0 + u * T;
-            gf_finish_slot<K>(s, gf_combine<K>(0.0, q.x[u]), q.bad_x[u] != 0.0, p, per_leaf, v, first);
-        }
+        for (int u = 0; u < U && u < q.n; ++u) per_leaf[q.s0 + u * T] = gf_root<K>(gf_combine<K>(0.0, q.x[u]), p);
         return;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-        if (u < q.n && q.a[u] < q.b[u] && q.a[u] != q.s0 + u * T) {
-            q.x[u] = partial[q.a[u]];
-            q.bad_x[u] = partial[n_items + q.a[u]];
-        }
+        if (u < q.n && q.a[u] < q.b[u] && q.a[u] != q.s0 + u * T) q.x[u] = partial[q.a[u]];
     }
 #pragma unroll
     for (int u = 0; u < U && u < q.n; ++u) {
         const long long s = q.s0 + u * T;
         const long long a = q.a[u], b = q.b[u];
         double raw = 0.0;
-        int bad = 0;
         if (b - a > GF_SMALL_SLOT_ITEMS) {
-            raw = per_leaf[s];  // its NaN or inf, if any, was noted by its warp
+            raw = per_leaf[s];
         } else if (a < b) {
             raw = gf_combine<K>(0.0, q.x[u]);
-            bad = q.bad_x[u] != 0.0;
 #pragma unroll 4
-            for (long long k = a + 1; k < b; ++k) {
-                raw = gf_combine<K>(raw, partial[k]);
-                bad |= partial[n_items + k] != 0.0;
-            }
+            for (long long k = a + 1; k < b; ++k) raw = gf_combine<K>(raw, partial[k]);
         }
-        gf_finish_slot<K>(s, raw, bad, p, per_leaf, v, first);
+        per_leaf[s] = gf_root<K>(raw, p);
     }
 }
 
-// Kernel 2: one block of exactly GF_FINISH_THREADS threads.
-//
-// slot_items[s] .. slot_items[s + 1] are slot s's items (items are sorted by
-// slot); big_slots lists, ascending, the slots with more than
-// GF_SMALL_SLOT_ITEMS items. Writes per_leaf[s] (the leaf's norm), total[0]
-// (the norm), total[1] (the unrooted total it is the root of: sum |x|**p, or
-// the max for inf, so a sum of squares needs no squaring of a rounded root),
-// and first_bad[0], the first slot holding a NaN or inf, or -1.
-//
-// The order, fixed by the plan alone: a small slot's sum is 0.0 combined
-// with its items' partials in item order; a big slot's is the fixed tree of
-// the block's tree (played by the whole block for a slot of more than
-// GF_BLOCK_SLOT_ITEMS items, by one warp, gf_warp_slot_sum, for the others);
-// the total combines the unrounded slot sums, thread t taking the slots s = t
-// (mod GF_FINISH_THREADS) in increasing order from 0.0, then the block's
-// fixed tree over the threads. Big slots are summed first: the largest one
-// after another by the whole block, then the others one warp each, all warps
-// at once; then one pass, in which thread t computes each of its small
-// slots' sums (or reads a big one's) as it combines it into its total.
-//
-// Its launch bounds ask for one block per SM, so the block may have the whole
-// register file (CUDA 13's ptxas otherwise holds the inf-norm's threads to
-// 128 registers for sm_100, and spills two batches of slots in flight).
+// Each slot's own norm (step 5 of the order) into per_leaf. Big slots are
+// summed first: the largest one after another by the whole block (its
+// threads sum the items a + t, a + t + T, ... in order, then the block's
+// tree: the order gf_warp_slot_sum plays with one warp), then the others one
+// warp each, all warps at once; then one pass in which thread t computes
+// each of its small slots' sums (or reads a big one's) and its root.
 template <int K>
-__global__ void __launch_bounds__(GF_FINISH_THREADS, 1)
-gpuflat_norm_finish(long long n_items, const double* __restrict__ partial,
-                    const long long* __restrict__ slot_items, long long n_slots,
-                    const long long* __restrict__ big_slots, long long n_big, double p,
-                    double* __restrict__ per_leaf, double* __restrict__ total, long long* __restrict__ first_bad) {
-    __shared__ double red[2 * GF_FINISH_THREADS];
+__device__ __forceinline__ void gf_slot_norms(double* red, long long n_items, const double* __restrict__ partial,
+                                              const long long* __restrict__ slot_items, long long n_slots,
+                                              const long long* __restrict__ big_slots, long long n_big, double p,
+                                              double* __restrict__ per_leaf) {
     const int t = (int)threadIdx.x;
     const int lane = t % GF_WARP;
     const long long T = GF_FINISH_THREADS;
-    // The first bad slot, as a double (slots are far below 2^53): n_slots for none.
-    double first = (double)n_slots;
-
-    // The largest slots, one after another, by the whole block: thread t sums
-    // the items a + t, a + t + T, ... in order, then the block's tree, the
-    // order gf_warp_slot_sum plays with one warp.
     for (long long q = 0; q < n_big; ++q) {
         const long long s = big_slots[q], a = slot_items[s], b = slot_items[s + 1];
         if (b - a <= GF_BLOCK_SLOT_ITEMS) continue;
-        double r = 0.0;
-        int bad = 0;
-        for (long long k = a + t; k < b; k += T) {
-            r = gf_combine<K>(r, partial[k]);
-            bad |= partial[n_items + k] != 0.0;
-        }
-        double bad_slot = bad ? (double)s : (double)n_slots;
-        gf_block_reduce(red, r, bad_slot, [](double x, double y) { return gf_combine<K>(x, y); });
-        if (t == 0) {
-            per_leaf[s] = r;
-            first = gf_min_double(first, bad_slot);
-        }
+        double r = 0.0, unused = 0.0;
+        for (long long k = a + t; k < b; k += T) r = gf_combine<K>(r, partial[k]);
+        gf_block_reduce(red, r, unused, [](double x, double y) { return gf_combine<K>(x, y); });
+        if (t == 0) per_leaf[s] = r;
         __syncthreads();  // red is free for the next slot
     }
-    // The other large slots, one warp each, all warps at once.
     for (long long q = t / GF_WARP; q < n_big; q += T / GF_WARP) {
         const long long s = big_slots[q];
         if (slot_items[s + 1] - slot_items[s] > GF_BLOCK_SLOT_ITEMS) continue;
-        int bad;
-        const double v = gf_warp_slot_sum<K>(partial, n_items, slot_items[s], slot_items[s + 1], lane, bad);
-        if (lane == 0) {
-            per_leaf[s] = v;
-            if (bad) first = gf_min_double(first, (double)s);
-        }
+        const double v = gf_warp_slot_sum<K>(partial, slot_items[s], slot_items[s + 1], lane);
+        if (lane == 0) per_leaf[s] = v;
     }
     __syncthreads();  // every big slot's sum is in per_leaf
-    double v = 0.0;
     // The next batch's loads are in flight while this one is finished; two
     // batches take turns, so none is copied.
     const long long step = GF_FINISH_SLOTS * T;
@@ -352,16 +306,49 @@ gpuflat_norm_finish(long long n_items, const double* __restrict__ partial,
     gf_load_slots(q0, n_items, partial, slot_items, n_slots, t);
     while (q0.n > 0) {
         gf_load_slots(q1, n_items, partial, slot_items, n_slots, q0.s0 + step);
-        gf_finish_slots<K>(q0, n_items, partial, p, per_leaf, v, first);
+        gf_finish_slots<K>(q0, partial, p, per_leaf);
         if (q1.n <= 0) break;
         gf_load_slots(q0, n_items, partial, slot_items, n_slots, q1.s0 + step);
-        gf_finish_slots<K>(q1, n_items, partial, p, per_leaf, v, first);
+        gf_finish_slots<K>(q1, partial, p, per_leaf);
+    }
+}
+
+// Kernel 2: one block of exactly GF_FINISH_THREADS threads.
+//
+// items are kernel 1's (sorted by slot); slot_items[s] .. slot_items[s + 1]
+// are slot s's; big_slots lists, ascending, the slots with more than
+// GF_SMALL_SLOT_ITEMS items. Writes total[0] (the norm), total[1] (the
+// unrooted total it is the root of: sum |x|**p, or the max for inf, so a sum
+// of squares needs no squaring of a rounded root), first_bad[0] (the first
+// slot holding a NaN or inf, or -1) and, where per_slot is nonzero,
+// per_leaf[s] (each leaf's norm). The total (step 4 of the order) is one
+// strided pass over every item's partial, whatever the slots, the pass a
+// single slot of all the items would take.
+//
+// Its launch bounds ask for one block per SM, so the block may have the whole
+// register file (CUDA 13's ptxas otherwise holds the inf-norm's threads to
+// 128 registers for sm_100, and spills two batches of slots in flight).
+template <int K>
+__global__ void __launch_bounds__(GF_FINISH_THREADS, 1)
+gpuflat_norm_finish(const Item* __restrict__ items, long long n_items, const double* __restrict__ partial,
+                    const long long* __restrict__ slot_items, long long n_slots,
+                    const long long* __restrict__ big_slots, long long n_big, double p, long long per_slot,
+                    double* __restrict__ per_leaf, double* __restrict__ total, long long* __restrict__ first_bad) {
+    __shared__ double red[2 * GF_FINISH_THREADS];
+    const int t = (int)threadIdx.x;
+    const long long T = GF_FINISH_THREADS;
+    if (per_slot) gf_slot_norms<K>(red, n_items, partial, slot_items, n_slots, big_slots, n_big, p, per_leaf);
+    // The first bad item, as a double (see GF_NO_ITEM).
+    double v = 0.0, first = GF_NO_ITEM;
+    for (long long k = t; k < n_items; k += T) {
+        v = gf_combine<K>(v, partial[k]);
+        first = gf_min_double(first, partial[n_items + k]);
     }
     gf_block_reduce(red, v, first, [](double x, double y) { return gf_combine<K>(x, y); });
     if (t == 0) {
         total[0] = gf_root<K>(v, p);
         total[1] = v;
-        first_bad[0] = first < (double)n_slots ? (long long)first : -1;
+        first_bad[0] = first < (double)n_items ? items[(long long)first].slot : -1;
     }
 }
 

@@ -220,16 +220,6 @@ def test_the_first_leaf_named_is_the_callers_first_across_parts():
         clipping.clip_(bound, 1.0, 2.0, 0.0, True)
 
 
-def test_a_leaf_read_as_a_whole_buffer_is_named_from_a_per_slot_pass():
-    leaves = [np.ones(2), np.array([1.0, np.inf])]
-    flat = np.concatenate(leaves)
-    whole = gf.plan([flat])
-    part = clipping.Part(whole, [flat], get_backend("numpy"), naming=(gf.plan(leaves), leaves),
-                         path=lambda slot: f"w{slot}")
-    with pytest.raises(NonFiniteError, match="^leaf 'w1' holds NaN"):
-        clipping.total_norm(clipping.Bound([part]), 2.0, True)
-
-
 def test_max_norm_is_converted_once_per_backend(monkeypatch):
     seen = []
     real = clipping.max_norm_for

@@ -95,11 +95,12 @@ def _root(v, p):
 def ref_norms(leaves, p):
     """(total, per-leaf norms, first non-finite slot) in the order of kernels/norms.cu,
     each leaf in the order norms read it."""
-    raw, first_bad = [], -1
+    raw, every_partial, first_bad = [], [], -1
     for slot, leaf in enumerate(leaves):
         x = read_order_copy(leaf)
         lanes_per_vector = 16 // x.dtype.itemsize
         partials = [_item_partial(_terms(x[i : i + ITEM], p), lanes_per_vector, p) for i in range(0, x.size, ITEM)]
+        every_partial += partials
         if len(partials) <= 16:
             v = 0.0
             for part in partials:
@@ -110,7 +111,8 @@ def ref_norms(leaves, p):
         parts = x.astype(np.complex128) if x.dtype.kind == "c" else x.astype(np.float64)
         if first_bad < 0 and not np.isfinite(parts).all():
             first_bad = slot
-    total = _root(_strided_sum(np.array(raw, np.float64), p), p)
+    # The total from every chunk's partial, whatever leaf it belongs to.
+    total = _root(_strided_sum(np.array(every_partial, np.float64), p), p)
     return np.float64(total), _root(np.array(raw, np.float64), p), first_bad
 
 

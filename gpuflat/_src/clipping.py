@@ -8,6 +8,16 @@ here do the rest, as PyTorch composes ``clip_grad_norm_`` from
 ``get_total_norm`` and ``clip_grads_with_norm_``. So every front end checks
 before it writes, reads the norm on the host only when asked to check it,
 names a leaf only when the norm is not finite, and raises the same error.
+
+The bits: every front end hands its backend the leaves of one device as one
+plan, in the order a tree of them has, so each norm is one fused pass in
+the one summation order kernels/norms.cu writes down (the host, CUDA and
+emulated backends follow it; NumPy's own order likewise depends on nothing
+but the leaves): a tree, a tensor list, a resident model (its leaves'
+places in its buffers) and ``gpuflat.distributed`` on one rank give the
+same bits on the same arrays, and the pass's first non-finite slot names
+the same leaf. Only parts on several devices or ranks are combined after
+their passes (``Bound.combine``, ``gpuflat.distributed``).
 """
 from __future__ import annotations
 
@@ -29,9 +39,7 @@ class Part(NamedTuple):
 
     ``path(slot)`` names a slot's leaf in errors; ``positions``, where the
     parts split one list of the caller's, each slot's place in it, so that
-    the first leaf named is the caller's first (else the parts' order);
-    ``naming``, a ``(plan, leaves)`` pair a per-slot pass names the leaf
-    from, where ``plan`` reads the leaves as one slot (a whole buffer).
+    the first leaf named is the caller's first (else the parts' order).
     """
 
     plan: Any
@@ -41,7 +49,6 @@ class Part(NamedTuple):
     flat: Any = None
     path: Callable[[int], str] | None = None
     positions: Sequence[int] | None = None
-    naming: tuple | None = None
 
     def scope(self) -> contextlib.AbstractContextManager[Any]:
         """Where this part's work runs (``arrays.device_scope``)."""
@@ -134,9 +141,6 @@ class Bound:
         found = []
         for k, (part, result) in enumerate(zip(self.norm_parts, norm.results)):
             with self.within(part):
-                if part.naming is not None:  # the pass read whole buffers: a per-slot pass names the leaf
-                    plan, leaves = part.naming
-                    result = part.backend.norms(plan, leaves, p, True, flat=part.flat)
                 bad = int(part.backend.to_host(result.first_nonfinite))
             if bad >= 0:
                 at = (k, bad) if part.positions is None else part.positions[bad]

@@ -8,15 +8,17 @@ vector load); the padding between leaves is zero and never counted.
 
 From then on a training step never walks the tree: ``grad_norm``,
 ``clip_grad_norm_``, ``zero_grad`` and ``param_norm`` work on the buffers
-with a fixed number of backend calls per dtype, however many leaves there
-are. The one per-leaf work left is, for PyTorch parameters, the checks that
-follow what a training loop did to them (``gpuflat._src.torch_params``).
+with a fixed number of backend calls, however many leaves there are. A norm
+is one call over a table of the leaves' places in the buffers, built once,
+in the tree's order: the slots ``gf.global_norm`` reads, so the same bits as
+it (``gpuflat._src.clipping``). The one per-leaf work left is, for PyTorch
+parameters, the checks that follow what a training loop did to them
+(``gpuflat._src.torch_params``).
 """
 from __future__ import annotations
 
 import math
 import sys
-import threading
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -28,7 +30,9 @@ from . import arrays as _arrays
 from . import checks
 from . import dtensor
 from . import tree as _tree
+from .backends.protocol import LeafRows
 from .backends.selection import select
+from .layout import leaf_row
 from ..errors import CaptureError
 from .flatplan import FlatPlan, LeafSpec
 from . import clipping
@@ -37,7 +41,6 @@ from .torch_params import Binding
 
 ALIGN_BYTES = 256
 PADDING = "<padding>"
-WHOLE = "<buffer>"
 
 
 @dataclass(frozen=True)
@@ -56,12 +59,9 @@ class _Group:
     """One dtype's buffer pair as the backends see it.
 
     ``plan`` covers the whole buffer, its slots the leaves and the zero
-    padding between them, for per-leaf norms; ``whole_plan`` is the whole
-    buffer as one slot, for a total norm that reads it in large items with no
-    per-leaf work, whatever the leaf count; ``leaf_plan`` covers the leaves
-    alone, for writes. Padding is zero and stays zero: no clip or update
-    writes it (0 x NaN would be NaN), so it adds nothing to a norm and is
-    never the first non-finite slot.
+    padding between them (the optimizers' updates); ``leaf_plan`` covers
+    the leaves alone, for writes. Padding is zero and stays zero: no clip
+    or update writes it (0 x NaN would be NaN), and no norm reads it.
     """
 
     def __init__(self, dtype, slices):
@@ -74,7 +74,6 @@ class _Group:
             offset = s.offset + s.size
         self.size = offset
         self.plan = FlatPlan(None, tuple(specs), tuple(range(len(specs))), offset, dtype)
-        self.whole_plan = FlatPlan(None, (LeafSpec(WHOLE, 0, offset, (offset,), dtype),), (0,), offset, dtype)
         self.real = [i for i, spec in enumerate(specs) if spec.path != PADDING]
         self.leaf_plan = _contiguous_plan([(specs[i].path, (specs[i].size,)) for i in self.real], dtype)
 
@@ -116,6 +115,31 @@ def _contiguous_plan(named_shapes, dtype) -> FlatPlan:
         specs.append(LeafSpec(path, offset, size, shape, np.dtype(dtype)))
         offset += size
     return FlatPlan(None, tuple(specs), tuple(range(len(specs))), offset, np.dtype(dtype))
+
+
+def _norm_plan(slices) -> FlatPlan:
+    """The plan of a norm over every leaf of ``slices`` in their order, each
+    one slot (what a tree of the same leaves gets: the same chunks, so the
+    same bits); laid end to end, as no pass gathers it (float64, the norms'
+    own dtype, stands for the leaves' mixed ones).
+
+    >>> s = layout([np.ones(3, np.float32), np.ones(2)], "ab")
+    >>> [(leaf.path, leaf.offset, leaf.size, str(leaf.dtype)) for leaf in _norm_plan(s).leaves]
+    [('a', 0, 3, 'float32'), ('b', 3, 2, 'float64')]
+    """
+    specs, offset = [], 0
+    for s in slices:
+        specs.append(LeafSpec(s.path, offset, s.size, (s.size,), s.dtype))
+        offset += s.size
+    return FlatPlan(None, tuple(specs), tuple(range(len(specs))), offset, np.dtype(np.float64))
+
+
+def _address_reader(backend):
+    """How ``backend`` reads the address of one of its arrays' first element."""
+    runtime = getattr(backend, "runtime", None)
+    if runtime is not None:
+        return runtime.pointer
+    return lambda a: a.__array_interface__["data"][0]
 
 
 def layout(unique, paths) -> tuple:
@@ -196,13 +220,7 @@ class Resident:
         self.layout = layout(unique, paths)
         dtypes = list(dict.fromkeys(a.dtype for a in unique))
         self._groups = [_Group(dt, [s for s in self.layout if s.buffer == b]) for b, dt in enumerate(dtypes)]
-        self._totals_plan = _contiguous_plan([(f"<{dt} buffer>", ()) for dt in dtypes], np.float64)
-        self._per_leaf_plan = _contiguous_plan([(s.path, ()) for s in self.layout], np.float64)
-        # Per-leaf norms come out grouped by buffer; leaf k of the plan is grouped[_grouped_index[k]].
-        grouped = [k for b in range(len(dtypes)) for k, s in enumerate(self.layout) if s.buffer == b]
-        self._grouped_index = np.argsort(grouped).tolist()
-        # Each thread's places for each buffer's norm (see _totals_places).
-        self._scratch = threading.local()
+        self._norm_plan = _norm_plan(self.layout)
         self._bounds: dict = {}  # by id of the buffer list (the parameters', the gradients'), both fixed
         with self._scope():
             self._params = [self._allocate(g) for g in self._groups]
@@ -326,12 +344,13 @@ class Resident:
         """
         p = checks.check_ord(ord)
         self._sync()
+        bound = self._bound(self._require_grads())
         if not per_leaf:
-            return clipping.total_norm(self._bound(self._require_grads()), p).total
+            return clipping.total_norm(bound, p).total
+        (part,) = bound.norm_parts
         with self._scope():
-            results = self._per_slot_norms(self._require_grads(), p)
-            total = self._combine(results, p)
-            return self._result(total), self._result(self._per_leaf(results))
+            result = part.backend.norms(part.plan, part.leaves, p, True)
+            return self._result(result.total), self._result(result.per_leaf)
 
     def param_norm(self, ord: float = 2) -> Any:
         """The parameters' norm, as ``gf.global_norm`` of the model.
@@ -386,48 +405,9 @@ class Resident:
         PyTorch, its current stream and allocator (``arrays.device_scope``)."""
         return _arrays.device_scope(self._backend, self._like)
 
-    def _per_slot_norms(self, buffers, p):
-        """Each buffer's norms slot by slot (the total over the whole buffer
-        as one slot, an order of its own, the same on every backend, is
-        :meth:`_bound`'s)."""
-        return [self._backend.norms(g.plan, buf.pieces, p, True, flat=buf.array)
-                for g, buf in zip(self._groups, buffers)]
-
-    def _combine(self, results, p):
-        """The norm over all buffers: the norm of the vector of each buffer's
-        norm, by the backend itself, on the device."""
-        if len(results) == 1:
-            return results[0].total
-        # Copied into fixed places, the same values: the same bits as norming
-        # the results themselves.
-        places = self._totals_places()
-        for place, r in zip(places, results):
-            place[...] = r.total
-        return self._backend.norms(self._totals_plan, places, p, False).total
-
-    def _totals_places(self) -> list:
-        """This thread's 0-d float64 places, one per buffer, where each buffer's
-        norm lands before they are combined. Their addresses stay the same
-        from call to call, so the combine's table is found again (and under
-        CUDA-graph capture, where it could not be uploaded); a thread of
-        their own, so that two threads' calls never read each other's norms."""
-        places = getattr(self._scratch, "places", None)
-        if places is None:
-            totals = self._zeros(len(self._groups), np.float64).array
-            places = self._scratch.places = [totals[b : b + 1].reshape(()) for b in range(len(self._groups))]
-        return places
-
-    def _per_leaf(self, results):
-        """Each leaf's norm in plan order, padding left out (one gather)."""
-        grouped = [r.per_leaf[i : i + 1].reshape(()) for r, g in zip(results, self._groups) for i in g.real]
-        out = self._backend.empty(len(grouped), np.float64)
-        self._backend.gather(self._per_leaf_plan, [[grouped[k]] for k in self._grouped_index], out)
-        return out
-
     def _bound(self, buffers) -> clipping.Bound:
-        """``buffers`` bound for a norm and a clip: each read whole for its norm
-        (named, where a leaf holds NaN or inf, from a per-slot pass), only the
-        leaves scaled, the buffers' norms combined on the backend. Bound once:
+        """``buffers`` bound for a norm and a clip: the norm one pass over
+        every leaf, the scale one per buffer, of the leaves alone. Bound once:
         the buffers and the caller's kind never change."""
         bound = self._bounds.get(id(buffers))
         if bound is None:
@@ -435,17 +415,23 @@ class Resident:
         return bound
 
     def _bind(self, buffers) -> clipping.Bound:
-        be, like = self._backend, self._like
-        norm_parts = [clipping.Part(g.whole_plan, [buf.array], be, like, flat=buf.array, naming=(g.plan, buf.pieces),
-                                    path=lambda slot, plan=g.plan: plan.leaves[slot].path)
-                      for g, buf in zip(self._groups, buffers)]
+        be, like, layout = self._backend, self._like, self.layout
+        norm = clipping.Part(self._norm_plan, self._norm_leaves(buffers), be, like,
+                             path=lambda slot: layout[slot].path)
         scale_parts = [clipping.Part(g.leaf_plan, buf.leaves, be, like, flat=buf.array)
                        for g, buf in zip(self._groups, buffers)]
-        return clipping.Bound(norm_parts, scale_parts, combine=None if len(self._groups) == 1 else self._combined)
+        return clipping.Bound([norm], scale_parts)
 
-    def _combined(self, bound, results, p):
-        total = self._combine(results, p)
-        return self._result(total), total
+    def _norm_leaves(self, buffers):
+        """Every leaf of ``buffers`` in layout order, as the backend reads them:
+        a table of their addresses where it reads tables (found again by its
+        identity on a device: no per-leaf work per call), else the views."""
+        views = [buffers[s.buffer].array[s.offset : s.offset + s.size] for s in self.layout]
+        if not self._backend.reads_rows:
+            return views
+        address = _address_reader(self._backend)
+        return LeafRows(np.array([[address(v)] + leaf_row((s.size,), (s.dtype.itemsize,), s.dtype)
+                                  for v, s in zip(views, self.layout)], np.int64).reshape(len(views), -1))
 
     def _result(self, x):
         return x if self._like is None else _arrays.to_caller(x, self._like)

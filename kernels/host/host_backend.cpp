@@ -19,8 +19,8 @@
 // Arrays arrive as Python objects (the library is loaded with ctypes.PyDLL):
 // reading 10,000 data pointers and strides here costs microseconds, where
 // reading them in Python costs milliseconds. A resident model's norms skip
-// even that: its slots are read from the one flat buffer at the plan's
-// offsets. The GIL is released while the loops run.
+// even that: its leaves come as a table of rows built once (its clips read
+// the one flat buffer). The GIL is released while the loops run.
 //
 // Of NumPy's C API only the array struct's accessors are used, the names in
 // gpuflat/_src/native.py's NUMPY_API: inline reads of fields whose place is
@@ -734,38 +734,40 @@ double block_tree(double* red) {
     return red[0];
 }
 
-// gpuflat_norm_finish on one thread: each slot from its items, the total from
-// the slots' raw sums, in the finishing block's order. Returns the unrooted
-// total (sum |x|**p, or the max for inf); the caller takes its root.
+// The finishing block's strided order (thread t of GF_FINISH_THREADS takes
+// values t, t + T, ... from 0.0, then gf_block_reduce's tree) over v[a .. b).
+template <int K>
+double strided_sum(const double* v, size_t a, size_t b) {
+    const size_t T = GF_FINISH_THREADS;
+    double red[GF_FINISH_THREADS];
+    for (size_t t = 0; t < T; ++t) {
+        double r = 0.0;
+        for (size_t k = a + t; k < b; k += T) r = gf_combine<K>(r, v[k]);
+        red[t] = r;
+    }
+    return block_tree<K>(red);
+}
+
+// gpuflat_norm_finish on one thread: each slot's norm from its items (as
+// gf_slot_norms), the total from every item's partial at once, in the
+// finishing block's order. Returns the unrooted total (sum |x|**p, or the max
+// for inf); the caller takes its root.
 template <int K>
 double finish(const std::vector<Item>& items, const double* partial, long long n_slots, double p, double* per_leaf) {
-    const long long T = GF_FINISH_THREADS;
-    double red[GF_FINISH_THREADS];
     size_t a = 0;
     for (long long s = 0; s < n_slots; ++s) {
         size_t b = a;
         while (b < items.size() && items[b].slot == s) ++b;
+        double v = 0.0;
         if ((long long)(b - a) <= GF_SMALL_SLOT_ITEMS) {
-            double v = 0.0;
             for (size_t k = a; k < b; ++k) v = gf_combine<K>(v, partial[k]);
-            per_leaf[s] = v;
         } else {
-            for (long long t = 0; t < T; ++t) {
-                double v = 0.0;
-                for (size_t k = a + t; k < b; k += T) v = gf_combine<K>(v, partial[k]);
-                red[t] = v;
-            }
-            per_leaf[s] = block_tree<K>(red);
+            v = strided_sum<K>(partial, a, b);
         }
+        per_leaf[s] = gf_root<K>(v, p);
         a = b;
     }
-    for (long long t = 0; t < T; ++t) {
-        double v = 0.0;
-        for (long long s = t; s < n_slots; s += T) v = gf_combine<K>(v, per_leaf[s]);
-        red[t] = v;
-    }
-    for (long long s = 0; s < n_slots; ++s) per_leaf[s] = gf_root<K>(per_leaf[s], p);
-    return block_tree<K>(red);
+    return strided_sum<K>(partial, 0, items.size());
 }
 
 template <int K>

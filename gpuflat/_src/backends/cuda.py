@@ -139,7 +139,8 @@ class CudaBackend:
         self._launch(kl.scatter_name(flat.dtype), st, [st.items, np.int64(st.n_items), table.array, flat], table)
 
     def norms(self, plan, leaves, ord, per_leaf, flat=None) -> NormResult:
-        """Total and per-leaf norms and the first non-finite slot (2 launches).
+        """The total norm, the first non-finite slot and, with ``per_leaf``,
+        each leaf's norm (2 launches), in kernels/norms.cu's order.
 
         A leaf filling one dense block of memory in another order than C's
         (transposed, channels_last, reversed) is summed in memory order, any
@@ -152,7 +153,7 @@ class CudaBackend:
         st = _static_tables(plan, rt)
         table = self._leaf_table(st, plan, leaves, flat)
         n_slots = len(plan.leaves)
-        per = rt.empty(n_slots, np.float64)
+        per = rt.empty(n_slots if per_leaf else 0, np.float64)
         # totals[0] the norm (the clip kernel reads it), totals[1] the unrooted
         # total it is the root of; one allocation, exposed as two 0-d views.
         totals = rt.empty(2, np.float64)
@@ -163,11 +164,13 @@ class CudaBackend:
         partial = rt.empty(2 * st.n_items, np.float64)
         self._launch(kl.norm_partial_name(kind), st,
                      [st.items, np.int64(st.n_items), table.array, np.float64(p), partial], table)
+        # The total never reads the per-leaf norms (kernels/norms.cu's order):
+        # they are finished only when asked for.
         rt.launch(kl.norm_finish_name(kind), 1, FINISH_THREADS,
-                  [np.int64(st.n_items), partial, st.slot_items,
-                   np.int64(n_slots), st.big_slots, np.int64(st.n_big), np.float64(p),
+                  [st.items, np.int64(st.n_items), partial, st.slot_items,
+                   np.int64(n_slots), st.big_slots, np.int64(st.n_big), np.float64(p), np.int64(per_leaf),
                    per, totals, first], (st.uploaded,))
-        return NormResult(totals[:1].reshape(()), per, first, totals[1:].reshape(()))
+        return NormResult(totals[:1].reshape(()), per if per_leaf else None, first, totals[1:].reshape(()))
 
     def clip_(self, plan, leaves, total, max_norm, eps, flat=None) -> None:
         """Every leaf *= min(1, max_norm / (total + eps)), the factor computed on

@@ -12,7 +12,7 @@ every backend. As there, norms and clips read a leaf that fills one dense
 block of memory in another order than C's (transposed, channels_last,
 reversed) as that block, contiguously, in memory order; any other leaf in its
 logical order. Arrays are read in native code (no Python work per leaf), and
-a resident model's norms read its one flat buffer at the plan's offsets.
+a resident model's norms read a table of its leaves' places built once.
 
 The libraries are ``gpuflat._src.native``'s. Where they cannot be built (no
 compiler, no Python or NumPy headers, a compiler error) or ``GPUFLAT_NATIVE=0``

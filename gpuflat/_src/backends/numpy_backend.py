@@ -3,7 +3,11 @@
 Norms accumulate in float64 whatever the leaf dtype: leaves are converted
 in pieces of at most PIECE elements (small leaves packed together, large ones
 cut), so the float64 copy stays in cache and memory use stays flat. Pieces are
-fixed by the plan, so every repeat adds the same numbers in the same order.
+fixed by the plan's leaves (their sizes and kinds alone), so every repeat,
+and every front end handing the same leaves, adds the same numbers in the
+same order. It is not the kernels' order (kernels/norms.cu): BLAS dots and
+an exact sum of the pieces' partials, whose bits the other backends do not
+reproduce.
 Norms and clips read a leaf that fills one dense block of memory in another
 order than C's (transposed, channels_last, reversed) in memory order, as the
 1-D view of that block (``gpuflat._src.memory_order``); any other leaf in its

@@ -126,9 +126,12 @@ class Backend(Protocol):
         """leaves[slot][...] = flat[slot's range], cast to the leaf's dtype, in place."""
 
     def norms(self, plan, leaves: Sequence[Any], ord: float, per_leaf: bool, flat=None) -> NormResult:
-        """Total and per-leaf norms, accumulated in float64 in a fixed order: a
-        leaf filling one dense block of memory in another order than C's in
-        memory order (``gpuflat._src.memory_order``), any other in logical order."""
+        """Total and per-leaf norms, accumulated in float64 in a fixed order that
+        depends on the leaves alone (kernels/norms.cu's, or the NumPy
+        backend's own): a leaf filling one dense block of memory in another
+        order than C's in memory order (``gpuflat._src.memory_order``), any
+        other in logical order. The total is the same with or without
+        ``per_leaf``."""
 
     def clip_(self, plan, leaves: Sequence[Any], total, max_norm, eps: float, flat=None) -> None:
         """Every leaf *= min(1, max_norm / (total + eps)), computed where ``total``
