@@ -698,3 +698,101 @@ def test_nothing_starts_past_the_time_limit_and_what_is_left_is_named(tmp_path):
     assert results["rows"] == [] and results["time_limit_s"] == 0
     assert [n for n in results["notes"] if "time limit" in n] == [
         f"{w} float32: not run: the run's time limit (--time-limit) was reached" for w in ("one", "two")]
+
+
+# ---------------------------------------------------------------- --device-time: CUDA-graph replays
+
+
+def _stand_in_context(monkeypatch):
+    """The small workload on the CuPy stand-in, with the run's CUDA-event timer."""
+    from bench import context, timing, workloads
+
+    cp = _dry_run_cupy(monkeypatch)
+    device = context.Device("cuda", cp, ("cuda",), timing.CudaEventTimer(cp))
+    return context.build(workloads.build("small", SMALL_SPEC, "float32"), device)
+
+
+def test_device_time_runs_end_to_end_and_labels_every_row(tmp_path, monkeypatch, capsys):
+    from bench import run
+
+    _dry_run_cupy(monkeypatch)
+    assert run.main(["--device-time", "--quick", "--device", "cuda", "--workloads-file",
+                     str(ROOT / "bench" / "dry_run" / "workloads.json"), "--workloads", "tiny-10k",
+                     "--out", str(tmp_path), "--name", "t"]) == 0
+    results = json.loads((tmp_path / "t-quick-device-time.json").read_text())
+    assert results["clock"] == "graph" and results["mode"] == "device-time"
+    mine = [r for r in results["rows"] if r["impl"] == "gpuflat (cuda)"]
+    assert [r["op"] for r in mine] == list(OPS)
+    for r in mine:  # every gpuflat operation replayed, checked against float64, its eager wall clock beside it
+        assert (r["status"], r["clock"], r["capture"]) == ("ok", "graph", "cupy"), r
+        assert r["median_ms"] > 0 and r["eager_wall_ms"] > 0
+    # The floors are replays too: a plain read and a copy of the same bytes.
+    assert {(f["op"], f["part"]) for f in results["floors"]} >= {("global_norm", "reduce"), ("flatten", "copy")}
+    printed = capsys.readouterr().out
+    assert re.search(r"tiny-10k\s+float32\s+global_norm\s+gpuflat \(cuda\)\s+graph\s+[\d.]+\s+[\d.]+", printed)
+    assert "eager wall ms" in printed and not (tmp_path / "t-quick.json").exists()  # the default run's file
+
+
+def test_device_time_needs_a_gpu():
+    from bench import run
+
+    with pytest.raises(SystemExit, match="--device-time: CUDA graphs need a GPU"):
+        run.main(["--device-time", "--device", "cpu"])
+
+
+def test_a_replay_holds_the_device_work_and_none_of_the_host_work(monkeypatch):
+    import time
+
+    import gpuflat as gf
+    from bench import arrays, graphs, run, timing
+    from bench.case import Case
+
+    ctx = _stand_in_context(monkeypatch)
+    calls = []
+
+    def slow_on_the_host():
+        calls.append(1)
+        time.sleep(0.03)  # host work: Python, tables; no capture records it
+        return gf.global_norm(ctx.tree, backend="cuda")
+    case = Case("host-heavy norm", "gpuflat", slow_on_the_host, arrays.values, kind="gpuflat")
+    row = graphs.run_case(case, "global_norm", ctx, timing.QUICK)
+    assert (row["status"], row["clock"]) == ("ok", "graph"), row
+    assert row["eager_wall_ms"] >= 30 and row["median_ms"] < 10, row
+    # The Python ran for the eager calls, the warm-up on the side stream and
+    # the capture, and never while the replays were timed.
+    assert len(calls) == 2 * timing.QUICK.warmup + row["eager_reps"] + 1 and row["reps"] >= timing.QUICK.min_reps
+    # The same call timed eagerly with the run's events is a figure of its own, not the replay's.
+    eager = run.run_case(case, "global_norm", ctx, timing.QUICK)
+    assert eager["clock"] != "graph"
+
+
+def test_a_call_that_cannot_be_captured_says_why_and_leaves_capture_mode(monkeypatch):
+    import gpuflat as gf
+    from bench import arrays, graphs, timing
+    from bench.case import Case
+
+    ctx = _stand_in_context(monkeypatch)
+    # error_if_nonfinite reads the norm on the host: no graph can hold that
+    checked = Case("gpuflat checked clip", "gpuflat", lambda: gf.clip_grad_norm_(
+        ctx.tree, ctx.max_norm, error_if_nonfinite=True, backend="cuda"), arrays.values, kind="gpuflat")
+    row = graphs.run_case(checked, "clip", ctx, timing.QUICK)
+    assert row["status"] == "uncapturable" and "median_ms" not in row, row
+    assert "while a CUDA graph is being captured" in row["reason"], row["reason"]
+    assert row["eager_wall_ms"] > 0  # the eager call ran, and its wall clock is kept
+    plain = Case("gpuflat clip", "gpuflat", lambda: gf.clip_grad_norm_(ctx.tree, ctx.max_norm, backend="cuda"),
+                 arrays.values, kind="gpuflat")
+    assert graphs.run_case(plain, "clip", ctx, timing.QUICK)["status"] == "ok"  # no capture left open
+
+
+def test_a_jax_row_stays_on_the_host_clock_under_device_time(monkeypatch):
+    import numpy as np
+
+    from bench import graphs, timing
+    from bench.case import Case
+
+    ctx = _stand_in_context(monkeypatch)
+    call = _busy_on_its_own_stream(ctx.xp, 0.02)
+    case = Case("jax-like", "jax", call, lambda _: np.array([ctx.ref_norm]), own_streams=True)
+    row = graphs.run_case(case, "global_norm", ctx, timing.QUICK)
+    assert row["status"] == "ok" and row["clock"] == timing.GpuHostTimer.clock and row["median_ms"] >= 20, row
+    assert "eager_wall_ms" not in row
