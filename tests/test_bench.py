@@ -796,3 +796,69 @@ def test_a_jax_row_stays_on_the_host_clock_under_device_time(monkeypatch):
     row = graphs.run_case(case, "global_norm", ctx, timing.QUICK)
     assert row["status"] == "ok" and row["clock"] == timing.GpuHostTimer.clock and row["median_ms"] >= 20, row
     assert "eager_wall_ms" not in row
+
+
+def _torch_graphs_on_stand_in(monkeypatch, cp):
+    """torch.cuda over the stand-ins (tests/torch_cuda_stand_in.py), CuPy arrays
+    reaching PyTorch as stand-in CUDA tensors, and ``torch.cuda.graph`` /
+    ``CUDAGraph`` as the steps of its ``capture``: a side stream that captures
+    the body, and a graph whose ``replay`` launches what it recorded."""
+    import contextlib
+
+    import torch
+
+    import torch_cuda_stand_in as tcs
+    from gpuflat._src.arrays import external_stream
+
+    tc = tcs.install(monkeypatch, cp)
+    from_dlpack = torch.from_dlpack
+    monkeypatch.setattr(torch, "from_dlpack", lambda a: tcs.cuda(from_dlpack(a)))
+
+    class CUDAGraph:
+        def replay(self):
+            self.captured.replay()
+
+    @contextlib.contextmanager
+    def graph(g):
+        tc.synchronize()
+        stream = torch.cuda.Stream()
+        with tc.stream(stream):
+            capturing = external_stream(cp, stream.cuda_stream, 0)
+            capturing.begin_capture()
+            try:
+                yield
+            finally:
+                g.captured = tcs.Graph(capturing.end_capture())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph, raising=False)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    return tc
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+def test_pytorch_rows_are_replays_of_torch_cuda_graphs(monkeypatch):
+    import torch
+
+    from bench import graphs, timing
+    from bench.arrays import values
+    from bench.case import Case
+    from bench.impls import torch_peers
+
+    ctx = _stand_in_context(monkeypatch)
+    with _torch_graphs_on_stand_in(monkeypatch, ctx.xp):
+        rows = {(op, r["impl"]): r for op in ("flatten", "scatter", "global_norm", "clip")
+                for r in (graphs.run_case(c, op, ctx, timing.QUICK) for c in torch_peers.cases(op, ctx))}
+        params = torch_peers._holders(torch_peers._tensors(ctx, "torch", ctx.leaves))
+        checked = graphs.run_case(Case("torch clip_grad_norm_(error_if_nonfinite)", "torch", lambda: torch.nn.utils.
+                                       clip_grad_norm_(params, ctx.max_norm, error_if_nonfinite=True), values,
+                                       graph="torch"), "clip", ctx, timing.QUICK)
+    assert all((r["capture"], r["clock"]) == ("torch", "graph") for r in rows.values()), rows
+    # The stand-in replays the work of single-tensor results and in-place
+    # operations; a foreach operation's list of results it computes once, at
+    # capture, so only these rows are checked against float64 here.
+    for key in [("flatten", "torch parameters_to_vector"), ("scatter", "torch _foreach_copy_"),
+                ("global_norm", "torch get_total_norm(loop)"), ("global_norm", "gpuflat.torch get_total_norm"),
+                ("clip", "torch clip_grad_norm_(loop)"), ("clip", "gpuflat.torch clip_grad_norm_")]:
+        assert rows[key]["status"] == "ok" and rows[key]["median_ms"] > 0 and rows[key]["eager_wall_ms"] > 0, key
+    # PyTorch's error_if_nonfinite reads the norm on the host: its row says so, with no device figure.
+    assert checked["status"] == "uncapturable" and "host read" in checked["reason"], checked
+    assert "median_ms" not in checked and checked["eager_wall_ms"] > 0
