@@ -17,8 +17,6 @@ compares figures taken under the same load on a shared machine.
 """
 from __future__ import annotations
 
-import contextlib
-
 from .ops import FLOOR_PARTS, TREE_AND_BUFFER, moved_bytes
 from .timing import measure
 
@@ -43,11 +41,13 @@ def part_bytes(op, part, tree_bytes, buffer_bytes) -> int:
 class Floors:
     """``capture(fn)``, if given, makes what is timed of each floor call
     (``bench.graphs``: the replay of its CUDA graph); a call it refuses
-    (``bench.graphs.Uncapturable``) is left out of the candidates."""
+    (``bench.graphs.Uncapturable``) is left out of the candidates, and
+    ``notes`` says why."""
 
     def __init__(self, ctx, capture=None):
         self.ctx = ctx
         self.capture = capture
+        self.notes: list = []
         self._pairs = {}  # float32 elements -> (source, destination), made on first use
 
     def buffers(self, op, part):
@@ -72,7 +72,7 @@ class Floors:
                 "copy": [("copy kernel", lambda: kernel(src, dst)),
                          ("memcpy D2D", lambda: dst.data.copy_from_device_async(src.data, src.nbytes))]}
 
-    def _captured(self, candidates) -> list:
+    def _captured(self, op, candidates) -> list:
         """The (impl, what to time) of each candidate: itself, or its replay
         where the floors capture; those that cannot be captured left out."""
         if self.capture is None:
@@ -81,8 +81,10 @@ class Floors:
 
         out = []
         for impl, fn in candidates:
-            with contextlib.suppress(Uncapturable):
+            try:
                 out.append((impl, self.capture(fn)))
+            except Uncapturable as exc:
+                self.notes.append(f"{self.ctx.workload} {self.ctx.dtype} {op} floor {impl}: not captured: {exc}")
         return out
 
     def measure(self, op, settings) -> list:
@@ -92,7 +94,7 @@ class Floors:
         for part in FLOOR_PARTS[op]:
             src, dst = self.buffers(op, part)
             candidates = (self._host if ctx.device.name == "cpu" else self._cuda)(src, dst)[part]
-            timed = [(impl, measure(fn, timer, settings)[0]) for impl, fn in self._captured(candidates)]
+            timed = [(impl, measure(fn, timer, settings)[0]) for impl, fn in self._captured(op, candidates)]
             if not timed:
                 continue
             impl, t = min(timed, key=lambda it: it[1].median_s)

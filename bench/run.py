@@ -208,7 +208,7 @@ def run_unit(name, label, spec, device, providers, settings, progress, deadline=
                 continue
             rows += [run_one(case, op, ctx, settings, deadline) for case in cases]
         progress.update()
-    return rows, floors, []
+    return rows, floors, limits.notes
 
 
 OUT_OF_TIME = "the run's time limit (--time-limit) was reached"

@@ -2,6 +2,7 @@
 host cost per call, a JSON and a chart; ``--help`` names every workload."""
 from __future__ import annotations
 
+import contextlib
 import doctest
 import importlib
 import importlib.util
@@ -862,3 +863,17 @@ def test_pytorch_rows_are_replays_of_torch_cuda_graphs(monkeypatch):
     # PyTorch's error_if_nonfinite reads the norm on the host: its row says so, with no device figure.
     assert checked["status"] == "uncapturable" and "host read" in checked["reason"], checked
     assert "median_ms" not in checked and checked["eager_wall_ms"] > 0
+
+
+def test_a_floor_that_cannot_be_captured_is_named_not_timed(monkeypatch):
+    from bench import floors, graphs, timing
+
+    ctx = _stand_in_context(monkeypatch)
+    limits = floors.Floors(ctx, graphs.floor_capture(ctx, timing.QUICK))
+    (read,) = limits.measure("global_norm", timing.QUICK)
+    assert read["impl"] == "cupy.sum" and not limits.notes  # the plain read, replayed
+    # A sum outside the graph's own pool (no using_allocator) cannot be captured: named, not timed.
+    monkeypatch.setattr(ctx.xp.cuda, "using_allocator", lambda allocator: contextlib.nullcontext())
+    assert limits.measure("global_norm", timing.QUICK) == []
+    (note,) = limits.notes
+    assert note.startswith("small float32 global_norm floor cupy.sum: not captured: ContractError: a memory-pool"), note
