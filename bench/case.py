@@ -17,6 +17,11 @@ class Case:
     ``own_streams``: its work runs on streams of its own (JAX's), which the
     CUDA events of the run's timer do not see; ``fn`` waits for its result
     and is timed on the host clock (the timer's ``own_streams``).
+
+    ``graph``: what captures it into a CUDA graph under ``--device-time``
+    (bench/graphs.py): "cupy" (CuPy's stream capture) or "torch"
+    (``torch.cuda.graph``, the one capture during which PyTorch's caching
+    allocator hands out memory, from the graph's private pool).
     """
 
     impl: str
@@ -27,6 +32,7 @@ class Case:
     compile_s: Optional[float] = None
     skip: Optional[str] = None
     own_streams: bool = False
+    graph: str = "cupy"
 
 
 def skipped(impl: str, library: str, reason: str, kind: str = "peer") -> Case:

@@ -39,8 +39,15 @@ def part_bytes(op, part, tree_bytes, buffer_bytes) -> int:
 
 
 class Floors:
-    def __init__(self, ctx):
+    """``capture(fn)``, if given, makes what is timed of each floor call
+    (``bench.graphs``: the replay of its CUDA graph); a call it refuses
+    (``bench.graphs.Uncapturable``) is left out of the candidates, and
+    ``notes`` says why."""
+
+    def __init__(self, ctx, capture=None):
         self.ctx = ctx
+        self.capture = capture
+        self.notes: list = []
         self._pairs = {}  # float32 elements -> (source, destination), made on first use
 
     def buffers(self, op, part):
@@ -65,6 +72,21 @@ class Floors:
                 "copy": [("copy kernel", lambda: kernel(src, dst)),
                          ("memcpy D2D", lambda: dst.data.copy_from_device_async(src.data, src.nbytes))]}
 
+    def _captured(self, op, candidates) -> list:
+        """The (impl, what to time) of each candidate: itself, or its replay
+        where the floors capture; those that cannot be captured left out."""
+        if self.capture is None:
+            return candidates
+        from .graphs import Uncapturable
+
+        out = []
+        for impl, fn in candidates:
+            try:
+                out.append((impl, self.capture(fn)))
+            except Uncapturable as exc:
+                self.notes.append(f"{self.ctx.workload} {self.ctx.dtype} {op} floor {impl}: not captured: {exc}")
+        return out
+
     def measure(self, op, settings) -> list:
         """One row per floor part of ``op``: the fastest of that part's candidates."""
         timer, ctx = self.ctx.device.timer, self.ctx
@@ -72,7 +94,9 @@ class Floors:
         for part in FLOOR_PARTS[op]:
             src, dst = self.buffers(op, part)
             candidates = (self._host if ctx.device.name == "cpu" else self._cuda)(src, dst)[part]
-            timed = [(impl, measure(fn, timer, settings)[0]) for impl, fn in candidates]
+            timed = [(impl, measure(fn, timer, settings)[0]) for impl, fn in self._captured(op, candidates)]
+            if not timed:
+                continue
             impl, t = min(timed, key=lambda it: it[1].median_s)
             nbytes = src.nbytes * (1 if part == "reduce" else 2)
             rows.append({"part": part, "impl": impl, "median_ms": t.median_s * 1e3,

@@ -24,6 +24,13 @@
 #   OUT=/some/folder bash bench/gpu_check.sh
 #   bash bench/gpu_check.sh --dry-run    # no GPU: the plumbing, on the CuPy stand-in
 #
+# Not one of its steps: the device-time benchmark (bench/graphs.py), each
+# operation's CUDA-graph replay beside its eager wall clock, which does not
+# fit the 5 minutes. Whenever a GPU is at hand, run it after this script:
+#
+#   bash bench/gpu_check.sh; PYTHONPATH=$PWD python3 -m bench --device-time \
+#       --workloads gpt2-small,tiny-10k --quick --time-limit 480
+#
 # Writes into $OUT (default bench/results; $TMPDIR/gpuflat-dry-run for a dry
 # run): environment.txt, compile.log, host-builds.log, gpu-tests.log,
 # bench.log, the benchmark's <gpu>-quick.json and .png, nvidia-smi.txt.

@@ -64,7 +64,7 @@ def _header(results) -> list:
 def _problems(results) -> list:
     out = []
     for r in results["rows"]:
-        if r["status"] in ("error", "wrong", "skipped"):
+        if r["status"] in ("error", "wrong", "skipped", "uncapturable"):
             why = r.get("reason") or f"relative error {r['rel_err']:.2g} against float64"
             out.append(f"  {r['workload']} {r['dtype']} {r['op']} {r['impl']}: {r['status']}: {why}")
     for r in results.get("host_cost", ()):
@@ -131,6 +131,39 @@ def text(results, every=False) -> str:
         out += ["", "relative error against a float64 reference, where above 1e-5:"] + _precision(results)
     if _problems(results):
         out += ["", "not timed or wrong:"] + _problems(results)
+    out += results["notes"] + [f"\ntotal {results['wall_s']:.0f} s"]
+    return "\n".join(out)
+
+
+def _device_time_rows(results) -> list:
+    """One line per implementation: its replay's device time beside its eager wall clock."""
+    head = ("workload", "dtype", "op", "implementation", "clock", "device ms", "eager wall ms", "eager/device",
+            "x floor", "status")
+    body = []
+    for r in results["rows"]:
+        floor = summary.floor_ms(results, r["workload"], r["dtype"], r["op"])
+        ms, eager = r.get("median_ms"), r.get("eager_wall_ms")
+        graph = r.get("clock") == results["clock"]
+        body.append((r["workload"], r["dtype"], r["op"], r["impl"], "graph" if graph else "host",
+                     _num(ms if graph else None), _num(eager if graph else ms),
+                     _num(eager / ms if graph and eager and ms else None, "{:.2f}x"),
+                     _num(ms / floor if graph and ms and floor else None, "{:.2f}x"), r["status"]))
+    return _columns(head, body, left={0, 1, 2, 3, 4, 9})
+
+
+def device_time_text(results) -> str:
+    """The ``--device-time`` table: each row's graph replay (device time, no
+    host work) beside its eager wall clock; JAX's on the host clock alone;
+    then the summary on the graph clock, the targets and what could not be
+    captured or timed."""
+    out = _header(results) + [f"eager wall ms: {results['eager_clock']}", ""]
+    out += _device_time_rows(results)
+    out += ["", "graph: a CUDA-graph replay timed by CUDA events (device time); host: the host clock, "
+            "host work included (JAX: streams of its own, which no capture sees)", ""]
+    out += _table(results["summary"])
+    out += ["", "targets (on the replays' device time):"] + _targets(results)
+    if _problems(results):
+        out += ["", "not captured, not timed or wrong:"] + _problems(results)
     out += results["notes"] + [f"\ntotal {results['wall_s']:.0f} s"]
     return "\n".join(out)
 

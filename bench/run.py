@@ -72,6 +72,11 @@ def parser(argv=None) -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, metavar="SECONDS",
                    help="start no operation, and time no case, past this many seconds from the start; "
                         "what is left is named as not run (default: no limit)")
+    p.add_argument("--device-time", action="store_true",
+                   help="on a GPU: each gpuflat, PyTorch and CuPy operation (and floor) timed as a CUDA-graph "
+                        "replay, no host work in it, beside its eager wall clock; JAX rows stay on the host "
+                        "clock; an operation that cannot be captured says why (bench/graphs.py); written to "
+                        "<name>-device-time.json")
     p.add_argument("--step-only", action="store_true",
                    help="only the optimizer step rows (bench/step.py): clip + AdamW, PyTorch's against "
                         "gpuflat's, written to <name>-step.json")
@@ -118,7 +123,7 @@ def units(args, spec, device: str = "cpu") -> list:
     return [(n, d) for n in names for d in workloads.dtypes_for(spec[n], dtypes)]
 
 
-def _check(case, result, op, ctx):
+def check(case, result, op, ctx):
     """(status, relative error against the float64 reference)."""
     if case.value is None:
         return "ok", None
@@ -139,15 +144,15 @@ def run_case(case, op, ctx, settings, deadline=None) -> dict:
            "compile_ms": None if case.compile_s is None else case.compile_s * 1e3}
     if case.skip:
         return {**row, "status": "skipped", "reason": case.skip}
-    budget = _budget(case, settings, deadline)
+    budget = budget_of(case, settings, deadline)
     if budget is not None and budget <= 0:
-        return {**row, "status": "skipped", "reason": f"not run: {_OUT_OF_TIME}"}
+        return {**row, "status": "skipped", "reason": f"not run: {OUT_OF_TIME}"}
     if case.kind == "peer":
         row["budget_s"] = budget
     gc.collect()
     try:
         t, result = timing.measure(case.fn, timer, settings, before=ctx.restore(op), budget_s=budget)
-        status, err = _check(case, result, op, ctx)
+        status, err = check(case, result, op, ctx)
     except timing.OverBudget as exc:
         return {**row, "status": "skipped", "reason": str(exc)}
     except Exception as exc:
@@ -159,7 +164,7 @@ def run_case(case, op, ctx, settings, deadline=None) -> dict:
             "gb_s": nbytes / t.median_s / 1e9 if nbytes and t.median_s > 0 else None}
 
 
-def _budget(case, settings, deadline):
+def budget_of(case, settings, deadline):
     """Seconds ``case`` may take: a peer's budget, and no further than the deadline; None: unbounded."""
     left = None if deadline is None else deadline - time.perf_counter()
     if case.kind != "peer":
@@ -167,26 +172,31 @@ def _budget(case, settings, deadline):
     return settings.peer_budget_s if left is None else min(settings.peer_budget_s, left)
 
 
-def run_unit(name, label, spec, device, providers, settings, progress, deadline=None):
+def run_unit(name, label, spec, device, providers, settings, progress, deadline=None, run_one=run_case,
+             floor_capture=None):
     """(rows, floor rows, notes) for one workload in one dtype; the operations
-    not begun by ``deadline`` are named in a note, not run."""
+    not begun by ``deadline`` are named in a note, not run. ``run_one`` times
+    each case (:func:`run_case`; ``bench.graphs.run_case`` replays it);
+    ``floor_capture(ctx, settings)``, if given, makes what the floors time
+    of each floor call (``bench.graphs``: its graph's replay)."""
     from .context import build
     from .floors import Floors
 
     if _past(deadline):
         progress.update(len(OPS))
-        return [], [], [f"{name} {label}: not run: {_OUT_OF_TIME}"]
+        return [], [], [f"{name} {label}: not run: {OUT_OF_TIME}"]
     progress.set_description(f"{name} {label} setup")
     try:
         ctx = build(workloads.build(name, spec, label), device)
     except Exception as exc:  # e.g. bfloat16 where the array library has none
         progress.update(len(OPS))
         return [], [], [f"{name} {label}: not run ({type(exc).__name__}: {exc})"[:300]]
-    rows, floors, limits = [], [], Floors(ctx)
+    capture = None if floor_capture is None else floor_capture(ctx, settings)
+    rows, floors, limits = [], [], Floors(ctx, capture)
     for i, op in enumerate(OPS):
         if _past(deadline):
             progress.update(len(OPS) - i)
-            return rows, floors, [f"{name} {label}: {', '.join(OPS[i:])} not run: {_OUT_OF_TIME}"]
+            return rows, floors, [f"{name} {label}: {', '.join(OPS[i:])} not run: {OUT_OF_TIME}"]
         progress.set_description(f"{name} {label} {op}")
         where = {"workload": name, "dtype": label, "op": op}
         floors += [{**where, **f} for f in limits.measure(op, settings)]
@@ -196,12 +206,12 @@ def run_unit(name, label, spec, device, providers, settings, progress, deadline=
             except Exception as exc:  # a setup that fails (a resident model, say) is a row too
                 rows.append(_setup_error(provider, op, ctx, exc))
                 continue
-            rows += [run_case(case, op, ctx, settings, deadline) for case in cases]
+            rows += [run_one(case, op, ctx, settings, deadline) for case in cases]
         progress.update()
-    return rows, floors, []
+    return rows, floors, limits.notes
 
 
-_OUT_OF_TIME = "the run's time limit (--time-limit) was reached"
+OUT_OF_TIME = "the run's time limit (--time-limit) was reached"
 
 
 def _past(deadline) -> bool:
@@ -230,6 +240,10 @@ def main(argv=None) -> int:
         from . import step
 
         return step.main(args)
+    if args.device_time:
+        from . import graphs
+
+        return graphs.main(args)
     deadline = None if args.time_limit is None else began + args.time_limit
     jax_peers.MAX_LEAVES = args.jax_max_leaves
     device = make_device(args.device)

@@ -47,7 +47,9 @@ is CuPy's calling contract, enforced on every call (a breach raises
 - events keep CUDA's device time: ``cuda.get_elapsed_time`` between two
   events of one stream is the time the work queued on that stream between
   them took to run (the stand-in runs each piece as it is queued and times
-  it); work on other streams, or on none (host work), does not count;
+  it; a captured graph's launch runs its recorded work as one piece on the
+  stream it is launched on); work on other streams, or on none (host work),
+  does not count;
 - once ``destroy_context()`` (a test helper, not CuPy) has run, as at an
   exit that tore CUDA down, asking a stream whether it captures and querying
   an event raise CuPy's ``cuda.runtime.CUDARuntimeError``
@@ -172,11 +174,21 @@ class _Memory:
 class _Graph:
     """Work recorded on a capturing stream; ``launch`` runs it."""
 
-    def __init__(self):
+    def __init__(self, standin):
+        self.standin = standin
         self.work = []
         self.pool = []  # the memory of its private pool, kept while the graph lives
 
     def launch(self, stream=None):
+        """Runs the recorded work as one piece of work on ``stream`` (the
+        current one by default, as CuPy's ``Graph.launch``): its run time
+        counts on that stream's device clock, as a replay's kernels do."""
+        standin = self.standin
+        stream = stream if stream is not None else standin.current_stream(standin.current_device())
+        standin.enqueue(stream)
+        standin.execute(stream, self._run)
+
+    def _run(self):
         for work in self.work:
             work()
 
@@ -441,7 +453,7 @@ class _StandIn:
                 with standin.lock:
                     if self.key in standin.captures:
                         raise ContractError(f"stream {self.ptr} is capturing already")
-                    standin.captures[self.key] = _Graph()
+                    standin.captures[self.key] = _Graph(standin)
 
             def end_capture(self):
                 with standin.lock:

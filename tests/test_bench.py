@@ -2,6 +2,7 @@
 host cost per call, a JSON and a chart; ``--help`` names every workload."""
 from __future__ import annotations
 
+import contextlib
 import doctest
 import importlib
 import importlib.util
@@ -698,3 +699,181 @@ def test_nothing_starts_past_the_time_limit_and_what_is_left_is_named(tmp_path):
     assert results["rows"] == [] and results["time_limit_s"] == 0
     assert [n for n in results["notes"] if "time limit" in n] == [
         f"{w} float32: not run: the run's time limit (--time-limit) was reached" for w in ("one", "two")]
+
+
+# ---------------------------------------------------------------- --device-time: CUDA-graph replays
+
+
+def _stand_in_context(monkeypatch):
+    """The small workload on the CuPy stand-in, with the run's CUDA-event timer."""
+    from bench import context, timing, workloads
+
+    cp = _dry_run_cupy(monkeypatch)
+    device = context.Device("cuda", cp, ("cuda",), timing.CudaEventTimer(cp))
+    return context.build(workloads.build("small", SMALL_SPEC, "float32"), device)
+
+
+def test_device_time_runs_end_to_end_and_labels_every_row(tmp_path, monkeypatch, capsys):
+    from bench import run
+
+    _dry_run_cupy(monkeypatch)
+    assert run.main(["--device-time", "--quick", "--device", "cuda", "--workloads-file",
+                     str(ROOT / "bench" / "dry_run" / "workloads.json"), "--workloads", "tiny-10k",
+                     "--out", str(tmp_path), "--name", "t"]) == 0
+    results = json.loads((tmp_path / "t-quick-device-time.json").read_text())
+    assert results["clock"] == "graph" and results["mode"] == "device-time"
+    mine = [r for r in results["rows"] if r["impl"] == "gpuflat (cuda)"]
+    assert [r["op"] for r in mine] == list(OPS)
+    for r in mine:  # every gpuflat operation replayed, checked against float64, its eager wall clock beside it
+        assert (r["status"], r["clock"], r["capture"]) == ("ok", "graph", "cupy"), r
+        assert r["median_ms"] > 0 and r["eager_wall_ms"] > 0
+    # The floors are replays too: a plain read and a copy of the same bytes.
+    assert {(f["op"], f["part"]) for f in results["floors"]} >= {("global_norm", "reduce"), ("flatten", "copy")}
+    printed = capsys.readouterr().out
+    assert re.search(r"tiny-10k\s+float32\s+global_norm\s+gpuflat \(cuda\)\s+graph\s+[\d.]+\s+[\d.]+", printed)
+    assert "eager wall ms" in printed and not (tmp_path / "t-quick.json").exists()  # the default run's file
+
+
+def test_device_time_needs_a_gpu():
+    from bench import run
+
+    with pytest.raises(SystemExit, match="--device-time: CUDA graphs need a GPU"):
+        run.main(["--device-time", "--device", "cpu"])
+
+
+def test_a_replay_holds_the_device_work_and_none_of_the_host_work(monkeypatch):
+    import time
+
+    import gpuflat as gf
+    from bench import arrays, graphs, run, timing
+    from bench.case import Case
+
+    ctx = _stand_in_context(monkeypatch)
+    calls = []
+
+    def slow_on_the_host():
+        calls.append(1)
+        time.sleep(0.03)  # host work: Python, tables; no capture records it
+        return gf.global_norm(ctx.tree, backend="cuda")
+    case = Case("host-heavy norm", "gpuflat", slow_on_the_host, arrays.values, kind="gpuflat")
+    row = graphs.run_case(case, "global_norm", ctx, timing.QUICK)
+    assert (row["status"], row["clock"]) == ("ok", "graph"), row
+    assert row["eager_wall_ms"] >= 30 and row["median_ms"] < 10, row
+    # The Python ran for the eager calls, the warm-up on the side stream and
+    # the capture, and never while the replays were timed.
+    assert len(calls) == 2 * timing.QUICK.warmup + row["eager_reps"] + 1 and row["reps"] >= timing.QUICK.min_reps
+    # The same call timed eagerly with the run's events is a figure of its own, not the replay's.
+    eager = run.run_case(case, "global_norm", ctx, timing.QUICK)
+    assert eager["clock"] != "graph"
+
+
+def test_a_call_that_cannot_be_captured_says_why_and_leaves_capture_mode(monkeypatch):
+    import gpuflat as gf
+    from bench import arrays, graphs, timing
+    from bench.case import Case
+
+    ctx = _stand_in_context(monkeypatch)
+    # error_if_nonfinite reads the norm on the host: no graph can hold that
+    checked = Case("gpuflat checked clip", "gpuflat", lambda: gf.clip_grad_norm_(
+        ctx.tree, ctx.max_norm, error_if_nonfinite=True, backend="cuda"), arrays.values, kind="gpuflat")
+    row = graphs.run_case(checked, "clip", ctx, timing.QUICK)
+    assert row["status"] == "uncapturable" and "median_ms" not in row, row
+    assert "while a CUDA graph is being captured" in row["reason"], row["reason"]
+    assert row["eager_wall_ms"] > 0  # the eager call ran, and its wall clock is kept
+    plain = Case("gpuflat clip", "gpuflat", lambda: gf.clip_grad_norm_(ctx.tree, ctx.max_norm, backend="cuda"),
+                 arrays.values, kind="gpuflat")
+    assert graphs.run_case(plain, "clip", ctx, timing.QUICK)["status"] == "ok"  # no capture left open
+
+
+def test_a_jax_row_stays_on_the_host_clock_under_device_time(monkeypatch):
+    import numpy as np
+
+    from bench import graphs, timing
+    from bench.case import Case
+
+    ctx = _stand_in_context(monkeypatch)
+    call = _busy_on_its_own_stream(ctx.xp, 0.02)
+    case = Case("jax-like", "jax", call, lambda _: np.array([ctx.ref_norm]), own_streams=True)
+    row = graphs.run_case(case, "global_norm", ctx, timing.QUICK)
+    assert row["status"] == "ok" and row["clock"] == timing.GpuHostTimer.clock and row["median_ms"] >= 20, row
+    assert "eager_wall_ms" not in row
+
+
+def _torch_graphs_on_stand_in(monkeypatch, cp):
+    """torch.cuda over the stand-ins (tests/torch_cuda_stand_in.py), CuPy arrays
+    reaching PyTorch as stand-in CUDA tensors, and ``torch.cuda.graph`` /
+    ``CUDAGraph`` as the steps of its ``capture``: a side stream that captures
+    the body, and a graph whose ``replay`` launches what it recorded."""
+    import contextlib
+
+    import torch
+
+    import torch_cuda_stand_in as tcs
+    from gpuflat._src.arrays import external_stream
+
+    tc = tcs.install(monkeypatch, cp)
+    from_dlpack = torch.from_dlpack
+    monkeypatch.setattr(torch, "from_dlpack", lambda a: tcs.cuda(from_dlpack(a)))
+
+    class CUDAGraph:
+        def replay(self):
+            self.captured.replay()
+
+    @contextlib.contextmanager
+    def graph(g):
+        tc.synchronize()
+        stream = torch.cuda.Stream()
+        with tc.stream(stream):
+            capturing = external_stream(cp, stream.cuda_stream, 0)
+            capturing.begin_capture()
+            try:
+                yield
+            finally:
+                g.captured = tcs.Graph(capturing.end_capture())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph, raising=False)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    return tc
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+def test_pytorch_rows_are_replays_of_torch_cuda_graphs(monkeypatch):
+    import torch
+
+    from bench import graphs, timing
+    from bench.arrays import values
+    from bench.case import Case
+    from bench.impls import torch_peers
+
+    ctx = _stand_in_context(monkeypatch)
+    with _torch_graphs_on_stand_in(monkeypatch, ctx.xp):
+        rows = {(op, r["impl"]): r for op in ("flatten", "scatter", "global_norm", "clip")
+                for r in (graphs.run_case(c, op, ctx, timing.QUICK) for c in torch_peers.cases(op, ctx))}
+        params = torch_peers._holders(torch_peers._tensors(ctx, "torch", ctx.leaves))
+        checked = graphs.run_case(Case("torch clip_grad_norm_(error_if_nonfinite)", "torch", lambda: torch.nn.utils.
+                                       clip_grad_norm_(params, ctx.max_norm, error_if_nonfinite=True), values,
+                                       graph="torch"), "clip", ctx, timing.QUICK)
+    assert all((r["capture"], r["clock"]) == ("torch", "graph") for r in rows.values()), rows
+    # The stand-in replays the work of single-tensor results and in-place
+    # operations; a foreach operation's list of results it computes once, at
+    # capture, so only these rows are checked against float64 here.
+    for key in [("flatten", "torch parameters_to_vector"), ("scatter", "torch _foreach_copy_"),
+                ("global_norm", "torch get_total_norm(loop)"), ("global_norm", "gpuflat.torch get_total_norm"),
+                ("clip", "torch clip_grad_norm_(loop)"), ("clip", "gpuflat.torch clip_grad_norm_")]:
+        assert rows[key]["status"] == "ok" and rows[key]["median_ms"] > 0 and rows[key]["eager_wall_ms"] > 0, key
+    # PyTorch's error_if_nonfinite reads the norm on the host: its row says so, with no device figure.
+    assert checked["status"] == "uncapturable" and "host read" in checked["reason"], checked
+    assert "median_ms" not in checked and checked["eager_wall_ms"] > 0
+
+
+def test_a_floor_that_cannot_be_captured_is_named_not_timed(monkeypatch):
+    from bench import floors, graphs, timing
+
+    ctx = _stand_in_context(monkeypatch)
+    limits = floors.Floors(ctx, graphs.floor_capture(ctx, timing.QUICK))
+    (read,) = limits.measure("global_norm", timing.QUICK)
+    assert read["impl"] == "cupy.sum" and not limits.notes  # the plain read, replayed
+    # A sum outside the graph's own pool (no using_allocator) cannot be captured: named, not timed.
+    monkeypatch.setattr(ctx.xp.cuda, "using_allocator", lambda allocator: contextlib.nullcontext())
+    assert limits.measure("global_norm", timing.QUICK) == []
+    (note,) = limits.notes
+    assert note.startswith("small float32 global_norm floor cupy.sum: not captured: ContractError: a memory-pool"), note

@@ -40,9 +40,20 @@ class _CopyKernel:
         return y
 
 
+class _GraphPool:
+    """``cupy.cuda.MemoryPool`` as ``bench.graphs`` uses one: a pool of a
+    graph's own, handed to ``cuda.using_allocator`` while it captures. The
+    stand-in's arrays hold their own bytes; a block here only marks them as
+    the pool's."""
+
+    def malloc(self, nbytes):
+        return bytearray(0)
+
+
 def stand_in():
     """The CuPy stand-in with the benchmark's own calls: the timer's spin
-    kernel, the floors' copy kernel and device-to-device copy."""
+    kernel, the floors' copy kernel and device-to-device copy, and the
+    graph pool and capture mode of ``--device-time``."""
     cupy = cupy_stand_in.make_cupy(("90",))
     data = cupy.ndarray.data
 
@@ -62,6 +73,8 @@ def stand_in():
     cupy.ndarray.data = property(Memory)
     cupy.ElementwiseKernel = _CopyKernel
     cupy.RawKernel = _SpinKernel
+    cupy.cuda.MemoryPool = _GraphPool
+    cupy.cuda.runtime.streamCaptureModeRelaxed = 2  # CUDA's cudaStreamCaptureModeRelaxed
     return cupy
 
 

@@ -132,10 +132,19 @@ def _resident_cases(op, ctx):
     return peers + [Case("gpuflat resident(torch params)", "gpuflat", fn, arrays.values, kind="gpuflat")]
 
 
-def cases(op, ctx) -> list:
+def _cases(op, ctx) -> list:
     if op in ("flatten", "unflatten", "scatter"):
         return _flatten_cases(ctx, _tensors(ctx, "torch", ctx.leaves))[op]
     if op in ("global_norm", "per_leaf_norm", "clip"):
         group = {"global_norm": "norm", "per_leaf_norm": "per_leaf", "clip": "clip"}[op]
         return _norm_cases(_tensors(ctx, "torch", ctx.leaves), ctx.max_norm)[group]
     return _resident_cases(op, ctx)
+
+
+def cases(op, ctx) -> list:
+    """The cases of ``op``: every one works on PyTorch tensors, so a CUDA
+    graph of it is ``torch.cuda.graph``'s (``Case.graph``)."""
+    out = _cases(op, ctx)
+    for case in out:
+        case.graph = "torch"
+    return out
