@@ -60,6 +60,9 @@ _STEPPED_CODES = np.array([d in STEPPED for d in tensor_facts.DTYPES])
 # The rows' words of the state, in the order of state_names(rule): state0, state1, state2, then the step count.
 _STATE_FIELDS = [PARAM_ROW_FIELDS.index(f) for f in ("state0", "state1", "state2", "step")]
 _ROW_PARAM, _ROW_GRAD = PARAM_ROW_FIELDS.index("param"), PARAM_ROW_FIELDS.index("grad")
+# Those words as a slice where they are adjacent (a view: no gather per step).
+_STATE_WORDS = slice(_STATE_FIELDS[0], _STATE_FIELDS[-1] + 1) \
+    if _STATE_FIELDS == list(range(_STATE_FIELDS[0], _STATE_FIELDS[-1] + 1)) else _STATE_FIELDS
 
 
 def state_names(rule: Rule) -> tuple:
@@ -206,10 +209,12 @@ class _Found:
     everything: list
     group_of: np.ndarray
     needs: np.ndarray  # per group, per name of state_names: whether its steps read it
+    needs_key: tuple  # the same as tuples
     state: object  # the optimizer's state dict, as found
     edits: int  # _EDITS when it was last read; -1 where it is not watched
     words: np.ndarray  # per parameter, the addresses of its state (state_names' order), 0 where none
     seen: np.ndarray  # per parameter, its state's words as tensor_facts.state_words reads them, 0 where none
+    plain: bool  # no DTensor or other tensor subclass among the parameters
     checked: np.ndarray  # per parameter, the (element count, code) its state was checked against
     present: np.ndarray  # per parameter, per name of state_names: whether its state holds it
     # Derived by _derive: per parameter, whether its state lacks what its
@@ -245,7 +250,8 @@ def read(optimizer, rule: Rule, lazy_state) -> Step | None:
     have = np.arange(len(everything)) if whole else np.flatnonzero([p.grad is not None for p in everything])
     params = everything if whole else [everything[k] for k in have]
     names = _Names(found, have)
-    all_plain = plain(params) and plain(grads) and grad_facts is not None
+    # Facts read natively are of plain gradients only (tensor_facts.gradients).
+    all_plain = found.plain and grad_facts is not None
     locals_, local_grads = (params, grads) if all_plain else (dtensor.local_shards(params), dtensor.local_shards(grads))
     param_facts = _facts(locals_)
     local_grad_facts = grad_facts if all_plain else _facts(local_grads)
@@ -262,7 +268,7 @@ def read(optimizer, rule: Rule, lazy_state) -> Step | None:
     checked = found.checked if whole else found.checked[have]
     if not np.array_equal(checked, param_facts[:, 1:]):  # a parameter moved or changed: its state is checked again
         _reread(optimizer, rule, found, have[(checked != param_facts[:, 1:]).any(axis=1)], names.of_all)
-    rows[:, _STATE_FIELDS] = found.masked if whole else found.masked[have]
+    rows[:, _STATE_WORDS] = found.masked if whole else found.masked[have]
     return Step(_split(rows, param_facts, locals_), params, grads, grad_facts,
                 lambda i: f"{names.parameter(i)}.grad", all_plain)
 
@@ -276,9 +282,10 @@ def _found(optimizer, rule, lists) -> _Found:
     found = optimizer.__dict__.get("_gpuflat_found")
     if found is None or len(found.lists) != len(lists) or not tensor_facts.same_items(lists, found.everything):
         found = _relist(optimizer, rule, found, lists)
-    needs = np.array([needed(rule, g) for g in optimizer.param_groups], bool).reshape(-1, len(_STATE_FIELDS))
-    if needs.shape != found.needs.shape or not np.array_equal(needs, found.needs):
-        found.needs = needs
+    needs = tuple(needed(rule, g) for g in optimizer.param_groups)
+    if needs != found.needs_key:
+        found.needs_key = needs
+        found.needs = np.array(needs, bool).reshape(-1, len(_STATE_FIELDS))
         _derive(found)
     return found
 
@@ -287,9 +294,9 @@ def _relist(optimizer, rule, kept, lists) -> _Found:
     everything = [p for ps in lists for p in ps]
     group_of = np.repeat(np.arange(len(lists)), [len(ps) for ps in lists]).astype(np.int64)
     n, width = len(everything), len(_STATE_FIELDS)
-    found = _Found(list(lists), everything, group_of, np.zeros((0, width), bool), None, -1,
+    found = _Found(list(lists), everything, group_of, np.zeros((0, width), bool), (), None, -1,
                    np.zeros((n, width), np.int64), np.zeros((n, 1 + 2 * len(_tensor_names(rule))), np.int64),
-                   np.full((n, 2), -1, np.int64), np.zeros((n, width), bool))
+                   plain(everything), np.full((n, 2), -1, np.int64), np.zeros((n, width), bool))
     if kept is not None:
         before = {id(p): k for k, p in enumerate(kept.everything)}
         at = np.array([before.get(id(p), -1) for p in everything], np.int64)
