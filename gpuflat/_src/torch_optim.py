@@ -71,16 +71,18 @@ class _FlatOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults, max_norm, norm_type, pp_mesh, tied):
         name = type(self).__name__
-        if max_norm is not None:
-            clip_arguments(max_norm, norm_type, CLIP_EPS)
         if isinstance(params, Resident):
             raise TypeError(f"gpuflat.torch.{name}: expected parameters or param groups, as torch.optim.{name} "
                             f"takes them, got a Resident; pass model.parameters(): the optimizer follows the "
                             f"parameters wherever their memory is, a resident model's buffers included")
+        if max_norm is not None:
+            clip_arguments(max_norm, 2.0, CLIP_EPS)
         super().__init__(params, defaults)
         param_rows.watch(self)
         distributed.check_pipeline(pp_mesh, tied, [p for g in self.param_groups for p in g["params"]])
-        self.max_norm, self.norm_type = max_norm, norm_type
+        from ..torch import _norm_type  # the drop-in's reading of it, "inf" included (it imports this module)
+
+        self.max_norm, self.norm_type = max_norm, _norm_type(norm_type)
         self.pp_mesh, self.tied = pp_mesh, tied
         self.last_grad_norm = None
 
