@@ -73,10 +73,11 @@ def update(rule, tables, groups, total, max_norm, scale, found, read=()) -> None
         backend = tensor_table.backend_for(like.device)
         row_hyper, lr_at = _learning_rates(groups, like.device, hyper)
         with device_scope(backend, like):
-            amp = _amp_array(scale, found, like.device)
-            clip = None if max_norm is None else adopt(total.to(like.device).reshape(()))
+            amp = _amp_tensor(scale, found, like.device)
+            norm = None if max_norm is None else total.to(like.device).reshape(())
             if backend.name == "cuda" and launch_stream(like).is_capturing():
-                _READ_BY_GRAPHS.append((amp, clip, [g["lr"] for g in groups], read() if callable(read) else read))
+                _READ_BY_GRAPHS.append((amp, norm, [g["lr"] for g in groups], read() if callable(read) else read))
+            amp, clip = adopt(amp), None if norm is None else adopt(norm)
             backend.step_rows(rule, TAG_OF_NAME[str(like.dtype).removeprefix("torch.")], table.rows, row_hyper,
                               lr_at, clip, 0.0 if max_norm is None else float(max_norm), CLIP_EPS, amp)
 
@@ -124,8 +125,8 @@ def _learning_rates(groups, device, hyper) -> tuple:
 _PLAIN_AMP = caches.LRU("plain amp flags", 8)  # by device
 
 
-def _amp_array(scale, found, device):
-    """(the unscale factor, the skip flag) as a float64 array of the backend's kind on ``device``."""
+def _amp_tensor(scale, found, device):
+    """(the unscale factor, the skip flag) as a float64 tensor on ``device``."""
     if scale is None and found is None:
         amp = _PLAIN_AMP.get(device, lambda: torch.tensor([1.0, 0.0], dtype=torch.float64, device=device))
     else:
@@ -133,7 +134,7 @@ def _amp_array(scale, found, device):
         inv = one if scale is None else unscale_factor(scale).reshape(()).to(device)
         flag = zero if found is None else found.double().reshape(()).to(device)
         amp = torch.stack((inv, flag))
-    return adopt(amp)
+    return amp
 
 
 def name_of(groups, indices):
