@@ -13,9 +13,11 @@ them), ``add_param_group``: each behaves as it does with ``torch.optim``.
 
 The state is ``torch.optim``'s: ``step`` a 0-d float32 tensor on the
 parameter's device (as PyTorch's fused and capturable paths keep it),
-``exp_avg``, ``exp_avg_sq`` and ``momentum_buffer`` tensors like the
-parameter, each owning its storage, created at the parameter's first
-gradient (``_init_group``, as in PyTorch). ``state_dict()`` and
+``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` and ``momentum_buffer``
+tensors like the parameter, each owning its storage, created at the
+parameter's first gradient (``_init_group``, as in PyTorch). SGD's
+momentum buffer comes with a ``step`` of its own: the number of updates
+applied to it, 0 while it is new. ``state_dict()`` and
 ``load_state_dict()`` go both ways with ``torch.optim.AdamW`` and ``SGD``.
 
 With ``max_norm``, the gradients of every parameter in ``param_groups`` are
@@ -30,18 +32,25 @@ optimizer joins, one whose parameters have no gradient too. A tensor
 ``lr`` is read where it lies, through its address: changing it between
 steps needs no host read.
 
-Differences, on purpose: ``amsgrad``, ``maximize`` and ``differentiable``
-are refused; ``foreach``, ``fused`` and ``capturable`` are accepted and
-change nothing; complex parameters, parameters whose memory is not one
-dense block, and gradients laid out unlike their parameter are refused,
-naming the parameter, before anything is written.
+``amsgrad`` (the state ``max_exp_avg_sq``) and ``maximize`` are read from
+each group at every step, as the loop may change them, with every other
+hyperparameter; what the loop does to the groups' lists and to the state
+is read too (``gpuflat._src.param_rows``). Differences, on purpose:
+``differentiable`` is refused; ``foreach``, ``fused`` and ``capturable``
+are accepted and change nothing; complex parameters, parameters whose
+memory is not one dense block, sparse gradients and gradients laid out
+unlike their parameter are refused, naming the parameter, before anything
+is written; ``model.double()`` mid-training takes the state into the new
+dtype.
 
 Inside ``torch.compile(opt.step)`` the step is traced down to gpuflat's
 operators (``gpuflat._src.torch_optim_ops``): no graph break in gpuflat's code,
 the eager steps' bits, no recompile as ``zero_grad()`` reallocates the
 gradients. SGD's momentum buffer made at a step that a GradScaler skips on
-the device stays new, as ``torch.optim.SGD``, which never ran that step,
-has none yet: its first applied update makes it the gradient itself.
+the device stays new (its count stays 0, on the device), as
+``torch.optim.SGD``, which never ran that step, has none yet: its first
+applied update makes it the gradient itself, and ``state_dict()`` leaves
+it out.
 """
 from __future__ import annotations
 
@@ -211,7 +220,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
             lr_tensor = [g["lr"] if isinstance(g["lr"], torch.Tensor) else None for g in self.param_groups]
             self._traced_step(params, grads, columns, groups=groups, indices=indices, lr=lr,
                               lr_tensor=lr_tensor, total=total,
-                              max_norm=None if self.max_norm is None else _compiled_max_norm(self.max_norm),
+                              max_norm=None if self.max_norm is None else _max_norm_by_value(self.max_norm),
                               grad_scale=scale, found_inf=found)
 
     def _check_options(self, compiling):
@@ -328,11 +337,14 @@ def _norm_between_graphs(optimizer, grads, name_of_parameter, sharded, scale, de
     return optimizer._norm(step, scale, detect)
 
 
-def _compiled_max_norm(max_norm) -> float:
-    """``max_norm`` as a compiled step's operator takes it: a number."""
+def _max_norm_by_value(max_norm) -> float:
+    """``max_norm`` as a compiled step's update takes it: a number (its
+    kernels take it by value; the drop-in's compiled clip reads a 0-d
+    tensor where it lies, ``gpuflat.torch._compiled_max_norm``)."""
     if isinstance(max_norm, torch.Tensor):
-        raise TypeError("max_norm: inside torch.compile expected a number, got a tensor; pass float(max_norm) to "
-                        "the optimizer, or step outside the compiled function")
+        raise TypeError("max_norm: a flat optimizer's compiled step takes a number, got a tensor (its update "
+                        "kernels take max_norm by value); pass float(max_norm) to the optimizer, or step outside "
+                        "the compiled function")
     return float(max_norm)
 
 
