@@ -17,8 +17,10 @@ import pytest
 
 import gpuflat as gf
 from gpuflat._src.backends.cuda import ITEM
-from gpuflat._src.layout import RULES
-from gpuflat.optim import SGD, AdamW
+from gpuflat._src.backends.selection import get_backend
+from gpuflat._src.dtypes import TAGS
+from gpuflat._src.layout import PARAM_ROW_FIELDS, RULES
+from gpuflat.optim import CLIP_EPS, SGD, AdamW
 
 from conftest import BACKENDS, BF16, assert_bits_equal
 
@@ -269,3 +271,203 @@ def test_cupy_arrays_give_the_emulated_bits(variant, monkeypatch):
     inv = cp.asarray(np.asarray(0.5))
     total, found = opts[0]._flat.step(1.0, inv_scale=inv, detect=True)
     assert float(cp.asnumpy(found)) == 0.0 and cp.asnumpy(opts[0]._flat.steps[0].array)[0] == 4.0
+
+
+# ---------------------------------------------------------------- the row update
+# Every backend's step_rows, the update of PyTorch's parameters where they lie
+# (one ParamRow each), on host memory: the emulated CUDA kernels, the host
+# library and the NumPy reference, against float64 and against each other.
+
+ROW_SIZES = (0, 1, 5, ITEM + 3, 2 * ITEM)  # empty, tiny, ragged, past an item, whole items
+
+
+def _eps(dtype) -> float:
+    return 2.0**-7 if dtype == BF16 else float(np.finfo(dtype).eps)
+
+
+class Rows:
+    """Parameters, gradients, state and step counts in host memory, each a
+    slice ``offset`` elements into an array of its own (an offset of 1 puts
+    every 16-bit tensor off its 16-byte vectors), and their rows."""
+
+    def __init__(self, rule, dtype, groups, seed, offset=0, sizes=ROW_SIZES):
+        rng = np.random.default_rng(seed)
+        self.rule, self.dtype, self.groups = RULES[rule], np.dtype(dtype), groups
+        self.tensors = []
+        for i, n in enumerate(sizes * len(groups)):
+            group = i // len(sizes)
+            t = {name: self._array(rng.standard_normal(n) if name == "p" else np.zeros(n), offset)
+                 for name in ("p", "g", "s0", "s1", "s2")}
+            t["step"], t["group"] = np.zeros(1, np.float32), group
+            self.tensors.append(t)
+
+    def _array(self, values, offset):
+        whole = np.zeros(len(values) + offset, self.dtype)
+        whole[offset:] = values
+        return whole[offset:]
+
+    def rows(self, keeps) -> np.ndarray:
+        """The table: ``keeps(t)`` names the words of tensor set t's row that
+        are kept (state0, state1, state2, step); the others are 0."""
+        rows = []
+        for t in self.tensors:
+            kept = keeps(t)
+            words = [t[k].ctypes.data if k in kept else 0 for k in ("s0", "s1", "s2", "step")]
+            rows.append([t["p"].ctypes.data, t["g"].ctypes.data, *words, t["p"].size, t["group"]])
+        return np.array(rows, np.int64).reshape(-1, len(PARAM_ROW_FIELDS))
+
+    def hyper(self) -> np.ndarray:
+        return np.array([self.rule.hyper_row(g) for g in self.groups], np.float64).reshape(-1)
+
+    def gradients(self, rng, scale):
+        for t in self.tensors:
+            t["g"][...] = (rng.standard_normal(t["g"].size) * scale).astype(self.dtype)
+
+    def snapshot(self) -> list:
+        return [{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in t.items()} for t in self.tensors]
+
+
+def _step_rows(backend, table, rows, factor=None, skip=0.0):
+    """One step_rows; ``factor`` = (norm, max_norm, unscale)."""
+    be = get_backend(backend)
+    total, max_norm, unscale = (None, 0.0, 1.0) if factor is None else factor
+    be.step_rows(table.rule.name, TAGS[table.dtype], rows, table.hyper(), np.zeros(2 * len(table.groups), np.int64),
+                 None if total is None else np.asarray(total, np.float64), max_norm, CLIP_EPS,
+                 np.array([unscale, skip]))
+
+
+def _row_reference(rule, before, h, factor, keeps):
+    """One step of PyTorch's formulas in float64 from the tensors ``before``
+    (a snapshot's entry), for the words ``keeps`` says a row has."""
+    f64 = {k: v.astype(np.float64) for k, v in before.items() if isinstance(v, np.ndarray)}
+    g = f64["g"] * factor
+    g = -g if h.get("maximize") else g
+    p, count = f64["p"], float(before["step"][0])
+    out = {}
+    if rule == "adamw":
+        (b1, b2), n = h["betas"], count + 1
+        p = p * (1 - h["lr"] * h["weight_decay"])
+        out["s0"] = b1 * f64["s0"] + (1 - b1) * g
+        out["s1"] = b2 * f64["s1"] + (1 - b2) * g * g
+        w = out["s1"]
+        if h.get("amsgrad"):
+            out["s2"] = w = np.maximum(f64["s2"], out["s1"])
+        out["p"] = p - h["lr"] / (1 - b1**n) * out["s0"] / (np.sqrt(w) / math.sqrt(1 - b2**n) + h["eps"])
+        out["step"] = n
+    else:
+        d = g + h["weight_decay"] * p
+        if h["momentum"]:
+            buf = d if count == 0 else h["momentum"] * f64["s0"] + (1 - h["dampening"]) * d
+            out["s0"], out["step"] = buf, count + 1
+            d = d + h["momentum"] * buf if h["nesterov"] else buf
+        out["p"] = p - h["lr"] * d
+    return out
+
+
+def _assert_step_is_pytorchs(table, before, factor, keeps):
+    """Each tensor after the step within a few roundings of the float64 step
+    from the same values before it; the rest unchanged."""
+    eps = _eps(table.dtype)
+    for t, b in zip(table.tensors, before):
+        want = _row_reference(table.rule.name, b, table.groups[t["group"]], factor, keeps(t))
+        for name in ("p", "s0", "s1", "s2"):
+            found = t[name].astype(np.float64)
+            if name not in want:
+                assert_bits_equal(t[name], b[name])
+                continue
+            scale = float(np.max(np.abs(want[name]), initial=0.0))
+            np.testing.assert_allclose(found, want[name], rtol=4 * eps, atol=8 * eps * scale, err_msg=name)
+        assert float(t["step"][0]) == want.get("step", float(b["step"][0]))
+
+
+ADAMW_ROWS = [{**ADAMW, "betas": (0.8, 0.7)}, {**ADAMW, "betas": (0.8, 0.7), "maximize": True},
+              {**ADAMW, "betas": (0.8, 0.7), "amsgrad": True, "weight_decay": 0.0},
+              {**ADAMW, "betas": (0.8, 0.7), "amsgrad": True, "maximize": True}]
+
+
+def _adamw_keeps(table):
+    return lambda t: {"s0", "s1", "step"} | ({"s2"} if table.groups[t["group"]].get("amsgrad") else set())
+
+
+@pytest.mark.parametrize("dtype", REAL, ids=str)
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("groups", [ADAMW_ROWS[:2], ADAMW_ROWS], ids=["maximize", "amsgrad"])
+def test_adamw_rows_follow_pytorch_and_give_every_backends_bits(groups, offset, dtype):
+    # Groups with and without maximize and amsgrad in one table (the amsgrad
+    # instantiation takes the others' rows too); large gradients, then small
+    # ones, so the running maximum differs from the second moment.
+    rng = np.random.default_rng(4)
+    tables = {be: Rows("adamw", dtype, groups, seed=3, offset=offset) for be in BACKENDS}
+    keeps = _adamw_keeps(tables["numpy"])
+    for k, (scale, factor) in enumerate([(3.0, None), (0.1, (40.0, 1.0, 0.5)), (0.1, None)]):
+        grads_seed = int(rng.integers(1 << 30))
+        for be, table in tables.items():
+            table.gradients(np.random.default_rng(grads_seed), scale)
+            before = table.snapshot()
+            _step_rows(be, table, table.rows(keeps), factor)
+            coef = 1.0 if factor is None else min(1.0, factor[1] / (factor[0] + CLIP_EPS)) * factor[2]
+            _assert_step_is_pytorchs(table, before, coef, keeps)
+    for be in ("numpy", "host"):
+        for t, u in zip(tables[be].tensors, tables["emulated"].tensors):
+            for name in ("p", "s0", "s1", "s2", "step"):
+                assert_bits_equal(t[name], u[name])
+
+
+SGD_ROWS = [{**SGD_OPTIONS, "dampening": 0.3}, {**SGD_OPTIONS, "momentum": 0.0, "maximize": True},
+            {**SGD_OPTIONS, "nesterov": True, "dampening": 0.0, "maximize": True}]
+
+
+def _sgd_keeps(table):
+    # A row keeps its buffer and count once its group has momentum (the
+    # front end makes them then, at 0).
+    return lambda t: {"s0", "step"} if table.groups[t["group"]]["momentum"] or t["step"][0] else set()
+
+
+@pytest.mark.parametrize("dtype", REAL, ids=str)
+@pytest.mark.parametrize("offset", [0, 1])
+def test_sgd_rows_count_their_buffers_updates(offset, dtype):
+    # Count 0: the buffer is new (d itself, not damped). A skipped step
+    # leaves buffers and counts. Momentum switched off leaves a kept buffer
+    # and its count; switched on, a group without one starts one at count 0.
+    rng = np.random.default_rng(5)
+    tables = {be: Rows("sgd", dtype, [dict(g) for g in SGD_ROWS], seed=6, offset=offset) for be in BACKENDS}
+    plan = [(None, 0.0), ((40.0, 1.0, 0.5), 1.0), ((40.0, 1.0, 0.5), 0.0), (None, 0.0), (None, 0.0)]
+    for k, (factor, skip) in enumerate(plan):
+        if k == 3:  # momentum on in group 1 (no buffer yet), off in group 0 (its buffer kept)
+            for table in tables.values():
+                table.groups[1]["momentum"], table.groups[0]["momentum"] = 0.9, 0.0
+        if k == 4:  # and on again in group 0: its buffer goes on from its count
+            for table in tables.values():
+                table.groups[0]["momentum"] = 0.5
+        grads_seed = int(rng.integers(1 << 30))
+        for be, table in tables.items():
+            keeps = _sgd_keeps(table)
+            table.gradients(np.random.default_rng(grads_seed), 1.0)
+            before = table.snapshot()
+            _step_rows(be, table, table.rows(keeps), factor, skip)
+            if skip:
+                for t, b in zip(table.tensors, before):
+                    for name in ("p", "s0", "step"):
+                        assert_bits_equal(t[name], b[name])
+                continue
+            coef = 1.0 if factor is None else min(1.0, factor[1] / (factor[0] + CLIP_EPS)) * factor[2]
+            _assert_step_is_pytorchs(table, before, coef, keeps)
+    counts = [float(t["step"][0]) for t in tables["numpy"].tensors]
+    assert counts == [3.0] * len(ROW_SIZES) + [2.0] * len(ROW_SIZES) + [4.0] * len(ROW_SIZES)
+    for be in ("numpy", "host"):
+        for t, u in zip(tables[be].tensors, tables["emulated"].tensors):
+            for name in ("p", "s0", "step"):
+                assert_bits_equal(t[name], u[name])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_row_without_a_word_its_group_needs_is_refused_before_any_write(backend):
+    sgd = Rows("sgd", np.float32, [dict(SGD_OPTIONS)], seed=0, sizes=(3, 4))
+    before = sgd.snapshot()
+    with pytest.raises(ValueError, match=r"parameter row 1 \(group 0\): expected the address of its step count"):
+        _step_rows(backend, sgd, sgd.rows(lambda t: {"s0", "step"} if t["p"].size == 3 else {"s0"}))
+    adamw = Rows("adamw", np.float32, ADAMW_ROWS[1:3], seed=0, sizes=(3,))
+    with pytest.raises(ValueError, match=r"parameter row 1 \(group 1\): expected the address of its max_exp_avg_sq"):
+        _step_rows(backend, adamw, adamw.rows(lambda t: {"s0", "s1", "step"}))
+    for t, b in zip(sgd.tensors, before):
+        assert_bits_equal(t["p"], b["p"])
