@@ -55,6 +55,9 @@ WARP = 32
 # __launch_bounds__ ask for (256 * 4 threads at 64 registers fill an SM).
 BLOCK_THREADS = 256
 MIN_BLOCKS_PER_SM = 4
+# Blocks per SM the AMSGrad row update asks for (GF_AMSGRAD_MIN_BLOCKS_PER_SM
+# in kernels/gpuflat_optim.cuh): its fifth tensor needs more registers.
+AMSGRAD_MIN_BLOCKS_PER_SM = 3
 # Threads of the single block that finishes a norm: its reduction tree, and
 # so the bits of the result, depend on it.
 FINISH_THREADS = 256
@@ -173,6 +176,16 @@ class Rule:
         """
         table = np.asarray(hyper, np.float64).reshape(-1, HYPER)
         return next((flag for flag, _ in self.flag_states if table[:, self.hyper.index(flag)].any()), None)
+
+    def checked_flag(self, rows, hyper) -> str | None:
+        """``check_rows``, then ``flag_set``: what a backend needs to know of
+        a new table before it launches.
+
+        >>> RULES["adamw"].checked_flag(np.zeros((0, PARAM_ROW_WORDS), np.int64), [0.1, 0, 0.9, 0.99, 1e-8, 0, 1])
+        'amsgrad'
+        """
+        self.check_rows(rows, hyper)
+        return self.flag_set(hyper)
 
     def check_rows(self, rows, hyper) -> None:
         """Raise ValueError, naming the first such row, where a row lacks
