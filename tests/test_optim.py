@@ -471,3 +471,24 @@ def test_a_row_without_a_word_its_group_needs_is_refused_before_any_write(backen
         _step_rows(backend, adamw, adamw.rows(lambda t: {"s0", "s1", "step"}))
     for t, b in zip(sgd.tensors, before):
         assert_bits_equal(t["p"], b["p"])
+
+
+@pytest.mark.parametrize("dtype", REAL, ids=str)
+def test_amsgrad_rows_keep_nan_as_torch_maximum_does(dtype):
+    # A NaN or inf gradient makes exp_avg_sq NaN or inf; torch.maximum takes
+    # NaN from either side, so max_exp_avg_sq is NaN where exp_avg_sq is.
+    groups = [{**ADAMW, "amsgrad": True}]
+    tables = {be: Rows("adamw", dtype, groups, seed=7, sizes=(40,)) for be in BACKENDS}
+    keeps = _adamw_keeps(tables["numpy"])
+    for be, table in tables.items():
+        for k, bad in enumerate([np.nan, np.inf, 1.0]):
+            table.gradients(np.random.default_rng(k), 1.0)
+            table.tensors[0]["g"][3 * k : 3 * k + 2] = bad
+            _step_rows(be, table, table.rows(keeps))
+    t = tables["numpy"].tensors[0]
+    assert np.array_equal(np.isnan(t["s2"].astype(np.float64)), np.isnan(t["s1"].astype(np.float64)))
+    # (std::max, as PyTorch's fused kernels take it, would keep 0 at the NaNs.)
+    assert np.isnan(t["s2"].astype(np.float64)[[0, 1]]).all() and np.isinf(t["s2"].astype(np.float64)[[3, 4]]).all()
+    for be in ("host", "emulated"):
+        for name in ("p", "s0", "s1", "s2", "step"):
+            assert_bits_equal(tables[be].tensors[0][name], t[name])
