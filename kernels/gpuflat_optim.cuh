@@ -3,13 +3,14 @@
 // each element is updated by one definition wherever it runs.
 //
 // The operations and their order are PyTorch's (torch/optim/adam.py with
-// decoupled weight decay, torch/optim/sgd.py), each element read once,
+// decoupled weight decay, torch/optim/sgd.py). Each element is read once,
 // computed in the parameter's compute type (float for 16- and 32-bit
-// buffers, double for 64-bit ones) and stored once: for float and double
-// buffers the bits of PyTorch's foreach path, which rounds to the same type
-// after every operation; for 16-bit buffers those of its fused kernels
-// (fused=True), which keep the intermediate moments in float, where the
-// default foreach path rounds every intermediate to 16 bits. The scalars are
+// buffers, double for 64-bit ones) and stored once, every operation rounded
+// (--fmad=false: no multiply-add fused into one rounding). For float and
+// double buffers that is the rounding of PyTorch's foreach path. For 16-bit
+// buffers it is the rounding of its fused kernels (fused=True), which keep
+// the intermediate values in float; the default foreach path rounds every
+// intermediate to 16 bits. The scalars are
 // computed in double and cast once, as PyTorch casts a Python scalar. The
 // clip factor multiplies the gradient first, as
 // torch.nn.utils.clip_grad_norm_ would have done in a pass of its own, and
@@ -26,6 +27,8 @@
 #define GF_HYPER 7
 #define GF_HYPER_MAXIMIZE 5
 #define GF_HYPER_AMSGRAD 6
+// Blocks per SM the AMSGrad row update asks for (optim.cu).
+#define GF_AMSGRAD_MIN_BLOCKS_PER_SM 3
 
 // One row of a tensor-list step's table (gpuflat.layout.PARAM_ROW_WORDS
 // int64 words): a parameter and what it is updated with, each tensor dense
@@ -43,10 +46,12 @@ struct ParamRow {
 };
 
 // The factor a group's gradients are multiplied by: `factor` (the clip and
-// unscale), negated where the group maximizes. -(g * c) is g * (-c) bit for
-// bit (negation is exact and rounding is symmetric), so maximize costs no
-// operation per element.
-__device__ __forceinline__ double gf_group_factor(const double* h, double factor) {
+// unscale, in the compute type), negated where the group maximizes.
+// -(g * c) is g * (-c) bit for bit (negation is exact and rounding is
+// symmetric), so maximize costs no operation per element; the cast to the
+// compute type commutes with negation too.
+template <class C>
+__device__ __forceinline__ C gf_group_factor(const double* h, C factor) {
     return h[GF_HYPER_MAXIMIZE] != 0.0 ? -factor : factor;
 }
 
@@ -136,7 +141,7 @@ __device__ __forceinline__ gf_adamw_coefs<C> gf_adamw_setup(const double* h, dou
     // gf_unbias: c at most 2^32, or not finite (betas in [0, 1) give c in [2^-27, 1]).
     const double c = (double)bc2_sqrt;
     const bool by_product = gf_same<C, float>::value && !(c > 4294967296.0 && c < gf_inf());
-    return {(C)gf_group_factor(h, clip), (C)(1.0 - lr * wd), (C)b2, (C)(1.0 - b2), (C)(-(lr / bc1)), bc2_sqrt,
+    return {gf_group_factor(h, (C)clip), (C)(1.0 - lr * wd), (C)b2, (C)(1.0 - b2), (C)(-(lr / bc1)), bc2_sqrt,
             (C)h[4], from_grad ? -((C)1 - w) : w, from_grad, 1.0 / c, by_product, h[GF_HYPER_AMSGRAD] != 0.0};
 }
 
@@ -260,7 +265,7 @@ struct gf_sgd_coefs {
 // with this one (1: the buffer is new).
 template <class C>
 __device__ __forceinline__ gf_sgd_coefs<C> gf_sgd_setup(const double* h, double step, double clip, double lr) {
-    return {(C)gf_group_factor(h, clip), (C)(-lr), (C)h[1], (C)h[2], (C)(1.0 - h[3]),
+    return {gf_group_factor(h, (C)clip), (C)(-lr), (C)h[1], (C)h[2], (C)(1.0 - h[3]),
             h[1] != 0.0, h[2] != 0.0, step <= 1.0, h[4] != 0.0};
 }
 

@@ -229,9 +229,13 @@ __device__ __forceinline__ void gf_adamw_rows(const Item* __restrict__ items, lo
     // Float vectors divide by bc2_sqrt through its reciprocal (gf_unbias); a
     // float row that may not goes one element at a time, dividing.
     constexpr bool BY_PRODUCT = gf_same<C, float>::value;
-    const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
     gf_for_row_items(items, n_items, rows, amp, [&](const ParamRow& r, const Item& item, int lane) {
         const double* h = hyper + r.group * GF_HYPER;
+        // The factor is computed again for each item, from the kernel's
+        // arguments, rather than held across items: a group's maximize makes
+        // the row's factor differ from the kernel's, and holding both cost the
+        // 16-bit rows a register (a spill under CUDA 13.5).
+        const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
         const auto k = gf_adamw_setup<C>(h, gf_adamw_row_step(r), factor, gf_group_lr(h, lr_at, r.group));
         if constexpr (AMSGRAD) {
             if (k.amsgrad) return gf_adamw_row_item<5, BY_PRODUCT, S>(r, item, lane, k);
@@ -249,8 +253,12 @@ gpuflat_adamw_rows(const Item* __restrict__ items, long long n_items, const Para
     gf_adamw_rows<S, false>(items, n_items, rows, hyper, lr_at, total, max_norm, eps, clip, amp);
 }
 
+// Five 16-byte vectors per lane and five row addresses do not fit the 64
+// registers of four blocks per SM for 16-bit rows (ptxas spilled 40 to 48
+// bytes): three blocks per SM give each thread 85, and
+// still keep 3 * 256 lanes' five vector loads in flight.
 template <class S>
-__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_AMSGRAD_MIN_BLOCKS_PER_SM)
 gpuflat_adamw_amsgrad_rows(const Item* __restrict__ items, long long n_items, const ParamRow* __restrict__ rows,
                            const double* __restrict__ hyper, const long long* __restrict__ lr_at,
                            const double* __restrict__ total, double max_norm, double eps, long long clip,

@@ -87,6 +87,7 @@ def test_the_optimizer_rows_and_rules_are_the_kernels():
     assert all(fields[layout.MAXIMIZE_FIELD] == "maximize" for fields in layout.OPTIM_RULES.values())
     assert defines["GF_HYPER_MAXIMIZE"] == layout.MAXIMIZE_FIELD
     assert defines["GF_HYPER_AMSGRAD"] == layout.RULES["adamw"].hyper.index("amsgrad")
+    assert defines["GF_AMSGRAD_MIN_BLOCKS_PER_SM"] == layout.AMSGRAD_MIN_BLOCKS_PER_SM
     host = SOURCES["host/host_optim.cpp"]
     numbered = dict(re.findall(r"(\d+): (\w+) \(states", host))
     assert {int(k): v.lower() for k, v in numbered.items()} == {layout.rule_id(r): r for r in layout.OPTIM_RULES}

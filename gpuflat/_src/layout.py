@@ -55,6 +55,9 @@ WARP = 32
 # __launch_bounds__ ask for (256 * 4 threads at 64 registers fill an SM).
 BLOCK_THREADS = 256
 MIN_BLOCKS_PER_SM = 4
+# Blocks per SM the AMSGrad row update asks for (GF_AMSGRAD_MIN_BLOCKS_PER_SM
+# in kernels/gpuflat_optim.cuh): its fifth tensor needs more registers.
+AMSGRAD_MIN_BLOCKS_PER_SM = 3
 # Threads of the single block that finishes a norm: its reduction tree, and
 # so the bits of the result, depend on it.
 FINISH_THREADS = 256
@@ -174,6 +177,16 @@ class Rule:
         table = np.asarray(hyper, np.float64).reshape(-1, HYPER)
         return next((flag for flag, _ in self.flag_states if table[:, self.hyper.index(flag)].any()), None)
 
+    def checked_flag(self, rows, hyper) -> str | None:
+        """``check_rows``, then ``flag_set``: what a backend needs to know of
+        a new table before it launches.
+
+        >>> RULES["adamw"].checked_flag(np.zeros((0, PARAM_ROW_WORDS), np.int64), [0.1, 0, 0.9, 0.99, 1e-8, 0, 1])
+        'amsgrad'
+        """
+        self.check_rows(rows, hyper)
+        return self.flag_set(hyper)
+
     def check_rows(self, rows, hyper) -> None:
         """Raise ValueError, naming the first such row, where a row lacks
         (has 0 for) a word its update reads: its state and step count where
@@ -187,16 +200,21 @@ class Rule:
         ValueError: parameter row 0 (group 0): expected the address of its momentum_buffer, found 0
         """
         rows, table = np.asarray(rows, np.int64), np.asarray(hyper, np.float64).reshape(-1, HYPER)
-        if not len(rows):
-            return
-        group = rows[:, ROW_GROUP]
-        counted = np.ones(len(rows), bool) if self.counted_when is None else table[group, self.counted_field] != 0
+        counted = None if self.counted_when is None else self.counted_field
+        # (what, its word, the field whose nonzero value needs it, None: always).
         needs = [(name, PARAM_ROW_FIELDS.index(f"state{k}"), counted) for k, name in enumerate(self.state_names)]
         needs.append(("step count", ROW_STEP, counted))
-        needs += [(name, PARAM_ROW_FIELDS.index(f"state{len(self.state_names) + k}"),
-                   table[group, self.hyper.index(flag)] != 0) for k, (flag, name) in enumerate(self.flag_states)]
-        for name, word, needed in needs:
-            bad = np.flatnonzero(needed & (rows[:, word] == 0))
+        needs += [(name, PARAM_ROW_FIELDS.index(f"state{len(self.state_names) + k}"), self.hyper.index(flag))
+                  for k, (flag, name) in enumerate(self.flag_states)]
+        needs = [need for need in needs if need[2] is None or table[:, need[2]].any()]
+        absent = rows[:, [word for _, word, _ in needs]] == 0
+        if not absent.any():  # the common case, in one pass
+            return
+        group = rows[:, ROW_GROUP]
+        for (name, _, field), missing in zip(needs, absent.T):
+            if field is not None and missing.any():
+                missing = missing & (table[group, field] != 0)
+            bad = np.flatnonzero(missing)
             if len(bad):
                 raise ValueError(f"parameter row {bad[0]} (group {group[bad[0]]}): expected the address of its "
                                  f"{name}, found 0")

@@ -229,14 +229,14 @@ class CudaBackend:
         rt, rule_of = self.runtime, RULES[rule]
         rows = np.ascontiguousarray(rows, np.int64)
         items = _row_items(rows[:, ROW_NUMEL].tobytes())
-        tables = self._step_tables.get(lambda: rule_of.check_rows(rows, hyper), rows, items, hyper, lr_at)
+        tables, flag = self._step_tables.get(lambda: rule_of.checked_flag(rows, hyper), rows, items, hyper, lr_at)
         on_device = [t.array for t in tables]
         clip = total is not None
         n_items = len(items) // ITEM_WORDS
         args = [on_device[1], np.int64(n_items), on_device[0], on_device[2], on_device[3],
                 total if clip else on_device[2], np.float64(max_norm), np.float64(eps), np.int64(clip), amp]
         block = min(rt.block, BLOCK_THREADS)
-        name = kl.optim_rows_name(rule, C_NAMES[tag], rule_of.flag_set(hyper))
+        name = kl.optim_rows_name(rule, C_NAMES[tag], flag)
         rt.launch(name, self.grid or rt.grid_for(n_items), block, args, tables)
         rt.launch(kl.COUNT_STEPS_NAME, self.grid or rt.grid_for(-(-len(rows) // WARP)), block,
                   [on_device[0], np.int64(len(rows)), on_device[2], np.int64(rule_of.counted_field), amp],
@@ -259,19 +259,21 @@ class _StepTables:
         self.kept = caches.Recent("optimizer step tables", TABLES_KEPT, on_evict=self._release)
         self.lock = threading.Lock()
 
-    def get(self, check, *host) -> list:
-        """The device tables of the ``host`` arrays, uploaded after
-        ``check()`` (which raises for bad ones) where they are new."""
+    def get(self, check, *host) -> tuple:
+        """(the device tables of the ``host`` arrays, what ``check()``
+        returned for them): where they are new, ``check()`` (which raises
+        for bad ones) runs before the upload, and its answer is kept with
+        the tables."""
         host = [np.ascontiguousarray(a) for a in host]
         with self.lock:
             entry = self.kept.find(lambda kept: all(a.shape == b.shape and np.array_equal(a, b)
                                                     for a, b in zip(host, kept[0])))
             if entry is None:
-                check()
+                checked = check()
                 entry = (host, [self.runtime.upload_table(a, "the optimizer step (new parameter or gradient memory)")
-                                for a in host])
+                                for a in host], checked)
                 self.kept.add(entry)
-        return entry[1]
+        return entry[1], entry[2]
 
     def _release(self, entry) -> None:
         for table in entry[1]:

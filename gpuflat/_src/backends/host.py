@@ -209,8 +209,8 @@ class HostBackend(HostMemory):
         rule_of = RULES[rule]
         rule_of.check_rows(rows, hyper)
         code = lib.gf_host_optim_rows(rule_of.number, tag, ptr(rows), len(rows), ptr(hyper), ptr(lr_at),
-                                      rule_of.counted_field, None if total is None else ptr(total), float(max_norm), float(eps), ptr(amp),
-                                      self.threads)
+                                      rule_of.counted_field, None if total is None else ptr(total), float(max_norm),
+                                      float(eps), ptr(amp), self.threads)
         if code != 0:
             raise TypeError(f"the host backend's optimizer step: expected parameters of a real floating dtype "
                             f"({_OPTIM_NAMES}), found dtype tag {tag}")
