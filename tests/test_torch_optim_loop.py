@@ -512,3 +512,12 @@ def test_the_fuzz_fails_where_a_step_ignores_an_edit(monkeypatch):
         except AssertionError as exc:
             failures += "replace" in str(exc)
     assert failures > 0
+
+
+def test_the_loop_trains_as_torch_where_the_native_reader_is_not_built(monkeypatch):
+    # Python reads the same facts, the state's words included.
+    from gpuflat._src import tensor_facts
+
+    monkeypatch.setattr(tensor_facts, "_library", lambda: None)
+    for seed in range(10):
+        run_loop(seed)
