@@ -417,3 +417,17 @@ def test_a_captured_step_replays_like_eager_steps_after_the_caches_are_cleared(c
             assert bits(p) == bits(q)
     assert len(taken) == 64
     assert cp.freed_in_flight == []
+
+
+def test_a_flat_optimizers_state_dict_reads_the_counts_once(cp, tc):
+    # state_dict() leaves out the state no step applied: one host read of
+    # every count on the device, not one per parameter.
+    model = net(7)
+    opt = gft.SGD(list(model.parameters()), lr=1e-2, momentum=0.9)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        set_grads(model.parameters(), 0)
+        opt.step()
+        reads = tc.host_reads
+        packed = opt.state_dict()
+    assert tc.host_reads - reads == 1
+    assert sorted(packed["state"]) == [0, 1, 2]

@@ -287,9 +287,8 @@ class _FlatOptimizer(torch.optim.Optimizer):
         never ran that step, has none (one host read of the counts). The
         state dicts are plain dicts."""
         packed = super().state_dict()
-        counted = {k: s["step"] for k, s in packed["state"].items() if isinstance(s.get("step"), torch.Tensor)}
-        applied = dict(zip(counted, torch.stack([_local(t).detach().reshape(()).cpu() for t in counted.values()])
-                           .tolist())) if counted else {}
+        applied = _host_values({k: s["step"] for k, s in packed["state"].items()
+                                if isinstance(s.get("step"), torch.Tensor)})
         state = {}
         for k, s in packed["state"].items():
             s = dict(s)
@@ -320,6 +319,23 @@ class _FlatOptimizer(torch.optim.Optimizer):
 
 
 _FROM_NORM = object()
+
+
+def _host_values(tensors: dict) -> dict:
+    """The values of 0-d ``tensors`` (by key) as floats: one host read per device.
+
+    >>> _host_values({"a": torch.tensor(2.0), "b": torch.tensor(0.0)})
+    {'a': 2.0, 'b': 0.0}
+    """
+    by_device: dict = {}
+    for k, t in tensors.items():
+        local = _local(t).detach().reshape(())
+        by_device.setdefault(local.device, []).append((k, local))
+    values = {}
+    for pairs in by_device.values():
+        read = torch.stack([t for _, t in pairs]).double().cpu().tolist()
+        values.update(zip([k for k, _ in pairs], read))
+    return values
 
 
 def _local(t):
