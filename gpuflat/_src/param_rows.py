@@ -168,7 +168,12 @@ class WatchedStates(_Counting, collections.defaultdict):
 
 def watch(optimizer) -> None:
     """Make ``optimizer.state`` (fresh from PyTorch: its constructor or
-    ``load_state_dict``, no other holder) and its dicts watched ones."""
+    ``load_state_dict``, no other holder) and its dicts watched ones.
+
+    >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    >>> watch(opt); type(opt.state).__name__, _watched(opt.state)
+    ('WatchedStates', True)
+    """
     optimizer.state = WatchedStates((p, WatchedState(s) if type(s) is dict else s)
                                     for p, s in optimizer.state.items())
 
