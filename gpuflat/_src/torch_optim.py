@@ -62,7 +62,7 @@ import torch
 from . import dtensor, param_rows, tensor_table, torch_optim_ops
 
 from .. import distributed
-from .checks import clip_arguments, optimizer_options
+from .checks import clip_arguments, optimizer_options, torch_norm_type
 from .residency import Resident
 from .layout import RULES
 from .torch_optim_ops import CLIP_EPS, name_of, unscale_factor, update
@@ -89,9 +89,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         param_rows.watch(self)
         distributed.check_pipeline(pp_mesh, tied, [p for g in self.param_groups for p in g["params"]])
-        from ..torch import _norm_type  # the drop-in's reading of it, "inf" included (it imports this module)
-
-        self.max_norm, self.norm_type = max_norm, _norm_type(norm_type)
+        self.max_norm, self.norm_type = max_norm, torch_norm_type(norm_type)
         self.pp_mesh, self.tied = pp_mesh, tied
         self.last_grad_norm = None
 
