@@ -349,7 +349,8 @@ def test_a_capture_needing_more_table_memory_than_was_set_aside_names_the_warm_u
     with torch.cuda.stream(torch.cuda.Stream()):
         set_grads(small.parameters(), 0)
         opt.step()  # sets aside memory for tables of this step's sizes
-        bigger = gft.AdamW([*small.parameters(), *[tcs.parameter(torch.ones(2)) for _ in range(200)]], lr=1e-2)
+        # SGD without momentum: no state to make (which a capture refuses first).
+        bigger = gft.SGD([*small.parameters(), *[tcs.parameter(torch.ones(2)) for _ in range(200)]], lr=1e-2)
         for p in bigger.param_groups[0]["params"]:
             p.grad = tcs.cuda(torch.ones_like(p))
         with pytest.raises(gf.CaptureError, match=r"more than the pinned memory set aside for captures holds .*"
@@ -431,3 +432,19 @@ def test_a_flat_optimizers_state_dict_reads_the_counts_once(cp, tc):
         packed = opt.state_dict()
     assert tc.host_reads - reads == 1
     assert sorted(packed["state"]) == [0, 1, 2]
+
+
+def test_state_that_a_capture_would_make_is_refused_naming_the_warm_up(cp, tc):
+    # Every replay would make it again, at 0: momentum switched on just
+    # before the capture needs a step outside it first.
+    model = net(8)
+    opt = gft.SGD(list(model.parameters()), lr=1e-2, momentum=0.0)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        set_grads(model.parameters(), 0)
+        opt.step()
+        opt.param_groups[0]["momentum"] = 0.9
+        with pytest.raises(gf.CaptureError, match=r"param_groups\[0\]\['params'\]\[0\]: its optimizer state would be "
+                                                  r"made inside a CUDA-graph capture.*take a step before capturing"):
+            tc.capture(opt.step)
+        opt.step()  # the warm-up makes the buffers
+        graph, _ = tc.capture(opt.step)

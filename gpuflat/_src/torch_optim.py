@@ -62,6 +62,8 @@ import torch
 from . import dtensor, param_rows, tensor_table, torch_optim_ops
 
 from .. import distributed
+from ..errors import CaptureError
+from .arrays import launch_stream
 from .checks import clip_arguments, optimizer_options, torch_norm_type
 from .residency import Resident
 from .layout import RULES
@@ -160,7 +162,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
         scale, found = self._amp()
         self.last_grad_norm = None
         # Everything is read and checked before anything is written.
-        step = param_rows.read(self, RULES[self._rule], self._lazy_state)
+        step = param_rows.read(self, RULES[self._rule], self._made_state)
         if step is None and self.pp_mesh is None:  # a stage without gradients still joins the stages' norm
             return
         detect = found is _FROM_NORM
@@ -172,6 +174,19 @@ class _FlatOptimizer(torch.optim.Optimizer):
             return
         update(self._rule, step.tables, self.param_groups, total, self.max_norm, scale, found,
                lambda: self._read_by_address(step.params))
+
+    def _made_state(self, state, p, group) -> None:
+        """``_lazy_state``, refused inside a CUDA-graph capture: every replay
+        would make the state again (at 0: a new momentum buffer, a step count
+        of 0), so it must exist before, made by a warm-up step."""
+        local = _local(p)
+        if tensor_table.backend_for(local.device).name == "cuda" and launch_stream(local).is_capturing():
+            where = next(f"param_groups[{g}]['params'][{i}]" for g, group_ in enumerate(self.param_groups)
+                         for i, q in enumerate(group_["params"]) if q is p)
+            raise CaptureError(f"{where}: its optimizer state would be made inside a CUDA-graph capture, where "
+                               f"every replay would make it again; take a step before capturing (PyTorch's "
+                               f"warm-up), after any change that needs new state (momentum or amsgrad switched on)")
+        self._lazy_state(state, p, group)
 
     def _read_by_address(self, params) -> list:
         """The tensors a step over ``params`` reads through their addresses."""
