@@ -190,7 +190,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
 
     def _read_by_address(self, params) -> list:
         """The tensors a step over ``params`` reads through their addresses."""
-        state = [t for p in params for t in self.state[p].values() if isinstance(t, torch.Tensor)]
+        state = [t for p in params for t in self.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
         return [*params, *(p.grad for p in params), *state]
 
     def _traced_update(self):
