@@ -5,9 +5,11 @@ launch per dtype buffer, whatever the number of leaves or parameter groups:
 the update kernel (``kernels/optim.cu``) takes the clip factor
 ``min(1, max_norm / (norm + 1e-6))`` from the norm on the device and applies
 it to each gradient as it reads it, so clipping costs no pass of its own.
-The state (``exp_avg`` and ``exp_avg_sq``, or ``momentum_buffer``) lives in
-flat buffers beside the parameters, the step counts and the per-group
-hyperparameters in small device tables, so the host reads nothing back.
+The state (``exp_avg`` and ``exp_avg_sq``, with ``max_exp_avg_sq`` once a
+group sets ``amsgrad``; or ``momentum_buffer``) lives in flat buffers beside
+the parameters, the step counts and the per-group hyperparameters in small
+device tables, so the host reads nothing back. ``maximize`` (both) and
+``amsgrad`` (AdamW) are PyTorch's, per group.
 
 The arithmetic is PyTorch's (``torch.optim.AdamW`` and ``SGD``, foreach
 path), computed once in ``kernels/gpuflat_optim.cuh`` for the CUDA,
@@ -51,19 +53,21 @@ class FlatStep:
     (in ``resident.layout`` order). :meth:`set_hyper` writes each group's
     row of hyperparameters, :meth:`step` updates every buffer. It reads the
     model through ``resident.buffers()`` alone; :class:`AdamW` and
-    :class:`SGD` build on it. Every rule's steps are counted here, SGD's
-    too: the buffer kernels tell a first step by its count.
+    :class:`SGD` build on it. Every rule's steps are counted here, as
+    ``Rule.counted_when`` says: SGD's count its momentum buffer's updates
+    (the steps with momentum), and the buffer kernels tell a new buffer by
+    a count of 1 after the step.
 
     >>> import numpy as np, gpuflat as gf
     >>> r = gf.resident({"w": np.ones(2)})
     >>> flat = FlatStep(r, RULES["sgd"], [0])
-    >>> flat.set_hyper([RULES["sgd"].hyper_row({"lr": 0.5, "weight_decay": 0.0, "momentum": 0.0,
-    ...                                         "dampening": 0.0, "nesterov": False})])
+    >>> flat.set_hyper([RULES["sgd"].hyper_row({"lr": 0.5, "weight_decay": 0.0, "momentum": 0.9,
+    ...                                         "dampening": 0.5, "nesterov": False})])
     >>> r.grads["w"][:] = 1.0
     >>> flat.step(max_norm=None)
     (None, None)
-    >>> r.params["w"], flat.state_views(0)["step"]
-    (array([0.5, 0.5]), array(1.))
+    >>> r.params["w"], flat.state_views(0)["momentum_buffer"], flat.state_views(0)["step"]
+    (array([0.5, 0.5]), array([1., 1.]), array(1.))
     """
 
     def __init__(self, resident: Resident, rule: Rule, leaf_group: list[int]):
@@ -78,11 +82,15 @@ class FlatStep:
         self.slot = {k: slot for d in bufs.dtypes for k, slot in d.slot_of.items()}
         with bufs.scope():
             self.states = [[bufs.zeros(d.plan.size, d.plan.dtype) for _ in rule.state_names] for d in bufs.dtypes]
+            # Each of the rule's flag_states, made (zero) when a group first sets its flag.
+            self.flag_states: dict[str, list[Storage]] = {}
             self.steps = [bufs.zeros(len(d.plan.leaves), np.float64) for d in bufs.dtypes]
             self.slot_group = [bufs.zeros(len(d.plan.leaves), np.int64) for d in bufs.dtypes]
             self.counted = [bufs.zeros(len(d.plan.leaves), np.float64) for d in bufs.dtypes]
             self._leaf_group: list[int] = list(leaf_group)
             self._skipped: frozenset[int] | None = None
+            # Whether each group's steps count (Rule.counted_when), by its written hyperparameters.
+            self._group_counts: tuple[bool, ...] = (True,) * self.n_groups
             self._route(frozenset())
             self.hyper = bufs.zeros(max(1, self.n_groups) * HYPER, np.float64)
             # (the gradients' unscale factor, nonzero to skip the step): a loss scaler's, on the device.
@@ -95,12 +103,14 @@ class FlatStep:
         written nor counted) for the padding and the leaves in ``skipped``,
         whose gradients are None: PyTorch's optimizers skip such a
         parameter, leaving it, its state and its step count as they were.
-        Written to the device only when the set changes."""
+        A slot's step counts where its group's do. Written to the device
+        only when the set or the groups that count change."""
         for b, d in enumerate(self.buffers.dtypes):
             groups, counted = np.full(len(d.plan.leaves), -1, np.int64), np.zeros(len(d.plan.leaves))
             for k, slot in d.slot_of.items():
                 if k not in skipped:
-                    groups[slot], counted[slot] = self._leaf_group[k], 1.0
+                    groups[slot] = self._leaf_group[k]
+                    counted[slot] = float(self._group_counts[self._leaf_group[k]])
             _write(self.slot_group[b], groups)
             _write(self.counted[b], counted)
         self._skipped = skipped
@@ -112,12 +122,22 @@ class FlatStep:
 
     def set_hyper(self, rows: list) -> None:
         """Each group's hyperparameters (HYPER floats, see
-        kernels/gpuflat_optim.cuh), written to the device only when they changed."""
+        kernels/gpuflat_optim.cuh), written to the device only when they
+        changed; the state a flag newly set needs is made then."""
         written = tuple(tuple(float(x) for x in row) for row in rows)
-        if written != self._written:
-            with self.buffers.scope():
-                _write(self.hyper, np.asarray(written, np.float64).reshape(-1))
-            self._written = written
+        if written == self._written:
+            return
+        rule, bufs = self.rule, self.buffers
+        with bufs.scope():
+            _write(self.hyper, np.asarray(written, np.float64).reshape(-1))
+            for flag, name in rule.flag_states:
+                if name not in self.flag_states and any(row[rule.hyper.index(flag)] for row in written):
+                    self.flag_states[name] = [bufs.zeros(d.plan.size, d.plan.dtype) for d in bufs.dtypes]
+            counts = tuple(rule.counted_when is None or row[rule.counted_field] != 0.0 for row in written)
+            if counts != self._group_counts:
+                self._group_counts = counts
+                self._route(self._skipped or frozenset())
+        self._written = written
 
     def step(self, max_norm: Any = None, norm_type: float = 2.0, *, inv_scale: Any = None, skip: Any = None,
              detect: bool = False) -> tuple:
@@ -162,8 +182,9 @@ class FlatStep:
             for b, d in enumerate(bufs.dtypes):
                 steps = self.steps[b].array
                 steps[...] = steps + self.counted[b].array * count
+                states = self.states[b] + [kept[b] for kept in self.flag_states.values()]
                 bufs.backend.step_(self.rule.name, d.plan, d.params, d.grads,
-                                   [s.array for s in self.states[b]], self.slot_group[b].array, self.hyper.array,
+                                   [s.array for s in states], self.slot_group[b].array, self.hyper.array,
                                    steps, total if max_norm is not None else None,
                                    0.0 if max_norm is None else max_norm, CLIP_EPS, amp)
             return (None if total is None else bufs.to_caller(total),
@@ -171,11 +192,15 @@ class FlatStep:
 
     def state_views(self, k: int) -> dict:
         """Leaf k's state as views in the caller's kind: each of the rule's
-        ``state_names`` (a slice of its buffer) and ``step`` (a 0-d float64
-        view of its count)."""
-        s = self.resident.layout[k]
+        ``state_names`` and of the ``flag_states`` its group sets (a slice
+        of its buffer), and ``step`` (a 0-d float64 view of its count)."""
+        s, rule = self.resident.layout[k], self.rule
+        row = self._written[self._leaf_group[k]] if self._written else ()
+        buffers = dict(zip(rule.state_names, zip(*self.states)))
+        buffers.update((name, self.flag_states[name]) for flag, name in rule.flag_states
+                       if name in self.flag_states and row[rule.hyper.index(flag)])
         views = {name: buf[s.buffer].own[s.offset : s.offset + s.size].reshape(s.shape)
-                 for name, buf in zip(self.rule.state_names, zip(*self.states))}
+                 for name, buf in buffers.items()}
         slot = self.slot[k]
         views["step"] = self.steps[s.buffer].own[slot : slot + 1].reshape(())
         return views
@@ -208,6 +233,7 @@ class _Flat:
         for i, group in enumerate(self.groups):
             checks.optimizer_options(self.rule.name, group, i)
         self._flat = FlatStep(resident, self.rule, leaf_group)
+        self._flat.set_hyper([self.rule.hyper_row(g) for g in self.groups])
         self.last_grad_norm = None
 
     def step(self) -> Any:
@@ -231,7 +257,10 @@ class AdamW(_Flat):
     ``groups`` is an optional list of dicts, each with ``"params"`` (leaf
     paths, as ``resident.layout`` names them) and the options it overrides;
     leaves in no group take the defaults. Options are read from
-    ``opt.groups`` at every step, so a schedule may change ``lr`` there.
+    ``opt.groups`` at every step, so a schedule may change ``lr`` there, or
+    any other option. ``maximize`` ascends; ``amsgrad`` keeps
+    ``max_exp_avg_sq``, the running maximum of ``exp_avg_sq``, and divides
+    by its root instead (made at 0 when a group first sets it).
 
     >>> import numpy as np, gpuflat as gf
     >>> r = gf.resident({"w": np.ones(2, np.float32), "b": np.ones(1, np.float32)})
@@ -240,20 +269,28 @@ class AdamW(_Flat):
     >>> opt.step()
     >>> r.params["w"].round(4), r.params["b"].round(4), float(opt.state["['w']"]["step"])
     (array([0.899, 0.899], dtype=float32), array([0.9], dtype=float32), 1.0)
+    >>> opt.groups[0]["amsgrad"] = True
+    >>> _ = opt.step()
+    >>> sorted(opt.state["['w']"]), sorted(opt.state["['b']"])
+    (['exp_avg', 'exp_avg_sq', 'step'], ['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'step'])
     """
 
     rule = RULES["adamw"]
 
     def __init__(self, resident: Resident, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, max_norm: float | None = None,
-                 norm_type: float = 2.0, groups: list[dict] | None = None):
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 max_norm: float | None = None, norm_type: float = 2.0, groups: list[dict] | None = None):
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
+                    "maximize": maximize}
         super().__init__(resident, defaults, groups, max_norm, norm_type)
 
 
 class SGD(_Flat):
-    """PyTorch's SGD (momentum, dampening, nesterov, weight decay) over a
-    resident model; ``groups`` as for :class:`AdamW`.
+    """PyTorch's SGD (momentum, dampening, nesterov, weight decay, maximize)
+    over a resident model; ``groups`` as for :class:`AdamW`. ``step`` in a
+    leaf's state counts its momentum buffer's updates (the steps with
+    momentum): a momentum switched on later starts a new buffer, as
+    PyTorch's does.
 
     >>> import numpy as np, gpuflat as gf
     >>> r = gf.resident({"w": np.ones(2)})
@@ -268,10 +305,10 @@ class SGD(_Flat):
     rule = RULES["sgd"]
 
     def __init__(self, resident: Resident, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, *, max_norm: float | None = None,
-                 norm_type: float = 2.0, groups: list[dict] | None = None):
+                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
+                 max_norm: float | None = None, norm_type: float = 2.0, groups: list[dict] | None = None):
         defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay,
-                    "nesterov": nesterov}
+                    "nesterov": nesterov, "maximize": maximize}
         super().__init__(resident, defaults, groups, max_norm, norm_type)
 
 

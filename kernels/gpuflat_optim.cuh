@@ -2,32 +2,58 @@
 // the CUDA kernels (optim.cu) and the host build (host/host_optim.cpp), so
 // each element is updated by one definition wherever it runs.
 //
-// The operations and their order are PyTorch's foreach paths
-// (torch/optim/adam.py with decoupled weight decay, torch/optim/sgd.py), in
-// the parameter's compute type: float for 16- and 32-bit buffers, double for
-// 64-bit ones; the scalars are computed in double and cast once, as PyTorch
-// casts a Python scalar. The clip factor multiplies the gradient first, as
-// torch.nn.utils.clip_grad_norm_ would have done in a pass of its own.
+// The operations and their order are PyTorch's (torch/optim/adam.py with
+// decoupled weight decay, torch/optim/sgd.py). Each element is read once,
+// computed in the parameter's compute type (float for 16- and 32-bit
+// buffers, double for 64-bit ones) and stored once, every operation rounded
+// (--fmad=false: no multiply-add fused into one rounding). For float and
+// double buffers that is the rounding of PyTorch's foreach path. For 16-bit
+// buffers it is the rounding of its fused kernels (fused=True), which keep
+// the intermediate values in float; the default foreach path rounds every
+// intermediate to 16 bits. The scalars are
+// computed in double and cast once, as PyTorch casts a Python scalar. The
+// clip factor multiplies the gradient first, as
+// torch.nn.utils.clip_grad_norm_ would have done in a pass of its own, and
+// maximize negates the result, as the optimizers negate the gradient they
+// find.
 #pragma once
 #include "gpuflat_common.cuh"
 
-// Per-group hyperparameter rows (GF_HYPER doubles each), written by
-// gpuflat/optim.py: AdamW (lr, weight_decay, beta1, beta2, eps),
-// SGD (lr, weight_decay, momentum, dampening, nesterov).
-#define GF_HYPER 5
+// Per-group hyperparameter rows (GF_HYPER doubles each, zeros after a
+// rule's fields), written by gpuflat/optim.py and the tensor-list front
+// ends: AdamW (lr, weight_decay, beta1, beta2, eps, maximize, amsgrad),
+// SGD (lr, weight_decay, momentum, dampening, nesterov, maximize); flags
+// are 1 or 0.
+#define GF_HYPER 7
+#define GF_HYPER_MAXIMIZE 5
+#define GF_HYPER_AMSGRAD 6
+// Blocks per SM the AMSGrad row update asks for (optim.cu).
+#define GF_AMSGRAD_MIN_BLOCKS_PER_SM 3
 
 // One row of a tensor-list step's table (gpuflat.layout.PARAM_ROW_WORDS
 // int64 words): a parameter and what it is updated with, each tensor dense
 // and laid out alike, addressed at its lowest element, so the update runs
 // over numel consecutive elements of each.
 struct ParamRow {
-    long long param, grad, state0, state1;  // state1 is 0 for SGD
-    long long step;   // the address of its float32 step count (AdamW), or 0
+    // AdamW: exp_avg, exp_avg_sq, max_exp_avg_sq (0 unless its group has
+    // amsgrad); SGD: momentum_buffer (0 without momentum), 0, 0.
+    long long param, grad, state0, state1, state2;
+    // The address of its float32 step count: AdamW's steps; SGD's updates
+    // of its momentum buffer (0 where it keeps none), 0 when it is new.
+    long long step;
     long long numel;
     long long group;  // its parameter group: the row of the hyperparameter table
-    long long flags;  // GF_ROW_FIRST: its momentum buffer is new this step (SGD)
 };
-#define GF_ROW_FIRST 1
+
+// The factor a group's gradients are multiplied by: `factor` (the clip and
+// unscale, in the compute type), negated where the group maximizes.
+// -(g * c) is g * (-c) bit for bit (negation is exact and rounding is
+// symmetric), so maximize costs no operation per element; the cast to the
+// compute type commutes with negation too.
+template <class C>
+__device__ __forceinline__ C gf_group_factor(const double* h, C factor) {
+    return h[GF_HYPER_MAXIMIZE] != 0.0 ? -factor : factor;
+}
 
 // A group's learning rate: read on the device through lr_at[2 * group]
 // (the address of a 0-d float32 or float64 tensor, its dtype tag at
@@ -84,6 +110,7 @@ __device__ __forceinline__ double gf_grad_factor(const double* total, double max
 
 template <class C>
 struct gf_adamw_coefs {
+    // clip: the group's factor (gf_group_factor).
     C clip, decay, beta2, one_minus_beta2, step_size, bc2_sqrt, eps;
     // torch.lerp(m, g, 1 - beta1) is base + lerp_weight * (g - m), its base
     // g where lerp_from_grad, else m (gf_adamw_setup).
@@ -92,6 +119,8 @@ struct gf_adamw_coefs {
     // 1 / bc2_sqrt in double, and whether gf_unbias may multiply by it.
     double inv_bc2_sqrt;
     bool unbias_by_product;
+    // The group's amsgrad: the denominator from max_exp_avg_sq (gf_amsgrad_math).
+    bool amsgrad;
 };
 
 // One group's scalars at step `step` (already counted), as PyTorch's
@@ -112,8 +141,8 @@ __device__ __forceinline__ gf_adamw_coefs<C> gf_adamw_setup(const double* h, dou
     // gf_unbias: c at most 2^32, or not finite (betas in [0, 1) give c in [2^-27, 1]).
     const double c = (double)bc2_sqrt;
     const bool by_product = gf_same<C, float>::value && !(c > 4294967296.0 && c < gf_inf());
-    return {(C)clip, (C)(1.0 - lr * wd), (C)b2, (C)(1.0 - b2), (C)(-(lr / bc1)), bc2_sqrt, (C)h[4],
-            from_grad ? -((C)1 - w) : w, from_grad, 1.0 / c, by_product};
+    return {gf_group_factor(h, (C)clip), (C)(1.0 - lr * wd), (C)b2, (C)(1.0 - b2), (C)(-(lr / bc1)), bc2_sqrt,
+            (C)h[4], from_grad ? -((C)1 - w) : w, from_grad, 1.0 / c, by_product, h[GF_HYPER_AMSGRAD] != 0.0};
 }
 
 // sqrt(v) / bc2_sqrt, rounded once. BY_PRODUCT, for float rows whose
@@ -135,16 +164,50 @@ __device__ __forceinline__ C gf_unbias(C root, const gf_adamw_coefs<C>& k) {
     else return root / k.bc2_sqrt;
 }
 
-// One element of the four tensors in the compute type, in place. The
-// independent operations are ordered so that few values stay live across
-// the square root and the division, whose slow paths are calls.
-template <bool BY_PRODUCT, class C>
-__device__ __forceinline__ void gf_adamw_math(C& p, C g, C& m, C& v, const gf_adamw_coefs<C>& k) {
+// The moments of one element in the compute type, in place.
+template <class C>
+__device__ __forceinline__ void gf_adamw_moments(C g, C& m, C& v, const gf_adamw_coefs<C>& k) {
     const C gc = g * k.clip;
     m = (k.lerp_from_grad ? gc : m) + k.lerp_weight * (gc - m);
     v = v * k.beta2 + k.one_minus_beta2 * gc * gc;
-    const C denom = gf_unbias<BY_PRODUCT>(sqrt(v), k) + k.eps;
+}
+
+// The parameter's update from the first moment m and the second moment the
+// denominator takes, w. The independent operations are ordered so that few
+// values stay live across the square root and the division, whose slow
+// paths are calls.
+template <bool BY_PRODUCT, class C>
+__device__ __forceinline__ void gf_adamw_apply(C& p, C m, C w, const gf_adamw_coefs<C>& k) {
+    const C denom = gf_unbias<BY_PRODUCT>(sqrt(w), k) + k.eps;
     p = p * k.decay + k.step_size * (m / denom);
+}
+
+// One element of the four tensors in the compute type, in place.
+template <bool BY_PRODUCT, class C>
+__device__ __forceinline__ void gf_adamw_math(C& p, C g, C& m, C& v, const gf_adamw_coefs<C>& k) {
+    gf_adamw_moments(g, m, v, k);
+    gf_adamw_apply<BY_PRODUCT>(p, m, v, k);
+}
+
+// The larger of a and b, NaN where either is: torch.maximum, as the foreach
+// AdamW keeps max_exp_avg_sq (the fused kernels' std::max keeps the old
+// maximum where the new second moment is NaN; the parameter is NaN either
+// way).
+template <class C>
+__device__ __forceinline__ C gf_max_nan(C a, C b) {
+    return (a > b || a != a) ? a : b;
+}
+
+// AMSGrad on one element of the five tensors (vmax: max_exp_avg_sq), in
+// place: the running maximum of the second moment takes the new one, and
+// the denominator takes the maximum. For 16-bit buffers the maximum is
+// taken in float, of the stored maximum and the unrounded moment, as
+// PyTorch's fused kernels take it.
+template <bool BY_PRODUCT, class C>
+__device__ __forceinline__ void gf_amsgrad_math(C& p, C g, C& m, C& v, C& vmax, const gf_adamw_coefs<C>& k) {
+    gf_adamw_moments(g, m, v, k);
+    vmax = gf_max_nan(vmax, v);
+    gf_adamw_apply<BY_PRODUCT>(p, m, vmax, k);
 }
 
 // One element of the four buffers, in place.
@@ -159,26 +222,50 @@ __device__ __forceinline__ void gf_adamw_one(S& p, const S& g, S& m, S& v,
     gf_store(v, vc);
 }
 
-// Elements first, first + STRIDE, ... (n of them) of the four buffers.
+// One element of the five buffers (AMSGrad), in place.
+template <class S>
+__device__ __forceinline__ void gf_amsgrad_one(S& p, const S& g, S& m, S& v, S& vmax,
+                                               const gf_adamw_coefs<typename gf_compute<S>::type>& k) {
+    using C = typename gf_compute<S>::type;
+    C pc = gf_load<C>(p), mc = gf_load<C>(m), vc = gf_load<C>(v), wc = gf_load<C>(vmax);
+    gf_amsgrad_math<false>(pc, gf_load<C>(g), mc, vc, wc, k);
+    gf_store(p, pc);
+    gf_store(m, mc);
+    gf_store(v, vc);
+    gf_store(vmax, wc);
+}
+
+// Elements first, first + STRIDE, ... (n of them) of the buffers; vmax
+// (max_exp_avg_sq) is read and written only where the group has amsgrad.
 template <int STRIDE, class S>
 __device__ __forceinline__ void gf_adamw_range(S* __restrict__ p, const S* __restrict__ g, S* __restrict__ m,
-                                               S* __restrict__ v, long long first, long long n,
+                                               S* __restrict__ v, S* __restrict__ vmax, long long first, long long n,
                                                gf_adamw_coefs<typename gf_compute<S>::type> k) {
-    for (long long j = 0; j < n; ++j) {
-        const long long i = first + j * STRIDE;
-        gf_adamw_one(p[i], g[i], m[i], v[i], k);
+    if (k.amsgrad) {
+        for (long long j = 0; j < n; ++j) {
+            const long long i = first + j * STRIDE;
+            gf_amsgrad_one(p[i], g[i], m[i], v[i], vmax[i], k);
+        }
+    } else {
+        for (long long j = 0; j < n; ++j) {
+            const long long i = first + j * STRIDE;
+            gf_adamw_one(p[i], g[i], m[i], v[i], k);
+        }
     }
 }
 
 template <class C>
 struct gf_sgd_coefs {
+    // clip: the group's factor (gf_group_factor).
     C clip, neg_lr, wd, momentum, one_minus_dampening;
     int has_wd, has_momentum, first, nesterov;
 };
 
+// One group's scalars; `step` is the count of the momentum buffer's updates
+// with this one (1: the buffer is new).
 template <class C>
 __device__ __forceinline__ gf_sgd_coefs<C> gf_sgd_setup(const double* h, double step, double clip, double lr) {
-    return {(C)clip, (C)(-lr), (C)h[1], (C)h[2], (C)(1.0 - h[3]),
+    return {gf_group_factor(h, (C)clip), (C)(-lr), (C)h[1], (C)h[2], (C)(1.0 - h[3]),
             h[1] != 0.0, h[2] != 0.0, step <= 1.0, h[4] != 0.0};
 }
 
@@ -220,4 +307,21 @@ __device__ __forceinline__ void gf_sgd_range(S* __restrict__ p, const S* __restr
         const long long i = first + j * STRIDE;
         gf_sgd_one(p[i], g[i], buf[i], k);
     }
+}
+
+// A row's step count after this step, as the update reads it: its stored
+// count plus one (PyTorch counts before it updates). An SGD row's count is
+// read only with momentum: without, it may keep no count (step word 0).
+__device__ __forceinline__ double gf_adamw_row_step(const ParamRow& r) {
+    return (double)*(const float*)r.step + 1.0;
+}
+__device__ __forceinline__ double gf_sgd_row_step(const ParamRow& r, const double* h) {
+    return h[2] != 0.0 ? (double)*(const float*)r.step + 1.0 : 1.0;
+}
+
+// Whether a step moves a row's count: it keeps one, and its group's
+// hyperparameter `counted_field` is nonzero (gpuflat.layout.Rule.counted_field;
+// -1: every step counts).
+__device__ __forceinline__ bool gf_counts(const ParamRow& r, const double* hyper, long long counted_field) {
+    return r.step != 0 && (counted_field < 0 || hyper[r.group * GF_HYPER + counted_field] != 0.0);
 }

@@ -8,7 +8,9 @@
 // host changes neither between steps, so a warmed-up step can be captured in
 // a CUDA graph. The clip factor comes from the norm on the device (total[0]);
 // amp holds a loss scaler's unscale factor and skip flag (a nonzero amp[1]
-// leaves everything as it was, decided on the device).
+// leaves everything as it was, decided on the device). AdamW's vmax
+// (max_exp_avg_sq) is read only for the groups with amsgrad: null where
+// none has it.
 #include "gpuflat_optim.cuh"
 
 // fn(h, step, first, n) for every item of a parameter (padding is skipped):
@@ -33,13 +35,13 @@ template <class S>
 __global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
 gpuflat_adamw(const Item* __restrict__ items, long long n_items, const long long* __restrict__ slot_group,
               const double* __restrict__ hyper, const double* __restrict__ steps, S* p, const S* g, S* m, S* v,
-              const double* __restrict__ total, double max_norm, double eps, long long clip,
+              S* vmax, const double* __restrict__ total, double max_norm, double eps, long long clip,
               const double* __restrict__ amp) {
     using C = typename gf_compute<S>::type;
     const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
     gf_for_param_items(items, n_items, slot_group, hyper, steps, amp, [&](const double* h, double step, long long first,
                                                                           long long n) {
-        gf_adamw_range<GF_WARP>(p, g, m, v, first, n, gf_adamw_setup<C>(h, step, factor, h[0]));
+        gf_adamw_range<GF_WARP>(p, g, m, v, vmax, first, n, gf_adamw_setup<C>(h, step, factor, h[0]));
     });
 }
 
@@ -162,8 +164,84 @@ __device__ __forceinline__ void gf_row_item(S* const (&base)[N], const Item& ite
         vec([&](int t) { return start[t] + j; }, [&](int t) { return start[t] + gf_opaque(j); });
 }
 
-__device__ __forceinline__ bool gf_all_aligned(long long a, long long b, long long c, long long d) {
-    return ((a | b | c | d) & 15) == 0;
+template <class... A>
+__device__ __forceinline__ bool gf_all_aligned(A... addresses) {
+    return ((addresses | ...) & 15) == 0;
+}
+
+// An AdamW row's item over its N tensors (4: param, grad, exp_avg,
+// exp_avg_sq; 5: and max_exp_avg_sq, for amsgrad), whole vectors where all
+// start 16-byte aligned and a float row may divide through the reciprocal.
+template <int N, bool BY_PRODUCT, class S>
+__device__ __forceinline__ void gf_adamw_row_item(const ParamRow& r, const Item& item, int lane,
+                                                  const gf_adamw_coefs<typename gf_compute<S>::type>& k) {
+    using C = typename gf_compute<S>::type;
+    constexpr int E = gf_group<S>::GROUP;
+    S* t[N];
+    t[0] = (S*)r.param;
+    t[1] = (S*)r.grad;
+    t[2] = (S*)r.state0;
+    t[3] = (S*)r.state1;
+    if constexpr (N == 5) t[4] = (S*)r.state2;
+    const long long at = item.start * (long long)sizeof(S);
+    bool aligned = gf_all_aligned(r.param + at, r.grad + at, r.state0 + at, r.state1 + at);
+    if constexpr (N == 5) aligned = aligned && gf_all_aligned(r.state2 + at);
+    gf_row_item(t, item, lane, (!BY_PRODUCT || k.unbias_by_product) && aligned,
+        [&](auto load, auto store) {
+            gf_vec<S> x[N];
+#pragma unroll
+            for (int u = 0; u < N; ++u) x[u].raw = *load(u);
+#pragma unroll
+            for (int i = 0; i < gf_vec<S>::V / E; ++i) {
+                C c[N][E];  // param, grad, exp_avg, exp_avg_sq(, max_exp_avg_sq)
+#pragma unroll
+                for (int u = 0; u < N; ++u) gf_unpack(x[u], i, c[u]);
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    if constexpr (N == 5) gf_amsgrad_math<BY_PRODUCT>(c[0][e], c[1][e], c[2][e], c[3][e], c[4][e], k);
+                    else gf_adamw_math<BY_PRODUCT>(c[0][e], c[1][e], c[2][e], c[3][e], k);
+                }
+#pragma unroll
+                for (int u = 0; u < N; ++u)
+                    if (u != 1) gf_pack(x[u], i, c[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < N; ++u)
+                if (u != 1) *store(u) = x[u].raw;  // the gradient is only read
+        },
+        [&](long long i) {
+            if constexpr (N == 5) gf_amsgrad_one(t[0][i], t[1][i], t[2][i], t[3][i], t[4][i], k);
+            else gf_adamw_one(t[0][i], t[1][i], t[2][i], t[3][i], k);
+        });
+}
+
+// AdamW over a table of rows. AMSGRAD: the instantiation for a step where
+// some group has amsgrad, which takes max_exp_avg_sq in those groups' rows;
+// the other keeps the rows of every step without amsgrad within the
+// resource gates of a hot kernel.
+template <class S, bool AMSGRAD>
+__device__ __forceinline__ void gf_adamw_rows(const Item* __restrict__ items, long long n_items,
+                                              const ParamRow* __restrict__ rows, const double* __restrict__ hyper,
+                                              const long long* __restrict__ lr_at, const double* __restrict__ total,
+                                              double max_norm, double eps, long long clip,
+                                              const double* __restrict__ amp) {
+    using C = typename gf_compute<S>::type;
+    // Float vectors divide by bc2_sqrt through its reciprocal (gf_unbias); a
+    // float row that may not goes one element at a time, dividing.
+    constexpr bool BY_PRODUCT = gf_same<C, float>::value;
+    gf_for_row_items(items, n_items, rows, amp, [&](const ParamRow& r, const Item& item, int lane) {
+        const double* h = hyper + r.group * GF_HYPER;
+        // The factor is computed again for each item, from the kernel's
+        // arguments, rather than held across items: a group's maximize makes
+        // the row's factor differ from the kernel's, and holding both cost the
+        // 16-bit rows a register (a spill under CUDA 13.5).
+        const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
+        const auto k = gf_adamw_setup<C>(h, gf_adamw_row_step(r), factor, gf_group_lr(h, lr_at, r.group));
+        if constexpr (AMSGRAD) {
+            if (k.amsgrad) return gf_adamw_row_item<5, BY_PRODUCT, S>(r, item, lane, k);
+        }
+        gf_adamw_row_item<4, BY_PRODUCT, S>(r, item, lane, k);
+    });
 }
 
 template <class S>
@@ -172,46 +250,20 @@ gpuflat_adamw_rows(const Item* __restrict__ items, long long n_items, const Para
                    const double* __restrict__ hyper, const long long* __restrict__ lr_at,
                    const double* __restrict__ total, double max_norm, double eps, long long clip,
                    const double* __restrict__ amp) {
-    using C = typename gf_compute<S>::type;
-    constexpr int E = gf_group<S>::GROUP;
-    // Float vectors divide by bc2_sqrt through its reciprocal (gf_unbias); a
-    // float row that may not goes one element at a time, dividing.
-    constexpr bool BY_PRODUCT = gf_same<C, float>::value;
-    const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
-    gf_for_row_items(items, n_items, rows, amp, [&](const ParamRow& r, const Item& item, int lane) {
-        const double* h = hyper + r.group * GF_HYPER;
-        const double step = (double)*(const float*)r.step + 1.0;
-        const auto k = gf_adamw_setup<C>(h, step, factor, gf_group_lr(h, lr_at, r.group));
-        S* const t[4] = {(S*)r.param, (S*)r.grad, (S*)r.state0, (S*)r.state1};
-        const long long at = item.start * (long long)sizeof(S);
-        const bool vectors = (!BY_PRODUCT || k.unbias_by_product) &&
-                             gf_all_aligned(r.param + at, r.grad + at, r.state0 + at, r.state1 + at);
-        gf_row_item(t, item, lane, vectors,
-            [&](auto load, auto store) {
-                gf_vec<S> P, G, M, W;
-                P.raw = *load(0);
-                G.raw = *load(1);
-                M.raw = *load(2);
-                W.raw = *load(3);
-#pragma unroll
-                for (int i = 0; i < gf_vec<S>::V / E; ++i) {
-                    C p[E], g[E], m[E], v[E];
-                    gf_unpack(P, i, p);
-                    gf_unpack(G, i, g);
-                    gf_unpack(M, i, m);
-                    gf_unpack(W, i, v);
-#pragma unroll
-                    for (int e = 0; e < E; ++e) gf_adamw_math<BY_PRODUCT>(p[e], g[e], m[e], v[e], k);
-                    gf_pack(P, i, p);
-                    gf_pack(M, i, m);
-                    gf_pack(W, i, v);
-                }
-                *store(0) = P.raw;
-                *store(2) = M.raw;
-                *store(3) = W.raw;
-            },
-            [&](long long i) { gf_adamw_one(t[0][i], t[1][i], t[2][i], t[3][i], k); });
-    });
+    gf_adamw_rows<S, false>(items, n_items, rows, hyper, lr_at, total, max_norm, eps, clip, amp);
+}
+
+// Five 16-byte vectors per lane and five row addresses do not fit the 64
+// registers of four blocks per SM for 16-bit rows (ptxas spilled 40 to 48
+// bytes): three blocks per SM give each thread 85, and
+// still keep 3 * 256 lanes' five vector loads in flight.
+template <class S>
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_AMSGRAD_MIN_BLOCKS_PER_SM)
+gpuflat_adamw_amsgrad_rows(const Item* __restrict__ items, long long n_items, const ParamRow* __restrict__ rows,
+                           const double* __restrict__ hyper, const long long* __restrict__ lr_at,
+                           const double* __restrict__ total, double max_norm, double eps, long long clip,
+                           const double* __restrict__ amp) {
+    gf_adamw_rows<S, true>(items, n_items, rows, hyper, lr_at, total, max_norm, eps, clip, amp);
 }
 
 template <class S>
@@ -225,9 +277,7 @@ gpuflat_sgd_rows(const Item* __restrict__ items, long long n_items, const ParamR
     const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
     gf_for_row_items(items, n_items, rows, amp, [&](const ParamRow& r, const Item& item, int lane) {
         const double* h = hyper + r.group * GF_HYPER;
-        // gf_sgd_setup tells the momentum buffer's first step by a count of 1.
-        const double step = (r.flags & GF_ROW_FIRST) ? 1.0 : 2.0;
-        const auto k = gf_sgd_setup<C>(h, step, factor, gf_group_lr(h, lr_at, r.group));
+        const auto k = gf_sgd_setup<C>(h, gf_sgd_row_step(r, h), factor, gf_group_lr(h, lr_at, r.group));
         // Without momentum there is no buffer: address 0, aligned, never read
         // or written.
         S* const t[3] = {(S*)r.param, (S*)r.grad, (S*)r.state0};
@@ -256,11 +306,13 @@ gpuflat_sgd_rows(const Item* __restrict__ items, long long n_items, const ParamR
     });
 }
 
-// Each row's step count plus one, unless the step is skipped.
+// Each counted row's step count plus one (gf_counts), unless the step is
+// skipped.
 __global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
-gpuflat_count_steps(const ParamRow* __restrict__ rows, long long n_rows, const double* __restrict__ amp) {
+gpuflat_count_steps(const ParamRow* __restrict__ rows, long long n_rows, const double* __restrict__ hyper,
+                    long long counted_field, const double* __restrict__ amp) {
     if (amp[1] != 0.0) return;
     const long long stride = (long long)gridDim.x * (long long)blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n_rows; i += stride)
-        if (rows[i].step != 0) *(float*)rows[i].step += 1.0f;
+        if (gf_counts(rows[i], hyper, counted_field)) *(float*)rows[i].step += 1.0f;
 }

@@ -9,6 +9,7 @@ a real GPU.
 """
 from __future__ import annotations
 
+import gc
 
 import numpy as np
 import pytest
@@ -348,9 +349,102 @@ def test_a_capture_needing_more_table_memory_than_was_set_aside_names_the_warm_u
     with torch.cuda.stream(torch.cuda.Stream()):
         set_grads(small.parameters(), 0)
         opt.step()  # sets aside memory for tables of this step's sizes
-        bigger = gft.AdamW([*small.parameters(), *[tcs.parameter(torch.ones(2)) for _ in range(200)]], lr=1e-2)
+        # SGD without momentum: no state to make (which a capture refuses first).
+        bigger = gft.SGD([*small.parameters(), *[tcs.parameter(torch.ones(2)) for _ in range(200)]], lr=1e-2)
         for p in bigger.param_groups[0]["params"]:
             p.grad = tcs.cuda(torch.ones_like(p))
         with pytest.raises(gf.CaptureError, match=r"more than the pinned memory set aside for captures holds .*"
                                                   r"make the same call once before capturing"):
             tc.capture(bigger.step)
+
+
+def test_a_momentum_buffer_no_step_applied_before_the_capture_replays_like_eager_steps(cp, tc):
+    # The warm-up step is skipped by a GradScaler (an inf found), so the
+    # momentum buffer it made is still new when the step is captured: its
+    # count (0: new) is device data that each replay reads and counts, so the
+    # first replay makes the buffer the gradient itself and the later ones
+    # add to it, with dampening, as eager steps do.
+    model, twin = net(5), net(5)
+    opts = [gft.SGD(list(m.parameters()), lr=1e-2, momentum=0.9, dampening=0.5, max_norm=5.0)
+            for m in (model, twin)]
+    found = [tcs.cuda(torch.ones((), dtype=torch.float32)) for _ in opts]
+    for opt, f in zip(opts, found):
+        opt.grad_scale, opt.found_inf = tcs.cuda(torch.ones((), dtype=torch.float32)), f
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for m, opt in zip((model, twin), opts):
+            set_grads(m.parameters(), 0)
+            opt.step()  # skipped: the buffers made, none applied
+        for f in found:
+            with torch._C.DisableTorchFunction():
+                f.zero_()
+        graph, _ = tc.capture(opts[0].step)
+    for step in range(1, 7):
+        set_grads(model.parameters(), step)
+        set_grads(twin.parameters(), step)
+        graph.replay()
+        opts[1].step()
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert bits(p) == bits(q)
+            assert all(bits(opts[0].state[p][k]) == bits(opts[1].state[q][k]) for k in opts[0].state[p])
+    assert float(opts[1].state[next(twin.parameters())]["step"]) == 6
+    assert cp.freed_in_flight == []
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_captured_step_replays_like_eager_steps_after_the_caches_are_cleared(cp, tc, name):
+    # A step without a GradScaler reads an (unscale, skip) flags tensor of
+    # gpuflat's own; the graph keeps it, and everything else its launches
+    # read, whatever gf.cache_clear() drops and whatever takes the memory after.
+    make = {"adamw": lambda ps: gft.AdamW(ps, lr=1e-2, max_norm=0.5),
+            "sgd": lambda ps: gft.SGD(ps, lr=1e-2, momentum=0.9, max_norm=0.5)}[name]
+    model, twin = net(6), net(6)
+    opt, twin_opt = make(list(model.parameters())), make(list(twin.parameters()))
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for warm in range(2):
+            for m, o in ((model, opt), (twin, twin_opt)):
+                set_grads(m.parameters(), warm)
+                o.step()
+        graph, _ = tc.capture(opt.step)
+    gf.cache_clear()
+    gc.collect()
+    # Memory freed now is taken again, holding what a skip flag would.
+    taken = [torch.ones(2, dtype=torch.float64) for _ in range(64)]
+    for step in range(2, 5):
+        set_grads(model.parameters(), step)
+        set_grads(twin.parameters(), step)
+        graph.replay()
+        twin_opt.step()
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert bits(p) == bits(q)
+    assert len(taken) == 64
+    assert cp.freed_in_flight == []
+
+
+def test_a_flat_optimizers_state_dict_reads_the_counts_once(cp, tc):
+    # state_dict() leaves out the state no step applied: one host read of
+    # every count on the device, not one per parameter.
+    model = net(7)
+    opt = gft.SGD(list(model.parameters()), lr=1e-2, momentum=0.9)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        set_grads(model.parameters(), 0)
+        opt.step()
+        reads = tc.host_reads
+        packed = opt.state_dict()
+    assert tc.host_reads - reads == 1
+    assert sorted(packed["state"]) == [0, 1, 2]
+
+
+def test_state_that_a_capture_would_make_is_refused_naming_the_warm_up(cp, tc):
+    # Every replay would make it again, at 0: momentum switched on just
+    # before the capture needs a step outside it first.
+    model = net(8)
+    opt = gft.SGD(list(model.parameters()), lr=1e-2, momentum=0.0)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        set_grads(model.parameters(), 0)
+        opt.step()
+        opt.param_groups[0]["momentum"] = 0.9
+        with pytest.raises(gf.CaptureError, match=r"param_groups\[0\]\['params'\]\[0\]: its optimizer state would be "
+                                                  r"made inside a CUDA-graph capture.*take a step before capturing"):
+            tc.capture(opt.step)
+        opt.step()  # the warm-up makes the buffers
+        graph, _ = tc.capture(opt.step)

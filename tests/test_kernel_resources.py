@@ -30,6 +30,7 @@ import pytest
 from gpuflat._src import kernel_loader as kl
 from gpuflat._src.backends import cuda
 from gpuflat._src.dtypes import CUDA_NAMES
+from gpuflat._src.layout import AMSGRAD_MIN_BLOCKS_PER_SM, BLOCK_THREADS
 
 # The optimizers' updates over PyTorch's parameters count for float32 and
 # the 16-bit dtypes; float64's AdamW needs register pairs for every value and
@@ -38,6 +39,12 @@ OPTIM_ROWS = [kl.optim_rows_name(rule, c) for rule in kl.OPTIM_RULES for c in ("
 HOT = ([kl.gather_name(d) for d in CUDA_NAMES] + [kl.scatter_name(d) for d in CUDA_NAMES]
        + [kl.norm_partial_name(k) for k in kl.NORM_KINDS] + [kl.SCALE_NAME, kl.SCALE_AT_NAME] + OPTIM_ROWS)
 MAX_REGISTERS = 64
+# AMSGrad's row update (a fifth tensor, max_exp_avg_sq) runs at three blocks
+# per SM: at four, ptxas spilled 40 to 48 bytes of its 16-bit rows; three
+# leave each thread 85 registers, of which the gated NVRTCs use 58 to 78
+# (float32 and 16-bit), spilling nothing.
+AMSGRAD_ROWS = [kl.optim_rows_name("adamw", c, "amsgrad") for c in ("float", "f16", "bf16")]
+AMSGRAD_MAX_REGISTERS = 65536 // (BLOCK_THREADS * AMSGRAD_MIN_BLOCKS_PER_SM)
 # (stack frame, spill store, spill load) bytes each hot kernel may have, by
 # the NVRTC (major, minor) that built it and the architecture; a kernel not
 # listed may have none. For sm_100, CUDA 13's ptxas keeps the p-norm within
@@ -121,6 +128,17 @@ def test_hot_kernels_fit_64_registers_without_spills_or_stack(name, major, arch)
     ceiling = _ceilings(major, arch).get(name, (0, 0, 0))
     assert all(found <= most for found, most in zip((stack, spill_st, spill_ld), ceiling)), \
         f"{where}: stack {stack} B, spills {spill_st}/{spill_ld} B, expected at most {ceiling}"
+
+
+@pytest.mark.parametrize("major,arch", kernel_builds.GATED)
+@pytest.mark.parametrize("name", AMSGRAD_ROWS)
+def test_amsgrad_rows_fit_three_blocks_per_sm_without_spills_or_stack(name, major, arch):
+    lowered = kernel_builds.build(major, arch).lowered[name]
+    regs, stack, spill_st, spill_ld = kernel_builds.resources(major, arch)[lowered]
+    where = f"{name} (NVRTC %d.%d, {arch})" % kl.nvrtc_version(major)
+    assert regs <= AMSGRAD_MAX_REGISTERS and (stack, spill_st, spill_ld) == (0, 0, 0), \
+        f"{where}: {regs} registers, stack {stack} B, spills {spill_st}/{spill_ld} B, expected at most " \
+        f"{AMSGRAD_MAX_REGISTERS} registers and none"
 
 
 @pytest.mark.parametrize("major,arch", kernel_builds.GATED)

@@ -159,8 +159,9 @@ def test_hot_loop_instructions_per_element(what, per, limit, major):
 # about 14 instructions each, their slow-path calls (taken for subnormal,
 # huge, zero or special operands) included, since they sit in the loop.
 MAX_OPTIM = 60.0
-# Tensors read and written per element.
-TENSORS = {"adamw": (4, 3), "sgd": (3, 2)}
+# Tensors read and written per element, by rule and flag state (the AMSGrad
+# instantiation's vector loop for its groups: max_exp_avg_sq too).
+TENSORS = {("adamw", None): (4, 3), ("adamw", "amsgrad"): (5, 4), ("sgd", None): (3, 2)}
 # A 16-bit element costs what a float32 one does besides its conversions,
 # which no float32 element has, and those take one instruction each: one
 # per element read (a shift or a mask for bfloat16, HADD2.F32 for float16)
@@ -170,13 +171,14 @@ WIDENING = re.compile(r"^(HADD2\.F32|SHF\.L\.U32|IMAD\.U32|IMAD\.SHL\.U32|LOP3\.
 NARROWING = re.compile(r"^F2FP")
 
 
-def _optim_loop(major: int, rule: str, c_name: str, per_vector: int) -> tuple[Counter, int] | None:
-    """The cheapest per element of gpuflat_<rule>_rows<c_name>'s loops over
-    16-byte vectors (one load per tensor read, one store per tensor written),
-    and the elements one pass of it updates."""
+def _optim_loop(major: int, rule: tuple, c_name: str, per_vector: int) -> tuple[Counter, int] | None:
+    """The cheapest per element of the row update's (``rule``: a key of
+    TENSORS) loops over 16-byte vectors of C++ type ``c_name`` (one load per
+    tensor read, one store per tensor written), and the elements one pass
+    of it updates."""
     read, written = TENSORS[rule]
     found = []
-    for ops in _loops(major, kl.optim_rows_name(rule, c_name)):
+    for ops in _loops(major, kl.optim_rows_name(rule[0], c_name, rule[1])):
         loads, stores = _count(ops, VECTOR_LOAD), _count(ops, VECTOR_STORE)
         if loads and loads * written == stores * read:
             found.append((ops, loads // read * per_vector))
@@ -184,7 +186,7 @@ def _optim_loop(major: int, rule: str, c_name: str, per_vector: int) -> tuple[Co
 
 
 @pytest.mark.parametrize("major", MAJORS)
-@pytest.mark.parametrize("rule", list(TENSORS))
+@pytest.mark.parametrize("rule", list(TENSORS), ids=lambda r: "-".join(filter(None, r)))
 def test_the_optimizer_updates_read_vectors_and_16_bit_adds_only_its_conversions(rule, major):
     loops = {name: _optim_loop(major, rule, c, n)
              for name, c, n in (("float32", "float", 4), ("bfloat16", "bf16", 8), ("float16", "f16", 8))}
@@ -211,9 +213,9 @@ def test_no_hot_kernels_innermost_loop_touches_local_memory(major):
     # ceilings), the value goes to local memory once per item or row, never
     # inside the loops over elements: an innermost loop (holding no other)
     # has no STL or LDL.
-    from test_kernel_resources import HOT
+    from test_kernel_resources import AMSGRAD_ROWS, HOT
 
-    for name in HOT:
+    for name in HOT + AMSGRAD_ROWS:
         instructions, _ = _sass(major)[name]
         spans = _loop_spans(major, name)
         for first, last in spans:

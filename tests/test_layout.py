@@ -77,8 +77,13 @@ def test_the_norm_kinds_are_the_kernels():
 
 
 def test_the_optimizer_rows_and_rules_are_the_kernels():
-    assert _defines("gpuflat_optim.cuh")["GF_HYPER"] == layout.HYPER
-    assert all(len(fields) == layout.HYPER for fields in layout.OPTIM_RULES.values())
+    defines = _defines("gpuflat_optim.cuh")
+    assert defines["GF_HYPER"] == layout.HYPER
+    assert all(len(fields) <= layout.HYPER and fields[0] == "lr" for fields in layout.OPTIM_RULES.values())
+    assert all(fields[layout.MAXIMIZE_FIELD] == "maximize" for fields in layout.OPTIM_RULES.values())
+    assert defines["GF_HYPER_MAXIMIZE"] == layout.MAXIMIZE_FIELD
+    assert defines["GF_HYPER_AMSGRAD"] == layout.RULES["adamw"].hyper.index("amsgrad")
+    assert defines["GF_AMSGRAD_MIN_BLOCKS_PER_SM"] == layout.AMSGRAD_MIN_BLOCKS_PER_SM
     host = SOURCES["host/host_optim.cpp"]
     numbered = dict(re.findall(r"(\d+): (\w+) \(states", host))
     assert {int(k): v.lower() for k, v in numbered.items()} == {layout.rule_id(r): r for r in layout.OPTIM_RULES}
@@ -114,4 +119,3 @@ def test_the_tensor_list_row_is_the_kernels():
     body = re.search(r"struct ParamRow \{(.*?)\n\};", header, re.S).group(1)
     fields = [name.strip() for line in re.findall(r"^\s*long long ([^;]+);", body, re.M) for name in line.split(",")]
     assert tuple(fields) == layout.PARAM_ROW_FIELDS
-    assert f"#define GF_ROW_FIRST {layout.PARAM_ROW_FIRST}" in header

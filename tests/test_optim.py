@@ -17,8 +17,10 @@ import pytest
 
 import gpuflat as gf
 from gpuflat._src.backends.cuda import ITEM
-from gpuflat._src.layout import RULES
-from gpuflat.optim import SGD, AdamW
+from gpuflat._src.backends.selection import get_backend
+from gpuflat._src.dtypes import TAGS
+from gpuflat._src.layout import PARAM_ROW_FIELDS, RULES
+from gpuflat.optim import CLIP_EPS, SGD, AdamW
 
 from conftest import BACKENDS, BF16, assert_bits_equal
 
@@ -61,6 +63,10 @@ MAKERS = {
     "sgd-momentum-clip": lambda r: SGD(r, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01, max_norm=2.0),
     "sgd-nesterov": lambda r: SGD(r, lr=0.1, momentum=0.9, nesterov=True,
                                   groups=[{"params": ["['w']"], "lr": 0.01}]),
+    "adamw-maximize-amsgrad-clip": lambda r: AdamW(r, lr=0.01, betas=(0.8, 0.7), amsgrad=True, maximize=True,
+                                              max_norm=2.0, groups=[{"params": ["['b']"], "amsgrad": False}]),
+    "sgd-maximize": lambda r: SGD(r, lr=0.1, momentum=0.9, dampening=0.2, maximize=True,
+                                  groups=[{"params": ["['e']"], "maximize": False, "momentum": 0.0}]),
 }
 
 
@@ -90,46 +96,63 @@ def close(a, b):
 
 
 def reference(rule, params, grads_per_step, hyper, max_norm=None):
-    """PyTorch's formulas in plain float64, leaf by leaf."""
+    """PyTorch's formulas in plain float64, leaf by leaf; ``hyper[k]`` per
+    step (a list) or for every step (a dict of the rule's options)."""
     params = {k: v.astype(np.float64) for k, v in params.items()}
-    state = {k: [np.zeros_like(v), np.zeros_like(v)] for k, v in params.items()}
-    for t, grads in enumerate(grads_per_step, start=1):
+    state = {k: {"m": np.zeros_like(v), "v": np.zeros_like(v), "vmax": np.zeros_like(v), "step": 0}
+             for k, v in params.items()}
+    for t, grads in enumerate(grads_per_step):
         coef = 1.0
         if max_norm is not None:
             norm = math.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads.values()))
             coef = min(1.0, max_norm / (norm + 1e-6))
         for k, p in params.items():
+            h = hyper[k][t] if isinstance(hyper[k], list) else hyper[k]
             g = grads[k].astype(np.float64) * coef
-            lr, wd, a, b, c = hyper[k]
+            g = -g if h.get("maximize") else g
+            st = state[k]
             if rule == "adamw":
-                m, v = state[k]
-                p *= 1 - lr * wd
-                m[...] = a * m + (1 - a) * g
-                v[...] = b * v + (1 - b) * g * g
-                p -= lr / (1 - a**t) * m / (np.sqrt(v) / math.sqrt(1 - b**t) + c)
+                (a, b), eps = h["betas"], h["eps"]
+                st["step"] += 1
+                n = st["step"]
+                p *= 1 - h["lr"] * h["weight_decay"]
+                st["m"] = a * st["m"] + (1 - a) * g
+                st["v"] = b * st["v"] + (1 - b) * g * g
+                if h.get("amsgrad"):
+                    st["vmax"] = np.maximum(st["vmax"], st["v"])
+                w = st["vmax"] if h.get("amsgrad") else st["v"]
+                p -= h["lr"] / (1 - a**n) * st["m"] / (np.sqrt(w) / math.sqrt(1 - b**n) + eps)
             else:
-                buf = state[k][0]
-                d = g + wd * p
-                buf[...] = d if t == 1 else a * buf + (1 - b) * d
-                d = d + a * buf if c else buf
-                p -= lr * d
+                d = g + h["weight_decay"] * p
+                if h["momentum"]:
+                    new = st["step"] == 0  # the buffer's updates so far: none, so it is made
+                    st["m"] = d if new else h["momentum"] * st["m"] + (1 - h["dampening"]) * d
+                    st["step"] += 1
+                    d = d + h["momentum"] * st["m"] if h["nesterov"] else st["m"]
+                p -= h["lr"] * d
     return params, state
 
 
+ADAMW = {"lr": 0.01, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
+SGD_OPTIONS = {"lr": 0.05, "momentum": 0.9, "dampening": 0.2, "weight_decay": 0.01, "nesterov": False}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("rule", ["adamw", "sgd"])
-def test_formulas_are_pytorchs(backend, rule):
+@pytest.mark.parametrize("rule,flags", [("adamw", {}), ("adamw", {"maximize": True}), ("adamw", {"amsgrad": True}),
+                                        ("adamw", {"amsgrad": True, "maximize": True}), ("sgd", {}),
+                                        ("sgd", {"maximize": True})], ids=str)
+def test_formulas_are_pytorchs(backend, rule, flags):
     rng = np.random.default_rng(1)
     tree = {"w": rng.standard_normal(300), "b": rng.standard_normal(4)}
-    grads = [{k: rng.standard_normal(v.shape) for k, v in tree.items()} for _ in range(5)]
+    # Large gradients, then small ones: amsgrad's maximum then differs from the second moment.
+    grads = [{k: rng.standard_normal(v.shape) * (3.0 if t < 2 else 0.1) for k, v in tree.items()} for t in range(5)]
     r = gf.resident(tree, backend=backend)
     if rule == "adamw":
-        opt = AdamW(r, lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, max_norm=3.0,
-                    groups=[{"params": ["['b']"], "weight_decay": 0.0}])
-        hyper = {"['w']": (0.01, 0.1, 0.9, 0.99, 1e-8), "['b']": (0.01, 0.0, 0.9, 0.99, 1e-8)}
+        opt = AdamW(r, **ADAMW, **flags, max_norm=3.0, groups=[{"params": ["['b']"], "weight_decay": 0.0}])
+        hyper = {"['w']": {**ADAMW, **flags}, "['b']": {**ADAMW, **flags, "weight_decay": 0.0}}
     else:
-        opt = SGD(r, lr=0.05, momentum=0.9, dampening=0.2, weight_decay=0.01, max_norm=3.0)
-        hyper = {k: (0.05, 0.01, 0.9, 0.2, 0) for k in ("['w']", "['b']")}
+        opt = SGD(r, **SGD_OPTIONS, **flags, max_norm=3.0)
+        hyper = {k: {**SGD_OPTIONS, **flags} for k in ("['w']", "['b']")}
     for g in grads:
         for k, v in g.items():
             r.grads[k][...] = v
@@ -138,85 +161,8 @@ def test_formulas_are_pytorchs(backend, rule):
                             [{f"['{k}']": v for k, v in g.items()} for g in grads], hyper, max_norm=3.0)
     for k, v in want.items():
         np.testing.assert_allclose(r.params[k[2:-2]], v, rtol=1e-12, atol=1e-14)
-        name = "exp_avg" if rule == "adamw" else "momentum_buffer"
-        np.testing.assert_allclose(opt.state[k][name], state[k][0], rtol=1e-12, atol=1e-14)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_padding_stays_zero_through_a_nan_step(backend):
-    r = gf.resident({"a": np.ones(3, np.float32), "b": np.ones(70, np.float32)}, backend=backend)
-    opt = AdamW(r, lr=0.1, max_norm=1.0)
-    r.grads["a"][:] = np.nan
-    opt.step()
-    assert np.isnan(r.params["a"]).all() and np.isnan(r.params["b"]).all()  # PyTorch's: a NaN norm spreads
-    flat = np.asarray(r.param_buffers[0])
-    pad = np.ones(flat.size, bool)
-    for s in r.layout:
-        pad[s.offset : s.offset + s.size] = False
-    assert pad.any() and not flat[pad].any()
-    for buf in opt._flat.states[0]:
-        assert not np.asarray(buf.array)[pad].any()
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_group_options_are_read_at_every_step(backend):
-    r = gf.resident({"w": np.ones(2)}, backend=backend)
-    opt = SGD(r, lr=0.5)
-    r.grads["w"][:] = 1.0
-    opt.step()
-    opt.groups[0]["lr"] = 0.25
-    opt.step()
-    np.testing.assert_array_equal(r.params["w"], [0.25, 0.25])
-
-
-def test_state_views_are_the_buffers():
-    r = gf.resident({"w": np.ones(2), "b": np.ones(1)})
-    opt = AdamW(r, lr=0.1)
-    r.grads["w"][:] = 1.0
-    opt.step()
-    st = opt.state["['w']"]
-    assert float(st["step"]) == 1.0 and st["exp_avg"].shape == (2,)
-    assert np.shares_memory(st["exp_avg"], opt._flat.states[0][0].own)
-
-
-def test_the_state_names_are_torch_optims():
-    torch = pytest.importorskip("torch")
-    for name, make in (("adamw", torch.optim.AdamW), ("sgd", lambda ps: torch.optim.SGD(ps, momentum=0.9))):
-        w = torch.nn.Parameter(torch.ones(2))
-        w.grad = torch.ones(2)
-        opt = make([w])
-        opt.step()
-        flat = (AdamW if name == "adamw" else SGD)(gf.resident({"w": np.ones(2)}))
-        assert RULES[name].state_names == tuple(k for k in opt.state[w] if k != "step")
-        assert RULES[name].counts_steps == ("step" in opt.state[w])
-        assert set(flat.state["['w']"]) == {*RULES[name].state_names, "step"}
-
-
-def test_optim_reads_a_resident_model_through_its_public_interface():
-    # Only an object's own private attributes (self._x); never a resident
-    # model's or its buffers' (r._x, self.resident._x).
-    source = Path(gf.optim.__file__).read_text()
-    private = [(node.lineno, ast.unparse(node)) for node in ast.walk(ast.parse(source))
-               if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-               and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
-    assert private == []
-
-
-def test_bad_input_is_refused_naming_the_leaf_or_group():
-    r = gf.resident({"w": np.ones(2), "z": np.ones(2, np.complex64)})
-    with pytest.raises(TypeError, match=r"leaf \"\['z'\]\": .*real floating parameter, got complex64"):
-        AdamW(r)
-    r = gf.resident({"w": np.ones(2), "b": np.ones(1)})
-    with pytest.raises(ValueError, match="group 0: .q. is not a leaf of the resident model"):
-        AdamW(r, groups=[{"params": ["q"]}])
-    with pytest.raises(ValueError, match=r"leaf \"\['w'\]\": expected in one group, found in groups 0 and 1"):
-        AdamW(r, groups=[{"params": ["['w']"]}, {"params": ["['w']"]}])
-    with pytest.raises(ValueError, match=r"group 0: expected betas in \[0, 1\), got \(0.9, 1.0\)"):
-        AdamW(r, betas=(0.9, 1.0))
-    with pytest.raises(ValueError, match="nesterov only with momentum > 0"):
-        SGD(r, nesterov=True)
-    with pytest.raises(ValueError, match="unknown options"):
-        SGD(r, groups=[{"params": [], "betas": (0.9, 0.9)}])
+        if flags.get("amsgrad"):
+            np.testing.assert_allclose(opt.state[k]["max_exp_avg_sq"], state[k]["vmax"], rtol=1e-12, atol=1e-14)
     opt = SGD(r, lr=0.1)
     opt.groups[0]["lr"] = -1.0
     before = np.array(r.param_buffers[0])
@@ -227,12 +173,46 @@ def test_bad_input_is_refused_naming_the_leaf_or_group():
         SGD(gf.resident({"w": np.ones(2)}, grads=False))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sgd_counts_its_buffers_updates_so_momentum_switched_on_later_starts_one(backend):
+    # PyTorch makes a momentum buffer at the first step with momentum (buf =
+    # d, not damped), whenever that is; the step count says which step that is.
+    rng = np.random.default_rng(2)
+    tree = {"w": rng.standard_normal(50)}
+    grads = [{"['w']": rng.standard_normal(50)} for _ in range(5)]
+    r = gf.resident(tree, backend=backend)
+    opt = SGD(r, **{**SGD_OPTIONS, "momentum": 0.0, "dampening": 0.5})
+    momentum = [0.0, 0.0, 0.9, 0.9, 0.0]
+    for g, mu in zip(grads, momentum):
+        opt.groups[0]["momentum"] = mu
+        r.grads["w"][...] = g["['w']"]
+        opt.step()
+    want, state = reference("sgd", {"['w']": tree["w"]}, grads,
+                            {"['w']": [{**SGD_OPTIONS, "momentum": mu, "dampening": 0.5} for mu in momentum]})
+    np.testing.assert_allclose(r.params["w"], want["['w']"], rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(opt.state["['w']"]["momentum_buffer"], state["['w']"]["m"], rtol=1e-12)
+    assert float(opt.state["['w']"]["step"]) == 2.0 == state["['w']"]["step"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_skipped_sgd_step_leaves_its_buffer_and_count(backend):
+    r = gf.resident({"w": np.ones(3)}, backend=backend)
+    opt = SGD(r, lr=0.1, momentum=0.9, dampening=0.5)
+    r.grads["w"][...] = 2.0
+    opt._flat.step(None, skip=np.asarray(1.0))
+    assert float(opt.state["['w']"]["step"]) == 0.0
+    assert_bits_equal(opt.state["['w']"]["momentum_buffer"], np.zeros(3))
+    opt.step()  # the buffer's first update: d itself, not damped
+    assert_bits_equal(opt.state["['w']"]["momentum_buffer"], np.full(3, 2.0))
+    assert float(opt.state["['w']"]["step"]) == 1.0
+
+
 def scaled_run(backend):
     """Steps with a loss scale of 1024 folded into the update, a NaN on step 2."""
     rng = np.random.default_rng(3)
     r = gf.resident(model(np.float32, rng), backend=backend)
     opt = AdamW(r, lr=0.01, max_norm=1.0)
-    opt._flat.set_hyper([(0.01, 0.01, 0.9, 0.999, 1e-8)])
+    opt._flat.set_hyper([RULES["adamw"].hyper_row({**ADAMW, "betas": (0.9, 0.999), "weight_decay": 0.01})])
     inv = np.asarray(1.0 / 1024)
     out = []
     for k in range(4):
@@ -291,3 +271,224 @@ def test_cupy_arrays_give_the_emulated_bits(variant, monkeypatch):
     inv = cp.asarray(np.asarray(0.5))
     total, found = opts[0]._flat.step(1.0, inv_scale=inv, detect=True)
     assert float(cp.asnumpy(found)) == 0.0 and cp.asnumpy(opts[0]._flat.steps[0].array)[0] == 4.0
+
+
+# ---------------------------------------------------------------- the row update
+# Every backend's step_rows, the update of PyTorch's parameters where they lie
+# (one ParamRow each), on host memory: the emulated CUDA kernels, the host
+# library and the NumPy reference, against float64 and against each other.
+
+ROW_SIZES = (0, 1, 5, ITEM + 3, 2 * ITEM)  # empty, tiny, ragged, past an item, whole items
+
+
+def _eps(dtype) -> float:
+    return 2.0**-7 if dtype == BF16 else float(np.finfo(dtype).eps)
+
+
+class Rows:
+    """Parameters, gradients, state and step counts in host memory, each a
+    slice ``offset`` elements into an array of its own (an offset of 1 puts
+    every 16-bit tensor off its 16-byte vectors), and their rows."""
+
+    def __init__(self, rule, dtype, groups, seed, offset=0, sizes=ROW_SIZES):
+        rng = np.random.default_rng(seed)
+        self.rule, self.dtype, self.groups = RULES[rule], np.dtype(dtype), groups
+        self.tensors = []
+        for i, n in enumerate(sizes * len(groups)):
+            group = i // len(sizes)
+            t = {name: self._array(rng.standard_normal(n) if name == "p" else np.zeros(n), offset)
+                 for name in ("p", "g", "s0", "s1", "s2")}
+            t["step"], t["group"] = np.zeros(1, np.float32), group
+            self.tensors.append(t)
+
+    def _array(self, values, offset):
+        whole = np.zeros(len(values) + offset, self.dtype)
+        whole[offset:] = values
+        return whole[offset:]
+
+    def rows(self, keeps) -> np.ndarray:
+        """The table: ``keeps(t)`` names the words of tensor set t's row that
+        are kept (state0, state1, state2, step); the others are 0."""
+        rows = []
+        for t in self.tensors:
+            kept = keeps(t)
+            words = [t[k].ctypes.data if k in kept else 0 for k in ("s0", "s1", "s2", "step")]
+            rows.append([t["p"].ctypes.data, t["g"].ctypes.data, *words, t["p"].size, t["group"]])
+        return np.array(rows, np.int64).reshape(-1, len(PARAM_ROW_FIELDS))
+
+    def hyper(self) -> np.ndarray:
+        return np.array([self.rule.hyper_row(g) for g in self.groups], np.float64).reshape(-1)
+
+    def gradients(self, rng, scale):
+        for t in self.tensors:
+            t["g"][...] = (rng.standard_normal(t["g"].size) * scale).astype(self.dtype)
+
+    def snapshot(self) -> list:
+        return [{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in t.items()} for t in self.tensors]
+
+
+def _step_rows(backend, table, rows, factor=None, skip=0.0):
+    """One step_rows; ``factor`` = (norm, max_norm, unscale)."""
+    be = get_backend(backend)
+    total, max_norm, unscale = (None, 0.0, 1.0) if factor is None else factor
+    be.step_rows(table.rule.name, TAGS[table.dtype], rows, table.hyper(), np.zeros(2 * len(table.groups), np.int64),
+                 None if total is None else np.asarray(total, np.float64), max_norm, CLIP_EPS,
+                 np.array([unscale, skip]))
+
+
+def _row_reference(rule, before, h, factor, keeps):
+    """One step of PyTorch's formulas in float64 from the tensors ``before``
+    (a snapshot's entry), for the words ``keeps`` says a row has."""
+    f64 = {k: v.astype(np.float64) for k, v in before.items() if isinstance(v, np.ndarray)}
+    g = f64["g"] * factor
+    g = -g if h.get("maximize") else g
+    p, count = f64["p"], float(before["step"][0])
+    out = {}
+    if rule == "adamw":
+        (b1, b2), n = h["betas"], count + 1
+        p = p * (1 - h["lr"] * h["weight_decay"])
+        out["s0"] = b1 * f64["s0"] + (1 - b1) * g
+        out["s1"] = b2 * f64["s1"] + (1 - b2) * g * g
+        w = out["s1"]
+        if h.get("amsgrad"):
+            out["s2"] = w = np.maximum(f64["s2"], out["s1"])
+        out["p"] = p - h["lr"] / (1 - b1**n) * out["s0"] / (np.sqrt(w) / math.sqrt(1 - b2**n) + h["eps"])
+        out["step"] = n
+    else:
+        d = g + h["weight_decay"] * p
+        if h["momentum"]:
+            buf = d if count == 0 else h["momentum"] * f64["s0"] + (1 - h["dampening"]) * d
+            out["s0"], out["step"] = buf, count + 1
+            d = d + h["momentum"] * buf if h["nesterov"] else buf
+        out["p"] = p - h["lr"] * d
+    return out
+
+
+def _assert_step_is_pytorchs(table, before, factor, keeps):
+    """Each tensor after the step within a few roundings of the float64 step
+    from the same values before it; the rest unchanged."""
+    eps = _eps(table.dtype)
+    for t, b in zip(table.tensors, before):
+        want = _row_reference(table.rule.name, b, table.groups[t["group"]], factor, keeps(t))
+        for name in ("p", "s0", "s1", "s2"):
+            found = t[name].astype(np.float64)
+            if name not in want:
+                assert_bits_equal(t[name], b[name])
+                continue
+            scale = float(np.max(np.abs(want[name]), initial=0.0))
+            np.testing.assert_allclose(found, want[name], rtol=4 * eps, atol=8 * eps * scale, err_msg=name)
+        assert float(t["step"][0]) == want.get("step", float(b["step"][0]))
+
+
+ADAMW_ROWS = [{**ADAMW, "betas": (0.8, 0.7)}, {**ADAMW, "betas": (0.8, 0.7), "maximize": True},
+              {**ADAMW, "betas": (0.8, 0.7), "amsgrad": True, "weight_decay": 0.0},
+              {**ADAMW, "betas": (0.8, 0.7), "amsgrad": True, "maximize": True}]
+
+
+def _adamw_keeps(table):
+    return lambda t: {"s0", "s1", "step"} | ({"s2"} if table.groups[t["group"]].get("amsgrad") else set())
+
+
+@pytest.mark.parametrize("dtype", REAL, ids=str)
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("groups", [ADAMW_ROWS[:2], ADAMW_ROWS], ids=["maximize", "amsgrad"])
+def test_adamw_rows_follow_pytorch_and_give_every_backends_bits(groups, offset, dtype):
+    # Groups with and without maximize and amsgrad in one table (the amsgrad
+    # instantiation takes the others' rows too); large gradients, then small
+    # ones, so the running maximum differs from the second moment.
+    rng = np.random.default_rng(4)
+    tables = {be: Rows("adamw", dtype, groups, seed=3, offset=offset) for be in BACKENDS}
+    keeps = _adamw_keeps(tables["numpy"])
+    for k, (scale, factor) in enumerate([(3.0, None), (0.1, (40.0, 1.0, 0.5)), (0.1, None)]):
+        grads_seed = int(rng.integers(1 << 30))
+        for be, table in tables.items():
+            table.gradients(np.random.default_rng(grads_seed), scale)
+            before = table.snapshot()
+            _step_rows(be, table, table.rows(keeps), factor)
+            coef = 1.0 if factor is None else min(1.0, factor[1] / (factor[0] + CLIP_EPS)) * factor[2]
+            _assert_step_is_pytorchs(table, before, coef, keeps)
+    for be in ("numpy", "host"):
+        for t, u in zip(tables[be].tensors, tables["emulated"].tensors):
+            for name in ("p", "s0", "s1", "s2", "step"):
+                assert_bits_equal(t[name], u[name])
+
+
+SGD_ROWS = [{**SGD_OPTIONS, "dampening": 0.3}, {**SGD_OPTIONS, "momentum": 0.0, "maximize": True},
+            {**SGD_OPTIONS, "nesterov": True, "dampening": 0.0, "maximize": True}]
+
+
+def _sgd_keeps(table):
+    # A row keeps its buffer and count once its group has momentum (the
+    # front end makes them then, at 0).
+    return lambda t: {"s0", "step"} if table.groups[t["group"]]["momentum"] or t["step"][0] else set()
+
+
+@pytest.mark.parametrize("dtype", REAL, ids=str)
+@pytest.mark.parametrize("offset", [0, 1])
+def test_sgd_rows_count_their_buffers_updates(offset, dtype):
+    # Count 0: the buffer is new (d itself, not damped). A skipped step
+    # leaves buffers and counts. Momentum switched off leaves a kept buffer
+    # and its count; switched on, a group without one starts one at count 0.
+    rng = np.random.default_rng(5)
+    tables = {be: Rows("sgd", dtype, [dict(g) for g in SGD_ROWS], seed=6, offset=offset) for be in BACKENDS}
+    plan = [(None, 0.0), ((40.0, 1.0, 0.5), 1.0), ((40.0, 1.0, 0.5), 0.0), (None, 0.0), (None, 0.0)]
+    for k, (factor, skip) in enumerate(plan):
+        if k == 3:  # momentum on in group 1 (no buffer yet), off in group 0 (its buffer kept)
+            for table in tables.values():
+                table.groups[1]["momentum"], table.groups[0]["momentum"] = 0.9, 0.0
+        if k == 4:  # and on again in group 0: its buffer goes on from its count
+            for table in tables.values():
+                table.groups[0]["momentum"] = 0.5
+        grads_seed = int(rng.integers(1 << 30))
+        for be, table in tables.items():
+            keeps = _sgd_keeps(table)
+            table.gradients(np.random.default_rng(grads_seed), 1.0)
+            before = table.snapshot()
+            _step_rows(be, table, table.rows(keeps), factor, skip)
+            if skip:
+                for t, b in zip(table.tensors, before):
+                    for name in ("p", "s0", "step"):
+                        assert_bits_equal(t[name], b[name])
+                continue
+            coef = 1.0 if factor is None else min(1.0, factor[1] / (factor[0] + CLIP_EPS)) * factor[2]
+            _assert_step_is_pytorchs(table, before, coef, keeps)
+    counts = [float(t["step"][0]) for t in tables["numpy"].tensors]
+    assert counts == [3.0] * len(ROW_SIZES) + [2.0] * len(ROW_SIZES) + [4.0] * len(ROW_SIZES)
+    for be in ("numpy", "host"):
+        for t, u in zip(tables[be].tensors, tables["emulated"].tensors):
+            for name in ("p", "s0", "step"):
+                assert_bits_equal(t[name], u[name])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_row_without_a_word_its_group_needs_is_refused_before_any_write(backend):
+    sgd = Rows("sgd", np.float32, [dict(SGD_OPTIONS)], seed=0, sizes=(3, 4))
+    before = sgd.snapshot()
+    with pytest.raises(ValueError, match=r"parameter row 1 \(group 0\): expected the address of its step count"):
+        _step_rows(backend, sgd, sgd.rows(lambda t: {"s0", "step"} if t["p"].size == 3 else {"s0"}))
+    adamw = Rows("adamw", np.float32, ADAMW_ROWS[1:3], seed=0, sizes=(3,))
+    with pytest.raises(ValueError, match=r"parameter row 1 \(group 1\): expected the address of its max_exp_avg_sq"):
+        _step_rows(backend, adamw, adamw.rows(lambda t: {"s0", "s1", "step"}))
+    for t, b in zip(sgd.tensors, before):
+        assert_bits_equal(t["p"], b["p"])
+
+
+@pytest.mark.parametrize("dtype", REAL, ids=str)
+def test_amsgrad_rows_keep_nan_as_torch_maximum_does(dtype):
+    # A NaN or inf gradient makes exp_avg_sq NaN or inf; torch.maximum takes
+    # NaN from either side, so max_exp_avg_sq is NaN where exp_avg_sq is.
+    groups = [{**ADAMW, "amsgrad": True}]
+    tables = {be: Rows("adamw", dtype, groups, seed=7, sizes=(40,)) for be in BACKENDS}
+    keeps = _adamw_keeps(tables["numpy"])
+    for be, table in tables.items():
+        for k, bad in enumerate([np.nan, np.inf, 1.0]):
+            table.gradients(np.random.default_rng(k), 1.0)
+            table.tensors[0]["g"][3 * k : 3 * k + 2] = bad
+            _step_rows(be, table, table.rows(keeps))
+    t = tables["numpy"].tensors[0]
+    assert np.array_equal(np.isnan(t["s2"].astype(np.float64)), np.isnan(t["s1"].astype(np.float64)))
+    # (std::max, as PyTorch's fused kernels take it, would keep 0 at the NaNs.)
+    assert np.isnan(t["s2"].astype(np.float64)[[0, 1]]).all() and np.isinf(t["s2"].astype(np.float64)[[3, 4]]).all()
+    for be in ("host", "emulated"):
+        for name in ("p", "s0", "s1", "s2", "step"):
+            assert_bits_equal(tables[be].tensors[0][name], t[name])

@@ -105,10 +105,16 @@ def assert_close(net_a, opt_a, net_b, opt_b, steps):
     """Parameters and state of two loops of ``steps`` steps, within the bound."""
     for (name, a), b in zip(net_a.named_parameters(), net_b.parameters()):
         assert_tensors_close(a, b, name, steps)
-        sa, sb = opt_a.state.get(a, {}), opt_b.state.get(b, {})
+        sa, sb = (_as_torch_keeps(o.state.get(p, {}), o) for o, p in ((opt_a, a), (opt_b, b)))
         assert sorted(sa) == sorted(sb), name
         for key in sa:
             assert_tensors_close(sa[key], sb[key], f"{name} {key}", steps, a.dtype)
+
+
+def _as_torch_keeps(state, opt):
+    """``state`` without the count of gpuflat's SGD momentum buffer, which
+    torch.optim.SGD neither keeps nor reads (it keeps one it loads)."""
+    return {k: v for k, v in state.items() if not (isinstance(opt, (gft.SGD, torch.optim.SGD)) and k == "step")}
 
 
 def assert_tensors_close(a, b, name, steps, dtype=None):
@@ -294,10 +300,9 @@ def test_refused_options_and_bad_hyperparameters():
     net = Net()
     with pytest.raises(TypeError, match=r"got a Resident; pass model.parameters\(\)"):
         gft.AdamW(gf.resident(Net()))
-    with pytest.raises(ValueError, match=r"gpuflat.torch.AdamW: amsgrad=True is not implemented"):
-        gft.AdamW(net.parameters(), amsgrad=True)
-    with pytest.raises(ValueError, match=r"gpuflat.torch.SGD: maximize=True is not implemented"):
-        gft.SGD(net.parameters(), maximize=True)
+    with pytest.raises(ValueError, match=r"gpuflat.torch.SGD: parameter group 0: differentiable=True is not "
+                                         r"implemented"):
+        gft.SGD(net.parameters(), differentiable=True)
     with pytest.raises(ValueError, match="max_norm"):
         gft.SGD(net.parameters(), max_norm=-1.0)
     opt = gft.SGD(net.parameters(), lr=0.1, foreach=True)
@@ -692,26 +697,6 @@ def test_sgd_momentum_made_at_a_skipped_first_step_stays_new_as_in_torch(scaler_
                                            for s in opt_f.state.values())
     assert scalers[True].get_scale() == scalers[False].get_scale()
     assert_close(net_t, opt_t, net_f, opt_f, 5)
-
-
-def test_a_capture_that_would_read_whether_new_damped_momentum_is_skipped_names_the_parameter(monkeypatch):
-    # Whether a GradScaler skipped the step decides whether new momentum
-    # buffers with dampening stay new: a host read, which a capture refuses.
-    import cupy_stand_in
-    import torch_cuda_stand_in as tcs
-
-    with tcs.install(monkeypatch, cupy_stand_in.install(monkeypatch)) as tc:
-        w = tcs.parameter(torch.ones(3))
-        opt = gft.SGD([w], lr=0.1, momentum=0.9, dampening=0.5)
-        with torch.cuda.stream(torch.cuda.Stream()):
-            w.grad = tcs.cuda(torch.ones(3))
-            # as torch.amp.GradScaler hands them to the step: an inf was found
-            opt.grad_scale, opt.found_inf = tcs.cuda(torch.ones(())), tcs.cuda(torch.ones(()))
-            opt.step()
-            assert torch.equal(w.detach(), torch.ones(3))  # skipped, the buffer still new
-            with pytest.raises(gf.CaptureError, match=r"param_groups\[0\]\['params'\]\[0\]: its momentum buffer is "
-                                                      r"new and its group's dampening is not 0"):
-                tc.capture(opt.step)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)

@@ -305,6 +305,22 @@ def check_ord(ord, name: str = "ord") -> float:
     return _real(name, ord, "1, 2, inf or a number p > 0", lambda v: v > 0)
 
 
+def torch_norm_type(norm_type, name: str = "norm_type") -> float:
+    """``norm_type`` read as PyTorch's ``clip_grad_norm_`` reads it
+    (``float(norm_type)``, so the string ``'inf'`` too), checked as
+    :func:`check_ord` checks it.
+
+    >>> torch_norm_type("inf"), torch_norm_type(1.5)
+    (inf, 1.5)
+    """
+    if isinstance(norm_type, str):
+        try:
+            norm_type = float(norm_type)
+        except ValueError:
+            pass
+    return check_ord(norm_type, name)
+
+
 def _real(name, x, expected, accept) -> float:
     """``x`` as a float if it is a real number (not a string or bool) that ``accept``s."""
     value = math.nan

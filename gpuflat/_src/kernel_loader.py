@@ -36,7 +36,7 @@ import numpy as np
 
 from gpuflat._src import host_compiler
 from gpuflat._src.dtypes import C_NAMES, c_name
-from gpuflat._src.layout import NORM_KINDS, OPTIM_DTYPES, OPTIM_RULES, norm_kind
+from gpuflat._src.layout import NORM_KINDS, OPTIM_DTYPES, OPTIM_RULES, RULES, norm_kind
 
 # NVRTC's options, for the compile checks and the GPU alike. No fast-math,
 # and flush-to-zero off (NVRTC's default): NaN, inf and subnormals must
@@ -104,7 +104,7 @@ def name_expressions() -> list[str]:
     dtype of gpuflat._src.dtypes is instantiated, whether or not the package that
     provides it (ml_dtypes, for bfloat16) is installed.
 
-    >>> len(name_expressions()) == 2 * len(C_NAMES) + 2 * len(NORM_KINDS) + 2 + 2 * 2 * 4 + 1
+    >>> len(name_expressions()) == 2 * len(C_NAMES) + 2 * len(NORM_KINDS) + 2 + (2 + 3) * 4 + 1
     True
     >>> "gpuflat_gather<bf16>" in name_expressions()
     True
@@ -116,7 +116,9 @@ def name_expressions() -> list[str]:
         names += [norm_partial_name(kind), norm_finish_name(kind)]
     names += [SCALE_NAME, SCALE_AT_NAME]
     names += [optim_name(rule, d) for rule in OPTIM_RULES for d in OPTIM_DTYPES]
-    names += [optim_rows_name(rule, d) for rule in OPTIM_RULES for d in OPTIM_DTYPES] + [COUNT_STEPS_NAME]
+    names += [optim_rows_name(rule.name, d, flag) for rule in RULES.values()
+              for flag in (None, *(f for f, _ in rule.flag_states)) for d in OPTIM_DTYPES]
+    names.append(COUNT_STEPS_NAME)
     return names
 
 
@@ -124,14 +126,16 @@ def name_expressions() -> list[str]:
 COUNT_STEPS_NAME = "gpuflat_count_steps"
 
 
-def optim_rows_name(rule: str, c_name: str) -> str:
+def optim_rows_name(rule: str, c_name: str, flag: str | None = None) -> str:
     """Name expression of an optimizer's update kernel over a table of
-    PyTorch's parameters (one ParamRow each) of C++ type ``c_name``.
+    PyTorch's parameters (one ParamRow each) of C++ type ``c_name``; with
+    ``flag`` (one of the rule's ``flag_states``), the instantiation for a
+    step in which some group sets it, which reads that flag's state.
 
-    >>> optim_rows_name("sgd", "bf16")
-    'gpuflat_sgd_rows<bf16>'
+    >>> optim_rows_name("sgd", "bf16"), optim_rows_name("adamw", "f16", "amsgrad")
+    ('gpuflat_sgd_rows<bf16>', 'gpuflat_adamw_amsgrad_rows<f16>')
     """
-    return f"gpuflat_{rule}_rows<{c_name}>"
+    return f"gpuflat_{rule}{'_' + flag if flag else ''}_rows<{c_name}>"
 
 
 def optim_name(rule: str, c_name: str) -> str:

@@ -10,7 +10,7 @@ and tests/test_layout.py reads every such constant back from the sources and
 fails when one drifts from this module.
 
 >>> LEAF_ROW_WORDS, ITEM_WORDS, HYPER
-(29, 4, 5)
+(29, 4, 7)
 >>> leaf_row((2, 3), (24, 8), "float64")[:3]
 [3, 0, 6]
 """
@@ -55,6 +55,9 @@ WARP = 32
 # __launch_bounds__ ask for (256 * 4 threads at 64 registers fill an SM).
 BLOCK_THREADS = 256
 MIN_BLOCKS_PER_SM = 4
+# Blocks per SM the AMSGrad row update asks for (GF_AMSGRAD_MIN_BLOCKS_PER_SM
+# in kernels/gpuflat_optim.cuh): its fifth tensor needs more registers.
+AMSGRAD_MIN_BLOCKS_PER_SM = 3
 # Threads of the single block that finishes a norm: its reduction tree, and
 # so the bits of the result, depend on it.
 FINISH_THREADS = 256
@@ -70,16 +73,21 @@ BLOCK_SLOT_ITEMS = 4096
 NORM_KINDS = {"l1": 0, "l2": 1, "inf": 2, "p": 3}
 
 # Doubles per parameter group in the hyperparameter table (GF_HYPER in
-# kernels/gpuflat_optim.cuh): every rule's row has this many fields.
-HYPER = 5
+# kernels/gpuflat_optim.cuh): a rule's row holds its ``Rule.hyper`` fields,
+# then zeros up to HYPER. Every rule's learning rate is field 0 and its
+# maximize flag field MAXIMIZE_FIELD (GF_HYPER_MAXIMIZE), so the code they
+# share reads them in one place.
+HYPER = 7
+MAXIMIZE_FIELD = 5
 # A tensor-list step's row (struct ParamRow in kernels/gpuflat_optim.cuh):
-# the addresses of the parameter, its gradient, its two state tensors (0
-# where the rule keeps one) and its float32 step count (0 where it keeps
-# none), its element count, its group and flags (PARAM_ROW_FIRST: its
-# momentum buffer is new this step).
-PARAM_ROW_FIELDS = ("param", "grad", "state0", "state1", "step", "numel", "group", "flags")
+# the addresses of the parameter, its gradient, its state tensors in the
+# rule's order (``Rule.state_names``, then its ``flag_states`` kept where
+# their group's flag is set; 0 where the parameter keeps none) and of its
+# float32 step count (0 where it keeps none: see ``Rule.counted_when``), its
+# element count and its group (the row of the hyperparameter table).
+PARAM_ROW_FIELDS = ("param", "grad", "state0", "state1", "state2", "step", "numel", "group")
 PARAM_ROW_WORDS = len(PARAM_ROW_FIELDS)
-PARAM_ROW_FIRST = 1
+ROW_STEP, ROW_NUMEL, ROW_GROUP = (PARAM_ROW_FIELDS.index(f) for f in ("step", "numel", "group"))
 # The buffer dtypes the optimizer kernels are instantiated for: every real
 # floating one (complex parameters are refused).
 OPTIM_DTYPES = ("f16", "bf16", "float", "double")
@@ -99,44 +107,127 @@ class Rule:
     """An optimizer rule as the kernels and the host library know it.
 
     ``number`` is their rule argument; ``hyper`` the fields of its
-    hyperparameter row, in order (HYPER of them); ``state_names`` the state
-    it keeps per parameter, in the kernels' order (a parameter row's
-    ``state0``, ``state1``); ``counts_steps`` whether PyTorch's optimizer
-    keeps a ``step`` in that state (a parameter row's ``step`` word is 0
-    where it does not).
+    hyperparameter row, in order (at most HYPER of them; ``lr`` first and
+    ``maximize`` at MAXIMIZE_FIELD). ``state_names`` is the state it keeps
+    per parameter, in the kernels' order (a parameter row's ``state0``,
+    ``state1``), and ``flag_states`` the (group flag, state name) pairs of
+    the state kept only where the group sets that flag, in the row's words
+    that follow (AdamW's ``max_exp_avg_sq``, ``state2``, with ``amsgrad``).
+
+    Every rule keeps a float32 step count per parameter (a row's ``step``
+    word), read before the update and then incremented on the device unless
+    the step is skipped. ``counted_when`` names the hyperparameter that must
+    be nonzero for a step to count, or is None where every step counts:
+    AdamW's ``step`` counts its updates, as PyTorch's does; SGD's counts the
+    updates of its ``momentum_buffer`` (steps with ``momentum`` nonzero), so
+    a count of 0 tells the update that the buffer is new (it is made at 0
+    with the buffer, and a step word of 0 marks a parameter with none).
+    PyTorch's SGD keeps no ``step``; ``torch.optim.SGD.load_state_dict``
+    keeps one it finds, unread.
 
     >>> sgd = RULES["sgd"]
-    >>> sgd.number, sgd.state_names, sgd.counts_steps
-    (1, ('momentum_buffer',), False)
+    >>> sgd.number, sgd.state_names, sgd.counted_when, sgd.counted_field
+    (1, ('momentum_buffer',), 'momentum', 2)
+    >>> RULES["adamw"].flag_states, RULES["adamw"].counted_field
+    ((('amsgrad', 'max_exp_avg_sq'),), -1)
     """
 
     name: str
     number: int
     hyper: tuple
     state_names: tuple
-    counts_steps: bool
+    flag_states: tuple = ()
+    counted_when: str | None = None
+
+    @property
+    def counted_field(self) -> int:
+        """The index of ``counted_when`` in ``hyper``, -1 for None: the
+        kernels' and host library's argument to the step-counting pass."""
+        return -1 if self.counted_when is None else self.hyper.index(self.counted_when)
 
     def hyper_row(self, group: dict) -> tuple:
-        """A parameter group's row of the hyperparameter table, in the order
-        of ``hyper`` (a tensor ``lr`` as its value: the kernels read the
-        tensor itself where it lies on their device).
+        """A parameter group's row of the hyperparameter table (HYPER
+        floats): ``hyper``'s fields in order, then zeros. A tensor ``lr`` is
+        read as its value where it lies on the host, else as 0 (the kernels
+        read the tensor itself on their device); a flag the group lacks is
+        False, as PyTorch's optimizers default it when loading an older
+        state dict.
 
         >>> RULES["adamw"].hyper_row({"lr": 0.1, "weight_decay": 0.01, "betas": (0.9, 0.99), "eps": 1e-8})
-        (0.1, 0.01, 0.9, 0.99, 1e-08)
+        (0.1, 0.01, 0.9, 0.99, 1e-08, 0.0, 0.0)
+        >>> RULES["sgd"].hyper_row({"lr": 0.1, "weight_decay": 0.0, "momentum": 0.9, "dampening": 0.0,
+        ...                         "nesterov": False, "maximize": True})
+        (0.1, 0.0, 0.9, 0.0, 0.0, 1.0, 0.0)
         """
-        named = dict(group)
+        named = {**dict.fromkeys(FLAGS, False), **group}
         named["beta1"], named["beta2"] = group.get("betas", (0.0, 0.0))
         lr = group["lr"]
         named["lr"] = float(lr) if not hasattr(lr, "device") or lr.device.type == "cpu" else 0.0
-        return tuple(float(named[field]) for field in self.hyper)
+        row = tuple(float(named[field]) for field in self.hyper)
+        return row + (0.0,) * (HYPER - len(row))
+
+    def flag_set(self, hyper) -> str | None:
+        """The flag of ``flag_states`` that some group of ``hyper`` (the
+        host hyperparameter table) sets, else None: the row update to
+        launch (``kernel_loader.optim_rows_name``).
+
+        >>> RULES["adamw"].flag_set([0.1, 0, 0.9, 0.99, 1e-8, 0, 1]), RULES["sgd"].flag_set([0.1] + [0] * 6)
+        ('amsgrad', None)
+        """
+        table = np.asarray(hyper, np.float64).reshape(-1, HYPER)
+        return next((flag for flag, _ in self.flag_states if table[:, self.hyper.index(flag)].any()), None)
+
+    def checked_flag(self, rows, hyper) -> str | None:
+        """``check_rows``, then ``flag_set``: what a backend needs to know of
+        a new table before it launches.
+
+        >>> RULES["adamw"].checked_flag(np.zeros((0, PARAM_ROW_WORDS), np.int64), [0.1, 0, 0.9, 0.99, 1e-8, 0, 1])
+        'amsgrad'
+        """
+        self.check_rows(rows, hyper)
+        return self.flag_set(hyper)
+
+    def check_rows(self, rows, hyper) -> None:
+        """Raise ValueError, naming the first such row, where a row lacks
+        (has 0 for) a word its update reads: its state and step count where
+        its group's steps count (``counted_when``: SGD's buffer and count
+        only with momentum), and each of ``flag_states`` where its group
+        sets the flag.
+
+        >>> RULES["sgd"].check_rows(np.array([[8, 8, 0, 0, 0, 0, 2, 0]]), [0.1, 0, 0.9, 0, 0, 0, 0])
+        Traceback (most recent call last):
+        ...
+        ValueError: parameter row 0 (group 0): expected the address of its momentum_buffer, found 0
+        """
+        rows, table = np.asarray(rows, np.int64), np.asarray(hyper, np.float64).reshape(-1, HYPER)
+        counted = None if self.counted_when is None else self.counted_field
+        # (what, its word, the field whose nonzero value needs it, None: always).
+        needs = [(name, PARAM_ROW_FIELDS.index(f"state{k}"), counted) for k, name in enumerate(self.state_names)]
+        needs.append(("step count", ROW_STEP, counted))
+        needs += [(name, PARAM_ROW_FIELDS.index(f"state{len(self.state_names) + k}"), self.hyper.index(flag))
+                  for k, (flag, name) in enumerate(self.flag_states)]
+        needs = [need for need in needs if need[2] is None or table[:, need[2]].any()]
+        absent = rows[:, [word for _, word, _ in needs]] == 0
+        if not absent.any():  # the common case, in one pass
+            return
+        group = rows[:, ROW_GROUP]
+        for (name, _, field), missing in zip(needs, absent.T):
+            if field is not None and missing.any():
+                missing = missing & (table[group, field] != 0)
+            bad = np.flatnonzero(missing)
+            if len(bad):
+                raise ValueError(f"parameter row {bad[0]} (group {group[bad[0]]}): expected the address of its "
+                                 f"{name}, found 0")
 
 
+# The group flags the kernels read, each False where a group lacks it.
+FLAGS = ("maximize", "amsgrad")
 # The optimizer rules by name.
 RULES = {rule.name: rule for rule in (
-    Rule("adamw", number=0, hyper=("lr", "weight_decay", "beta1", "beta2", "eps"),
-         state_names=("exp_avg", "exp_avg_sq"), counts_steps=True),
-    Rule("sgd", number=1, hyper=("lr", "weight_decay", "momentum", "dampening", "nesterov"),
-         state_names=("momentum_buffer",), counts_steps=False),
+    Rule("adamw", number=0, hyper=("lr", "weight_decay", "beta1", "beta2", "eps", "maximize", "amsgrad"),
+         state_names=("exp_avg", "exp_avg_sq"), flag_states=(("amsgrad", "max_exp_avg_sq"),)),
+    Rule("sgd", number=1, hyper=("lr", "weight_decay", "momentum", "dampening", "nesterov", "maximize"),
+         state_names=("momentum_buffer",), counted_when="momentum"),
 )}
 # Each rule's hyperparameter fields by name, for the code that names rules by string.
 OPTIM_RULES = {name: rule.hyper for name, rule in RULES.items()}
@@ -146,7 +237,7 @@ def hyper_row(rule: str, group: dict) -> tuple:
     """``RULES[rule].hyper_row(group)``, for the code that names rules by string.
 
     >>> hyper_row("sgd", {"lr": 0.1, "weight_decay": 0.0, "momentum": 0.9, "dampening": 0.0, "nesterov": True})
-    (0.1, 0.0, 0.9, 0.0, 1.0)
+    (0.1, 0.0, 0.9, 0.0, 1.0, 0.0, 0.0)
     """
     return RULES[rule].hyper_row(group)
 

@@ -187,9 +187,9 @@ def optim_library():
     except (BuildError, OSError) as exc:
         return None, host_compiler.warn_unbuilt("optimizer library", str(exc), OPTIM_INSTEAD)
     vp, i64, f64, c_int = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_double, ctypes.c_int
-    lib.gf_host_optim_step.argtypes = [c_int, c_int, vp, i64, vp, vp, vp, vp, vp, vp, vp, vp, f64, f64, vp, c_int]
+    lib.gf_host_optim_step.argtypes = [c_int, c_int, vp, i64, vp, vp, vp, vp, vp, vp, vp, vp, vp, f64, f64, vp, c_int]
     lib.gf_host_optim_step.restype = c_int
-    lib.gf_host_optim_rows.argtypes = [c_int, c_int, vp, i64, vp, vp, vp, f64, f64, vp, c_int]
+    lib.gf_host_optim_rows.argtypes = [c_int, c_int, vp, i64, vp, vp, i64, vp, f64, f64, vp, c_int]
     lib.gf_host_optim_rows.restype = c_int
     return lib, None
 

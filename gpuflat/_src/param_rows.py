@@ -3,26 +3,44 @@ gradient, with their gradients, state and step counts, as tables of
 addresses (one row of ``gpuflat._src.layout.PARAM_ROW_FIELDS`` per parameter),
 one table per device and dtype.
 
-A training loop's steps mostly see the same parameters with the same state,
-and gradients in the same or in new memory. Which parameters have a
-gradient, and their state tensors, are kept and found again while
-``param_groups``, the optimizer's state dict and the set of parameters with
-a gradient stay the same; the addresses, element counts, dtypes, devices and
-layouts of every tensor are read every step in one native pass per list
-(``gpuflat._src.tensor_facts``), so memory that moved (``p.data = t``,
-``model.to()``, ``zero_grad()``'s new gradients) is followed. Everything is
-checked before the step writes anything; what cannot be updated raises
+A training loop may change anything between two steps: the parameters in
+``param_groups`` (``group['params'][i] = new``, ``add_param_group``), each
+group's hyperparameters and flags, and the state (``state.clear()``,
+``del state[p]``, a new ``exp_avg`` tensor, ``load_state_dict``). Each step
+reads what decides its rows, or proves it unchanged, before it writes
+anything:
+
+- the groups' lists, compared by identity with the parameters found (one
+  native pass, ``gpuflat._src.tensor_facts.same_items``), and each group's
+  flags that decide which state it keeps (SGD's ``momentum``, AdamW's
+  ``amsgrad``); its other hyperparameters are read by every update;
+- the gradients, and the parameters' addresses, element counts, dtypes,
+  devices and layouts, in one native pass per list, so memory that moved
+  (``p.data = t``, ``model.to()``, ``zero_grad()``'s new gradients) is
+  followed;
+- the state: the optimizer's state dict and each parameter's dict are
+  :class:`WatchedState` dicts, which count every edit made through them, so
+  a step with no edit since the last one needs no read. After an edit (or
+  every step, for a dict that is not watched: one a loop assigned itself)
+  the state's words are read in one native pass
+  (``tensor_facts.state_words``: identities and data pointers), and only
+  the parameters whose words changed are checked again. A state tensor
+  moved in place (``t.data = other``, ``t.set_()``) without an edit of its
+  dict is not seen: replace it in the dict instead.
+
+A change rebuilds only the rows it touches. What cannot be updated raises
 naming ``param_groups[g]['params'][i]``.
 
 >>> import torch
 >>> w = torch.nn.Parameter(torch.ones(3)); w.grad = torch.ones(3)
 >>> opt = torch.optim.SGD([w, torch.nn.Parameter(torch.ones(2))], lr=0.1)
->>> step = read(opt, ("momentum_buffer",), lambda state, p, group: False)
->>> [t.rows[:, 5].tolist() for t in step.tables], step.grads[0] is w.grad
+>>> step = read(opt, RULES["sgd"], lambda state, p, group: None)
+>>> [t.rows[:, ROW_NUMEL].tolist() for t in step.tables], step.grads[0] is w.grad
 ([[3]], True)
 """
 from __future__ import annotations
 
+import collections
 import weakref
 from dataclasses import dataclass
 
@@ -30,13 +48,141 @@ import numpy as np
 import torch
 
 from . import caches, dtensor, tensor_facts
-from .layout import PARAM_ROW_FIRST, PARAM_ROW_WORDS
+from .layout import PARAM_ROW_FIELDS, PARAM_ROW_WORDS, ROW_GROUP, ROW_NUMEL, RULES, Rule
 from .memory_order import dense_start
+
+__all__ = ["Step", "Table", "WatchedState", "WatchedStates", "forget", "needed", "plain", "read", "state_names",
+           "tables_of", "watch"]
 
 # The dtypes the update kernels take, by their tensor_facts codes.
 STEPPED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _STEPPED_CODES = np.array([d in STEPPED for d in tensor_facts.DTYPES])
+# The rows' words of the state, in the order of state_names(rule): state0, state1, state2, then the step count.
+_STATE_FIELDS = [PARAM_ROW_FIELDS.index(f) for f in ("state0", "state1", "state2", "step")]
+_ROW_PARAM, _ROW_GRAD = PARAM_ROW_FIELDS.index("param"), PARAM_ROW_FIELDS.index("grad")
+# Those words as a slice where they are adjacent (a view: no gather per step).
+_STATE_WORDS = slice(_STATE_FIELDS[0], _STATE_FIELDS[-1] + 1) \
+    if _STATE_FIELDS == list(range(_STATE_FIELDS[0], _STATE_FIELDS[-1] + 1)) else _STATE_FIELDS
 
+
+def state_names(rule: Rule) -> tuple:
+    """The state a rule's rows address, in the rows' order: its tensors
+    (``state0`` to ``state2``, None where unused), then ``"step"``.
+
+    >>> state_names(RULES["adamw"]), state_names(RULES["sgd"])
+    (('exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'step'), ('momentum_buffer', None, None, 'step'))
+    """
+    tensors = rule.state_names + tuple(name for _, name in rule.flag_states)
+    return tensors + (None,) * (len(_STATE_FIELDS) - 1 - len(tensors)) + ("step",)
+
+
+def needed(rule: Rule, group: dict) -> tuple:
+    """Per name of :func:`state_names`, whether ``group``'s steps read it: a
+    rule's state and count where its steps count (SGD's only with momentum),
+    a flag's state where the group sets the flag.
+
+    >>> needed(RULES["sgd"], {"momentum": 0.0}), needed(RULES["adamw"], {"amsgrad": True})
+    ((False, False, False, False), (True, True, True, True))
+    """
+    counted = rule.counted_when is None or float(group[rule.counted_when]) != 0.0
+    flags = tuple(bool(group.get(flag, False)) and counted for flag, _ in rule.flag_states)
+    base = (counted,) * len(rule.state_names) + flags
+    return base + (False,) * (len(_STATE_FIELDS) - 1 - len(base)) + (counted,)
+
+
+# ---------------------------------------------------------------- watched state
+
+# Edits made through any WatchedState since the process began: a step that
+# finds the count it saw last knows its optimizer's state unchanged.
+_EDITS = [0]
+
+
+class _Counting:
+    """Every edit of a dict counted in _EDITS. Plain methods calling
+    ``super()``: TorchDynamo traces them where a compiled step makes state."""
+
+    __slots__ = ()
+
+    def __setitem__(self, key, value):
+        _EDITS[0] += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        _EDITS[0] += 1
+        super().__delitem__(key)
+
+    def __ior__(self, other):
+        _EDITS[0] += 1
+        return super().__ior__(other)
+
+    def clear(self):
+        _EDITS[0] += 1
+        super().clear()
+
+    def pop(self, *args):
+        _EDITS[0] += 1
+        return super().pop(*args)
+
+    def popitem(self):
+        _EDITS[0] += 1
+        return super().popitem()
+
+    def setdefault(self, *args):
+        _EDITS[0] += 1
+        return super().setdefault(*args)
+
+    def update(self, *args, **kwargs):
+        _EDITS[0] += 1
+        super().update(*args, **kwargs)
+
+
+class WatchedState(_Counting, dict):
+    """A parameter's state dict that counts its edits (a plain ``dict``
+    otherwise, pickled as one): a step knows it unchanged without reading it.
+
+    >>> s = WatchedState(step=0); before = _EDITS[0]; s["exp_avg"] = 1; _EDITS[0] - before
+    1
+    """
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return dict, (dict(self),)
+
+
+class WatchedStates(_Counting, collections.defaultdict):
+    """An optimizer's state (PyTorch's ``defaultdict(dict)``) that counts its
+    edits, and makes each missing parameter's dict a :class:`WatchedState`;
+    pickled as PyTorch keeps it, a ``defaultdict(dict)`` of dicts.
+
+    >>> states = WatchedStates(); type(states["w"]).__name__
+    'WatchedState'
+    """
+
+    def __init__(self, *args):
+        super().__init__(WatchedState, *args)
+
+    def __reduce__(self):
+        return collections.defaultdict, (dict,), None, None, ((k, dict(v)) for k, v in self.items())
+
+
+def watch(optimizer) -> None:
+    """Make ``optimizer.state`` (fresh from PyTorch: its constructor or
+    ``load_state_dict``, no other holder) and its dicts watched ones.
+
+    >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    >>> watch(opt); type(opt.state).__name__, _watched(opt.state)
+    ('WatchedStates', True)
+    """
+    optimizer.state = WatchedStates((p, WatchedState(s) if type(s) is dict else s)
+                                    for p, s in optimizer.state.items())
+
+
+def _watched(state) -> bool:
+    return type(state) is WatchedStates and all(type(s) is WatchedState for s in state.values())
+
+
+# ---------------------------------------------------------------- tables
 
 @dataclass(frozen=True)
 class Table:
@@ -52,6 +198,7 @@ class Step:
     the norm), with a function naming the i-th of them."""
 
     tables: list
+    params: list
     grads: list
     grad_facts: np.ndarray | None  # the gradients' tensor_facts, read once for the rows and the norm
     name_of_gradient: object
@@ -60,87 +207,200 @@ class Step:
 
 @dataclass
 class _Found:
-    """What was found for one set of parameters with a gradient: kept while it holds."""
+    """What was found for an optimizer's parameters, one entry per parameter
+    of ``param_groups`` in order, kept while it holds."""
 
-    key: tuple
-    state: dict
-    params: list
-    groups: np.ndarray
-    columns: list  # per state name, each parameter's tensor (None where it keeps none)
-    kept: list  # per state name, the positions of the parameters that keep one
-    steps: list | None
-    plain: bool  # no DTensor or other tensor subclass among them
-    # The state's and step counts' words of the rows (PARAM_ROW_FIELDS 2-4),
-    # and the parameters' element counts and codes they were checked against:
-    # the state is gpuflat's own, so it is read again only when those change.
-    state_words: np.ndarray | None = None
-    checked: np.ndarray | None = None
+    lists: list  # the groups' params lists, as found
+    everything: list
+    group_of: np.ndarray
+    needs: np.ndarray  # per group, per name of state_names: whether its steps read it
+    needs_key: tuple  # the same as tuples
+    state: object  # the optimizer's state dict, as found
+    edits: int  # _EDITS when it was last read; -1 where it is not watched
+    words: np.ndarray  # per parameter, the addresses of its state (state_names' order), 0 where none
+    seen: np.ndarray  # per parameter, its state's words as tensor_facts.state_words reads them, 0 where none
+    plain: bool  # no DTensor or other tensor subclass among the parameters
+    checked: np.ndarray  # per parameter, the (element count, code) its state was checked against
+    present: np.ndarray  # per parameter, per name of state_names: whether its state holds it
+    # Derived by _derive: per parameter, whether its state lacks what its
+    # group's steps read, and its rows' state words (0 where not read).
+    lacking: np.ndarray | None = None
+    masked: np.ndarray | None = None
 
 
-def read(optimizer, state_names, lazy_state) -> Step | None:
+def _derive(found, ks=None) -> None:
+    """``found.lacking`` and ``found.masked`` for the parameters at ``ks`` (all for None)."""
+    if ks is None or found.lacking is None:
+        need = found.needs[found.group_of]
+        found.lacking = (need & ~found.present).any(axis=1)
+        found.masked = found.words * need
+        return
+    need = found.needs[found.group_of[ks]]
+    found.lacking[ks] = (need & ~found.present[ks]).any(axis=1)
+    found.masked[ks] = found.words[ks] * need
+
+
+def read(optimizer, rule: Rule, lazy_state) -> Step | None:
     """The step of ``optimizer`` (a ``torch.optim.Optimizer``) over its
-    parameters that have a gradient, their state made first where it is
-    missing (``lazy_state(state, p, group)``, True where it made a momentum
-    buffer this step); None when no parameter has a gradient."""
-    everything, group_of = _all_parameters(optimizer)
+    parameters that have a gradient, their state made first where it lacks
+    what their group needs (``lazy_state(state, p, group)``); None when no
+    parameter has a gradient."""
+    groups = optimizer.param_groups
+    found = _found(optimizer, rule, [g["params"] for g in groups])
+    everything = found.everything
     grads, grad_facts = tensor_facts.gradients(everything)
     if not grads:
         return None
-    have = None if len(grads) == len(everything) else \
-        np.flatnonzero([p.grad is not None for p in everything])
-    key = (_groups_key(optimizer), None if have is None else have.tobytes())
-    found, firsts = _found(optimizer, key, everything, group_of, have, state_names, lazy_state)
-    names = _Names(optimizer.param_groups, found.params)
-    tables = _tables(found, grads, grad_facts, firsts, names.parameter)
-    return Step(tables, grads, grad_facts, lambda i: f"{names.parameter(i)}.grad",
-                found.plain and grad_facts is not None)
+    whole = len(grads) == len(everything)
+    have = np.arange(len(everything)) if whole else np.flatnonzero([p.grad is not None for p in everything])
+    params = everything if whole else [everything[k] for k in have]
+    names = _Names(found, have)
+    # Facts read natively are of plain gradients only (tensor_facts.gradients).
+    all_plain = found.plain and grad_facts is not None
+    locals_, local_grads = (params, grads) if all_plain else (dtensor.local_shards(params), dtensor.local_shards(grads))
+    param_facts = _facts(locals_)
+    local_grad_facts = grad_facts if all_plain else _facts(local_grads)
+    _check_dense(rule, locals_, param_facts, local_grads, local_grad_facts, names.parameter)
+    rows = _param_rows(locals_, param_facts, local_grads, local_grad_facts, found.group_of[have], names.parameter)
+    # The state, once the parameters and gradients are known good.
+    _follow_state(optimizer, rule, found, names.of_all)
+    lacking = found.lacking if whole else found.lacking[have]
+    if lacking.any():
+        missing = have[lacking]
+        for k in missing.tolist():
+            lazy_state(optimizer.state[everything[k]], everything[k], groups[int(found.group_of[k])])
+        _reread(optimizer, rule, found, missing, names.of_all)
+    checked = found.checked if whole else found.checked[have]
+    if not np.array_equal(checked, param_facts[:, 1:]):  # a parameter moved or changed: its state is checked again
+        _reread(optimizer, rule, found, have[(checked != param_facts[:, 1:]).any(axis=1)], names.of_all)
+    rows[:, _STATE_WORDS] = found.masked if whole else found.masked[have]
+    return Step(_split(rows, param_facts, locals_), params, grads, grad_facts,
+                lambda i: f"{names.parameter(i)}.grad", all_plain)
 
 
-def _groups_key(optimizer) -> tuple:
-    return tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+def _found(optimizer, rule, lists) -> _Found:
+    """What was found for the parameters of ``lists`` (the groups' params
+    lists): found again where they hold the same parameters, else found
+    anew, each parameter found before keeping what was read of its state.
+    A group whose flags change which state it needs has its parameters'
+    state checked again."""
+    found = optimizer.__dict__.get("_gpuflat_found")
+    if found is None or len(found.lists) != len(lists) or not tensor_facts.same_items(lists, found.everything):
+        found = _relist(optimizer, rule, found, lists)
+    needs = tuple(needed(rule, g) for g in optimizer.param_groups)
+    if needs != found.needs_key:
+        found.needs_key = needs
+        found.needs = np.array(needs, bool).reshape(-1, len(_STATE_FIELDS))
+        _derive(found)
+    return found
 
 
-def _all_parameters(optimizer):
-    """Every parameter of ``param_groups`` in order, and each one's group index (kept per groups)."""
-    key = _groups_key(optimizer)
-    kept = getattr(optimizer, "_gpuflat_all", None)
-    if kept is None or kept[0] != key:
-        everything = [p for g in optimizer.param_groups for p in g["params"]]
-        group_of = np.repeat(np.arange(len(optimizer.param_groups)), [len(g["params"]) for g in optimizer.param_groups])
-        kept = optimizer._gpuflat_all = (key, everything, group_of)
-    return kept[1], kept[2]
-
-
-def _found(optimizer, key, everything, group_of, have, state_names, lazy_state):
-    """(what was found for these parameters with a gradient, the momentum
-    buffers made this step as PARAM_ROW_FIRST flags). Kept while the groups,
-    the state dict and the parameters with a gradient are the same."""
-    kept = getattr(optimizer, "_gpuflat_found", None)
-    if kept is not None and kept.key == key and kept.state is optimizer.state:
-        return kept, None
-    params = everything if have is None else [everything[k] for k in have]
-    groups = group_of if have is None else group_of[have]
-    firsts = np.zeros(len(params), np.int64)
-    for j, (p, g) in enumerate(zip(params, groups.tolist())):
-        if lazy_state(optimizer.state[p], p, optimizer.param_groups[g]):
-            firsts[j] = PARAM_ROW_FIRST
-    states = [optimizer.state[p] for p in params]
-    columns = [[s.get(name) for s in states] for name in state_names]
-    kept = [np.flatnonzero([t is not None for t in column]) for column in columns]
-    steps = [s["step"] for s in states] if states and "step" in states[0] else None
-    all_plain = plain(params)
-    if not all_plain:
-        columns = [dtensor.local_shards(column) for column in columns]
-    found = _Found(key, optimizer.state, params, groups, columns, kept, steps, all_plain)
+def _relist(optimizer, rule, kept, lists) -> _Found:
+    everything = [p for ps in lists for p in ps]
+    group_of = np.repeat(np.arange(len(lists)), [len(ps) for ps in lists]).astype(np.int64)
+    n, width = len(everything), len(_STATE_FIELDS)
+    found = _Found(list(lists), everything, group_of, np.zeros((0, width), bool), (), None, -1,
+                   np.zeros((n, width), np.int64), np.zeros((n, 1 + 2 * len(_tensor_names(rule))), np.int64),
+                   plain(everything), np.full((n, 2), -1, np.int64), np.zeros((n, width), bool))
+    if kept is not None:
+        before = {id(p): k for k, p in enumerate(kept.everything)}
+        at = np.array([before.get(id(p), -1) for p in everything], np.int64)
+        old = np.flatnonzero(at >= 0)
+        for name in ("words", "seen", "checked", "present"):
+            getattr(found, name)[old] = getattr(kept, name)[at[old]]
+        found.state, found.edits = kept.state, kept.edits
     optimizer._gpuflat_found = found
     _holders.add(optimizer)
-    return found, firsts if firsts.any() else None
+    return found
+
+
+def _follow_state(optimizer, rule, found, of_all) -> None:
+    """Check again the state of the parameters whose state words changed
+    since they were read; nothing to read where the state is watched and
+    no edit was made since."""
+    state = optimizer.state
+    if state is found.state and found.edits == _EDITS[0]:
+        return
+    keys, words = tensor_facts.state_words(state, _tensor_names(rule))
+    index = {id(p): k for k, p in enumerate(found.everything)}
+    at = np.fromiter((index.get(id(key), -1) for key in keys), np.int64, len(keys))
+    seen = np.zeros_like(found.seen)
+    known = at >= 0
+    seen[at[known]] = words[known]
+    changed = np.flatnonzero((seen != found.seen).any(axis=1))
+    found.seen, found.state = seen, state
+    if len(changed):
+        _reread(optimizer, rule, found, changed, of_all)
+    found.edits = _EDITS[0] if _watched(state) else -1
+
+
+def _tensor_names(rule) -> tuple:
+    return tuple(n for n in state_names(rule) if n is not None)
+
+
+def _reread(optimizer, rule, found, ks, of_all) -> None:
+    """Check the state of the parameters at ``ks`` (positions in
+    ``found.everything``) and keep its addresses: each tensor alike its
+    parameter, one of another real floating dtype (the parameter's changed,
+    as by ``model.double()``) replaced by its value in the parameter's
+    dtype, a step count made the kind PyTorch's fused optimizers keep (0-d
+    float32 on the parameter's device)."""
+    names, state = state_names(rule), optimizer.state
+    ks = np.asarray(ks, np.int64)
+    for k in ks.tolist():
+        p = found.everything[k]
+        s = state.get(p) if isinstance(state, dict) else None
+        words, present = np.zeros(len(names), np.int64), np.zeros(len(names), bool)
+        for w, name in enumerate(names):
+            t = None if name is None or not isinstance(s, dict) else s.get(name)
+            if t is None:
+                continue
+            local = _local(_conformed(s, name, t, _local(p), lambda: of_all(k)))
+            words[w] = _nonzero(_starts([local], _facts([local]), lambda j: of_all(k), "state"), [local])[0]
+            present[w] = True
+        found.words[k], found.present[k] = words, present
+        local_p = _local(p)
+        found.checked[k] = (local_p.numel(), int(_facts([local_p])[0, 2]))
+    _, fresh = tensor_facts.state_words({found.everything[k]: state.get(found.everything[k], {})
+                                         for k in ks.tolist()}, _tensor_names(rule))
+    found.seen[ks] = fresh
+    _derive(found, ks)
+    if found.edits >= 0 and _watched(state):  # the edits made here are read already
+        found.edits = _EDITS[0]
+
+
+def _conformed(s, name, t, p, parameter):
+    """``s[name]`` (``t``) as the step reads it for parameter ``p`` (local)."""
+    if name == "step":
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 0 or t.device != p.device:
+            t = s[name] = torch.tensor(float(t), dtype=torch.float32, device=p.device)
+        return t
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{parameter()}: expected its state {name!r} to be a tensor, got {type(t).__name__}")
+    local = _local(t)
+    if local.dtype != p.dtype and local.dtype in STEPPED and p.dtype in STEPPED and \
+            (local.numel(), local.device) == (p.numel(), p.device):
+        # The parameter's dtype changed under the optimizer (``model.double()``):
+        # its state follows it, as a module's buffers follow the module.
+        t = s[name] = t.to(p.dtype)
+        local = _local(t)
+    if (local.numel(), local.dtype, local.device) != (p.numel(), p.dtype, p.device) or \
+            (not (local.is_contiguous() and p.is_contiguous()) and
+             (local.stride() != p.stride() or local.shape != p.shape)):
+        raise ValueError(f"{parameter()}: expected its state {name!r} of shape {tuple(p.shape)}, dtype "
+                         f"{p.dtype}, device {p.device} and strides {p.stride()}, got {tuple(local.shape)}, "
+                         f"{local.dtype}, {local.device} and strides {local.stride()}")
+    return t
+
+
+def _local(t):
+    """A DTensor's local shard, any other tensor itself."""
+    return dtensor.local(t) if dtensor.is_dtensor(t) else t
 
 
 def forget(optimizer) -> None:
-    """Drop what was kept for ``optimizer`` (its state was loaded anew)."""
+    """Drop what was kept for ``optimizer``: its next step finds everything again."""
     optimizer.__dict__.pop("_gpuflat_found", None)
-    optimizer.__dict__.pop("_gpuflat_all", None)
 
 
 # The optimizers keeping what was found (on themselves, so it goes with
@@ -150,66 +410,79 @@ caches.register("optimizers' parameters found", lambda: sum("_gpuflat_found" in 
                 lambda: [forget(o) for o in list(_holders)])
 
 
-def tables_of(params, grads, columns, steps, groups, flags, name_of) -> list:
+def tables_of(rule, params, grads, columns, groups, needs, name_of) -> list:
     """The tables of a step given as lists of plain tensors, checked as
     :func:`read` checks an optimizer's: a compiled step's operator, which
-    holds no optimizer to keep what it found on. ``columns``: per state
-    name, each parameter's tensor or None; ``steps``: the step counts or
-    None; ``groups``: each parameter's group; ``flags``: the rows' flags or
-    None; ``name_of(i)`` names the i-th parameter.
+    holds no optimizer to keep what it found on. ``columns``: per name of
+    :func:`state_names`, each parameter's tensor or None; ``groups``: each
+    parameter's group; ``needs``: per group, per name, whether its steps
+    read it (:func:`needed`); ``name_of(i)`` names the i-th parameter.
 
-    >>> w, g, buf = torch.ones(3), torch.ones(3), torch.zeros(3)
-    >>> [t.rows[:, 5].tolist() for t in tables_of([w], [g], [[buf]], None, [0], None, str)]
+    >>> w, g, buf, count = torch.ones(3), torch.ones(3), torch.zeros(3), torch.zeros(())
+    >>> sgd = RULES["sgd"]
+    >>> tables = tables_of(sgd, [w], [g], [[buf], [None], [None], [count]], [0], [needed(sgd, {"momentum": 0.9})], str)
+    >>> [t.rows[:, ROW_NUMEL].tolist() for t in tables]
     [[3]]
     """
-    kept = [np.flatnonzero([t is not None for t in column]) for column in columns]
-    found = _Found(None, None, params, np.asarray(groups, np.int64), columns, kept, steps, True)
-    return _tables(found, grads, _facts(grads), flags, name_of)
+    param_facts, grad_facts = _facts(params), _facts(grads)
+    _check_dense(rule, params, param_facts, grads, grad_facts, name_of)
+    groups = np.asarray(groups, np.int64)
+    rows = _param_rows(params, param_facts, grads, grad_facts, groups, name_of)
+    mask = np.asarray(needs, bool).reshape(-1, len(_STATE_FIELDS))[groups]
+    for w, (field, name, column) in enumerate(zip(_STATE_FIELDS, state_names(rule), columns)):
+        kept = np.flatnonzero([t is not None for t in column])
+        if name is None or not len(kept):
+            continue
+        tensors = [column[j] for j in kept]
+        facts = _facts(tensors)
+        if name != "step":
+            _check_alike([params[j] for j in kept], param_facts[kept], tensors, facts,
+                         lambda i: name_of(kept[i]), "state")
+        rows[kept, field] = _nonzero(_starts(tensors, facts, lambda i: name_of(kept[i]), "state"), tensors) * \
+            mask[kept, w]
+    return _split(rows, param_facts, params)
 
 
-def _tables(found, grads, grad_facts, firsts, name_of) -> list:
-    params = found.params if found.plain else dtensor.local_shards(found.params)
-    param_facts = _facts(params)
-    if not found.plain:
-        grads = dtensor.local_shards(grads)
-        grad_facts = _facts(grads)
-    if param_facts is None or grad_facts is None:
-        raise TypeError(f"{name_of(0)}, or another parameter or gradient: expected strided tensors "
-                        f"with storage of their own")
+def _param_rows(params, param_facts, grads, grad_facts, groups, name_of) -> np.ndarray:
+    """The rows with their parameters', gradients' and groups' words."""
     rows = np.zeros((len(params), PARAM_ROW_WORDS), np.int64)
-    rows[:, 0] = _starts(params, param_facts, name_of, "parameter")
+    rows[:, _ROW_PARAM] = _starts(params, param_facts, name_of, "parameter")
     _check_alike(params, param_facts, grads, grad_facts, name_of, "gradient")
-    rows[:, 1] = _starts(grads, grad_facts, name_of, "gradient")
-    if found.checked is None or not np.array_equal(found.checked, param_facts[:, 1:]):
-        found.state_words = _state_words(found, params, param_facts, name_of)
-        found.checked = param_facts[:, 1:].copy()
-    rows[:, 2:5] = found.state_words
-    rows[:, 5] = param_facts[:, 1]
-    rows[:, 6] = found.groups
-    if firsts is not None:
-        rows[:, 7] = firsts
+    rows[:, _ROW_GRAD] = _starts(grads, grad_facts, name_of, "gradient")
+    rows[:, ROW_NUMEL] = param_facts[:, 1]
+    rows[:, ROW_GROUP] = groups
+    return rows
+
+
+def _nonzero(starts, tensors) -> np.ndarray:
+    """``starts`` with the word of an empty tensor (address 0: it has no
+    memory) made its Python identity: the rows' state words are nonzero
+    where a state is kept, and no element of an empty one is read."""
+    empty = np.flatnonzero(starts == 0)
+    for j in empty.tolist():
+        starts[j] = id(tensors[j])
+    return starts
+
+
+def _split(rows, param_facts, params) -> list:
     buckets = _buckets(param_facts)
     if len(buckets) == 1:
         return [Table(rows, params[0])]
     return [Table(rows[members], params[int(members[0])]) for members in buckets]
 
 
-def _state_words(found, params, param_facts, parameter) -> np.ndarray:
-    """The rows' state and step-count addresses, each state tensor checked alike its parameter."""
-    words = np.zeros((len(params), 3), np.int64)
-    for s, (column, kept) in enumerate(zip(found.columns, found.kept)):
-        whole = len(kept) == len(column)
-        tensors = column if whole else [column[j] for j in kept]
-        if not tensors:
-            continue
-        facts = _facts(tensors)
-        name_of = parameter if whole else (lambda i, kept=kept: parameter(kept[i]))
-        _check_alike(params if whole else [params[j] for j in kept], param_facts[kept], tensors, facts, name_of,
-                     "state")
-        words[kept, s] = _starts(tensors, facts, name_of, "state")
-    if found.steps is not None:
-        words[:, 2] = _facts(found.steps)[:, 0]
-    return words
+def _check_dense(rule, params, param_facts, grads, grad_facts, name_of) -> None:
+    """A sparse or otherwise unstrided gradient (or parameter) named, with what to use instead."""
+    if param_facts is not None and grad_facts is not None:
+        return
+    optimizer = {"adamw": "AdamW", "sgd": "SGD"}.get(rule.name, rule.name)
+    for j, g in enumerate(grads):
+        if g.layout != torch.strided:
+            raise TypeError(f"{name_of(j)}: its gradient is sparse ({g.layout}); gpuflat.torch.{optimizer} "
+                            f"supports dense gradients, as torch.optim.AdamW does; for sparse gradients use "
+                            f"torch.optim.SparseAdam")
+    raise TypeError(f"{name_of(0)}, or another parameter or gradient: expected strided tensors with storage of "
+                    f"their own")
 
 
 def _facts(tensors):
@@ -271,15 +544,16 @@ def _check_alike(params, param_facts, tensors, facts, name_of, what) -> None:
 
 
 class _Names:
-    """The step's parameters named as the user's param_groups place them (made on error)."""
+    """The parameters named as the user's param_groups place them (made on error)."""
 
-    def __init__(self, groups, params):
-        self.groups, self.params = groups, params
+    def __init__(self, found, have):
+        self.found, self.have = found, have
 
-    def parameter(self, k) -> str:
-        p = self.params[int(k)]
-        for g, group in enumerate(self.groups):
-            for i, q in enumerate(group["params"]):
-                if q is p:
-                    return f"param_groups[{g}]['params'][{i}]"
-        return f"parameter {k}"
+    def of_all(self, k) -> str:
+        """The k-th parameter of param_groups, counting across groups."""
+        g = int(self.found.group_of[k])
+        return f"param_groups[{g}]['params'][{int(k) - int(np.searchsorted(self.found.group_of, g))}]"
+
+    def parameter(self, j) -> str:
+        """The j-th parameter of the step (those with a gradient)."""
+        return self.of_all(self.have[int(j)])

@@ -22,8 +22,11 @@ them where the library cannot be built (a warning says why) or
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import itertools
+import operator
 import sys
 import sysconfig
 from operator import attrgetter
@@ -37,7 +40,7 @@ from ..errors import BuildError
 from .kernel_loader import kernel_dir
 
 __all__ = ["CONTIGUOUS", "DTYPES", "LAZY_VIEW", "NAME", "PLAIN", "available", "device_keys", "dtype_codes",
-           "gradients", "in_python", "is_plain_type", "of_tensors", "unavailable_reason"]
+           "gradients", "in_python", "is_plain_type", "of_tensors", "same_items", "state_words", "unavailable_reason"]
 
 # Every torch dtype, in a fixed order: a dtype's code is its position here.
 DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
@@ -72,6 +75,54 @@ def gradients(parameters: list) -> tuple[list, np.ndarray | None]:
             return present, rows[:n]
     grads = [g for g in map(_grad_of, parameters) if g is not None]
     return grads, of_tensors(grads)
+
+
+def same_items(lists: list, flat: list) -> bool:
+    """Whether the lists ``lists`` hold, one after the other, exactly the
+    objects of ``flat``, compared by identity (never by value: two tensors of
+    equal values are different parameters).
+
+    >>> a, b = torch.zeros(1), torch.zeros(1)
+    >>> same_items([[a], [b]], [a, b]), same_items([[a], [a]], [a, b]), same_items([[a]], [a, b])
+    (True, False, False)
+    """
+    lib = _library()
+    if lib is not None:
+        return bool(lib.gf_same_items(lists, flat))
+    return sum(map(len, lists)) == len(flat) and all(map(operator.is_, itertools.chain.from_iterable(lists), flat))
+
+
+def state_words(state: dict, names: tuple) -> tuple[list, np.ndarray]:
+    """(the keys of ``state``, an optimizer's state dict, in its order; per
+    key, int64 words: the identity of its dict, then per name of ``names``
+    the identity of the value kept under it (0 where absent) and its data
+    pointer where it is a plain strided tensor with storage, else 0).
+
+    >>> w, m = torch.zeros(2), torch.ones(2)
+    >>> keys, words = state_words({w: {"m": m}}, ("m", "v"))
+    >>> keys[0] is w, words[0, 1:].tolist() == [id(m), m.data_ptr(), 0, 0]
+    (True, True)
+    """
+    width = 1 + 2 * len(names)
+    lib = _library()
+    if lib is not None:
+        rows = np.empty((len(state), 1 + width), np.int64)
+        n = lib.gf_state_words(state, names, rows.ctypes.data, len(state))
+        if n == len(state):  # the same order as the dict's own iteration
+            return list(state), rows[:, 1:]
+    keys = list(state)
+    rows = np.zeros((len(keys), width), np.int64)
+    for j, key in enumerate(keys):
+        values = state[key]
+        rows[j, 0] = id(values)
+        for k, name in enumerate(names):
+            value = values.get(name) if isinstance(values, dict) else None
+            if value is not None:
+                rows[j, 1 + 2 * k] = id(value)
+                if type(value) in PLAIN and value.layout == torch.strided:
+                    with contextlib.suppress(RuntimeError):  # no storage of its own
+                        rows[j, 2 + 2 * k] = value.data_ptr()
+    return keys, rows
 
 
 def of_tensors(tensors: list) -> np.ndarray | None:
@@ -215,5 +266,9 @@ def _load():
     lib.gf_tensor_facts_init.restype = None
     lib.gf_tensor_facts.argtypes = [obj, ctypes.c_int, obj, ctypes.c_void_p]
     lib.gf_tensor_facts.restype = ctypes.c_longlong
+    lib.gf_same_items.argtypes = [obj, obj]
+    lib.gf_same_items.restype = ctypes.c_longlong
+    lib.gf_state_words.argtypes = [obj, obj, ctypes.c_void_p, ctypes.c_longlong]
+    lib.gf_state_words.restype = ctypes.c_longlong
     lib.gf_tensor_facts_init(torch.Tensor, torch.nn.Parameter, DTYPES)
     return lib, None

@@ -13,9 +13,11 @@ them), ``add_param_group``: each behaves as it does with ``torch.optim``.
 
 The state is ``torch.optim``'s: ``step`` a 0-d float32 tensor on the
 parameter's device (as PyTorch's fused and capturable paths keep it),
-``exp_avg``, ``exp_avg_sq`` and ``momentum_buffer`` tensors like the
-parameter, each owning its storage, created at the parameter's first
-gradient (``_init_group``, as in PyTorch). ``state_dict()`` and
+``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` and ``momentum_buffer``
+tensors like the parameter, each owning its storage, created at the
+parameter's first gradient (``_init_group``, as in PyTorch). SGD's
+momentum buffer comes with a ``step`` of its own: the number of updates
+applied to it, 0 while it is new. ``state_dict()`` and
 ``load_state_dict()`` go both ways with ``torch.optim.AdamW`` and ``SGD``.
 
 With ``max_norm``, the gradients of every parameter in ``param_groups`` are
@@ -30,18 +32,25 @@ optimizer joins, one whose parameters have no gradient too. A tensor
 ``lr`` is read where it lies, through its address: changing it between
 steps needs no host read.
 
-Differences, on purpose: ``amsgrad``, ``maximize`` and ``differentiable``
-are refused; ``foreach``, ``fused`` and ``capturable`` are accepted and
-change nothing; complex parameters, parameters whose memory is not one
-dense block, and gradients laid out unlike their parameter are refused,
-naming the parameter, before anything is written.
+``amsgrad`` (the state ``max_exp_avg_sq``) and ``maximize`` are read from
+each group at every step, as the loop may change them, with every other
+hyperparameter; what the loop does to the groups' lists and to the state
+is read too (``gpuflat._src.param_rows``). Differences, on purpose:
+``differentiable`` is refused; ``foreach``, ``fused`` and ``capturable``
+are accepted and change nothing; complex parameters, parameters whose
+memory is not one dense block, sparse gradients and gradients laid out
+unlike their parameter are refused, naming the parameter, before anything
+is written; ``model.double()`` mid-training takes the state into the new
+dtype.
 
 Inside ``torch.compile(opt.step)`` the step is traced down to gpuflat's
 operators (``gpuflat._src.torch_optim_ops``): no graph break in gpuflat's code,
 the eager steps' bits, no recompile as ``zero_grad()`` reallocates the
 gradients. SGD's momentum buffer made at a step that a GradScaler skips on
-the device stays new, as ``torch.optim.SGD``, which never ran that step,
-has none yet: its first applied update makes it the gradient itself.
+the device stays new (its count stays 0, on the device), as
+``torch.optim.SGD``, which never ran that step, has none yet: its first
+applied update makes it the gradient itself, and ``state_dict()`` leaves
+it out.
 """
 from __future__ import annotations
 
@@ -53,13 +62,14 @@ import torch
 from . import dtensor, param_rows, tensor_table, torch_optim_ops
 
 from .. import distributed
-from .checks import clip_arguments, optimizer_options
+from ..errors import CaptureError
+from .arrays import launch_stream
+from .checks import clip_arguments, optimizer_options, torch_norm_type
 from .residency import Resident
-from .torch_optim_ops import CLIP_EPS, NewBuffers, name_of, skipped_on_the_device, unscale_factor, update
+from .layout import RULES
+from .torch_optim_ops import CLIP_EPS, name_of, unscale_factor, update
 
 __all__ = ["AdamW", "GradScaler", "SGD"]
-
-REFUSED = ("amsgrad", "maximize", "differentiable")
 
 
 class _FlatOptimizer(torch.optim.Optimizer):
@@ -72,22 +82,24 @@ class _FlatOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults, max_norm, norm_type, pp_mesh, tied):
         name = type(self).__name__
-        for option in REFUSED:
-            if defaults.get(option):
-                raise ValueError(f"gpuflat.torch.{name}: {option}=True is not implemented; expected "
-                                 f"{option}=False, or use torch.optim.{name}")
-        if max_norm is not None:
-            clip_arguments(max_norm, norm_type, CLIP_EPS)
         if isinstance(params, Resident):
             raise TypeError(f"gpuflat.torch.{name}: expected parameters or param groups, as torch.optim.{name} "
                             f"takes them, got a Resident; pass model.parameters(): the optimizer follows the "
                             f"parameters wherever their memory is, a resident model's buffers included")
+        if max_norm is not None:
+            clip_arguments(max_norm, 2.0, CLIP_EPS)
         super().__init__(params, defaults)
+        param_rows.watch(self)
         distributed.check_pipeline(pp_mesh, tied, [p for g in self.param_groups for p in g["params"]])
-        self.max_norm, self.norm_type = max_norm, norm_type
+        self.max_norm, self.norm_type = max_norm, torch_norm_type(norm_type)
         self.pp_mesh, self.tied = pp_mesh, tied
         self.last_grad_norm = None
-        self._new = NewBuffers()
+
+    def add_param_group(self, param_group: dict) -> None:
+        """PyTorch's, then the group's options checked as ``torch.optim``
+        checks them at construction (``differentiable=True`` refused)."""
+        super().add_param_group(param_group)
+        self._check_group(len(self.param_groups) - 1, self.param_groups[-1], compiling=False)
 
     @property
     def last_grad_norm(self):
@@ -117,15 +129,20 @@ class _FlatOptimizer(torch.optim.Optimizer):
         self._update()
         return loss
 
-    def _init_group(self, group, params, grads, states, steps, indices) -> None:
+    def _init_group(self, group, params, grads, state0, state1, state2, steps, indices) -> None:
         """The lists of ``group``'s parameters that have a gradient: the
-        parameters, their gradients, their state tensors (in the order of
-        ``_state_names``), step counts and indices in the group, each
-        parameter's state made first where it has none, as PyTorch's
-        optimizers make theirs at a parameter's first gradient. PyTorch's
-        name and way: a compiled step runs it as it is, while TorchDynamo
-        traces, never in the graph."""
-        self._new.follow(self.param_groups)
+        parameters, their gradients, per name of the rows' state
+        (``param_rows.state_names``: ``state0`` to ``state2``, then the step
+        counts) the tensors the group's steps read, and the parameters'
+        indices in the group (flat lists: TorchDynamo finds the tensors an
+        eager ``_init_group`` adds to them in the state); each parameter's state made first where it
+        lacks what the group needs, as PyTorch's optimizers make theirs at a
+        parameter's first gradient. PyTorch's name and way: a compiled step
+        runs it as it is, while TorchDynamo traces, never in the graph."""
+        rule = RULES[self._rule]
+        needs = param_rows.needed(rule, group)
+        names = param_rows.state_names(rule)
+        columns = (state0, state1, state2, steps)
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
@@ -134,9 +151,9 @@ class _FlatOptimizer(torch.optim.Optimizer):
             params.append(p)
             grads.append(p.grad)
             indices.append(i)
-            states.extend(state[name] for name in self._state_names if name in state)
-            if "step" in state:
-                steps.append(state["step"])
+            for column, name, need in zip(columns, names, needs):
+                if need:
+                    column.append(state[name])
 
     def _update(self):
         if torch.compiler.is_compiling():
@@ -144,11 +161,8 @@ class _FlatOptimizer(torch.optim.Optimizer):
         self._check_options(compiling=False)
         scale, found = self._amp()
         self.last_grad_norm = None
-        self._new.follow(self.param_groups)
-        if self._new.stepped(self.param_groups):  # rows flagged again, as at the step that made their buffers
-            param_rows.forget(self)
         # Everything is read and checked before anything is written.
-        step = param_rows.read(self, self._state_names, self._lazy_state)
+        step = param_rows.read(self, RULES[self._rule], self._made_state)
         if step is None and self.pp_mesh is None:  # a stage without gradients still joins the stages' norm
             return
         detect = found is _FROM_NORM
@@ -158,11 +172,26 @@ class _FlatOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = total
         if step is None:
             return
-        new = self._new.stepped(self.param_groups)
-        skipped = skipped_on_the_device(found, self._damped(new), step.tables[0].like)
-        update(self._rule, step.tables, self.param_groups, total, self.max_norm, scale, found)
-        if not skipped:
-            self._new.clear(new)
+        update(self._rule, step.tables, self.param_groups, total, self.max_norm, scale, found,
+               lambda: self._read_by_address(step.params))
+
+    def _made_state(self, state, p, group) -> None:
+        """``_lazy_state``, refused inside a CUDA-graph capture: every replay
+        would make the state again (at 0: a new momentum buffer, a step count
+        of 0), so it must exist before, made by a warm-up step."""
+        local = _local(p)
+        if tensor_table.backend_for(local.device).name == "cuda" and launch_stream(local).is_capturing():
+            where = next(f"param_groups[{g}]['params'][{i}]" for g, group_ in enumerate(self.param_groups)
+                         for i, q in enumerate(group_["params"]) if q is p)
+            raise CaptureError(f"{where}: its optimizer state would be made inside a CUDA-graph capture, where "
+                               f"every replay would make it again; take a step before capturing (PyTorch's "
+                               f"warm-up), after any change that needs new state (momentum or amsgrad switched on)")
+        self._lazy_state(state, p, group)
+
+    def _read_by_address(self, params) -> list:
+        """The tensors a step over ``params`` reads through their addresses."""
+        state = [t for p in params for t in self.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
+        return [*params, *(p.grad for p in params), *state]
 
     def _traced_update(self):
         """The step as TorchDynamo traces it, with no host read of a tensor:
@@ -174,12 +203,13 @@ class _FlatOptimizer(torch.optim.Optimizer):
         self._check_options(compiling=True)
         scale, found = self._amp()
         self.last_grad_norm = None
-        params, grads, states, steps, indices, groups = [], [], [], [], [], []
+        params, grads, indices, groups = [], [], [], []
+        columns: list = [[] for _ in param_rows.state_names(RULES[self._rule])]
         for g, group in enumerate(self.param_groups):
-            lists = [], [], [], [], []
+            lists: tuple = tuple([] for _ in range(3 + len(columns)))
             self._init_group(group, *lists)
-            for whole, part in zip((params, grads, states, steps, indices), lists):
-                whole.extend(part)
+            for whole, piece in zip((params, grads, *columns, indices), lists):
+                whole.extend(piece)
             groups.extend([g] * len(lists[0]))
         if not params and self.pp_mesh is None:
             return
@@ -197,31 +227,37 @@ class _FlatOptimizer(torch.optim.Optimizer):
             found = self._found_from(nonfinite)
         self.last_grad_norm = total
         if params:
-            params, grads, states = (dtensor.local_shards(ts) for ts in (params, grads, states))
+            params, grads = dtensor.local_shards(params), dtensor.local_shards(grads)
+            columns = [dtensor.local_shards(column) for column in columns]
             lr = [0.0 if isinstance(g["lr"], torch.Tensor) else float(g["lr"]) for g in self.param_groups]
             lr_tensor = [g["lr"] if isinstance(g["lr"], torch.Tensor) else None for g in self.param_groups]
-            self._traced_step(params, grads, states, steps, groups=groups, indices=indices, lr=lr,
+            self._traced_step(params, grads, columns, groups=groups, indices=indices, lr=lr,
                               lr_tensor=lr_tensor, total=total,
-                              max_norm=None if self.max_norm is None else _compiled_max_norm(self.max_norm),
+                              max_norm=None if self.max_norm is None else _max_norm_by_value(self.max_norm),
                               grad_scale=scale, found_inf=found)
 
     def _check_options(self, compiling):
-        """PyTorch's checks of each group's options; inside a compiled step
-        a tensor ``lr``'s value is not read (the update reads it)."""
+        """PyTorch's checks of each group's options, at every step too: a
+        loop may change them."""
         for i, group in enumerate(self.param_groups):
-            if compiling and isinstance(group["lr"], torch.Tensor):
-                group = dict(group, lr=0.0)
-            optimizer_options(self._rule, group, i)
+            self._check_group(i, group, compiling)
+
+    def _check_group(self, i, group, compiling) -> None:
+        """PyTorch's checks of group ``i``'s options; inside a compiled step a
+        tensor ``lr``'s value is not read (the update reads it)."""
+        if group.get("differentiable"):
+            raise ValueError(f"gpuflat.torch.{type(self).__name__}: parameter group {i}: differentiable=True is "
+                             f"not implemented; expected differentiable=False, or use "
+                             f"torch.optim.{type(self).__name__}")
+        if compiling and isinstance(group["lr"], torch.Tensor):
+            group = dict(group, lr=0.0)
+        optimizer_options(self._rule, group, i)
 
     def _found_from(self, nonfinite):
         """gpuflat.torch.GradScaler's found_inf, written from the norm pass's finding."""
         found = self.found_inf
         found.copy_(nonfinite.to(found.device, found.dtype).reshape(found.shape))
         return found
-
-    def _damped(self, new) -> list:
-        """The names of the parameters at ``new`` (group, index) whose group has dampening."""
-        return [name_of([g], [i])(0) for g, i in new if self.param_groups[g].get("dampening", 0.0) != 0.0]
 
     def _amp(self):
         """(the GradScaler's scale or None, its found_inf: a tensor, None, or
@@ -257,20 +293,62 @@ class _FlatOptimizer(torch.optim.Optimizer):
             total = total * unscale_factor(scale).to(total.device)
         return total, nonfinite
 
+    def state_dict(self) -> dict:
+        """PyTorch's, as ``torch.optim`` would hold it: a parameter's state
+        made at a step that a GradScaler skipped on the device (its count
+        still 0: nothing was applied) is left out, as ``torch.optim``, which
+        never ran that step, has none (one host read of the counts). The
+        state dicts are plain dicts."""
+        packed = super().state_dict()
+        applied = _host_values({k: s["step"] for k, s in packed["state"].items()
+                                if isinstance(s.get("step"), torch.Tensor)})
+        state = {}
+        for k, s in packed["state"].items():
+            s = dict(s)
+            if applied.get(k, 1.0) == 0.0:
+                for name in self._unapplied:
+                    s.pop(name, None)
+            if s:
+                state[k] = s
+        packed["state"] = state
+        return packed
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """PyTorch's, then each ``step`` as this optimizer keeps it: a 0-d
-        float32 tensor on its parameter's device; no loaded momentum buffer is new."""
+        """PyTorch's, then each state as this optimizer reads it (its dicts
+        watched, a ``step`` made a 0-d float32 tensor on its parameter's
+        device where the step reads it)."""
         super().load_state_dict(state_dict)
         param_rows.forget(self)
-        self._new = NewBuffers()
+        param_rows.watch(self)
         for p, state in self.state.items():
-            step = state.get("step")
-            if step is not None and (not isinstance(step, torch.Tensor) or step.device != _local(p).device
-                                     or step.dtype != torch.float32 or step.dim() != 0):
-                state["step"] = torch.tensor(float(step), dtype=torch.float32, device=_local(p).device)
+            self._loaded(state, p)
+
+    def _loaded(self, state, p) -> None:
+        """A loaded ``step`` as the update reads it: a 0-d float32 tensor on its parameter's device."""
+        step = state.get("step")
+        if step is not None and (not isinstance(step, torch.Tensor) or step.device != _local(p).device
+                                 or step.dtype != torch.float32 or step.dim() != 0):
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=_local(p).device)
 
 
 _FROM_NORM = object()
+
+
+def _host_values(tensors: dict) -> dict:
+    """The values of 0-d ``tensors`` (by key) as floats: one host read per device.
+
+    >>> _host_values({"a": torch.tensor(2.0), "b": torch.tensor(0.0)})
+    {'a': 2.0, 'b': 0.0}
+    """
+    by_device: dict = {}
+    for k, t in tensors.items():
+        local = _local(t).detach().reshape(())
+        by_device.setdefault(local.device, []).append((k, local))
+    values = {}
+    for pairs in by_device.values():
+        read = torch.stack([t for _, t in pairs]).double().cpu().tolist()
+        values.update(zip([k for k, _ in pairs], read))
+    return values
 
 
 def _local(t):
@@ -283,16 +361,19 @@ def _norm_between_graphs(optimizer, grads, name_of_parameter, sharded, scale, de
     """``optimizer._norm`` of ``grads`` (DTensors, or a pipeline stage's), run
     as it is between two graphs of a compiled step: its collective stays out
     of the graph and of any operator."""
-    step = None if not grads else param_rows.Step(tables=[], grads=grads, grad_facts=None, plain=not sharded,
+    step = None if not grads else param_rows.Step(tables=[], params=[], grads=grads, grad_facts=None, plain=not sharded,
                                                   name_of_gradient=lambda j: f"{name_of_parameter(j)}.grad")
     return optimizer._norm(step, scale, detect)
 
 
-def _compiled_max_norm(max_norm) -> float:
-    """``max_norm`` as a compiled step's operator takes it: a number."""
+def _max_norm_by_value(max_norm) -> float:
+    """``max_norm`` as a compiled step's update takes it: a number (its
+    kernels take it by value; the drop-in's compiled clip reads a 0-d
+    tensor where it lies, ``gpuflat.torch._compiled_max_norm``)."""
     if isinstance(max_norm, torch.Tensor):
-        raise TypeError("max_norm: inside torch.compile expected a number, got a tensor; pass float(max_norm) to "
-                        "the optimizer, or step outside the compiled function")
+        raise TypeError("max_norm: a flat optimizer's compiled step takes a number, got a tensor (its update "
+                        "kernels take max_norm by value); pass float(max_norm) to the optimizer, or step outside "
+                        "the compiled function")
     return float(max_norm)
 
 
@@ -309,8 +390,7 @@ class AdamW(_FlatOptimizer):
     """
 
     _rule = "adamw"
-    _state_names = ("exp_avg", "exp_avg_sq")
-    _counts_steps = True
+    _unapplied = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
@@ -322,20 +402,29 @@ class AdamW(_FlatOptimizer):
                         differentiable=differentiable, fused=fused, decoupled_weight_decay=True)
         super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied)
 
-    def _lazy_state(self, state, p, group) -> bool:
-        if len(state) == 0:
+    def _lazy_state(self, state, p, group) -> None:
+        """PyTorch's AdamW state where ``p`` lacks it, made at its first
+        gradient: ``step`` (a 0-d float32 tensor on its device, as PyTorch's
+        fused path keeps it) and the moments at 0; ``max_exp_avg_sq`` too
+        where the group has ``amsgrad`` (also when it was switched on after
+        the state was made: its maximum then starts at 0, as at a first step)."""
+        if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return False
+        names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+        for name in names:
+            if state.get(name) is None:
+                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    def _traced_step(self, params, grads, states, steps, **common):
+    def _traced_step(self, params, grads, columns, **common):
         groups = self.param_groups
-        torch_optim_ops.adamw_(params, grads, states[0::2], states[1::2], steps,
+        exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = columns
+        torch_optim_ops.adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                                beta1=[float(g["betas"][0]) for g in groups],
                                beta2=[float(g["betas"][1]) for g in groups],
                                weight_decay=[float(g["weight_decay"]) for g in groups],
-                               eps=[float(g["eps"]) for g in groups], **common)
+                               eps=[float(g["eps"]) for g in groups],
+                               maximize=[bool(g["maximize"]) for g in groups],
+                               amsgrad=[bool(g["amsgrad"]) for g in groups], **common)
 
 
 class SGD(_FlatOptimizer):
@@ -351,8 +440,7 @@ class SGD(_FlatOptimizer):
     """
 
     _rule = "sgd"
-    _state_names = ("momentum_buffer",)
-    _counts_steps = False
+    _unapplied = ("momentum_buffer", "step")
 
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
@@ -364,24 +452,37 @@ class SGD(_FlatOptimizer):
                         fused=fused)
         super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied)
 
-    def _lazy_state(self, state, p, group) -> bool:
-        """PyTorch's SGD keeps a momentum buffer only where momentum is used,
-        made at the parameter's first gradient; whether ``p``'s is new (its
-        next update makes it the gradient itself)."""
+    def _lazy_state(self, state, p, group) -> None:
+        """PyTorch's SGD keeps a momentum buffer only where momentum is used
+        (also when it is switched on after the first steps): made at 0 with
+        its count ``step`` at 0, the number of updates applied to it (the
+        first, which makes the buffer the gradient itself, is the one that
+        finds 0: a step a GradScaler skips leaves it new, as
+        ``torch.optim.SGD``, which never ran that step, has no buffer yet). A
+        buffer found without a count (loaded, or set by the loop) counts as
+        applied."""
         if group["momentum"] == 0:
-            return False
+            return
         if state.get("momentum_buffer") is None:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            self._new.mark(p)
-        return self._new.is_new(p)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+        elif "step" not in state:
+            state["step"] = torch.ones((), dtype=torch.float32, device=_local(p).device)
 
-    def _traced_step(self, params, grads, states, steps, **common):
+    def _loaded(self, state, p) -> None:
+        """A loaded momentum buffer without a count counts as applied (``torch.optim.SGD`` keeps none)."""
+        if state.get("momentum_buffer") is not None and "step" not in state:
+            state["step"] = torch.ones((), dtype=torch.float32, device=_local(p).device)
+        super()._loaded(state, p)
+
+    def _traced_step(self, params, grads, columns, **common):
         groups = self.param_groups
-        torch_optim_ops.sgd_(params, grads, states, self._new.flags,
+        torch_optim_ops.sgd_(params, grads, columns[0], columns[3],
                              momentum=[float(g["momentum"]) for g in groups],
                              dampening=[float(g["dampening"]) for g in groups],
                              weight_decay=[float(g["weight_decay"]) for g in groups],
-                             nesterov=[bool(g["nesterov"]) for g in groups], **common)
+                             nesterov=[bool(g["nesterov"]) for g in groups],
+                             maximize=[bool(g["maximize"]) for g in groups], **common)
 
 
 class GradScaler(torch.amp.GradScaler):

@@ -62,12 +62,12 @@ void for_items(const Step& s, int threads, Body body) {
 }
 
 template <class S>
-void adamw(const Step& s, void* p, void* g, void* m, void* v, int threads) {
+void adamw(const Step& s, void* p, void* g, void* m, void* v, void* vmax, int threads) {
     using C = typename gf_compute<S>::type;
     for_items(s, threads, [&](const Item& it) {
         const double* h = s.hyper + s.slot_group[it.slot] * GF_HYPER;
         const auto k = gf_adamw_setup<C>(h, s.steps[it.slot], s.factor, h[0]);
-        gf_adamw_range<1>((S*)p, (const S*)g, (S*)m, (S*)v, it.flat, it.len, k);
+        gf_adamw_range<1>((S*)p, (const S*)g, (S*)m, (S*)v, (S*)vmax, it.flat, it.len, k);
     });
 }
 
@@ -95,27 +95,26 @@ void for_row_items(const ParamRow* rows, long long n_rows, int threads, Body bod
     share(items, total, threads, [&](const Item& it) { body(rows[it.slot], it.start, it.len); });
 }
 
-// The kernels' gpuflat_adamw_rows and gpuflat_sgd_rows (optim.cu), then
-// gpuflat_count_steps: every update reads its count before any is moved.
+// The kernels' gpuflat_adamw_rows (gpuflat_adamw_amsgrad_rows) and
+// gpuflat_sgd_rows (optim.cu), then gpuflat_count_steps: every update reads
+// its count before any is moved.
 template <class S>
 void rows_step(int rule, const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at,
-               double factor, int threads) {
+               double factor, long long counted_field, int threads) {
     using C = typename gf_compute<S>::type;
     for_row_items(rows, n_rows, threads, [&](const ParamRow& r, long long first, long long n) {
         const double* h = hyper + r.group * GF_HYPER;
         const double lr = gf_group_lr(h, lr_at, r.group);
         if (rule == 0) {
-            const double step = (double)*(const float*)r.step + 1.0;
-            gf_adamw_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, (S*)r.state1, first, n,
-                              gf_adamw_setup<C>(h, step, factor, lr));
+            gf_adamw_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, (S*)r.state1, (S*)r.state2, first, n,
+                              gf_adamw_setup<C>(h, gf_adamw_row_step(r), factor, lr));
         } else {
-            const double step = (r.flags & GF_ROW_FIRST) ? 1.0 : 2.0;
             gf_sgd_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, first, n,
-                            gf_sgd_setup<C>(h, step, factor, lr));
+                            gf_sgd_setup<C>(h, gf_sgd_row_step(r, h), factor, lr));
         }
     });
     for (long long i = 0; i < n_rows; ++i)
-        if (rows[i].step != 0) *(float*)rows[i].step += 1.0f;
+        if (gf_counts(rows[i], hyper, counted_field)) *(float*)rows[i].step += 1.0f;
 }
 
 // f(S{}) for the dtype tags of gpuflat.dtypes.TAGS the optimizers take.
@@ -132,20 +131,22 @@ bool dispatch(int tag, F f) {
 
 }  // namespace
 
-// rule 0: AdamW (states: exp_avg, exp_avg_sq); 1: SGD (states: momentum_buffer).
+// rule 0: AdamW (states: exp_avg, exp_avg_sq, and max_exp_avg_sq, read only
+// for the groups with amsgrad: null where none has it); 1: SGD (states:
+// momentum_buffer).
 // total is null when the step does not clip; amp is (unscale factor, skip
 // flag), as for the kernels. Returns 0, or -1 for a tag that is not a real
 // floating dtype.
 GF_EXPORT int gf_host_optim_step(int rule, int tag, const long long* offsets, long long n_slots,
                                  const long long* slot_group, const double* hyper, const double* steps,
-                                 void* p, void* g, void* s0, void* s1, const double* total, double max_norm,
+                                 void* p, void* g, void* s0, void* s1, void* s2, const double* total, double max_norm,
                                  double eps, const double* amp, int threads) {
     if (amp[1] != 0.0) return tag >= 0 && tag <= 3 ? 0 : -1;
     const Step s{offsets, n_slots, slot_group, hyper, steps,
                  gf_grad_factor(total, max_norm, eps, total != nullptr, amp)};
     const bool ok = dispatch(tag, [&](auto z) {
         using S = decltype(z);
-        if (rule == 0) adamw<S>(s, p, g, s0, s1, threads);
+        if (rule == 0) adamw<S>(s, p, g, s0, s1, s2, threads);
         else sgd<S>(s, p, g, s0, threads);
     });
     return ok ? 0 : -1;
@@ -154,15 +155,15 @@ GF_EXPORT int gf_host_optim_step(int rule, int tag, const long long* offsets, lo
 // The update of a table of PyTorch's parameters where they are (ParamRow,
 // gpuflat_optim.cuh), as the kernels' gpuflat_adamw_rows / gpuflat_sgd_rows
 // and gpuflat_count_steps: rule numbers, total, amp and the return value as
-// for gf_host_optim_step; lr_at as the kernels read it.
+// for gf_host_optim_step; lr_at and counted_field as the kernels read them.
 GF_EXPORT int gf_host_optim_rows(int rule, int tag, const long long* rows, long long n_rows, const double* hyper,
-                                 const long long* lr_at, const double* total, double max_norm, double eps,
-                                 const double* amp, int threads) {
+                                 const long long* lr_at, long long counted_field, const double* total,
+                                 double max_norm, double eps, const double* amp, int threads) {
     if (amp[1] != 0.0) return tag >= 0 && tag <= 3 ? 0 : -1;
     const double factor = gf_grad_factor(total, max_norm, eps, total != nullptr, amp);
     const bool ok = dispatch(tag, [&](auto z) {
         rows_step<decltype(z)>(rule, reinterpret_cast<const ParamRow*>(rows), n_rows, hyper, lr_at, factor,
-                               threads);
+                               counted_field, threads);
     });
     return ok ? 0 : -1;
 }

@@ -7,6 +7,10 @@
 // gradients of a list of parameters, are read through libtorch's C++ API
 // (the library is loaded with ctypes.PyDLL, so the GIL is held throughout).
 //
+// An optimizer's step also proves, in one pass, that its parameter groups'
+// lists still hold the parameters it found (gf_same_items), and reads the
+// words of its state (gf_state_words) where that state was edited.
+//
 // Only plain tensors are read: exactly torch.Tensor or torch.nn.Parameter,
 // strided, with storage. Anything else (a DTensor, a subclass that may
 // override what Python sees, a sparse tensor) returns -1 and the caller reads
@@ -105,6 +109,69 @@ GF_EXPORT long long gf_tensor_facts(PyObject* objects, int grads, PyObject* pres
             ++count;
         }
     } catch (...) {  // a tensor libtorch refuses to describe: read it in Python
+        return -1;
+    }
+    return count;
+}
+
+// Whether the lists in `lists` hold, one after the other, exactly the objects
+// of `flat` (by identity, never by value): 1 or 0.
+GF_EXPORT long long gf_same_items(PyObject* lists, PyObject* flat) {
+    if (!PyList_Check(lists) || !PyList_Check(flat)) return 0;
+    const Py_ssize_t n = PyList_GET_SIZE(flat);
+    Py_ssize_t j = 0;
+    for (Py_ssize_t g = 0; g < PyList_GET_SIZE(lists); ++g) {
+        PyObject* list = PyList_GET_ITEM(lists, g);
+        if (!PyList_Check(list)) return 0;
+        const Py_ssize_t m = PyList_GET_SIZE(list);
+        if (j + m > n) return 0;
+        for (Py_ssize_t i = 0; i < m; ++i) {
+            if (PyList_GET_ITEM(list, i) != PyList_GET_ITEM(flat, j + i)) return 0;
+        }
+        j += m;
+    }
+    return j == n;
+}
+
+// The words of an optimizer's state dict (gpuflat/_src/param_rows.py): per
+// entry, in the dict's order, the key's and its dict's identities, then per
+// name of `names` the identity of the value under that name (0 where
+// absent or None) and, for a plain strided tensor with storage, its data pointer
+// (else 0). rows: room for `capacity` rows of 2 + 2 * len(names) words.
+// Returns the number of entries, or -1 where an entry's value is not exactly
+// a dict or its subclass, or there is not room (Python reads it then).
+GF_EXPORT long long gf_state_words(PyObject* state, PyObject* names, int64_t* rows, long long capacity) {
+    if (!PyDict_Check(state) || !PyTuple_Check(names)) return -1;
+    const Py_ssize_t n_names = PyTuple_GET_SIZE(names);
+    const Py_ssize_t width = 2 + 2 * n_names;
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    long long count = 0;
+    try {
+        while (PyDict_Next(state, &pos, &key, &value)) {
+            if (count >= capacity || !PyDict_Check(value)) return -1;
+            int64_t* row = rows + width * count;
+            row[0] = reinterpret_cast<int64_t>(key);
+            row[1] = reinterpret_cast<int64_t>(value);
+            for (Py_ssize_t k = 0; k < n_names; ++k) {
+                PyObject* item = PyDict_GetItemWithError(value, PyTuple_GET_ITEM(names, k));
+                if (item == nullptr && PyErr_Occurred()) {
+                    PyErr_Clear();
+                    return -1;
+                }
+                if (item == Py_None) item = nullptr;
+                row[2 + 2 * k] = reinterpret_cast<int64_t>(item);
+                row[3 + 2 * k] = 0;
+                if (item != nullptr && plain(item)) {
+                    const at::Tensor& t = THPVariable_Unpack(item);
+                    if (t.layout() == c10::kStrided && t.has_storage()) {
+                        row[3 + 2 * k] = reinterpret_cast<int64_t>(t.data_ptr());
+                    }
+                }
+            }
+            ++count;
+        }
+    } catch (...) {
         return -1;
     }
     return count;

@@ -47,8 +47,8 @@ from gpuflat._src import caches
 from gpuflat._src import kernel_loader as kl
 from gpuflat._src.dtypes import c_name, dtype_of_tag
 from gpuflat._src.identity import Layout, SameArrays, equal_facts
-from gpuflat._src.layout import (BLOCK_THREADS, C_NAMES, FINISH_THREADS, ITEM, ITEM_WORDS, LEAF_ROW_WORDS, MAX_DIMS, WARP,
-                            SMALL_SLOT_ITEMS, leaf_row)
+from gpuflat._src.layout import (BLOCK_THREADS, C_NAMES, FINISH_THREADS, ITEM, ITEM_WORDS, LEAF_ROW_WORDS, MAX_DIMS,
+                                 ROW_NUMEL, RULES, SMALL_SLOT_ITEMS, WARP, leaf_row)
 from gpuflat._src.memory_order import dense_start
 from gpuflat._src.native import array_facts
 
@@ -210,8 +210,13 @@ class CudaBackend:
         hyperparameters and step counts from device tables."""
         st = _static_tables(plan, self.runtime)
         clip = total is not None
-        args = [st.items, np.int64(st.n_items), slot_group, hyper, steps, params, grads, *states,
-                total if clip else steps, np.float64(max_norm), np.float64(eps), np.int64(clip), amp]
+        # The kernel's flag states (AdamW's max_exp_avg_sq): where the caller
+        # keeps none, no group sets the flag and the kernel reads none, so
+        # any device array stands in.
+        kept = len(RULES[rule].state_names) + len(RULES[rule].flag_states)
+        args = [st.items, np.int64(st.n_items), slot_group, hyper, steps, params, grads,
+                *states, *[steps] * (kept - len(states)), total if clip else steps, np.float64(max_norm),
+                np.float64(eps), np.int64(clip), amp]
         name = kl.optim_name(rule, c_name(params.dtype))
         grid = self.grid or self.runtime.grid_for(st.n_items)
         self.runtime.launch(name, grid, min(self.runtime.block, BLOCK_THREADS), args, (st.uploaded,))
@@ -221,21 +226,24 @@ class CudaBackend:
         """One optimizer update of parameters where they are (2 launches, no
         synchronisation): the update over the rows' work items, then the
         step counts. The rows, the groups' hyperparameters and the items
-        are uploaded with no host wait; the clip factor is taken from
-        ``total`` on the device."""
-        rt = self.runtime
+        are uploaded with no host wait (and checked, as
+        ``Rule.check_rows`` checks them, when new); the clip factor is
+        taken from ``total`` on the device."""
+        rt, rule_of = self.runtime, RULES[rule]
         rows = np.ascontiguousarray(rows, np.int64)
-        items = _row_items(rows[:, 5].tobytes())
-        tables = self._step_tables.get(rows, items, hyper, lr_at)
+        items = _row_items(rows[:, ROW_NUMEL].tobytes())
+        tables, flag = self._step_tables.get(lambda: rule_of.checked_flag(rows, hyper), rows, items, hyper, lr_at)
         on_device = [t.array for t in tables]
         clip = total is not None
         n_items = len(items) // ITEM_WORDS
         args = [on_device[1], np.int64(n_items), on_device[0], on_device[2], on_device[3],
                 total if clip else on_device[2], np.float64(max_norm), np.float64(eps), np.int64(clip), amp]
         block = min(rt.block, BLOCK_THREADS)
-        rt.launch(kl.optim_rows_name(rule, C_NAMES[tag]), self.grid or rt.grid_for(n_items), block, args, tables)
+        name = kl.optim_rows_name(rule, C_NAMES[tag], flag)
+        rt.launch(name, self.grid or rt.grid_for(n_items), block, args, tables)
         rt.launch(kl.COUNT_STEPS_NAME, self.grid or rt.grid_for(-(-len(rows) // WARP)), block,
-                  [on_device[0], np.int64(len(rows)), amp], tables[:1])
+                  [on_device[0], np.int64(len(rows)), on_device[2], np.int64(rule_of.counted_field), amp],
+                  [tables[0], tables[2]])
 
 
 class _StepTables:
@@ -254,16 +262,21 @@ class _StepTables:
         self.kept = caches.Recent("optimizer step tables", TABLES_KEPT, on_evict=self._release)
         self.lock = threading.Lock()
 
-    def get(self, *host) -> list:
+    def get(self, check, *host) -> tuple:
+        """(the device tables of the ``host`` arrays, what ``check()``
+        returned for them): where they are new, ``check()`` (which raises
+        for bad ones) runs before the upload, and its answer is kept with
+        the tables."""
         host = [np.ascontiguousarray(a) for a in host]
         with self.lock:
             entry = self.kept.find(lambda kept: all(a.shape == b.shape and np.array_equal(a, b)
                                                     for a, b in zip(host, kept[0])))
             if entry is None:
+                checked = check()
                 entry = (host, [self.runtime.upload_table(a, "the optimizer step (new parameter or gradient memory)")
-                                for a in host])
+                                for a in host], checked)
                 self.kept.add(entry)
-        return entry[1]
+        return entry[1], entry[2]
 
     def _release(self, entry) -> None:
         for table in entry[1]:

@@ -42,7 +42,7 @@ import numpy as np
 from gpuflat._src import native
 from gpuflat._src.dtypes import TAGS
 from gpuflat._src.identity import Recorded
-from gpuflat._src.layout import DTYPES, NORM_KINDS, OPTIM_DTYPES, norm_kind, rule_id
+from gpuflat._src.layout import DTYPES, NORM_KINDS, OPTIM_DTYPES, RULES, norm_kind, rule_id
 
 from .numpy_backend import HostMemory, NumpyBackend
 from .protocol import LeafRows, NormResult, OneSourcePerSlot
@@ -175,7 +175,7 @@ class HostBackend(HostMemory):
 
         >>> import numpy as np, gpuflat as gf
         >>> p, g, m, v = np.ones(3, np.float32), np.ones(3, np.float32), np.zeros(3, np.float32), np.zeros(3, np.float32)
-        >>> hyper = np.array([0.1, 0.0, 0.9, 0.999, 1e-8])
+        >>> hyper = np.array([0.1, 0.0, 0.9, 0.999, 1e-8, 0.0, 0.0])
         >>> HostBackend().step_("adamw", gf.plan([p]), p, g, (m, v), np.zeros(1, np.int64), hyper,
         ...                     np.ones(1), None, 0.0, 0.0, np.array([1.0, 0.0]))
         >>> p.round(6)
@@ -188,10 +188,10 @@ class HostBackend(HostMemory):
         ptr = _address
         # A dtype the update is not built for gets -1, which the library refuses.
         tag = TAGS.get(params.dtype, -1)
-        s1 = ptr(states[1]) if len(states) > 1 else None
+        s0, s1, s2 = [ptr(s) for s in states] + [None] * (3 - len(states))
         code = lib.gf_host_optim_step(rule_id(rule), tag, ptr(plan.offsets), len(plan.leaves),
                                       ptr(slot_group), ptr(hyper), ptr(steps), ptr(params), ptr(grads),
-                                      ptr(states[0]), s1, None if total is None else ptr(total),
+                                      s0, s1, s2, None if total is None else ptr(total),
                                       float(max_norm), float(eps), ptr(amp), self.threads)
         if code != 0:
             raise TypeError(f"the host backend's optimizer step: expected buffers of a real floating dtype "
@@ -203,21 +203,24 @@ class HostBackend(HostMemory):
 
         >>> import numpy as np
         >>> p, g, buf = np.ones(2, np.float32), np.full(2, 4.0, np.float32), np.zeros(2, np.float32)
-        >>> rows = np.array([[p.ctypes.data, g.ctypes.data, buf.ctypes.data, 0, 0, 2, 0, 1]], np.int64)
-        >>> hyper = np.array([0.5, 0.0, 0.9, 0.0, 0.0])
+        >>> count = np.zeros(1, np.float32)   # the buffer's updates: 0, so it is new
+        >>> rows = np.array([[p.ctypes.data, g.ctypes.data, buf.ctypes.data, 0, 0, count.ctypes.data, 2, 0]])
+        >>> hyper = np.array([0.5, 0.0, 0.9, 0.0, 0.0, 0.0, 0.0])
         >>> HostBackend().step_rows("sgd", 2, rows, hyper, np.zeros(2, np.int64), None, 0.0, 0.0,
         ...                         np.array([0.25, 0.0]))
-        >>> p, buf
-        (array([0.5, 0.5], dtype=float32), array([1., 1.], dtype=float32))
+        >>> p, buf, count
+        (array([0.5, 0.5], dtype=float32), array([1., 1.], dtype=float32), array([1.], dtype=float32))
         """
         lib = native.optim_library()[0]
         if lib is None:
             return NumpyBackend().step_rows(rule, tag, rows, hyper, lr_at, total, max_norm, eps, amp)
         ptr = _address
         rows = np.ascontiguousarray(rows, np.int64)
-        code = lib.gf_host_optim_rows(rule_id(rule), tag, ptr(rows), len(rows), ptr(hyper), ptr(lr_at),
-                                      None if total is None else ptr(total), float(max_norm), float(eps), ptr(amp),
-                                      self.threads)
+        rule_of = RULES[rule]
+        rule_of.check_rows(rows, hyper)
+        code = lib.gf_host_optim_rows(rule_of.number, tag, ptr(rows), len(rows), ptr(hyper), ptr(lr_at),
+                                      rule_of.counted_field, None if total is None else ptr(total), float(max_norm),
+                                      float(eps), ptr(amp), self.threads)
         if code != 0:
             raise TypeError(f"the host backend's optimizer step: expected parameters of a real floating dtype "
                             f"({_OPTIM_NAMES}), found dtype tag {tag}")

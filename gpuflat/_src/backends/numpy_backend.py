@@ -24,7 +24,7 @@ import numpy as np
 
 from gpuflat._src import caches
 from gpuflat._src.dtypes import cast_copy, dtype_of_tag
-from gpuflat._src.layout import HYPER, PARAM_ROW_FIRST
+from gpuflat._src.layout import HYPER, MAXIMIZE_FIELD, RULES
 from gpuflat._src.memory_order import in_memory_order
 
 from .protocol import NormResult
@@ -203,7 +203,7 @@ class NumpyBackend(HostMemory):
 
         >>> import numpy as np, gpuflat as gf
         >>> p, g, buf = np.ones(2), np.full(2, 4.0), np.zeros(2)
-        >>> hyper = np.array([0.5, 0.0, 0.9, 0.0, 0.0])
+        >>> hyper = np.array([0.5, 0.0, 0.9, 0.0, 0.0, 0.0, 0.0])
         >>> NumpyBackend().step_("sgd", gf.plan([p]), p, g, (buf,), np.zeros(1, np.int64), hyper,
         ...                      np.ones(1), np.asarray(8.0), 2.0, 0.0, np.array([1.0, 0.0]))
         >>> p, buf
@@ -229,12 +229,14 @@ class NumpyBackend(HostMemory):
         row by row: the kernels' operations in the same order and precision.
 
         >>> p, g, buf = np.ones(2, np.float32), np.full(2, 4.0, np.float32), np.zeros(2, np.float32)
-        >>> rows = np.array([[p.ctypes.data, g.ctypes.data, buf.ctypes.data, 0, 0, 2, 0, 1]], np.int64)
-        >>> NumpyBackend().step_rows("sgd", 2, rows, np.array([0.5, 0.0, 0.9, 0.0, 0.0]), np.zeros(2, np.int64),
-        ...                          None, 0.0, 0.0, np.array([0.25, 0.0]))
-        >>> p, buf
-        (array([0.5, 0.5], dtype=float32), array([1., 1.], dtype=float32))
+        >>> count = np.zeros(1, np.float32)   # the buffer's updates: 0, so it is new
+        >>> rows = np.array([[p.ctypes.data, g.ctypes.data, buf.ctypes.data, 0, 0, count.ctypes.data, 2, 0]])
+        >>> NumpyBackend().step_rows("sgd", 2, rows, np.array([0.5, 0.0, 0.9, 0.0, 0.0, 0.0, 0.0]),
+        ...                          np.zeros(2, np.int64), None, 0.0, 0.0, np.array([0.25, 0.0]))
+        >>> p, buf, count
+        (array([0.5, 0.5], dtype=float32), array([1., 1.], dtype=float32), array([1.], dtype=float32))
         """
+        RULES[rule].check_rows(rows, hyper)
         if amp[1] != 0.0:  # a loss scaler found NaN or inf: skip, steps uncounted
             return
         factor = (1.0 if total is None else _clip_factor(total, max_norm, eps)) * float(amp[0])
@@ -251,21 +253,25 @@ def _at(address: int, dtype, n: int) -> np.ndarray:
 def _rows_step(rule, dtype, rows, hyper, lr_at, factor):
     """The reference of the kernels' update over a parameter table (gpuflat_adamw_rows /
     gpuflat_sgd_rows, then gpuflat_count_steps), one row at a time."""
+    rule_of = RULES[rule]
     update = _adamw if rule == "adamw" else _sgd
     compute = np.float64 if dtype == np.float64 else np.float32
+    counted = []
     with np.errstate(all="ignore"):  # NaN and inf follow IEEE rules, as in the kernels
-        for param, grad, s0, s1, step_at, numel, group, flags in rows.tolist():
+        for param, grad, s0, s1, s2, step_at, numel, group in rows.tolist():
             h = [float(x) for x in hyper[group * HYPER : (group + 1) * HYPER]]
             if lr_at[2 * group]:
                 h[0] = float(_at(int(lr_at[2 * group]), dtype_of_tag(int(lr_at[2 * group + 1])), 1)[0])
-            step = float(_at(step_at, np.float32, 1)[0]) + 1.0 if step_at else (1.0 if flags & PARAM_ROW_FIRST
-                                                                                  else 2.0)
-            kept = 2 if rule == "adamw" else int(h[2] != 0.0)  # SGD keeps a buffer only with momentum
-            states = [_at(s, dtype, numel) for s in (s0, s1)[:kept]]
+            counts = step_at != 0 and (rule_of.counted_field < 0 or h[rule_of.counted_field] != 0.0)
+            # The count after this step; a row that does not count takes 1 (SGD
+            # without momentum reads none).
+            step = float(_at(step_at, np.float32, 1)[0]) + 1.0 if counts else 1.0
+            states = [_at(s, dtype, numel) if s else None for s in (s0, s1, s2)]
             update(_at(param, dtype, numel), _at(grad, dtype, numel), states, h, step, factor, compute)
-    for step_at in rows[:, 4].tolist():
-        if step_at:
-            _at(step_at, np.float32, 1)[0] += np.float32(1.0)
+            if counts:
+                counted.append(step_at)
+    for step_at in counted:
+        _at(step_at, np.float32, 1)[0] += np.float32(1.0)
 
 
 def _scale(target, coef):
@@ -382,16 +388,28 @@ def powi(base: float, n: float) -> float:
     return r
 
 
+def _group_factor(h, factor):
+    # gf_group_factor: the clip and unscale factor, negated where the group maximizes.
+    return -factor if h[MAXIMIZE_FIELD] != 0.0 else factor
+
+
 def _adamw(p, g, states, h, step, factor, C):
-    """PyTorch's AdamW on one slot, in the compute type C (gf_adamw_range)."""
-    m, v = states
-    lr, wd, b1, b2, eps = h
+    """PyTorch's AdamW on one slot, in the compute type C (gf_adamw_range):
+    ``states`` are exp_avg, exp_avg_sq and max_exp_avg_sq (read only with amsgrad)."""
+    m, v, vmax = (list(states) + [None])[:3]
+    lr, wd, b1, b2, eps, _, amsgrad = h
     bc1, bc2 = 1.0 - powi(b1, step), 1.0 - powi(b2, step)
-    gc = g.astype(C) * C(factor)
+    gc = g.astype(C) * C(_group_factor(h, factor))
     pc = p.astype(C) * C(1.0 - lr * wd)
     mc = _lerp(m.astype(C), gc, C(1.0 - b1))
     vc = v.astype(C) * C(b2) + C(1.0 - b2) * gc * gc
-    denom = np.sqrt(vc) / C(math.sqrt(bc2)) + C(eps)
+    if amsgrad != 0.0:
+        wc = vmax.astype(C)
+        wc = np.where((wc > vc) | np.isnan(wc), wc, vc)  # torch.maximum: NaN from either side
+        _store(vmax, wc)
+    else:
+        wc = vc
+    denom = np.sqrt(wc) / C(math.sqrt(bc2)) + C(eps)
     _store(p, pc + C(-(lr / bc1)) * (mc / denom))
     _store(m, mc)
     _store(v, vc)
@@ -403,14 +421,15 @@ def _lerp(a, b, w):
 
 
 def _sgd(p, g, states, h, step, factor, C):
-    """PyTorch's SGD on one slot, in the compute type C (gf_sgd_range)."""
-    lr, wd, momentum, dampening, nesterov = h
+    """PyTorch's SGD on one slot, in the compute type C (gf_sgd_range);
+    ``step`` counts the momentum buffer's updates with this one (1: it is new)."""
+    lr, wd, momentum, dampening, nesterov = h[:5]
     pc = p.astype(C)
-    d = g.astype(C) * C(factor)
+    d = g.astype(C) * C(_group_factor(h, factor))
     if wd != 0.0:
         d = d + C(wd) * pc
     if momentum != 0.0:
-        (buf,) = states
+        buf = states[0]
         b = d if step <= 1.0 else buf.astype(C) * C(momentum) + C(1.0 - dampening) * d
         _store(buf, b)
         d = d + C(momentum) * b if nesterov != 0.0 else b

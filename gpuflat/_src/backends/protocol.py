@@ -160,13 +160,16 @@ class Backend(Protocol):
     def step_(self, rule: str, plan, params, grads, states: Sequence[Any], slot_group, hyper, steps, total,
               max_norm: float, eps: float, amp) -> None:
         """One optimizer update of a resident buffer, in place: ``rule`` is
-        "adamw" (``states``: exp_avg, exp_avg_sq) or "sgd" (momentum_buffer).
+        "adamw" (``states``: exp_avg, exp_avg_sq, and max_exp_avg_sq where
+        some group sets amsgrad) or "sgd" (momentum_buffer).
 
         ``params``, ``grads`` and ``states`` are 1-D buffers of one real
         floating dtype laid out as ``plan``'s slots; ``slot_group[slot]`` is
-        the slot's row of ``hyper`` (5 float64 per parameter group, see
-        kernels/gpuflat_optim.cuh), -1 for padding, which is never written;
-        ``steps[slot]`` its step count, already incremented. With ``total``
+        the slot's row of ``hyper`` (gpuflat._src.layout.HYPER float64 per
+        parameter group, flags included: see ``Rule.hyper_row``), -1 for
+        padding, which is never written; ``steps[slot]`` its step count,
+        already incremented (SGD's: its buffer's updates, 1 for a new
+        buffer). With ``total``
         (the gradients' norm, on the device) the gradients are first scaled
         by min(1, max_norm / (total + eps)), never written back. ``amp`` holds
         two float64: every gradient is also multiplied by ``amp[0]`` (a loss
@@ -180,5 +183,8 @@ class Backend(Protocol):
         element; ``hyper`` the groups' rows (host float64) and ``lr_at`` where
         a tensor ``lr`` is read instead (host int64, address and dtype tag per
         group). ``total``, ``max_norm``, ``eps`` and ``amp`` as for
-        :meth:`step_`. Each AdamW row's float32 step count is read as the count
-        before this step and then incremented, unless ``amp[1]`` skips."""
+        :meth:`step_`. Each row's float32 step count is read as the count
+        before this step and then incremented, unless ``amp[1]`` skips, where
+        its group's steps count (``Rule.counted_when``: SGD's only with
+        momentum, a count of 0 marking a new buffer). A row lacking a word
+        its group needs is refused (``Rule.check_rows``) before any write."""
