@@ -447,17 +447,6 @@ def test_finisher_gives_the_host_backends_bits_for_trees_of_tiny_leaves(p):
     assert int(got.first_nonfinite) == 300
 
 
-def test_resident_flat_gives_the_same_bits(be):
-    rng = np.random.default_rng(9)
-    arrays = [rand(n, np.float32, rng) for n in (ITEM + 1, 17, 0, 3 * ITEM)]
-    plan, leaves = planned(arrays)
-    flat = gather(be, plan, [[a] for a in leaves])
-    views = [flat[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape) for leaf in plan.leaves]
-    a = be.norms(plan, views, 2, True)
-    b = be.norms(plan, views, 2, True, flat=flat)
-    assert a.total.tobytes() == b.total.tobytes() and a.per_leaf.tobytes() == b.per_leaf.tobytes()
-
-
 # ---------------------------------------------------------------- clipping
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)

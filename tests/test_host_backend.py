@@ -306,11 +306,11 @@ def test_every_16_bit_pattern(dtype):
         assert np.isnan(host[~finite].astype(np.float32)).sum() == np.isnan(ref[~finite].astype(np.float32)).sum()
 
 
-# ---------------------------------------------------------------- norms over a flat buffer
+# ---------------------------------------------------------------- SIMD steps and flat buffers
 
 # Sizes on and next to the SIMD steps (32 vectors of 16 bytes: 32 to 256
 # elements by dtype) and the work items.
-FLAT_SIZES = [0, 1, 3, 31, 32, 33, 64, 65, 127, 128, 129, 255, 256, 257, ITEM - 1, ITEM, ITEM + 1, 2 * ITEM + 1, 2]
+SIMD_SIZES = [0, 1, 3, 31, 32, 33, 64, 65, 127, 128, 129, 255, 256, 257, ITEM - 1, ITEM, ITEM + 1, 2 * ITEM + 1, 2]
 
 
 def flat_slots(flat, sizes):
@@ -322,70 +322,17 @@ def flat_slots(flat, sizes):
     return leaves, plan
 
 
-def norms_both_ways(plan, leaves, flat, p):
-    """The host norms (total, per leaf, first non-finite slot) with and without ``flat``."""
-    be = HostBackend()
-    with_flat, without = (be.norms(plan, leaves, p, per_leaf=True, flat=f) for f in (flat, None))
-    return [(r.total, r.per_leaf, int(r.first_nonfinite)) for r in (with_flat, without)]
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("p", ORDS)
-def test_flat_norms_are_the_leaves_bits(dtype, p):
+def test_norms_at_the_simd_steps_follow_the_kernels_order(dtype, p):
     rng = np.random.default_rng(19)
-    flat = random_array(rng, (sum(FLAT_SIZES),), dtype)
-    leaves, plan = flat_slots(flat, FLAT_SIZES)
-    with_flat, without = norms_both_ways(plan, leaves, flat, p)
-    assert_bits_equal(with_flat[0], without[0])
-    assert_bits_equal(with_flat[1], without[1])
-    assert with_flat[2] == without[2] == -1
-    assert_same_norms(with_flat, ref_norms(leaves, p))
-
-
-@pytest.mark.parametrize("value", [np.nan, np.inf])
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_flat_norms_nonfinite_first_slot(value, dtype):
-    sizes = [ITEM + 1, 0, 130, 2 * ITEM + 1]
-    flat = random_array(np.random.default_rng(20), (sum(sizes),), dtype)
-    flat[ITEM] = value  # the first slot's last element, alone in its item
-    flat[-1] = value
-    leaves, plan = flat_slots(flat, sizes)
-    for p in ORDS:
-        with_flat, without = norms_both_ways(plan, leaves, flat, p)
-        assert with_flat[2] == without[2] == 0
-        assert_same_norms(with_flat, without)
-        assert_same_norms(with_flat, ref_norms(leaves, p))
-
-
-def test_flat_norms_read_no_leaf_object():
-    """With a usable flat buffer no per-slot Python object is looked at."""
-    flat = np.arange(10.0, dtype=np.float32)
-    leaves, plan = flat_slots(flat, [3, 0, 7])
-    r = HostBackend().norms(plan, [object()] * 3, 2, per_leaf=True, flat=flat)
-    assert_same_norms((r.total, r.per_leaf, int(r.first_nonfinite)), ref_norms(leaves, 2))
-
-
-@pytest.mark.parametrize("kind", ["unaligned", "strided"])
-def test_flat_norms_fall_back_to_the_leaves(kind):
-    """A flat buffer the native path cannot read directly gives the leaves' bits."""
-    rng = np.random.default_rng(21)
-    sizes = [ITEM + 3, 5, 300]
-    n = sum(sizes)
-    if kind == "unaligned":
-        flat = np.zeros(4 * n + 1, np.uint8)[1:].view(np.float32)
-        assert not flat.flags.aligned
-    else:
-        flat = np.zeros(2 * n, np.float32)[::2]
-    flat[:] = rng.standard_normal(n)
-    leaves, plan = flat_slots(flat, sizes)
-    with_flat, without = norms_both_ways(plan, leaves, flat, 2)
-    assert_same_norms(with_flat, without)
-    assert_same_norms(with_flat, ref_norms(leaves, 2))
+    leaves, _ = flat_slots(random_array(rng, (sum(SIMD_SIZES),), dtype), SIMD_SIZES)
+    assert_same_norms(host_norms(leaves, p), ref_norms(leaves, p))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_resident_grad_norm_on_host(dtype):
-    """gf.resident's per-step norms go through the flat path: each leaf's norm is
+    """gf.resident's per-step norms read a table of its leaves: each leaf's norm is
     the reference's bits; the total, whose finishing order includes the zero
     padding slots, matches to rounding."""
     rng = np.random.default_rng(22)
@@ -405,10 +352,10 @@ def test_resident_grad_norm_on_host(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_flat_clip_is_the_leaves_bits(dtype):
     rng = np.random.default_rng(23)
-    flat = random_array(rng, (sum(FLAT_SIZES),), dtype)
+    flat = random_array(rng, (sum(SIMD_SIZES),), dtype)
     original, copy = flat.copy(), flat.copy()
-    leaves, plan = flat_slots(flat, FLAT_SIZES)
-    copies, _ = flat_slots(copy, FLAT_SIZES)
+    leaves, plan = flat_slots(flat, SIMD_SIZES)
+    copies, _ = flat_slots(copy, SIMD_SIZES)
     HostBackend().clip_(plan, leaves, np.float64(3.0), 1.0, 1e-6, flat=flat)
     HostBackend().clip_(plan, copies, np.float64(3.0), 1.0, 1e-6)
     assert_bits_equal(flat, copy)

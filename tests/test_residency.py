@@ -200,7 +200,7 @@ def test_a_host_clip_reads_a_table_of_the_leaves_whatever_the_leaf_count(kind, m
     if lib is None or (kind == "torch" and not tensor_facts.available()):
         pytest.skip(f"the native libraries do not build here: {native.unavailable_reason()}")
     calls = []
-    for name in ("gf_host_norms", "gf_host_norms_flat", "gf_host_norms_rows",
+    for name in ("gf_host_norms", "gf_host_norms_rows",
                  "gf_host_clip", "gf_host_clip_flat", "gf_host_clip_rows"):
         monkeypatch.setattr(lib, name, lambda *a, _f=getattr(lib, name), _n=name: calls.append(_n) or _f(*a))
     if kind == "torch":

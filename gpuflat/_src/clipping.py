@@ -121,7 +121,7 @@ class Bound:
         results = []
         for part in self.norm_parts:
             with self.within(part):
-                results.append(part.backend.norms(part.plan, part.leaves, p, False, flat=part.flat))
+                results.append(part.backend.norms(part.plan, part.leaves, p, False))
         if self.combine is None:
             total, like = results[0].total, self.norm_parts[0].like
             return Norm(total if like is None else _arrays.to_caller(total, like), total, results)

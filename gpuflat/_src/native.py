@@ -133,17 +133,16 @@ def host_library():
     obj, i64, f64, c_int = ctypes.py_object, ctypes.c_longlong, ctypes.c_double, ctypes.c_int
     lib.gf_host_init.argtypes = [obj, ctypes.POINTER(c_int)]
     lib.gf_host_init.restype = None
-    lib.gf_host_norms_flat.argtypes = [obj, obj, c_int, f64, c_int, obj, obj, obj]
-    lib.gf_host_norms_rows.argtypes = lib.gf_host_norms_flat.argtypes
+    lib.gf_host_norms_rows.argtypes = [obj, obj, c_int, f64, c_int, obj, obj, obj]
     lib.gf_host_clip_rows.argtypes = [obj, obj, f64, f64, f64, c_int]
     lib.gf_host_clip_flat.argtypes = [obj, f64, f64, f64, c_int]
     lib.gf_host_facts.argtypes = [obj, obj]
     # The last argument of these four is a Recorded list's token (0: none).
-    lib.gf_host_norms.argtypes = [*lib.gf_host_norms_flat.argtypes, i64]
+    lib.gf_host_norms.argtypes = [*lib.gf_host_norms_rows.argtypes, i64]
     lib.gf_host_clip.argtypes = [*lib.gf_host_clip_rows.argtypes, i64]
     lib.gf_host_gather.argtypes = [obj, obj, obj, c_int, i64]
     lib.gf_host_scatter.argtypes = [obj, obj, obj, c_int, i64]
-    for fn in (lib.gf_host_norms, lib.gf_host_norms_flat, lib.gf_host_gather, lib.gf_host_scatter, lib.gf_host_clip,
+    for fn in (lib.gf_host_norms, lib.gf_host_gather, lib.gf_host_scatter, lib.gf_host_clip,
                lib.gf_host_clip_flat, lib.gf_host_norms_rows, lib.gf_host_clip_rows, lib.gf_host_facts):
         fn.restype = i64
     # bfloat16 is ml_dtypes' type, known by its number once it is imported.

@@ -1025,20 +1025,6 @@ GF_EXPORT long long gf_host_norms(PyObject* leaves, PyObject* offsets, int kind,
     return run_norms(prep->set, prep->items, kind, p, threads, per_leaf, total, first_bad);
 }
 
-// The same norms with every slot read from the one buffer `flat` at the
-// plan's offsets: no Python object per slot. Returns 0, computing nothing, if
-// `flat` is not an aligned contiguous buffer of exactly the plan's size (the
-// caller then passes the leaves).
-GF_EXPORT long long gf_host_norms_flat(PyObject* flat, PyObject* offsets, int kind, double p, int threads,
-                                       PyObject* per_leaf, PyObject* total, PyObject* first_bad) {
-    Workspace& w = workspace();
-    const long long* offs = data_of<long long>(offsets);
-    const long long n_slots = PyArray_DIMS((PyArrayObject*)offsets)[0] - 1;
-    if (!w.set.add_slots(flat, offs, n_slots)) return 0;
-    plan_items(offs, n_slots, w.items);
-    return run_norms(w.set, w.items, kind, p, threads, per_leaf, total, first_bad);
-}
-
 // The same norms over a leaf table (`rows`: an int64 array of LeafRef rows,
 // one per slot, whose tags and sizes the caller has checked against the plan).
 GF_EXPORT long long gf_host_norms_rows(PyObject* rows, PyObject* offsets, int kind, double p, int threads,

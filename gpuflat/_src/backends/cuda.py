@@ -138,20 +138,18 @@ class CudaBackend:
         table = st.table(leaves, None, lambda: _leaf_rows(st, plan, leaves, range(len(leaves)), self.runtime))
         self._launch(kl.scatter_name(flat.dtype), st, [st.items, np.int64(st.n_items), table.array, flat], table)
 
-    def norms(self, plan, leaves, ord, per_leaf, flat=None) -> NormResult:
+    def norms(self, plan, leaves, ord, per_leaf) -> NormResult:
         """The total norm, the first non-finite slot and, with ``per_leaf``,
         each leaf's norm (2 launches), in kernels/norms.cu's order.
 
         A leaf filling one dense block of memory in another order than C's
         (transposed, channels_last, reversed) is summed in memory order, any
-        other leaf in its logical order. ``flat``: the buffer the leaves are
-        views of (a resident model), whose table is cheaper to build; the
-        results are the same bits.
+        other leaf in its logical order.
         """
         kind, p = _norm_kind(ord)
         rt = self.runtime
         st = _static_tables(plan, rt)
-        table = self._leaf_table(st, plan, leaves, flat)
+        table = self._leaf_table(st, plan, leaves)
         n_slots = len(plan.leaves)
         per = rt.empty(n_slots if per_leaf else 0, np.float64)
         # totals[0] the norm (the clip kernel reads it), totals[1] the unrooted
@@ -186,8 +184,9 @@ class CudaBackend:
 
     # ------------------------------------------------------------ helpers
 
-    def _leaf_table(self, st, plan, leaves, flat):
-        """The memory-order table of the norms and clips."""
+    def _leaf_table(self, st, plan, leaves, flat=None):
+        """The memory-order table of the norms and clips; ``flat``, a clip's
+        buffer its leaves are fixed views of (see the protocol)."""
         def build():
             return _leaf_rows(st, plan, leaves, range(len(leaves)), self.runtime, memory_order=True)
 

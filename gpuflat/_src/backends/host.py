@@ -104,18 +104,14 @@ class HostBackend(HostMemory):
         """
         _check(plan, leaves, self._lib.gf_host_scatter(flat, leaves, plan.offsets, self.threads, _token(leaves)))
 
-    def norms(self, plan, leaves, ord, per_leaf, flat=None) -> NormResult:
+    def norms(self, plan, leaves, ord, per_leaf) -> NormResult:
         """Total and per-leaf norms (always both) and the first non-finite slot, in
-        the CUDA kernels' order (a dense-permuted leaf summed in memory order);
-        with ``flat`` (the buffer the leaves are views of) every slot is read
-        from it at the plan's offsets: the same bits, with no per-leaf Python
-        work.
+        the CUDA kernels' order (a dense-permuted leaf summed in memory order).
 
         >>> import numpy as np, gpuflat as gf
-        >>> flat = np.array([3.0, 4.0, 12.0])
-        >>> leaves = [flat[:2], flat[2:]]
+        >>> leaves = [np.array([3.0, 4.0]), np.array([12.0])]
         >>> plan = gf.plan(leaves)
-        >>> r = HostBackend().norms(plan, leaves, 2, per_leaf=True, flat=flat)
+        >>> r = HostBackend().norms(plan, leaves, 2, per_leaf=True)
         >>> float(r.total), r.per_leaf
         (13.0, array([ 5., 12.]))
         """
@@ -126,7 +122,7 @@ class HostBackend(HostMemory):
         args = (plan.offsets, NORM_KINDS[norm_kind(p)], p, self.threads, per, totals, first)
         if isinstance(leaves, LeafRows):
             _check(plan, leaves, lib.gf_host_norms_rows(leaves.words, *args))
-        elif flat is None or lib.gf_host_norms_flat(flat, *args) >= 0:
+        else:
             _check(plan, leaves, lib.gf_host_norms(leaves, *args, _token(leaves)))
         return NormResult(totals[:1].reshape(()), per, first, totals[1:].reshape(()))
 

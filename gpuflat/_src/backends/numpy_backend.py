@@ -140,9 +140,8 @@ class NumpyBackend(HostMemory):
         for leaf, target in zip(plan.leaves, leaves):
             cast_copy(target, flat[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape))
 
-    def norms(self, plan, leaves, ord, per_leaf, flat=None):
-        """Fused norms, a dense-permuted leaf summed in memory order; with
-        ``flat`` (a resident model) pieces are read from it directly.
+    def norms(self, plan, leaves, ord, per_leaf):
+        """Fused norms, a dense-permuted leaf summed in memory order.
 
         >>> import numpy as np, gpuflat as gf
         >>> leaves = [np.array([[3.0, 0.0], [4.0, 12.0]]).T]
@@ -152,17 +151,15 @@ class NumpyBackend(HostMemory):
         """
         # Past float64, powers and roots give inf silently, as the kernels do.
         with np.errstate(over="ignore"):
-            return self._norms(plan, leaves, float(ord), per_leaf, flat)
+            return self._norms(plan, list(map(in_memory_order, leaves)), float(ord), per_leaf)
 
-    def _norms(self, plan, leaves, p, per_leaf, flat):
-        if flat is None:
-            leaves = list(map(in_memory_order, leaves))
+    def _norms(self, plan, leaves, p, per_leaf):
         sums = np.zeros(len(plan.leaves))
         partials = []
         for first, end, count, is_complex in _layout(plan):
             acc_dtype = np.complex128 if is_complex else np.float64
             packed = per_leaf and end - first > 1
-            for values in _chunks(plan, leaves, flat, first, end, count, acc_dtype):
+            for values in _chunks(leaves, first, end, count, acc_dtype):
                 # The total always comes from the chunk partials, so per_leaf=True
                 # and False (global_norm and clip_grad_norm_) give the same bits.
                 part, contrib = _partial(values, p, keep=packed)
@@ -292,15 +289,13 @@ def _clip_coef(total, max_norm, eps):
     return np.minimum(np.float64(max_norm) / (np.float64(total) + eps), 1.0)
 
 
-def _chunks(plan, leaves, flat, first, end, count, acc_dtype):
+def _chunks(leaves, first, end, count, acc_dtype):
     """The values of a piece as float64 (or complex128) arrays of at most PIECE elements.
 
     A large leaf is converted chunk by chunk into one reused scratch buffer,
     so it costs PIECE elements of memory and stays in cache.
     """
-    if flat is not None:
-        values = flat[plan.leaves[first].offset :][:count]
-    elif end - first == 1:
+    if end - first == 1:
         # np.asarray: an ndarray subclass such as np.matrix stays 2-D under reshape(-1).
         values = np.asarray(leaves[first]).reshape(-1)
     else:

@@ -99,11 +99,10 @@ class Backend(Protocol):
     ``leaves`` holds one array per slot of ``plan`` (its unique trainables in
     plan order); ``sources`` one list of arrays per slot (tied gradients are
     added); ``flat`` is a C-contiguous 1-D array of ``plan.size`` elements of
-    ``plan.dtype``. ``flat=`` on ``norms`` and ``clip_`` is a buffer the
-    leaves are fixed views of, when the caller knows one (a resident model's),
-    so a backend may find them from its address alone: the same results,
-    found faster. For ``norms`` the leaves tile ``flat`` at the plan's
-    offsets; ``clip_`` writes the leaves only, never the rest of ``flat``.
+    ``plan.dtype``. ``flat=`` on ``clip_`` is a buffer the leaves are fixed
+    views of, when the caller knows one (a resident model's), so a backend
+    may find them from its address alone: the same results, found faster.
+    ``clip_`` writes the leaves only, never the rest of ``flat``.
 
     ``reads_rows`` says whether ``norms`` and ``clip_`` also take
     :class:`LeafRows` as ``leaves`` (leaves given by address, read in native
@@ -125,7 +124,7 @@ class Backend(Protocol):
     def scatter(self, plan, flat, leaves: Sequence[Any]) -> None:
         """leaves[slot][...] = flat[slot's range], cast to the leaf's dtype, in place."""
 
-    def norms(self, plan, leaves: Sequence[Any], ord: float, per_leaf: bool, flat=None) -> NormResult:
+    def norms(self, plan, leaves: Sequence[Any], ord: float, per_leaf: bool) -> NormResult:
         """Total and per-leaf norms, accumulated in float64 in a fixed order that
         depends on the leaves alone (kernels/norms.cu's, or the NumPy
         backend's own): a leaf filling one dense block of memory in another
