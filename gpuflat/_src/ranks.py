@@ -11,6 +11,7 @@ bound for ``gpuflat._src.clipping`` as ``_RankBound``) and the all-reduce
 """
 from __future__ import annotations
 
+import abc
 import ast
 import contextlib
 import inspect
@@ -469,6 +470,22 @@ def _check_reduce_arguments(op: str, bucket_bytes: int | None) -> None:
         raise ValueError(f"bucket_bytes: expected a number of bytes > 0 or None, got {bucket_bytes!r}")
 
 
+class ResidentGradients(abc.ABC):
+    """A resident model as ``all_reduce_`` reduces it (``gf.Resident`` is
+    one): its ``grad_buffers``, its ``layout``, and the leaves whose PyTorch
+    gradient is None, which a reduction can give one."""
+
+    layout: tuple
+
+    @abc.abstractmethod
+    def _gradless(self) -> frozenset:
+        """The leaves (indices into ``layout``) whose PyTorch gradient is None."""
+
+    @abc.abstractmethod
+    def _give_grads(self, leaves: list[int]) -> None:
+        """Make each of ``leaves`` hold its view into ``grad_buffers`` as its gradient."""
+
+
 class _Reduction:
     """What all_reduce_ moves, checked before anything moves: contiguous
     buffers (16-bit ones as float32 copies), and where their sums go back."""
@@ -483,7 +500,7 @@ class _Reduction:
         if buffers is not None:
             self.targets = [_checked_buffer(f"grad_buffers[{i}]", b) for i, b in enumerate(buffers)]
             self.like = buffers[0] if buffers else None
-            if hasattr(grads, "_give_grads"):
+            if isinstance(grads, ResidentGradients):
                 self.resident, self.held = grads, np.ones(len(grads.layout))
                 self.held[sorted(grads._gradless())] = 0
         else:
