@@ -51,8 +51,7 @@ from typing import Any, cast
 
 import torch
 
-from . import distributed as _gfd
-from ._src import clipping, dtensor, tensor_facts, tensor_table, torch_ops
+from ._src import clipping, dtensor, ranks, tensor_facts, tensor_table, torch_ops
 from ._src.checks import check_ord, clip_arguments
 from .errors import NonFiniteError, NonFiniteNormError, NonFloatingTensorError
 
@@ -104,8 +103,8 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
         tensors, names = _unique((t, name_of(i)) for i, t in enumerate(tensors))
         tensor_table.check_floating(tensors, names.__getitem__)
         with _torch_nonfinite_error():
-            total = _gfd.global_norm(tensors, p, pp_mesh=pp_mesh, tied=tied,
-                                     error_if_nonfinite=error_if_nonfinite)
+            total = ranks.global_norm(tensors, p, pp_mesh=pp_mesh, tied=tied,
+                                      error_if_nonfinite=error_if_nonfinite)
         return _returned(total, tensors)
     total = clipping.total_norm(table.bound, p, error_if_nonfinite, kind=NonFiniteNormError, name_of=name_of).total
     return total.to(table.returned_dtype)
@@ -187,8 +186,8 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         grads, names = _unique((g, name_of(i)) for i, g in enumerate(grads))
         tensor_table.check_floating(grads, names.__getitem__)
         with _torch_nonfinite_error():
-            total = _gfd.clip_grad_norm_(grads, max_norm, p, pp_mesh=pp_mesh, tied=tied, eps=_EPS,
-                                         error_if_nonfinite=error_if_nonfinite)
+            total = ranks.clip_grad_norm_(grads, max_norm, p, pp_mesh=pp_mesh, tied=tied, eps=_EPS,
+                                          error_if_nonfinite=error_if_nonfinite)
         return _returned(total, grads)
     total = clipping.clip_(table.bound, max_norm, p, _EPS, error_if_nonfinite, kind=NonFiniteNormError,
                            name_of=name_of)
@@ -318,7 +317,7 @@ def _gradients(parameters: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any,
 
 def _tied_gradients(parameters: list[torch.Tensor], tied: Iterable | None) -> list | None:
     """``tied``'s (parameter, stage) pairs as (its gradient, stage), the pairs
-    gpuflat.distributed counts by; a parameter without a gradient gives
+    gpuflat._src.ranks counts by; a parameter without a gradient gives
     None, counted nowhere."""
     if tied is None:
         return None
@@ -330,7 +329,7 @@ def _tied_gradients(parameters: list[torch.Tensor], tied: Iterable | None) -> li
                 raise ValueError(f"tied[{i}]: expected one of `parameters`, found a {type(param).__name__} of "
                                  f"shape {tuple(param.shape)} that is none of them")
             entry = (param.grad, stage)
-        pairs.append(entry)  # anything else: gpuflat.distributed names what it expected
+        pairs.append(entry)  # anything else: gpuflat._src.ranks names what it expected
     return pairs
 
 
@@ -358,7 +357,7 @@ def _returned(total: Any, tensors: list[torch.Tensor]) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _torch_nonfinite_error() -> Iterator[None]:
-    """gpuflat.distributed's NonFiniteError raised as NonFiniteNormError, the RuntimeError PyTorch raises."""
+    """gpuflat._src.ranks' NonFiniteError raised as NonFiniteNormError, the RuntimeError PyTorch raises."""
     try:
         yield
     except NonFiniteError as err:

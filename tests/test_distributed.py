@@ -19,6 +19,7 @@ import distributed_worker
 from ranks import collect, free_port
 import gpuflat as gf
 from gpuflat import distributed as gfd
+from gpuflat._src.ranks import _Comm
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 # The ranks import gpuflat from this checkout, not from wherever it is installed.
@@ -206,7 +207,7 @@ def test_a_torch_groups_cupy_work_runs_on_pytorchs_current_stream(monkeypatch):
 
     cupy = cupy_stand_in.make_cupy(("90",))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *device: type("S", (), {"cuda_stream": 0x4200})())
-    comm = gfd._Comm(None)
+    comm = _Comm(None)
     comm.kind = "torch"
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)

@@ -1,8 +1,8 @@
 """The house's drawing, checked: the layer map is the README's table (under
 "How the package is built", its one source); every import inside gpuflat
 points down its layers, only gpuflat._src.backends imports a backend's
-implementation, no module imports the package itself, and no imports form a
-circle.
+implementation, no internal module imports a public one but gpuflat.errors,
+no module imports the package itself, and no imports form a circle.
 
 The imports are read from the source (every ``import`` statement, including
 the ones inside functions), so a lazy import that points back up fails here
@@ -126,6 +126,21 @@ def test_front_ends_reach_a_backend_through_selection_and_protocol(name):
     reached = sorted({target for target, _ in imports_of(name)} & IMPLEMENTATIONS)
     assert reached == [], (f"gpuflat.{name}: expected backends through gpuflat._src.backends.selection and "
                            f"gpuflat._src.backends.protocol, found imports of {reached}")
+
+
+def is_internal(name):
+    return name == "_src" or name.startswith("_src.")
+
+
+# The public modules the internals may import: the exceptions, shared by every layer.
+SHARED_PUBLIC = {"errors"}
+
+
+@pytest.mark.parametrize("name", sorted(filter(is_internal, LAYER)))
+def test_internals_import_no_public_module_but_errors(name):
+    public = {n for n in LAYER if not is_internal(n)} - SHARED_PUBLIC
+    reached = [(target, line) for target, line in imports_of(name) if target in public]
+    assert reached == [], f"gpuflat.{name} imports a public module (only gpuflat.errors is shared): {reached}"
 
 
 @pytest.mark.parametrize("name", sorted(set(LAYER) - {"__init__"}))

@@ -1,6 +1,6 @@
 """Binding a call to its trees: what every front end does before a backend runs.
 
-A front end (``gpuflat._src.ops``, ``gpuflat._src.residency``, ``gpuflat.distributed``,
+A front end (``gpuflat._src.ops``, ``gpuflat._src.residency``, ``gpuflat._src.ranks``,
 ``gpuflat.torch``) binds each call here: the walk of the call's tree (once),
 its plan from the cache, the caller's own objects behind adopted views, the
 backend the leaves choose, the gradients of a ``model=`` slot by slot (ties

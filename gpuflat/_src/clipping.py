@@ -3,7 +3,7 @@
 Every front end binds its gradients into a :class:`Bound` (a tree's walk in
 ``gpuflat._src.binding``, a tensor list's table in ``gpuflat._src.tensor_table``,
 a resident model's dtype buffers, one rank's share of a model spread over
-ranks in ``gpuflat.distributed``), and :func:`clip_` and :func:`total_norm`
+ranks in ``gpuflat._src.ranks``), and :func:`clip_` and :func:`total_norm`
 here do the rest, as PyTorch composes ``clip_grad_norm_`` from
 ``get_total_norm`` and ``clip_grads_with_norm_``. So every front end checks
 before it writes, reads the norm on the host only when asked to check it,
@@ -14,10 +14,10 @@ plan, in the order a tree of them has, so each norm is one fused pass in
 the one summation order kernels/norms.cu writes down (the host, CUDA and
 emulated backends follow it; NumPy's own order likewise depends on nothing
 but the leaves): a tree, a tensor list, a resident model (its leaves'
-places in its buffers) and ``gpuflat.distributed`` on one rank give the
+places in its buffers) and ``gpuflat._src.ranks`` on one rank give the
 same bits on the same arrays, and the pass's first non-finite slot names
 the same leaf. Only parts on several devices or ranks are combined after
-their passes (``Bound.combine``, ``gpuflat.distributed``).
+their passes (``Bound.combine``, ``gpuflat._src.ranks``).
 """
 from __future__ import annotations
 

@@ -19,8 +19,7 @@ import numpy as np
 from . import arrays as _arrays
 from . import checks
 from . import dtensor
-from .. import distributed
-from . import caches, clipping, flatplan
+from . import caches, clipping, flatplan, ranks
 from . import tree as _tree
 from .backends.selection import select
 from .binding import Call, clip_bound, gradients_of, in_place, norm_inputs, slot_sources, summed_wide
@@ -377,7 +376,7 @@ def global_norm(tree: Any, ord: float = 2, *, per_leaf: bool = False, model: Any
     call = Call(tree)
     if _has_dtensors(call):
         _refuse_model(model, call)
-        return distributed.global_norm(tree, ord, per_leaf=per_leaf, backend=backend)
+        return ranks.global_norm(tree, ord, per_leaf=per_leaf, backend=backend)
     plan, leaves = norm_inputs(call, tree, model, backend)
     be = select(backend, leaves, lambda i: plan.leaves[i].path)
     with _arrays.device_scope(be, call.like):
@@ -426,8 +425,8 @@ def clip_grad_norm_(grads: Any, max_norm: float, ord: float = 2, *, eps: float =
         call = Call(grads)
     if _has_dtensors(call):
         _refuse_model(model, call)
-        return distributed.clip_grad_norm_(grads, max_norm, ord, eps=eps, error_if_nonfinite=error_if_nonfinite,
-                                           backend=backend)
+        return ranks.clip_grad_norm_(grads, max_norm, ord, eps=eps, error_if_nonfinite=error_if_nonfinite,
+                                     backend=backend)
     return clipping.clip_(clip_bound(call, grads, model, backend), max_norm, p, eps, error_if_nonfinite)
 
 

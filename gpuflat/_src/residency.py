@@ -37,6 +37,7 @@ from ..errors import CaptureError
 from .flatplan import FlatPlan, LeafSpec
 from . import clipping
 from .binding import Call
+from .ranks import ResidentGradients
 from .torch_params import Binding
 
 ALIGN_BYTES = 256
@@ -161,7 +162,7 @@ def layout(unique, paths) -> tuple:
     return tuple(slices)
 
 
-class Resident:
+class Resident(ResidentGradients):
     """A model living in flat buffers; made by :func:`resident`.
 
     ``params`` is the tree with every trainable a view into ``param_buffers``

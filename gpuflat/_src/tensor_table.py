@@ -166,7 +166,7 @@ def serve_with(backend):
 def read(tensors, name_of, in_place=False, facts=None) -> Table | None:
     """The table of ``tensors`` (each counted once), checked, and with
     ``in_place`` checked fit to be written in place; None when some are
-    DTensors (``gpuflat.distributed`` reduces those). ``name_of(i)`` names
+    DTensors (``gpuflat._src.ranks`` reduces those). ``name_of(i)`` names
     ``tensors[i]`` in errors; ``facts``: theirs, if already read
     (``tensor_facts.gradients``).
 

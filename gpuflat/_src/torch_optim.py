@@ -59,9 +59,7 @@ from typing import Any
 
 import torch
 
-from . import dtensor, param_rows, tensor_table, torch_optim_ops
-
-from .. import distributed
+from . import dtensor, param_rows, ranks, tensor_table, torch_optim_ops
 from ..errors import CaptureError
 from .arrays import launch_stream
 from .checks import clip_arguments, optimizer_options, torch_norm_type
@@ -90,7 +88,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
             clip_arguments(max_norm, 2.0, CLIP_EPS)
         super().__init__(params, defaults)
         param_rows.watch(self)
-        distributed.check_pipeline(pp_mesh, tied, [p for g in self.param_groups for p in g["params"]])
+        ranks.check_pipeline(pp_mesh, tied, [p for g in self.param_groups for p in g["params"]])
         self.max_norm, self.norm_type = max_norm, torch_norm_type(norm_type)
         self.pp_mesh, self.tied = pp_mesh, tied
         self.last_grad_norm = None
@@ -283,7 +281,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
         grads = [] if step is None else step.grads
         if self.pp_mesh is not None or not step.plain:  # DTensors or pipeline stages: over the ranks
             tied = None if self.tied is None else [(q.grad, stage) for q, stage in self.tied]
-            total = distributed.global_norm(grads, p, pp_mesh=self.pp_mesh, tied=tied)
+            total = ranks.global_norm(grads, p, pp_mesh=self.pp_mesh, tied=tied)
             total = torch.as_tensor(total.to_local() if dtensor.is_dtensor(total) else total).double()
             nonfinite = (~torch.isfinite(total)).double() if detect else None
         else:
