@@ -44,11 +44,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._src import caches, checks, clipping, dtensor
-from ._src.arrays import adopt, device_scope, external_stream, is_module, module_parameters
-from ._src.backends import get_backend
-from ._src.dtypes import is_bfloat16
-from ._src.binding import Call
+from ._src import caches as _caches
+from ._src import checks as _checks
+from ._src import clipping as _clipping
+from ._src import dtensor as _dtensor
+from ._src import public as _public
+from ._src.arrays import adopt as _adopt
+from ._src.arrays import device_scope as _device_scope
+from ._src.arrays import external_stream as _external_stream
+from ._src.arrays import is_module as _is_module
+from ._src.arrays import module_parameters as _module_parameters
+from ._src.backends import get_backend as _get_backend
+from ._src.binding import Call as _Call
+from ._src.dtypes import is_bfloat16 as _is_bfloat16
 from .errors import CollectiveError
 
 if TYPE_CHECKING:
@@ -56,6 +64,24 @@ if TYPE_CHECKING:
 
 __all__ = ["PATH_FORMAT", "CollectiveError", "Owned", "all_reduce_", "check_pipeline", "clip_grad_norm_",
            "global_norm", "replicated", "sharded", "tied"]
+
+__dir__ = _public.listing(__all__)
+# Names this module showed in 0.7.0 beside __all__ (what it imported), deprecated.
+if not TYPE_CHECKING:  # see gpuflat._src.public
+    __getattr__ = _public.deprecations(__name__, {
+        "Call": "gpuflat._src.binding.Call",
+        "adopt": "gpuflat._src.arrays.adopt",
+        "caches": "gpuflat._src.caches",
+        "checks": "gpuflat._src.checks",
+        "clipping": "gpuflat._src.clipping",
+        "device_scope": "gpuflat._src.arrays.device_scope",
+        "dtensor": "gpuflat._src.dtensor",
+        "external_stream": "gpuflat._src.arrays.external_stream",
+        "get_backend": "gpuflat._src.backends.get_backend",
+        "is_bfloat16": "gpuflat._src.dtypes.is_bfloat16",
+        "is_module": "gpuflat._src.arrays.is_module",
+        "module_parameters": "gpuflat._src.arrays.module_parameters",
+    })
 
 # Each rank's row in the one exchanged buffer: its partial, and 1 + the slot
 # of its first owned leaf with a non-finite norm (0: none).
@@ -103,9 +129,9 @@ def global_norm(tree: Any, ord: float = 2, *, group: Any = None, owned: _OwnedLi
     >>> float(gfd.global_norm(g)), float(gfd.global_norm(g, ord=1)), float(gfd.global_norm(g, np.inf))
     (5.0, 7.0, 4.0)
     """
-    p = checks.check_ord(ord)
+    p = _checks.check_ord(ord)
     bound = _RankBound(_Local(tree, backend, group, owned, pp_mesh, tied), per_leaf)
-    total = clipping.total_norm(bound, p, error_if_nonfinite).total
+    total = _clipping.total_norm(bound, p, error_if_nonfinite).total
     return (total, bound.per_leaf) if per_leaf else total
 
 
@@ -131,10 +157,10 @@ def clip_grad_norm_(grads: Any, max_norm: float, ord: float = 2, *, group: Any =
     >>> g["w"].round(6)
     array([0.6, 0.8])
     """
-    max_norm, p, eps = checks.clip_arguments(max_norm, ord, eps)
+    max_norm, p, eps = _checks.clip_arguments(max_norm, ord, eps)
     local = _Local(grads, backend, group, owned, pp_mesh, tied)
     local.check_in_place()
-    return clipping.clip_(_RankBound(local), max_norm, p, eps, error_if_nonfinite)
+    return _clipping.clip_(_RankBound(local), max_norm, p, eps, error_if_nonfinite)
 
 
 def check_pipeline(pp_mesh: Any, tied: Any = None, leaves: Any = None) -> None:
@@ -465,7 +491,7 @@ def _owned_mask(plan: Any, arrays: list, owned: _OwnedLike, xp: Any) -> Any:
     with _masks_lock:
         cache = _masks.get(plan)
         if cache is None:
-            cache = _masks[plan] = caches.LRU("ownership masks", _MASKS_KEPT)
+            cache = _masks[plan] = _caches.LRU("ownership masks", _MASKS_KEPT)
     return cache.get(key, lambda: xp.asarray(rule._mask([leaf.path for leaf in plan.leaves], arrays)))
 
 
@@ -535,7 +561,7 @@ def _counted(local: _Local) -> tuple[Any, list, Any]:
     with _masks_lock:
         cache = _counted_plans.get(local.plan)
         if cache is None:
-            cache = _counted_plans[local.plan] = caches.LRU("counted-leaf plans", _MASKS_KEPT)
+            cache = _counted_plans[local.plan] = _caches.LRU("counted-leaf plans", _MASKS_KEPT)
     plan = cache.get(slots.tobytes(), lambda: _plan_of(local.plan, slots))
     return plan, [local.arrays[i] for i in slots], slots
 
@@ -552,13 +578,13 @@ def _plan_of(plan: Any, slots: np.ndarray) -> Any:
     return FlatPlan(None, tuple(specs), tuple(range(len(specs))), offset, plan.dtype)
 
 
-class _RankBound(clipping.Bound):
+class _RankBound(_clipping.Bound):
     """This rank's share of a model spread over ranks, bound for a norm and a
     clip: the norm is :func:`_reduce_norm`'s, over the ranks; a stage
     without gradients joins the collective and scales nothing."""
 
     def __init__(self, local: _Local, per_leaf: bool = False) -> None:
-        part = clipping.Part(local.plan, local.arrays, local.be, local.call.like,
+        part = _clipping.Part(local.plan, local.arrays, local.be, local.call.like,
                              path=lambda slot: local.plan.leaves[slot].path)
         super().__init__([part], [part] if local.arrays else [])
         self.local, self.ranks, self.wants_per_leaf = local, local.ranks, per_leaf
@@ -567,16 +593,16 @@ class _RankBound(clipping.Bound):
     @contextlib.contextmanager
     def place(self) -> Iterator[None]:
         """The leaves' device scope and every group's stream."""
-        with device_scope(self.local.be, self.local.call.like), self.local.streams():
+        with _device_scope(self.local.be, self.local.call.like), self.local.streams():
             yield
 
-    def norm(self, p: float) -> clipping.Norm:
+    def norm(self, p: float) -> _clipping.Norm:
         total, per, packets = _reduce_norm(self.local, p, self.wants_per_leaf)
         if self.wants_per_leaf:
             self.per_leaf = self.local.call.result(per)
-        return clipping.Norm(self.local.give_back(total), total, packets)
+        return _clipping.Norm(self.local.give_back(total), total, packets)
 
-    def culprit(self, norm: clipping.Norm, p: float, name_of: Callable[[int], str] | None = None) -> str | None:
+    def culprit(self, norm: _clipping.Norm, p: float, name_of: Callable[[int], str] | None = None) -> str | None:
         """The leaf and rank of the first non-finite leaf, the same on every
         rank: the rank holding it sends its path to the others, one group
         after the other (more collectives, on this error path only)."""
@@ -599,7 +625,7 @@ class _RankBound(clipping.Bound):
 # every addition in 16 bits rounds again. float32 holds float16's range many
 # times over, and gives bfloat16 (whose range it shares) 16 more bits.
 def _wider(dtype: Any) -> np.dtype | None:
-    return np.dtype(np.float32) if dtype == np.float16 or is_bfloat16(dtype) else None
+    return np.dtype(np.float32) if dtype == np.float16 or _is_bfloat16(dtype) else None
 
 
 def _check_reduce_arguments(op: str, bucket_bytes: int | None) -> None:
@@ -614,7 +640,7 @@ class _Reduction:
     buffers (16-bit ones as float32 copies), and where their sums go back."""
 
     def __init__(self, grads: Any) -> None:
-        if is_module(grads):
+        if _is_module(grads):
             grads = _module_grads(grads)
         buffers = getattr(grads, "grad_buffers", None)  # read first: a resident model follows its parameters
         self.leaves = None
@@ -627,16 +653,16 @@ class _Reduction:
                 self.resident, self.held = grads, np.ones(len(grads.layout))
                 self.held[sorted(grads._gradless())] = 0
         else:
-            call = Call(grads)
+            call = _Call(grads)
             _refuse_dtensors(call)
-            checks.check_in_place(call.paths(), call.unique)
+            _checks.check_in_place(call.paths(), call.unique)
             self.plan, self.leaves, self.like = call.plan, call.unique, call.like
             self.backend = call.backend(None)
-            with device_scope(self.backend, self.like):
+            with _device_scope(self.backend, self.like):
                 flat = self.backend.empty(call.plan.size, call.plan.dtype)
                 self.backend.gather(call.plan, [[a] for a in call.unique], flat)
             self.targets = [flat]
-        with device_scope(None, self.like):
+        with _device_scope(None, self.like):
             self.moving = [b.astype(wide) if (wide := _wider(b.dtype)) is not None else b for b in self.targets]
 
     def signature(self) -> tuple:
@@ -656,20 +682,20 @@ class _Reduction:
 
     def finish(self, op: str, size: int) -> None:
         """Divide for "mean", then write the sums back, each rounded once."""
-        with device_scope(None, self.like):
+        with _device_scope(None, self.like):
             for target, moved in zip(self.targets, self.moving):
                 if op == "mean" and size > 1:
                     moved /= size
                 if self.leaves is None and moved is not target:
                     target[...] = moved
         if self.leaves is not None:
-            with device_scope(self.backend, self.like):
+            with _device_scope(self.backend, self.like):
                 self.backend.scatter(self.plan, self.moving[0], self.leaves)
 
 
-def _refuse_dtensors(call: Call) -> None:
+def _refuse_dtensors(call: _Call) -> None:
     # A DTensor's shards differ from rank to rank: summing them is no gradient.
-    path = dtensor.first_path(call.owners(), call.paths())
+    path = _dtensor.first_path(call.owners(), call.paths())
     if path is not None:
         raise TypeError(f"leaf {path!r}: all_reduce_ expected gradients of the same tensors on every rank, "
                         f"found a DTensor, whose ranks hold different shards (FSDP2 and tensor "
@@ -678,7 +704,7 @@ def _refuse_dtensors(call: Call) -> None:
 
 def _module_grads(module: Any) -> dict[str, Any]:
     grads = {}
-    for name, param in module_parameters(module):
+    for name, param in _module_parameters(module):
         if param.grad is None:
             raise ValueError(f"leaf {name!r}: expected a gradient tensor, got None (run backward first, "
                              f"or pass a tree of the gradients to reduce)")
@@ -688,12 +714,12 @@ def _module_grads(module: Any) -> dict[str, Any]:
 
 def _checked_buffer(name: str, buffer: Any) -> Any:
     """A resident model's gradient buffer, as a NumPy or CuPy view fit for an in-place reduction."""
-    view = adopt(buffer)
+    view = _adopt(buffer)
     if view is None or view.ndim != 1 or not view.flags.c_contiguous:
         found = (f"shape {tuple(view.shape)} with strides {tuple(view.strides)}" if view is not None
                  else type(buffer).__name__)
         raise ValueError(f"{name}: expected a C-contiguous 1-D array, got {found}")
-    checks.check_in_place([name], [view])
+    _checks.check_in_place([name], [view])
     return view
 
 
@@ -814,7 +840,7 @@ class _Comm:
             return contextlib.nullcontext()
         import torch
 
-        return external_stream(xp, torch.cuda.current_stream().cuda_stream)
+        return _external_stream(xp, torch.cuda.current_stream().cuda_stream)
 
 
 def _kind_of(group: Any) -> str | None:
@@ -857,11 +883,11 @@ class _Local:
 
     def __init__(self, tree: Any, backend: str | None, group: Any, owned: _OwnedLike | None,
                  pp_mesh: Any = None, tied: Any = None) -> None:
-        self.call = Call(tree)
+        self.call = _Call(tree)
         self.plan, self.arrays = self.call.plan, list(self.call.unique)
         pipeline = _pipeline(pp_mesh, tied)
         paths = self.call.paths()
-        self.sharding = dtensor.sharding(self.call.owners(), paths, pipeline.mesh if pipeline else None)
+        self.sharding = _dtensor.sharding(self.call.owners(), paths, pipeline.mesh if pipeline else None)
         if self.sharding is None:  # plain leaves, or none: a stage without gradients joins its peers here
             if pipeline is not None:
                 pipeline.check_plain(group, paths, self.call.owners())
@@ -885,7 +911,7 @@ class _Local:
         self.counted = None  # the slots of the leaves this rank counts, where not all
         if not self.arrays and any(comm.nccl() for comm in self.comms):
             # No local gradients, but NCCL still needs a device buffer to join in.
-            self.be = get_backend(backend or "cuda")
+            self.be = _get_backend(backend or "cuda")
         else:
             self.be = self.call.backend(backend)
 
@@ -905,14 +931,14 @@ class _Local:
         return self.comms[0].stream(self.be.xp) if self.comms else contextlib.nullcontext()
 
     def check_in_place(self) -> None:
-        checks.check_in_place([leaf.path for leaf in self.plan.leaves], self.arrays)
+        _checks.check_in_place([leaf.path for leaf in self.plan.leaves], self.arrays)
 
     def give_back(self, x: Any) -> Any:
         """A result standing for the whole tree in the caller's kind: a tensor for
         PyTorch leaves, a DTensor replicated over the mesh for DTensors on one
         mesh (a plain tensor where no one mesh holds the norm)."""
         if self.mesh is not None:
-            return dtensor.replicated(self.call.result(x), self.mesh)
+            return _dtensor.replicated(self.call.result(x), self.mesh)
         return self.call.result(x)
 
 
@@ -946,7 +972,7 @@ class _Pipeline:
         meshes do not combine them: the process group given, or for a mesh
         every rank of its root (``dtensor.pipeline_group``), found from the
         mesh alone, as a stage holding nothing must find it."""
-        return self.group if self.mesh is None else dtensor.pipeline_group(self.mesh)
+        return self.group if self.mesh is None else _dtensor.pipeline_group(self.mesh)
 
     def check_plain(self, group: Any, paths: list[str], owners: list) -> None:
         """Plain leaves beside ``pp_mesh``: only where each stage is one rank,
@@ -981,7 +1007,7 @@ class _Pipeline:
             pairs.append((leaf, stage))
         return pairs
 
-    def elsewhere(self, tied: Iterable, call: Call) -> np.ndarray:
+    def elsewhere(self, tied: Iterable, call: _Call) -> np.ndarray:
         """Per slot of ``call``, True for a weight of ``tied`` that another stage counts."""
         owners, arrays = call.owners(), call.unique
         elsewhere = np.zeros(len(arrays), dtype=bool)
