@@ -10,6 +10,7 @@ native code or NumPy on the host.
 5.0
 """
 from . import distributed
+from ._src import public as _public
 from .errors import (
     CaptureError,
     CollectiveError,
@@ -81,3 +82,5 @@ __all__ = [
     "unflatten",
 ]
 __version__ = "0.7.0"
+
+__dir__ = _public.listing(__all__)

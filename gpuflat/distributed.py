@@ -31,17 +31,36 @@ on one of them.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._src import ranks
-from ._src.ranks import PATH_FORMAT, Owned, OwnedLike
+from ._src import public as _public
+from ._src import ranks as _ranks
+from ._src.ranks import PATH_FORMAT, Owned
+from ._src.ranks import OwnedLike as _OwnedLike
 from .errors import CollectiveError
 
 __all__ = ["PATH_FORMAT", "CollectiveError", "Owned", "all_reduce_", "check_pipeline", "clip_grad_norm_",
            "global_norm", "replicated", "sharded", "tied"]
 
+__dir__ = _public.listing(__all__)
+# Names this module showed in 0.7.0 beside __all__ (what it imported), deprecated.
+if not TYPE_CHECKING:  # see gpuflat._src.public
+    __getattr__ = _public.deprecations(__name__, {
+        "Call": "gpuflat._src.binding.Call",
+        "adopt": "gpuflat._src.arrays.adopt",
+        "caches": "gpuflat._src.caches",
+        "checks": "gpuflat._src.checks",
+        "clipping": "gpuflat._src.clipping",
+        "device_scope": "gpuflat._src.arrays.device_scope",
+        "dtensor": "gpuflat._src.dtensor",
+        "get_backend": "gpuflat._src.backends.get_backend",
+        "is_bfloat16": "gpuflat._src.dtypes.is_bfloat16",
+        "is_module": "gpuflat._src.arrays.is_module",
+        "module_parameters": "gpuflat._src.arrays.module_parameters",
+    })
 
-def global_norm(tree: Any, ord: float = 2, *, group: Any = None, owned: OwnedLike | None = None,
+
+def global_norm(tree: Any, ord: float = 2, *, group: Any = None, owned: _OwnedLike | None = None,
                 pp_mesh: Any = None, tied: Any = None, per_leaf: bool = False, error_if_nonfinite: bool = False,
                 backend: str | None = None) -> Any:
     """The norm of a model spread over the ranks of ``group``; every rank gets the same value.
@@ -80,12 +99,12 @@ def global_norm(tree: Any, ord: float = 2, *, group: Any = None, owned: OwnedLik
     >>> float(gfd.global_norm(g)), float(gfd.global_norm(g, ord=1)), float(gfd.global_norm(g, np.inf))
     (5.0, 7.0, 4.0)
     """
-    return ranks.global_norm(tree, ord, group=group, owned=owned, pp_mesh=pp_mesh, tied=tied, per_leaf=per_leaf,
+    return _ranks.global_norm(tree, ord, group=group, owned=owned, pp_mesh=pp_mesh, tied=tied, per_leaf=per_leaf,
                              error_if_nonfinite=error_if_nonfinite, backend=backend)
 
 
 def clip_grad_norm_(grads: Any, max_norm: float, ord: float = 2, *, group: Any = None,
-                    owned: OwnedLike | None = None, pp_mesh: Any = None, tied: Any = None, eps: float = 1e-6,
+                    owned: _OwnedLike | None = None, pp_mesh: Any = None, tied: Any = None, eps: float = 1e-6,
                     error_if_nonfinite: bool = False, backend: str | None = None) -> Any:
     """Scale every rank's gradients by the same min(1, max_norm / (norm + eps)); return the norm.
 
@@ -106,7 +125,7 @@ def clip_grad_norm_(grads: Any, max_norm: float, ord: float = 2, *, group: Any =
     >>> g["w"].round(6)
     array([0.6, 0.8])
     """
-    return ranks.clip_grad_norm_(grads, max_norm, ord, group=group, owned=owned, pp_mesh=pp_mesh, tied=tied,
+    return _ranks.clip_grad_norm_(grads, max_norm, ord, group=group, owned=owned, pp_mesh=pp_mesh, tied=tied,
                                  eps=eps, error_if_nonfinite=error_if_nonfinite, backend=backend)
 
 
@@ -123,7 +142,7 @@ def check_pipeline(pp_mesh: Any, tied: Any = None, leaves: Any = None) -> None:
     ...
     ValueError: tied: expected pp_mesh= beside it, the pipeline whose stages own the tied weights, ...
     """
-    ranks.check_pipeline(pp_mesh, tied, leaves)
+    _ranks.check_pipeline(pp_mesh, tied, leaves)
 
 
 def all_reduce_(grads: Any, op: str = "mean", *, group: Any = None, bucket_bytes: int | None = None) -> None:
@@ -157,7 +176,7 @@ def all_reduce_(grads: Any, op: str = "mean", *, group: Any = None, bucket_bytes
     >>> g["w"], g["b"]
     (array([1., 2.], dtype=float32), array([3.], dtype=float32))
     """
-    ranks.all_reduce_(grads, op, group=group, bucket_bytes=bucket_bytes)
+    _ranks.all_reduce_(grads, op, group=group, bucket_bytes=bucket_bytes)
 
 
 def sharded() -> Owned:
@@ -167,10 +186,10 @@ def sharded() -> Owned:
     >>> sharded()("['w']", np.ones(2))
     True
     """
-    return ranks.sharded()
+    return _ranks.sharded()
 
 
-def replicated(group: Any = None, where: OwnedLike | None = None) -> Owned:
+def replicated(group: Any = None, where: _OwnedLike | None = None) -> Owned:
     """Leaves held whole on every rank of ``group`` count on its rank 0 only.
 
     For tensor-parallel duplicates (layer norms, biases of row-parallel
@@ -184,10 +203,10 @@ def replicated(group: Any = None, where: OwnedLike | None = None) -> Owned:
     >>> rule("['ln']", np.ones(2)), rule("['w']", np.ones(2))
     (True, True)
     """
-    return ranks.replicated(group, where)
+    return _ranks.replicated(group, where)
 
 
-def tied(owner_rank: int, group: Any = None, where: OwnedLike | None = None) -> Owned:
+def tied(owner_rank: int, group: Any = None, where: _OwnedLike | None = None) -> Owned:
     """Copies of one parameter on several ranks count on ``owner_rank`` of ``group`` only.
 
     For an embedding tied across pipeline stages (the first and last stage
@@ -204,4 +223,4 @@ def tied(owner_rank: int, group: Any = None, where: OwnedLike | None = None) -> 
     ...
     ValueError: owner_rank: expected a rank of the group, 0 to 0 (a group of 1 rank), got 1
     """
-    return ranks.tied(owner_rank, group, where)
+    return _ranks.tied(owner_rank, group, where)

@@ -1,9 +1,11 @@
 """Every exception class gpuflat raises; each message names what was
 expected and what was found (and the leaf path, where there is one).
 
-This module imports nothing of gpuflat's, so every module, down to the
-lowest (``gpuflat._src.host_compiler``), can raise from it without a cycle.
+This module imports nothing of gpuflat's but ``gpuflat._src.public``
+(which imports nothing of gpuflat's), so every module, down to the lowest
+(``gpuflat._src.host_compiler``), can raise from it without a cycle.
 """
+from ._src import public as _public
 
 __all__ = [
     "BuildError", "CaptureError", "CollectiveError", "EmulatorBuildError", "EmulatorError",
@@ -11,6 +13,7 @@ __all__ = [
     "OverlapError", "StaleResidentError", "TreeMismatchError", "UnknownKernelError", "UnsupportedLeafError",
     "UnwalkableError",
 ]
+__dir__ = _public.listing(__all__)
 
 
 class TreeMismatchError(ValueError):

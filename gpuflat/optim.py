@@ -34,18 +34,33 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._src import checks
-from ._src.layout import HYPER, RULES, Rule
+from ._src import checks as _checks
+from ._src import public as _public
+from ._src.layout import HYPER as _HYPER
+from ._src.layout import RULES as _RULES
+from ._src.layout import Rule as _Rule
 
 if TYPE_CHECKING:
     from ._src.residency import Resident, Storage
 
 __all__ = ["AdamW", "SGD"]
 
-CLIP_EPS = 1e-6  # PyTorch's clip_grad_norm_: max_norm / (norm + 1e-6)
+__dir__ = _public.listing(__all__)
+# Names this module showed in 0.7.0 beside __all__, deprecated.
+if not TYPE_CHECKING:  # see gpuflat._src.public
+    __getattr__ = _public.deprecations(__name__, {
+        "CLIP_EPS": "gpuflat.optim._CLIP_EPS",
+        "FlatStep": "gpuflat.optim._FlatStep",
+        "HYPER": "gpuflat._src.layout.HYPER",
+        "RULES": "gpuflat._src.layout.RULES",
+        "Rule": "gpuflat._src.layout.Rule",
+        "checks": "gpuflat._src.checks",
+    })
+
+_CLIP_EPS = 1e-6  # PyTorch's clip_grad_norm_: max_norm / (norm + 1e-6)
 
 
-class FlatStep:
+class _FlatStep:
     """The state and device tables of one resident model's optimizer.
 
     ``rule`` is the optimizer's :class:`gpuflat._src.layout.Rule`;
@@ -60,8 +75,8 @@ class FlatStep:
 
     >>> import numpy as np, gpuflat as gf
     >>> r = gf.resident({"w": np.ones(2)})
-    >>> flat = FlatStep(r, RULES["sgd"], [0])
-    >>> flat.set_hyper([RULES["sgd"].hyper_row({"lr": 0.5, "weight_decay": 0.0, "momentum": 0.9,
+    >>> flat = _FlatStep(r, _RULES["sgd"], [0])
+    >>> flat.set_hyper([_RULES["sgd"].hyper_row({"lr": 0.5, "weight_decay": 0.0, "momentum": 0.9,
     ...                                         "dampening": 0.5, "nesterov": False})])
     >>> r.grads["w"][:] = 1.0
     >>> flat.step(max_norm=None)
@@ -70,7 +85,7 @@ class FlatStep:
     (array([0.5, 0.5]), array([1., 1.]), array(1.))
     """
 
-    def __init__(self, resident: Resident, rule: Rule, leaf_group: list[int]):
+    def __init__(self, resident: Resident, rule: _Rule, leaf_group: list[int]):
         self.buffers = resident.buffers()
         for s in resident.layout:
             if s.dtype.kind == "c":
@@ -92,7 +107,7 @@ class FlatStep:
             # Whether each group's steps count (Rule.counted_when), by its written hyperparameters.
             self._group_counts: tuple[bool, ...] = (True,) * self.n_groups
             self._route(frozenset())
-            self.hyper = bufs.zeros(max(1, self.n_groups) * HYPER, np.float64)
+            self.hyper = bufs.zeros(max(1, self.n_groups) * _HYPER, np.float64)
             # (the gradients' unscale factor, nonzero to skip the step): a loss scaler's, on the device.
             self.amp = self._table([1.0, 0.0], np.float64)
         self._amp_plain = True
@@ -153,7 +168,7 @@ class FlatStep:
         """
         bufs = self.buffers
         if max_norm is not None:
-            max_norm, p, _ = checks.clip_arguments(max_norm, norm_type, CLIP_EPS)
+            max_norm, p, _ = _checks.clip_arguments(max_norm, norm_type, _CLIP_EPS)
             max_norm = float(max_norm)  # the update kernel takes it by value: a device one is read once
         else:
             p = 2.0
@@ -186,7 +201,7 @@ class FlatStep:
                 bufs.backend.step_(self.rule.name, d.plan, d.params, d.grads,
                                    [s.array for s in states], self.slot_group[b].array, self.hyper.array,
                                    steps, total if max_norm is not None else None,
-                                   0.0 if max_norm is None else max_norm, CLIP_EPS, amp)
+                                   0.0 if max_norm is None else max_norm, _CLIP_EPS, amp)
             return (None if total is None else bufs.to_caller(total),
                     None if not detect else bufs.to_caller(skip))
 
@@ -221,18 +236,18 @@ def _write(table: Storage, host: np.ndarray) -> None:
 class _Flat:
     """What AdamW and SGD share: the groups, the step and the state views."""
 
-    rule: Rule
+    rule: _Rule
 
     def __init__(self, resident: Resident, defaults: dict, groups: list[dict] | None, max_norm: float | None,
                  norm_type: float):
         if max_norm is not None:
-            checks.clip_arguments(max_norm, norm_type, CLIP_EPS)
+            _checks.clip_arguments(max_norm, norm_type, _CLIP_EPS)
         self.resident, self.max_norm, self.norm_type = resident, max_norm, norm_type
         paths = [s.path for s in resident.layout]
         self.groups, leaf_group = _groups(paths, defaults, groups)
         for i, group in enumerate(self.groups):
-            checks.optimizer_options(self.rule.name, group, i)
-        self._flat = FlatStep(resident, self.rule, leaf_group)
+            _checks.optimizer_options(self.rule.name, group, i)
+        self._flat = _FlatStep(resident, self.rule, leaf_group)
         self._flat.set_hyper([self.rule.hyper_row(g) for g in self.groups])
         self.last_grad_norm = None
 
@@ -240,7 +255,7 @@ class _Flat:
         """One update of every parameter; the gradients' norm (before the
         clip, on the device) with ``max_norm``, else None."""
         for i, group in enumerate(self.groups):
-            checks.optimizer_options(self.rule.name, group, i)
+            _checks.optimizer_options(self.rule.name, group, i)
         self._flat.set_hyper([self.rule.hyper_row(g) for g in self.groups])
         self.last_grad_norm = self._flat.step(self.max_norm, self.norm_type)[0]
         return self.last_grad_norm
@@ -275,7 +290,7 @@ class AdamW(_Flat):
     (['exp_avg', 'exp_avg_sq', 'step'], ['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'step'])
     """
 
-    rule = RULES["adamw"]
+    rule = _RULES["adamw"]
 
     def __init__(self, resident: Resident, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
@@ -302,7 +317,7 @@ class SGD(_Flat):
     (array([0.71, 0.71]), array([1.9, 1.9]))
     """
 
-    rule = RULES["sgd"]
+    rule = _RULES["sgd"]
 
     def __init__(self, resident: Resident, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,

@@ -47,13 +47,21 @@ import contextlib
 import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from ._src import clipping, dtensor, ranks, tensor_facts, tensor_table, torch_ops
-from ._src.checks import check_ord, clip_arguments
-from .errors import NonFiniteError, NonFiniteNormError, NonFloatingTensorError
+from ._src import clipping as _clipping
+from ._src import dtensor as _dtensor
+from ._src import public as _public
+from ._src import ranks as _ranks
+from ._src import tensor_facts as _tensor_facts
+from ._src import tensor_table as _tensor_table
+from ._src import torch_ops as _torch_ops
+from ._src.checks import check_ord as _check_ord
+from ._src.checks import clip_arguments as _clip_arguments
+from .errors import NonFiniteError as _NonFiniteError
+from .errors import NonFiniteNormError, NonFloatingTensorError
 
 __all__ = [
     "NonFiniteNormError",
@@ -63,6 +71,20 @@ __all__ = [
     "get_total_norm",
 ]
 __all__ += ["SGD", "AdamW", "GradScaler"]  # gpuflat._src.torch_optim: the flat optimizers
+
+__dir__ = _public.listing(__all__)
+# Names this module showed in 0.7.0 beside __all__ (what it imported), deprecated.
+if not TYPE_CHECKING:  # see gpuflat._src.public
+    __getattr__ = _public.deprecations(__name__, {
+        "NonFiniteError": "gpuflat.errors.NonFiniteError",
+        "check_ord": "gpuflat._src.checks.check_ord",
+        "clip_arguments": "gpuflat._src.checks.clip_arguments",
+        "clipping": "gpuflat._src.clipping",
+        "dtensor": "gpuflat._src.dtensor",
+        "tensor_facts": "gpuflat._src.tensor_facts",
+        "tensor_table": "gpuflat._src.tensor_table",
+        "torch_ops": "gpuflat._src.torch_ops",
+    })
 
 _EPS = 1e-6  # PyTorch's: coef = max_norm / (total_norm + 1e-6)
 
@@ -95,18 +117,18 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
         if pp_mesh is not None or tied is not None or _any_dtensor(tensors):
             return _total_norm_between_graphs(tensors, norm_type, error_if_nonfinite, pp_mesh=pp_mesh, tied=tied)
         traced = _Traced(tensors, ["tensors[{}]".format(i) for i in range(len(tensors))])
-        total = clipping.total_norm(traced, p, error_if_nonfinite, kind=NonFiniteNormError).total
-        return total.to(tensor_table.returned_dtype([t.dtype for t in tensors]))
+        total = _clipping.total_norm(traced, p, error_if_nonfinite, kind=NonFiniteNormError).total
+        return total.to(_tensor_table.returned_dtype([t.dtype for t in tensors]))
     name_of = "tensors[{}]".format
-    table = tensor_table.read(tensors, name_of) if pp_mesh is None and tied is None else None
+    table = _tensor_table.read(tensors, name_of) if pp_mesh is None and tied is None else None
     if table is None:  # DTensors or pipeline stages: over the ranks
         tensors, names = _unique((t, name_of(i)) for i, t in enumerate(tensors))
-        tensor_table.check_floating(tensors, names.__getitem__)
+        _tensor_table.check_floating(tensors, names.__getitem__)
         with _torch_nonfinite_error():
-            total = ranks.global_norm(tensors, p, pp_mesh=pp_mesh, tied=tied,
+            total = _ranks.global_norm(tensors, p, pp_mesh=pp_mesh, tied=tied,
                                       error_if_nonfinite=error_if_nonfinite)
         return _returned(total, tensors)
-    total = clipping.total_norm(table.bound, p, error_if_nonfinite, kind=NonFiniteNormError, name_of=name_of).total
+    total = _clipping.total_norm(table.bound, p, error_if_nonfinite, kind=NonFiniteNormError, name_of=name_of).total
     return total.to(table.returned_dtype)
 
 
@@ -128,22 +150,22 @@ def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max
     if torch.compiler.is_compiling():  # gpuflat's operator, opaque in the graph
         parameters = _parameter_list(parameters, warn_empty=False)
         grads = [p.grad for p in parameters if p.grad is not None]
-        if _any_dtensor(grads) or dtensor.is_dtensor(total_norm):
+        if _any_dtensor(grads) or _dtensor.is_dtensor(total_norm):
             return _scale_between_graphs(parameters, max_norm, total_norm)
         if grads:
             _compiled_scale(grads, max_norm, total_norm)
         return
     grads, facts, name_of = _gradients(_parameter_list(parameters, warn_empty=False))
-    max_norm, _, _ = clip_arguments(max_norm, 2, _EPS)  # the norm comes given: any order passes
-    if dtensor.is_dtensor(total_norm):
+    max_norm, _, _ = _clip_arguments(max_norm, 2, _EPS)  # the norm comes given: any order passes
+    if _dtensor.is_dtensor(total_norm):
         total_norm = cast(Any, total_norm).full_tensor()  # a DTensor: a replicated norm's own local value
     if not grads:
         return
-    table = tensor_table.read(grads, name_of, in_place=True, facts=facts)
+    table = _tensor_table.read(grads, name_of, in_place=True, facts=facts)
     if table is None:  # DTensors: their local shards are scaled, with no redistribution
-        grads = [dtensor.local(g) if dtensor.is_dtensor(g) else g for g in grads]
-        table = cast(tensor_table.Table, tensor_table.read(grads, name_of, in_place=True))  # plain tensors now
-    clipping.scale_by(table.bound, total_norm, max_norm, _EPS)
+        grads = [_dtensor.local(g) if _dtensor.is_dtensor(g) else g for g in grads]
+        table = cast(_tensor_table.Table, _tensor_table.read(grads, name_of, in_place=True))  # plain tensors now
+    _clipping.scale_by(table.bound, total_norm, max_norm, _EPS)
 
 
 @torch.no_grad()
@@ -175,21 +197,21 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         return _compiled_clip(parameters, max_norm, _norm_type(norm_type), error_if_nonfinite)
     parameters = _parameter_list(parameters, warn_empty=True)
     grads, facts, name_of = _gradients(parameters)
-    max_norm, p, _ = clip_arguments(max_norm, _norm_type(norm_type), _EPS)
+    max_norm, p, _ = _clip_arguments(max_norm, _norm_type(norm_type), _EPS)
     plain = pp_mesh is None and tied is None
     if not grads and plain:  # a stage without any joins the others' collective
         return torch.tensor(0.0)
     # Each gradient is read once, for the norm and the scale, and checked before either.
-    table = tensor_table.read(grads, name_of, in_place=True, facts=facts) if plain else None
+    table = _tensor_table.read(grads, name_of, in_place=True, facts=facts) if plain else None
     if table is None:  # DTensors or pipeline stages: over the ranks (a DTensor norm replicated over one mesh)
         tied = _tied_gradients(parameters, tied)
         grads, names = _unique((g, name_of(i)) for i, g in enumerate(grads))
-        tensor_table.check_floating(grads, names.__getitem__)
+        _tensor_table.check_floating(grads, names.__getitem__)
         with _torch_nonfinite_error():
-            total = ranks.clip_grad_norm_(grads, max_norm, p, pp_mesh=pp_mesh, tied=tied, eps=_EPS,
+            total = _ranks.clip_grad_norm_(grads, max_norm, p, pp_mesh=pp_mesh, tied=tied, eps=_EPS,
                                           error_if_nonfinite=error_if_nonfinite)
         return _returned(total, grads)
-    total = clipping.clip_(table.bound, max_norm, p, _EPS, error_if_nonfinite, kind=NonFiniteNormError,
+    total = _clipping.clip_(table.bound, max_norm, p, _EPS, error_if_nonfinite, kind=NonFiniteNormError,
                            name_of=name_of)
     return total.to(table.returned_dtype)
 
@@ -206,7 +228,7 @@ _scale_between_graphs = torch.compiler.disable(clip_grads_with_norm_)
 
 
 def _any_dtensor(tensors: Iterable[torch.Tensor | None]) -> bool:
-    return any(t is not None and dtensor.is_dtensor(t) for t in tensors)
+    return any(t is not None and _dtensor.is_dtensor(t) for t in tensors)
 
 
 def _compiled_clip(parameters: list[torch.Tensor], max_norm: Any, p: float,
@@ -220,11 +242,11 @@ def _compiled_clip(parameters: list[torch.Tensor], max_norm: Any, p: float,
     if not grads:
         return torch.tensor(0.0)
     traced = _Traced(grads, [f"parameters[{k}].grad" for k, _ in given])
-    total = clipping.clip_(traced, max_norm, p, _EPS, error_if_nonfinite, kind=NonFiniteNormError)
-    return total.to(tensor_table.returned_dtype([g.dtype for g in grads]))
+    total = _clipping.clip_(traced, max_norm, p, _EPS, error_if_nonfinite, kind=NonFiniteNormError)
+    return total.to(_tensor_table.returned_dtype([g.dtype for g in grads]))
 
 
-class _Traced(clipping.Bound):
+class _Traced(_clipping.Bound):
     """Tensors bound as TorchDynamo traces them: the norm (in float64) and the
     scale are gpuflat's operators, opaque in the graph, whose insides are an
     eager table's bound (``gpuflat._src.torch_ops``). Checking the norm reads
@@ -236,17 +258,17 @@ class _Traced(clipping.Bound):
     def place(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()  # each operator places its own work
 
-    def norm(self, p: float) -> clipping.Norm:
-        return clipping.Norm(torch_ops.total_norm(self.tensors, p), None, [])
+    def norm(self, p: float) -> _clipping.Norm:
+        return _clipping.Norm(_torch_ops.total_norm(self.tensors, p), None, [])
 
-    def finite(self, norm: clipping.Norm) -> bool:
+    def finite(self, norm: _clipping.Norm) -> bool:
         return bool(torch.isfinite(norm.total))
 
-    def culprit(self, norm: clipping.Norm, p: float, name_of: Callable[[int], str] | None = None) -> str | None:
+    def culprit(self, norm: _clipping.Norm, p: float, name_of: Callable[[int], str] | None = None) -> str | None:
         bad = next((name for name, t in zip(self.names, self.tensors) if not torch.isfinite(t).all()), None)
         return None if bad is None else f"leaf {bad!r}"
 
-    def scale_(self, norm: clipping.Norm, max_norm: Any, eps: float) -> None:
+    def scale_(self, norm: _clipping.Norm, max_norm: Any, eps: float) -> None:
         _compiled_scale(self.tensors, max_norm, norm.total, eps)
 
 
@@ -255,9 +277,9 @@ def _compiled_scale(grads: list[torch.Tensor], max_norm: Any, total: torch.Tenso
     number by value, a 0-d tensor read where it lies (no host read)."""
     max_norm = _compiled_max_norm(max_norm)
     if isinstance(max_norm, torch.Tensor):
-        torch_ops.scale_by_tensor_norm_(grads, max_norm, total, eps)
+        _torch_ops.scale_by_tensor_norm_(grads, max_norm, total, eps)
     else:
-        torch_ops.scale_by_norm_(grads, max_norm, total, eps)
+        _torch_ops.scale_by_norm_(grads, max_norm, total, eps)
 
 
 def _compiled_max_norm(max_norm: Any) -> float | torch.Tensor:
@@ -265,7 +287,7 @@ def _compiled_max_norm(max_norm: Any) -> float | torch.Tensor:
     whose value is not read on the host (a traced function cannot branch on
     it; the eager clip reads a host tensor's value to check it)."""
     if not isinstance(max_norm, torch.Tensor):
-        return clip_arguments(max_norm, 2, _EPS)[0]
+        return _clip_arguments(max_norm, 2, _EPS)[0]
     if max_norm.dim() != 0 or not max_norm.dtype.is_floating_point:
         raise ValueError(f"max_norm: expected a number >= 0 or a 0-d real floating tensor, got one of shape "
                          f"{tuple(max_norm.shape)} and dtype {str(max_norm.dtype).removeprefix('torch.')}")
@@ -287,7 +309,7 @@ def _norm_type(norm_type: float | str) -> float:
             value = float(norm_type)
         except ValueError:
             pass
-    return check_ord(value, "norm_type")
+    return _check_ord(value, "norm_type")
 
 
 def _parameter_list(parameters: torch.Tensor | Iterable[torch.Tensor], warn_empty: bool) -> list[torch.Tensor]:
@@ -304,7 +326,7 @@ def _parameter_list(parameters: torch.Tensor | Iterable[torch.Tensor], warn_empt
 def _gradients(parameters: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any, Callable[[int], str]]:
     """(the gradients of the parameters that have one, their facts
     (``tensor_facts``), a function naming the i-th of them)."""
-    grads, facts = tensor_facts.gradients(parameters)
+    grads, facts = _tensor_facts.gradients(parameters)
     owners: list = []  # which parameter each gradient belongs to, found on the first call
 
     def name_of(i: int) -> str:  # on error, or for every gradient on the DTensor path
@@ -350,7 +372,7 @@ def _returned(total: Any, tensors: list[torch.Tensor]) -> torch.Tensor:
     dtype to round to, and the norm stays the float64 the stages combined."""
     if not tensors:
         return torch.as_tensor(total)
-    return total.to(tensor_table.returned_dtype([t.dtype for t in tensors]))
+    return total.to(_tensor_table.returned_dtype([t.dtype for t in tensors]))
 
 
 # ---------------------------------------------------------------- DTensors
@@ -360,7 +382,7 @@ def _torch_nonfinite_error() -> Iterator[None]:
     """gpuflat._src.ranks' NonFiniteError raised as NonFiniteNormError, the RuntimeError PyTorch raises."""
     try:
         yield
-    except NonFiniteError as err:
+    except _NonFiniteError as err:
         raise NonFiniteNormError(str(err)) from None
 
 

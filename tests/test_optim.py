@@ -20,9 +20,11 @@ from gpuflat._src.backends.cuda import ITEM
 from gpuflat._src.backends.selection import get_backend
 from gpuflat._src.dtypes import TAGS
 from gpuflat._src.layout import PARAM_ROW_FIELDS, RULES
-from gpuflat.optim import CLIP_EPS, SGD, AdamW
+from gpuflat.optim import SGD, AdamW
 
 from conftest import BACKENDS, BF16, assert_bits_equal
+
+CLIP_EPS = 1e-6  # PyTorch's clip_grad_norm_: max_norm / (norm + 1e-6), the reference's own
 
 REAL = [np.dtype(np.float16)] + ([BF16] if BF16 is not None else []) + [np.dtype(np.float32), np.dtype(np.float64)]
 
