@@ -76,7 +76,6 @@ DEPRECATED = {
         "clipping": "gpuflat._src.clipping",
         "device_scope": "gpuflat._src.arrays.device_scope",
         "dtensor": "gpuflat._src.dtensor",
-        "external_stream": "gpuflat._src.arrays.external_stream",
         "get_backend": "gpuflat._src.backends.selection.get_backend",
         "is_bfloat16": "gpuflat._src.dtypes.is_bfloat16",
         "is_module": "gpuflat._src.arrays.is_module",
