@@ -92,7 +92,7 @@ $(FLOOR_VENV)/.ready: pyproject.toml constraints.txt constraints-floor.txt
 
 test-floor: $(FLOOR_VENV)/.ready
 	$(FLOOR_VENV)/bin/python -c "import numpy; print('NumPy', numpy.__version__)"
-	$(FLOOR_VENV)/bin/python -m pytest -q $(FLOOR_TESTS)
+	GPUFLAT_LANE_WITHOUT=torch,jax $(FLOOR_VENV)/bin/python -m pytest -q -rs $(FLOOR_TESTS)
 
 $(BENCH_VENV)/.ready: pyproject.toml constraints.txt
 	rm -rf $(BENCH_VENV)
