@@ -418,6 +418,14 @@ def test_a_dead_cupy_array_at_the_same_identity_is_not_taken_for_it(cp):
     assert seen.walk_again(tree) is None
 
 
+def test_a_numpy_tree_at_a_cupy_records_identity_is_walked_not_read_as_cupy(cp):
+    # Records are found by the root's identity, which a new tree may take once
+    # the recorded one died: its NumPy leaves have no CuPy attributes to read.
+    tree = _recorded({"w": cp.asarray(np.ones(4)), "b": cp.asarray(np.ones(1))})
+    seen = _seen.trees._entries.find(id(tree))
+    assert seen.walk_again({"w": np.ones(4), "b": np.ones(1)}) is None
+
+
 def test_a_cupy_leaf_reshaped_in_place_is_read_again(cp):
     # CuPy's ``a.shape = ...`` sets a live array's shape and strides in place;
     # the stand-in's are its host array's.

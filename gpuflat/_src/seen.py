@@ -138,6 +138,11 @@ class SeenTree:
 
     def _same_facts(self, arrays) -> bool:
         if self.kind is not np.ndarray:
+            # The ids, then the liveness, before any CuPy attribute is read:
+            # only the recorded arrays themselves have them (a tree of NumPy
+            # arrays can take a dead CuPy tree's identity).
+            if list(map(id, arrays)) != self.ids or not self.alive[0]:
+                return False
             with _tree.collector_paused():  # the shapes' and strides' tuples: thousands, none in a cycle
                 return device_array_facts(arrays) == self.facts
         now = array_facts(arrays, len(self.facts))
