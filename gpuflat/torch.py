@@ -58,8 +58,8 @@ from ._src import ranks as _ranks
 from ._src import tensor_facts as _tensor_facts
 from ._src import tensor_table as _tensor_table
 from ._src import torch_ops as _torch_ops
-from ._src.checks import check_ord as _check_ord
 from ._src.checks import clip_arguments as _clip_arguments
+from ._src.checks import torch_norm_type as _torch_norm_type
 from .errors import NonFiniteError as _NonFiniteError
 from .errors import NonFiniteNormError, NonFloatingTensorError
 
@@ -110,7 +110,7 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
     tensor(0.)
     """
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    p = _norm_type(norm_type)
+    p = _torch_norm_type(norm_type)
     if not tensors and pp_mesh is None and tied is None:  # a stage without any joins the others' collective
         return torch.tensor(0.0)
     if torch.compiler.is_compiling():  # gpuflat's operator, opaque in the graph
@@ -194,10 +194,10 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         if pp_mesh is not None or tied is not None or _any_dtensor(q.grad for q in parameters):
             return _clip_between_graphs(parameters, max_norm, norm_type, error_if_nonfinite, pp_mesh=pp_mesh,
                                         tied=tied)
-        return _compiled_clip(parameters, max_norm, _norm_type(norm_type), error_if_nonfinite)
+        return _compiled_clip(parameters, max_norm, _torch_norm_type(norm_type), error_if_nonfinite)
     parameters = _parameter_list(parameters, warn_empty=True)
     grads, facts, name_of = _gradients(parameters)
-    max_norm, p, _ = _clip_arguments(max_norm, _norm_type(norm_type), _EPS)
+    max_norm, p, _ = _clip_arguments(max_norm, _torch_norm_type(norm_type), _EPS)
     plain = pp_mesh is None and tied is None
     if not grads and plain:  # a stage without any joins the others' collective
         return torch.tensor(0.0)
@@ -295,22 +295,6 @@ def _compiled_max_norm(max_norm: Any) -> float | torch.Tensor:
 
 
 # ---------------------------------------------------------------- arguments
-
-def _norm_type(norm_type: float | str) -> float:
-    """``norm_type`` read as PyTorch reads it (``float(norm_type)``, so the
-    string ``'inf'`` too), checked: 1, 2, inf or any p > 0.
-
-    >>> _norm_type("inf"), _norm_type(1.5)
-    (inf, 1.5)
-    """
-    value = norm_type
-    if isinstance(norm_type, str):
-        try:
-            value = float(norm_type)
-        except ValueError:
-            pass
-    return _check_ord(value, "norm_type")
-
 
 def _parameter_list(parameters: torch.Tensor | Iterable[torch.Tensor], warn_empty: bool) -> list[torch.Tensor]:
     if isinstance(parameters, torch.Tensor):
