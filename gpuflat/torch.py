@@ -371,3 +371,4 @@ def _torch_nonfinite_error() -> Iterator[None]:
 
 
 from ._src.torch_optim import SGD, AdamW, GradScaler
+from ._src.torch_optim import FlatOptimizer as _FlatOptimizer

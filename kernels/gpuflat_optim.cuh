@@ -325,3 +325,51 @@ __device__ __forceinline__ double gf_sgd_row_step(const ParamRow& r, const doubl
 __device__ __forceinline__ bool gf_counts(const ParamRow& r, const double* hyper, long long counted_field) {
     return r.step != 0 && (counted_field < 0 || hyper[r.group * GF_HYPER + counted_field] != 0.0);
 }
+
+// ---------------------------------------------------------------- rules as data
+// A rule of gpuflat._src.layout.RULES with a `kernel` struct R is updated by
+// the generic kernels (gpuflat_rule, gpuflat_rule_rows in optim.cu) and the
+// host library's generic loops, whatever it computes. Its header (the
+// rule's `header`, included through the written gpuflat_rules.h) defines R:
+//   static constexpr int STATES;  // its state tensors (1 to GF_GENERIC_STATES),
+//                                 // a row's state0... in Rule.state_names order
+//   template <class C> struct coefs;  // a group's scalars in the compute type
+//   template <class C> static coefs<C> setup(const double* h, double step, double factor, double lr);
+//   template <class C> static void math(C& p, C g, C (&s)[STATES], const coefs<C>& k);
+// setup takes the group's hyperparameter row h, the step count after this
+// step, the clip and unscale factor (gf_group_factor applies maximize) and
+// the group's learning rate; math updates one element in the compute type,
+// every operation rounded. The loads, stores, vectors and rows are the
+// kernels' own, so a rule is only its arithmetic.
+
+// A row's state tensor t (0: state0).
+__device__ __forceinline__ long long gf_row_state(const ParamRow& r, int t) {
+    return t == 0 ? r.state0 : t == 1 ? r.state1 : r.state2;
+}
+
+// A generic rule's step count after this step: its stored count plus one,
+// or 1 where the row keeps none.
+__device__ __forceinline__ double gf_rule_row_step(const ParamRow& r) {
+    return r.step != 0 ? (double)*(const float*)r.step + 1.0 : 1.0;
+}
+
+// Element i of a parameter, its gradient and a generic rule's states, in place.
+template <class R, class S, class K>
+__device__ __forceinline__ void gf_rule_one(S* __restrict__ p, const S* __restrict__ g, S* const* s,
+                                            long long i, const K& k) {
+    using C = typename gf_compute<S>::type;
+    C pc = gf_load<C>(p[i]), sc[R::STATES];
+#pragma unroll
+    for (int t = 0; t < R::STATES; ++t) sc[t] = gf_load<C>(s[t][i]);
+    R::math(pc, gf_load<C>(g[i]), sc, k);
+    gf_store(p[i], pc);
+#pragma unroll
+    for (int t = 0; t < R::STATES; ++t) gf_store(s[t][i], sc[t]);
+}
+
+// Elements first, first + STRIDE, ... (n of them) of a generic rule's tensors.
+template <class R, int STRIDE, class S, class K>
+__device__ __forceinline__ void gf_rule_range(S* __restrict__ p, const S* __restrict__ g, S* const* s,
+                                              long long first, long long n, const K& k) {
+    for (long long j = 0; j < n; ++j) gf_rule_one<R>(p, g, s, first + j * STRIDE, k);
+}

@@ -12,6 +12,9 @@
 // (max_exp_avg_sq) is read only for the groups with amsgrad: null where
 // none has it.
 #include "gpuflat_optim.cuh"
+// The rules with a kernel struct, their headers included (written from
+// gpuflat._src.layout.RULES).
+#include "gpuflat_rules.h"
 
 // fn(h, step, first, n) for every item of a parameter (padding is skipped):
 // h is its group's hyperparameter row and step its step count, and the lane
@@ -56,6 +59,27 @@ gpuflat_sgd(const Item* __restrict__ items, long long n_items, const long long* 
     gf_for_param_items(items, n_items, slot_group, hyper, steps, amp, [&](const double* h, double step, long long first,
                                                                           long long n) {
         gf_sgd_range<GF_WARP>(p, g, buf, first, n, gf_sgd_setup<C>(h, step, factor, h[0]));
+    });
+}
+
+// A generic rule R (gpuflat_optim.cuh) over a flat buffer: its states in
+// s0... (GF_GENERIC_STATES arguments, those past R::STATES unread).
+template <class R, class S>
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_rule(const Item* __restrict__ items, long long n_items, const long long* __restrict__ slot_group,
+             const double* __restrict__ hyper, const double* __restrict__ steps, S* p, const S* g, S* s0, S* s1,
+             S* s2, const double* __restrict__ total, double max_norm, double eps, long long clip,
+             const double* __restrict__ amp) {
+    static_assert(R::STATES >= 1 && R::STATES <= GF_GENERIC_STATES, "a generic rule keeps 1 to 3 state tensors");
+    using C = typename gf_compute<S>::type;
+    S* const all[GF_GENERIC_STATES] = {s0, s1, s2};
+    S* s[R::STATES];
+#pragma unroll
+    for (int t = 0; t < R::STATES; ++t) s[t] = all[t];
+    const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
+    gf_for_param_items(items, n_items, slot_group, hyper, steps, amp, [&](const double* h, double step, long long first,
+                                                                          long long n) {
+        gf_rule_range<R, GF_WARP>(p, g, s, first, n, R::template setup<C>(h, step, factor, h[0]));
     });
 }
 
@@ -303,6 +327,65 @@ gpuflat_sgd_rows(const Item* __restrict__ items, long long n_items, const ParamR
                 if (k.has_momentum) *store(2) = B.raw;
             },
             [&](long long i) { gf_sgd_one(t[0][i], t[1][i], t[2][i], k); });
+    });
+}
+
+// A generic rule R (gpuflat_optim.cuh) over a table of rows: whole 16-byte
+// vectors where every tensor's item starts aligned, as the AdamW rows.
+template <class R, class S>
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_rule_rows(const Item* __restrict__ items, long long n_items, const ParamRow* __restrict__ rows,
+                  const double* __restrict__ hyper, const long long* __restrict__ lr_at,
+                  const double* __restrict__ total, double max_norm, double eps, long long clip,
+                  const double* __restrict__ amp) {
+    static_assert(R::STATES >= 1 && R::STATES <= GF_GENERIC_STATES, "a generic rule keeps 1 to 3 state tensors");
+    using C = typename gf_compute<S>::type;
+    constexpr int N = 2 + R::STATES, E = gf_group<S>::GROUP;
+    gf_for_row_items(items, n_items, rows, amp, [&](const ParamRow& r, const Item& item, int lane) {
+        const double* h = hyper + r.group * GF_HYPER;
+        const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
+        const auto k = R::template setup<C>(h, gf_rule_row_step(r), factor, gf_group_lr(h, lr_at, r.group));
+        S* t[N];
+        t[0] = (S*)r.param;
+        t[1] = (S*)r.grad;
+        const long long at = item.start * (long long)sizeof(S);
+        long long addresses = (r.param + at) | (r.grad + at);
+#pragma unroll
+        for (int u = 0; u < R::STATES; ++u) {
+            t[2 + u] = (S*)gf_row_state(r, u);
+            addresses |= gf_row_state(r, u) + at;
+        }
+        S* s[R::STATES];
+#pragma unroll
+        for (int u = 0; u < R::STATES; ++u) s[u] = t[2 + u];
+        gf_row_item(t, item, lane, (addresses & 15) == 0,
+            [&](auto load, auto store) {
+                gf_vec<S> x[N];
+#pragma unroll
+                for (int u = 0; u < N; ++u) x[u].raw = *load(u);
+#pragma unroll
+                for (int i = 0; i < gf_vec<S>::V / E; ++i) {
+                    C c[N][E];  // param, grad, the states
+#pragma unroll
+                    for (int u = 0; u < N; ++u) gf_unpack(x[u], i, c[u]);
+#pragma unroll
+                    for (int e = 0; e < E; ++e) {
+                        C st[R::STATES];
+#pragma unroll
+                        for (int u = 0; u < R::STATES; ++u) st[u] = c[2 + u][e];
+                        R::math(c[0][e], c[1][e], st, k);
+#pragma unroll
+                        for (int u = 0; u < R::STATES; ++u) c[2 + u][e] = st[u];
+                    }
+#pragma unroll
+                    for (int u = 0; u < N; ++u)
+                        if (u != 1) gf_pack(x[u], i, c[u]);
+                }
+#pragma unroll
+                for (int u = 0; u < N; ++u)
+                    if (u != 1) *store(u) = x[u].raw;  // the gradient is only read
+            },
+            [&](long long i) { gf_rule_one<R>(t[0], t[1], s, i, k); });
     });
 }
 

@@ -30,12 +30,12 @@ import pytest
 from gpuflat._src import kernel_loader as kl
 from gpuflat._src.backends import cuda
 from gpuflat._src.dtypes import CUDA_NAMES
-from gpuflat._src.layout import AMSGRAD_MIN_BLOCKS_PER_SM, BLOCK_THREADS
+from gpuflat._src.layout import AMSGRAD_MIN_BLOCKS_PER_SM, BLOCK_THREADS, RULES
 
-# The optimizers' updates over PyTorch's parameters count for float32 and
-# the 16-bit dtypes; float64's AdamW needs register pairs for every value and
+# The optimizers' updates over PyTorch's parameters (every rule's, the
+# generic kernel's instantiations too) count for float32 and the 16-bit dtypes; float64's AdamW needs register pairs for every value and
 # spills under every gated NVRTC, a dtype no model trains in on a GPU.
-OPTIM_ROWS = [kl.optim_rows_name(rule, c) for rule in kl.OPTIM_RULES for c in ("float", "f16", "bf16")]
+OPTIM_ROWS = [rule.rows_kernel(c) for rule in RULES.values() for c in ("float", "f16", "bf16")]
 HOT = ([kl.gather_name(d) for d in CUDA_NAMES] + [kl.scatter_name(d) for d in CUDA_NAMES]
        + [kl.norm_partial_name(k) for k in kl.NORM_KINDS] + [kl.SCALE_NAME, kl.SCALE_AT_NAME] + OPTIM_ROWS)
 MAX_REGISTERS = 64
@@ -43,7 +43,7 @@ MAX_REGISTERS = 64
 # per SM: at four, ptxas spilled 40 to 48 bytes of its 16-bit rows; three
 # leave each thread 85 registers, of which the gated NVRTCs use 58 to 78
 # (float32 and 16-bit), spilling nothing.
-AMSGRAD_ROWS = [kl.optim_rows_name("adamw", c, "amsgrad") for c in ("float", "f16", "bf16")]
+AMSGRAD_ROWS = [RULES["adamw"].rows_kernel(c, "amsgrad") for c in ("float", "f16", "bf16")]
 AMSGRAD_MAX_REGISTERS = 65536 // (BLOCK_THREADS * AMSGRAD_MIN_BLOCKS_PER_SM)
 # (stack frame, spill store, spill load) bytes each hot kernel may have, by
 # the NVRTC (major, minor) that built it and the architecture; a kernel not
@@ -103,7 +103,7 @@ def test_sm_90_spills_only_the_16_bit_adamw_rows_under_13_5():
     # NVRTC, but for CUDA 13.5's 16-bit AdamW rows (8 bytes, once per row).
     spilling = {(version, name) for (version, arch), ceilings in SPILL_CEILINGS.items() if arch == "sm_90"
                 for name in ceilings}
-    assert spilling == {((13, 5), kl.optim_rows_name("adamw", c)) for c in ("f16", "bf16")}
+    assert spilling == {((13, 5), RULES["adamw"].rows_kernel(c)) for c in ("f16", "bf16")}
 
 
 @pytest.mark.parametrize("major,arch", kernel_builds.GATED)

@@ -29,6 +29,7 @@ import pytest
 
 from gpuflat._src import kernel_loader as kl
 from gpuflat._src.dtypes import bfloat16
+from gpuflat._src.layout import RULES
 
 import kernel_builds
 
@@ -161,7 +162,11 @@ def test_hot_loop_instructions_per_element(what, per, limit, major):
 MAX_OPTIM = 60.0
 # Tensors read and written per element, by rule and flag state (the AMSGrad
 # instantiation's vector loop for its groups: max_exp_avg_sq too).
-TENSORS = {("adamw", None): (4, 3), ("adamw", "amsgrad"): (5, 4), ("sgd", None): (3, 2)}
+TENSORS = {("adamw", None): (4, 3), ("adamw", "amsgrad"): (5, 4), ("sgd", None): (3, 2),
+           # A generic rule's kernel reads the parameter, the gradient and its
+           # states, and writes all but the gradient.
+           **{(rule.name, None): (2 + len(rule.state_names), 1 + len(rule.state_names))
+              for rule in RULES.values() if rule.kernel is not None}}
 # A 16-bit element costs what a float32 one does besides its conversions,
 # which no float32 element has, and those take one instruction each: one
 # per element read (a shift or a mask for bfloat16, HADD2.F32 for float16)
@@ -178,7 +183,7 @@ def _optim_loop(major: int, rule: tuple, c_name: str, per_vector: int) -> tuple[
     of it updates."""
     read, written = TENSORS[rule]
     found = []
-    for ops in _loops(major, kl.optim_rows_name(rule[0], c_name, rule[1])):
+    for ops in _loops(major, RULES[rule[0]].rows_kernel(c_name, rule[1])):
         loads, stores = _count(ops, VECTOR_LOAD), _count(ops, VECTOR_STORE)
         if loads and loads * written == stores * read:
             found.append((ops, loads // read * per_vector))

@@ -17,7 +17,7 @@ _LITERAL_TYPE = {"0.0f": "float", "0.0": "double"}
 
 
 def _defines(name: str) -> dict:
-    return {k: int(v) for k, v in re.findall(r"^#define (GF_\w+) (\d+)", SOURCES[name], re.M)}
+    return {k: int(v) for k, v in re.findall(r"^#define (GF_\w+) (\d+)$", SOURCES[name], re.M)}
 
 
 def _struct_words(name: str) -> int:
@@ -63,9 +63,11 @@ def test_the_host_library_reads_each_tag():
     assert tuple(int(s) for s in sizes.split(",")) == layout.ITEMSIZES
 
 
-@pytest.mark.parametrize("name", ["host/host_backend.cpp", "host/host_optim.cpp"])
-def test_the_host_libraries_work_item_is_the_layouts(name):
-    assert re.search(r"constexpr long long ITEM = (\d+);", SOURCES[name]).group(1) == str(layout.ITEM)
+def test_the_host_libraries_work_item_is_the_layouts():
+    assert re.search(r"constexpr long long ITEM = (\d+);", SOURCES["host/host_backend.cpp"]).group(1) \
+        == str(layout.ITEM)
+    assert "constexpr long long ITEM = GF_ITEM;" in SOURCES["host/host_optim.cpp"]
+    assert _defines(layout.RULES_HEADER)["GF_ITEM"] == layout.ITEM
     # Every item of a leaf starts as aligned as the leaf: 32 lanes of 16-byte vectors of 2-byte elements.
     assert layout.ITEM % (32 * 8) == 0
 
@@ -79,16 +81,32 @@ def test_the_norm_kinds_are_the_kernels():
 def test_the_optimizer_rows_and_rules_are_the_kernels():
     defines = _defines("gpuflat_optim.cuh")
     assert defines["GF_HYPER"] == layout.HYPER
-    assert all(len(fields) <= layout.HYPER and fields[0] == "lr" for fields in layout.OPTIM_RULES.values())
-    assert all(fields[layout.MAXIMIZE_FIELD] == "maximize" for fields in layout.OPTIM_RULES.values())
+    fields = [rule.hyper for rule in layout.RULES.values()]
+    assert all(len(f) <= layout.HYPER and f[0] == "lr" and f[layout.MAXIMIZE_FIELD] == "maximize" for f in fields)
     assert defines["GF_HYPER_MAXIMIZE"] == layout.MAXIMIZE_FIELD
     assert defines["GF_HYPER_AMSGRAD"] == layout.RULES["adamw"].hyper.index("amsgrad")
     assert defines["GF_AMSGRAD_MIN_BLOCKS_PER_SM"] == layout.AMSGRAD_MIN_BLOCKS_PER_SM
-    host = SOURCES["host/host_optim.cpp"]
-    numbered = dict(re.findall(r"(\d+): (\w+) \(states", host))
-    assert {int(k): v.lower() for k, v in numbered.items()} == {layout.rule_id(r): r for r in layout.OPTIM_RULES}
-    assert f"if (rule == {layout.rule_id('adamw')}) adamw<S>" in host
     assert set(layout.OPTIM_DTYPES) <= set(layout.C_NAMES)
+
+
+def test_the_written_header_holds_the_rules_and_tags():
+    # The host library reads rule numbers and dtype tags only through
+    # gpuflat_rules.h, which the layout writes: no literal can drift.
+    defines = _defines(layout.RULES_HEADER)
+    assert {k.removeprefix("GF_RULE_").lower(): v for k, v in defines.items() if k.startswith("GF_RULE_")} \
+        == {name: rule.number for name, rule in layout.RULES.items()}
+    assert {k.removeprefix("GF_TAG_"): v for k, v in defines.items() if k.startswith("GF_TAG_")} \
+        == {c_name: tag for tag, _, c_name, _ in layout.DTYPES}
+    assert len({rule.number for rule in layout.RULES.values()}) == len(layout.RULES)
+    host = SOURCES["host/host_optim.cpp"]
+    assert not re.search(r"case \d+:", host) and "GF_GENERIC_RULES(GF_RULE_CASE)" in host
+    generic = [rule for rule in layout.RULES.values() if rule.kernel is not None]
+    listed = re.search(r"#define GF_GENERIC_RULES\(X\) (.*)", SOURCES[layout.RULES_HEADER]).group(1)
+    assert listed.strip() == " ".join(f"X({rule.number}, {rule.kernel})" for rule in generic)
+    for rule in generic:
+        assert f'#include "{rule.header}"' in SOURCES[layout.RULES_HEADER]
+        assert f"struct {rule.kernel} " in SOURCES[rule.header]
+        assert len(rule.state_names) <= layout.GENERIC_STATES and not rule.flag_states
 
 
 def test_the_numpy_dtypes_follow_the_rows():

@@ -18,6 +18,7 @@ from . import tree as _tree
 from .dtypes import admit
 from ..errors import OverlapError, TreeMismatchError, UnsupportedLeafError
 from .identity import CONTIGUOUS, Layout, SameArrays, flag_bits
+from .layout import RULES
 from .overlap import find_overlap
 from .seen import trees
 
@@ -353,12 +354,5 @@ def optimizer_options(rule: str, group: dict, i: int) -> None:
         need(float(lr) >= 0.0, "lr >= 0", lr)
         need(math.isfinite(float(lr)), "a finite lr", lr)
     need(float(group["weight_decay"]) >= 0.0, "weight_decay >= 0", group["weight_decay"])
-    if rule == "adamw":
-        betas = group["betas"]
-        need(len(betas) == 2 and all(0.0 <= float(b) < 1.0 for b in betas), "betas in [0, 1)", betas)
-        need(float(group["eps"]) >= 0.0, "eps >= 0", group["eps"])
-    else:
-        m, d = float(group["momentum"]), float(group["dampening"])
-        need(m >= 0.0, "momentum >= 0", group["momentum"])
-        need(not group["nesterov"] or (m > 0.0 and d == 0.0),
-             "nesterov only with momentum > 0 and dampening 0", (m, d))
+    for check in RULES[rule].checks:
+        need(check.accept(group), check.expected, check.shown(group))

@@ -36,7 +36,7 @@ import numpy as np
 
 from gpuflat._src import host_compiler
 from gpuflat._src.dtypes import C_NAMES, c_name
-from gpuflat._src.layout import NORM_KINDS, OPTIM_DTYPES, OPTIM_RULES, RULES, norm_kind
+from gpuflat._src.layout import NORM_KINDS, RULES, RULES_HEADER, norm_kind, rules_header
 
 # NVRTC's options, for the compile checks and the GPU alike. No fast-math,
 # and flush-to-zero off (NVRTC's default): NaN, inf and subnormals must
@@ -104,7 +104,8 @@ def name_expressions() -> list[str]:
     dtype of gpuflat._src.dtypes is instantiated, whether or not the package that
     provides it (ml_dtypes, for bfloat16) is installed.
 
-    >>> len(name_expressions()) == 2 * len(C_NAMES) + 2 * len(NORM_KINDS) + 2 + (2 + 3) * 4 + 1
+    >>> rules = sum(len(rule.kernel_names()) for rule in RULES.values())
+    >>> len(name_expressions()) == 2 * len(C_NAMES) + 2 * len(NORM_KINDS) + 2 + rules + 1
     True
     >>> "gpuflat_gather<bf16>" in name_expressions()
     True
@@ -115,36 +116,13 @@ def name_expressions() -> list[str]:
     for kind in NORM_KINDS:
         names += [norm_partial_name(kind), norm_finish_name(kind)]
     names += [SCALE_NAME, SCALE_AT_NAME]
-    names += [optim_name(rule, d) for rule in OPTIM_RULES for d in OPTIM_DTYPES]
-    names += [optim_rows_name(rule.name, d, flag) for rule in RULES.values()
-              for flag in (None, *(f for f, _ in rule.flag_states)) for d in OPTIM_DTYPES]
+    names += [name for rule in RULES.values() for name in rule.kernel_names()]
     names.append(COUNT_STEPS_NAME)
     return names
 
 
 # The step counts of a tensor-list step, moved after its update.
 COUNT_STEPS_NAME = "gpuflat_count_steps"
-
-
-def optim_rows_name(rule: str, c_name: str, flag: str | None = None) -> str:
-    """Name expression of an optimizer's update kernel over a table of
-    PyTorch's parameters (one ParamRow each) of C++ type ``c_name``; with
-    ``flag`` (one of the rule's ``flag_states``), the instantiation for a
-    step in which some group sets it, which reads that flag's state.
-
-    >>> optim_rows_name("sgd", "bf16"), optim_rows_name("adamw", "f16", "amsgrad")
-    ('gpuflat_sgd_rows<bf16>', 'gpuflat_adamw_amsgrad_rows<f16>')
-    """
-    return f"gpuflat_{rule}{'_' + flag if flag else ''}_rows<{c_name}>"
-
-
-def optim_name(rule: str, c_name: str) -> str:
-    """Name expression of an optimizer's update kernel over a buffer of C++ type ``c_name``.
-
-    >>> optim_name("adamw", "float")
-    'gpuflat_adamw<float>'
-    """
-    return f"gpuflat_{rule}<{c_name}>"
 
 
 def kernel_dir() -> Path:
@@ -175,25 +153,27 @@ def emulator_header(directory: Path | None = None) -> Path:
 
 
 def sources(directory: Path | None = None) -> dict[str, str]:
-    """File name -> text of every ``*.cu`` and ``*.cuh`` in the kernel directory.
+    """File name -> text of every ``*.cu`` and ``*.cuh`` in the kernel
+    directory, and of the header written from the layout (``gpuflat_rules.h``,
+    :func:`gpuflat._src.layout.rules_header`).
 
-    >>> sorted(n for n in sources() if n.endswith(".cu"))
-    ['gather_scatter.cu', 'norms.cu', 'optim.cu']
+    >>> sorted(n for n in sources() if n.endswith(".cu")), RULES_HEADER in sources()
+    (['gather_scatter.cu', 'norms.cu', 'optim.cu'], True)
     """
     d = Path(directory) if directory is not None else kernel_dir()
     files = sorted(list(d.glob("*.cu")) + list(d.glob("*.cuh")))
-    return {f.name: f.read_text() for f in files}
+    return {**{f.name: f.read_text() for f in files}, RULES_HEADER: rules_header()}
 
 
 def cache_key(directory: Path | None = None) -> str:
     """SHA-256 over every file under the kernel directory, emulator header too,
-    and the NVRTC options.
+    the header written from the layout, and the NVRTC options.
 
     Hashing the files themselves, not just the top-level source text, means an
     edited header always yields a new compiled module.
     """
     d = Path(directory) if directory is not None else kernel_dir()
-    return host_compiler.digest([*OPTIONS, host_compiler.tree_digest(d)])
+    return host_compiler.digest([*OPTIONS, host_compiler.tree_digest(d), rules_header()])
 
 
 def assembled_source(directory: Path | None = None) -> str:

@@ -16,7 +16,9 @@ fails when one drifts from this module.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
@@ -103,16 +105,42 @@ def norm_kind(p: float) -> str:
 
 
 @dataclass(frozen=True)
-class Rule:
-    """An optimizer rule as the kernels and the host library know it.
+class Check:
+    """One of a rule's checks of a parameter group's options, PyTorch's where
+    it has the optimizer: what is expected (for the message), whether a
+    group's options meet it, and what the message shows of them.
 
-    ``number`` is their rule argument; ``hyper`` the fields of its
-    hyperparameter row, in order (at most HYPER of them; ``lr`` first and
-    ``maximize`` at MAXIMIZE_FIELD). ``state_names`` is the state it keeps
-    per parameter, in the kernels' order (a parameter row's ``state0``,
-    ``state1``), and ``flag_states`` the (group flag, state name) pairs of
-    the state kept only where the group sets that flag, in the row's words
-    that follow (AdamW's ``max_exp_avg_sq``, ``state2``, with ``amsgrad``).
+    >>> RULES["adamw"].checks[1].accept({"eps": -1.0})
+    False
+    """
+
+    expected: str
+    accept: Callable[[dict], bool]
+    shown: Callable[[dict], Any]
+
+
+def _at_least_zero(name: str) -> Check:
+    return Check(f"{name} >= 0", lambda g: float(g[name]) >= 0.0, lambda g: g[name])
+
+
+def _betas_in_unit() -> Check:
+    return Check("betas in [0, 1)", lambda g: len(g["betas"]) == 2 and all(0.0 <= float(b) < 1.0 for b in g["betas"]),
+                 lambda g: g["betas"])
+
+
+@dataclass(frozen=True)
+class Rule:
+    """An optimizer rule: one record of everything the kernels, the host
+    library, the NumPy backend and the front ends know of it.
+
+    ``number`` is the kernels' and host library's rule argument; ``hyper``
+    the fields of its hyperparameter row, in order (at most HYPER of them;
+    ``lr`` first, ``maximize`` at MAXIMIZE_FIELD, None for a field it leaves
+    0). ``state_names`` is the state it keeps per parameter, in the
+    kernels' order (a parameter row's ``state0``, ``state1``), and
+    ``flag_states`` the (group flag, state name) pairs of the state kept
+    only where the group sets that flag, in the row's words that follow
+    (AdamW's ``max_exp_avg_sq``, ``state2``, with ``amsgrad``).
 
     Every rule keeps a float32 step count per parameter (a row's ``step``
     word), read before the update and then incremented on the device unless
@@ -124,6 +152,15 @@ class Rule:
     with the buffer, and a step word of 0 marks a parameter with none).
     PyTorch's SGD keeps no ``step``; ``torch.optim.SGD.load_state_dict``
     keeps one it finds, unread.
+
+    ``kernel`` is the C++ struct that the generic kernels (``kernels/optim.cu``)
+    and the host library's generic loop take, defined in ``header`` (its
+    one element's arithmetic: see the rule protocol in
+    ``kernels/gpuflat_optim.cuh``); None for AdamW and SGD, which have
+    kernels of their own. ``numpy`` is the same arithmetic in NumPy: the
+    NumPy backend's update, and in float64 the reference. ``checks`` are
+    its options' checks beyond ``lr`` and ``weight_decay``, which every
+    rule has.
 
     >>> sgd = RULES["sgd"]
     >>> sgd.number, sgd.state_names, sgd.counted_when, sgd.counted_field
@@ -138,6 +175,50 @@ class Rule:
     state_names: tuple
     flag_states: tuple = ()
     counted_when: str | None = None
+    torch_name: str = ""
+    numpy: Callable | None = None
+    checks: tuple = ()
+    kernel: str | None = None
+    header: str = "gpuflat_optim.cuh"
+
+    def rows_kernel(self, c_name: str, flag: str | None = None) -> str:
+        """Name expression of the update over a table of PyTorch's parameters
+        (one ParamRow each) of C++ type ``c_name``; with ``flag`` (one of the
+        ``flag_states``), the instantiation for a step in which some group
+        sets it, which reads that flag's state.
+
+        >>> RULES["sgd"].rows_kernel("bf16"), RULES["adamw"].rows_kernel("f16", "amsgrad")
+        ('gpuflat_sgd_rows<bf16>', 'gpuflat_adamw_amsgrad_rows<f16>')
+        """
+        if self.kernel is not None:
+            return f"gpuflat_rule_rows<{self.kernel}, {c_name}>"
+        return f"gpuflat_{self.name}{'_' + flag if flag else ''}_rows<{c_name}>"
+
+    def flat_kernel(self, c_name: str) -> str:
+        """Name expression of the update over a flat buffer of C++ type ``c_name``.
+
+        >>> RULES["adamw"].flat_kernel("float")
+        'gpuflat_adamw<float>'
+        """
+        if self.kernel is not None:
+            return f"gpuflat_rule<{self.kernel}, {c_name}>"
+        return f"gpuflat_{self.name}<{c_name}>"
+
+    def kernel_names(self) -> list[str]:
+        """Every instantiation of this rule's updates the backends may launch.
+
+        >>> len(RULES["adamw"].kernel_names()) == 3 * len(OPTIM_DTYPES)
+        True
+        """
+        flags = (None,) if self.kernel is not None else (None, *(f for f, _ in self.flag_states))
+        return ([self.flat_kernel(d) for d in OPTIM_DTYPES]
+                + [self.rows_kernel(d, flag) for flag in flags for d in OPTIM_DTYPES])
+
+    @property
+    def flat_states(self) -> int:
+        """The state buffers its flat-buffer kernel takes: the generic one
+        takes GENERIC_STATES, the others their states and flag states."""
+        return GENERIC_STATES if self.kernel is not None else len(self.state_names) + len(self.flag_states)
 
     @property
     def counted_field(self) -> int:
@@ -159,8 +240,9 @@ class Rule:
         ...                         "nesterov": False, "maximize": True})
         (0.1, 0.0, 0.9, 0.0, 0.0, 1.0, 0.0)
         """
-        named = {**dict.fromkeys(FLAGS, False), **group}
-        named["beta1"], named["beta2"] = group.get("betas", (0.0, 0.0))
+        named = {**dict.fromkeys(FLAGS, False), None: 0.0, **group}
+        if "betas" in group:
+            named["beta1"], named["beta2"] = group["betas"]
         lr = group["lr"]
         named["lr"] = float(lr) if not hasattr(lr, "device") or lr.device.type == "cpu" else 0.0
         row = tuple(float(named[field]) for field in self.hyper)
@@ -169,7 +251,7 @@ class Rule:
     def flag_set(self, hyper) -> str | None:
         """The flag of ``flag_states`` that some group of ``hyper`` (the
         host hyperparameter table) sets, else None: the row update to
-        launch (``kernel_loader.optim_rows_name``).
+        launch (``Rule.rows_kernel``).
 
         >>> RULES["adamw"].flag_set([0.1, 0, 0.9, 0.99, 1e-8, 0, 1]), RULES["sgd"].flag_set([0.1] + [0] * 6)
         ('amsgrad', None)
@@ -220,17 +302,111 @@ class Rule:
                                  f"{name}, found 0")
 
 
+# ---------------------------------------------------------------- the rules' arithmetic in NumPy
+# Each function updates one slot or row in the compute type C (float32 for
+# 16- and 32-bit parameters, float64 for 64-bit ones), with the operations
+# and roundings of its .cuh (--fmad=false there: no operation fused), so the
+# NumPy backend gives the kernels' bits: (p, g, states, h, step, factor, C),
+# ``states`` in a row's order (None where not kept), ``h`` the group's
+# hyperparameter row, ``step`` the count after this step, ``factor`` the clip
+# and unscale factor.
+
+
+def powi(base: float, n: float) -> float:
+    """base**n for a whole n >= 0 by repeated squaring, as the kernels compute it (gf_powi).
+
+    >>> powi(0.9, 3) == 0.9 * (0.9 * 0.9)
+    True
+    >>> powi(0.5, 10)
+    0.0009765625
+    """
+    r, k = 1.0, int(n)
+    while k > 0:
+        if k & 1:
+            r *= base
+        base *= base
+        k >>= 1
+    return r
+
+
+def group_factor(h, factor: float) -> float:
+    """gf_group_factor: the clip and unscale factor, negated where the group maximizes.
+
+    >>> group_factor([0.1, 0, 0, 0, 0, 1.0, 0], 0.5)
+    -0.5
+    """
+    return -factor if h[MAXIMIZE_FIELD] != 0.0 else factor
+
+
+def lerp(a, b, w):
+    """torch.lerp's two forms, switched at weight 0.5 (gf_adamw_setup).
+
+    >>> float(lerp(np.float32(1.0), np.float32(3.0), np.float32(0.25)))
+    1.5
+    """
+    return a + w * (b - a) if -0.5 < w < 0.5 else b - (b - a) * (type(w)(1) - w)
+
+
+def store(target, values) -> None:
+    """``values`` rounded once into ``target``'s dtype, in place (gf_store)."""
+    np.copyto(target, values, casting="unsafe")
+
+
+def _adamw(p, g, states, h, step, factor, C) -> None:
+    """PyTorch's AdamW (gf_adamw_range): ``states`` are exp_avg, exp_avg_sq
+    and max_exp_avg_sq (read only with amsgrad)."""
+    m, v, vmax = (list(states) + [None])[:3]
+    lr, wd, b1, b2, eps, _, amsgrad = h
+    bc1, bc2 = 1.0 - powi(b1, step), 1.0 - powi(b2, step)
+    gc = g.astype(C) * C(group_factor(h, factor))
+    pc = p.astype(C) * C(1.0 - lr * wd)
+    mc = lerp(m.astype(C), gc, C(1.0 - b1))
+    vc = v.astype(C) * C(b2) + C(1.0 - b2) * gc * gc
+    if amsgrad != 0.0:
+        wc = vmax.astype(C)
+        wc = np.where((wc > vc) | np.isnan(wc), wc, vc)  # torch.maximum: NaN from either side
+        store(vmax, wc)
+    else:
+        wc = vc
+    denom = np.sqrt(wc) / C(math.sqrt(bc2)) + C(eps)
+    store(p, pc + C(-(lr / bc1)) * (mc / denom))
+    store(m, mc)
+    store(v, vc)
+
+
+def _sgd(p, g, states, h, step, factor, C) -> None:
+    """PyTorch's SGD (gf_sgd_range); ``step`` counts the momentum buffer's
+    updates with this one (1: it is new)."""
+    lr, wd, momentum, dampening, nesterov = h[:5]
+    pc = p.astype(C)
+    d = g.astype(C) * C(group_factor(h, factor))
+    if wd != 0.0:
+        d = d + C(wd) * pc
+    if momentum != 0.0:
+        buf = states[0]
+        b = d if step <= 1.0 else buf.astype(C) * C(momentum) + C(1.0 - dampening) * d
+        store(buf, b)
+        d = d + C(momentum) * b if nesterov != 0.0 else b
+    store(p, pc + C(-lr) * d)
+
+
 # The group flags the kernels read, each False where a group lacks it.
 FLAGS = ("maximize", "amsgrad")
+# The state buffers the generic kernels take (gpuflat_rule in kernels/optim.cu):
+# a generic rule keeps at most this many state tensors.
+GENERIC_STATES = 3
 # The optimizer rules by name.
 RULES = {rule.name: rule for rule in (
     Rule("adamw", number=0, hyper=("lr", "weight_decay", "beta1", "beta2", "eps", "maximize", "amsgrad"),
-         state_names=("exp_avg", "exp_avg_sq"), flag_states=(("amsgrad", "max_exp_avg_sq"),)),
+         state_names=("exp_avg", "exp_avg_sq"), flag_states=(("amsgrad", "max_exp_avg_sq"),),
+         torch_name="AdamW", numpy=_adamw, checks=(_betas_in_unit(), _at_least_zero("eps"))),
     Rule("sgd", number=1, hyper=("lr", "weight_decay", "momentum", "dampening", "nesterov", "maximize"),
-         state_names=("momentum_buffer",), counted_when="momentum"),
+         state_names=("momentum_buffer",), counted_when="momentum", torch_name="SGD", numpy=_sgd,
+         checks=(_at_least_zero("momentum"),
+                 Check("nesterov only with momentum > 0 and dampening 0",
+                       lambda g: not g["nesterov"] or (float(g["momentum"]) > 0.0 and float(g["dampening"]) == 0.0),
+                       lambda g: (float(g["momentum"]), float(g["dampening"]))))),
 )}
-# Each rule's hyperparameter fields by name, for the code that names rules by string.
-OPTIM_RULES = {name: rule.hyper for name, rule in RULES.items()}
 
 
 def hyper_row(rule: str, group: dict) -> tuple:
@@ -242,13 +418,30 @@ def hyper_row(rule: str, group: dict) -> tuple:
     return RULES[rule].hyper_row(group)
 
 
-def rule_id(rule: str) -> int:
-    """The number of an optimizer rule in the kernels and host library.
+# The generated header's name: C++ includes it to read the facts below.
+RULES_HEADER = "gpuflat_rules.h"
 
-    >>> rule_id("sgd")
-    1
+
+def rules_header() -> str:
+    """The C++ header ``gpuflat_rules.h``, written from this module (the
+    kernel loader hands it to every build beside the sources; it is never
+    on disk): the elements of a work item, each dtype's tag
+    (``GF_TAG_<C++ name>``), each rule's number (``GF_RULE_<NAME>``), and
+    the rules with a ``kernel`` struct: their headers included and
+    ``GF_GENERIC_RULES(X)`` calling ``X(number, struct)`` for each, which the
+    host library's dispatch expands.
+
+    >>> "#define GF_RULE_SGD 1" in rules_header().splitlines()
+    True
     """
-    return RULES[rule].number
+    generic = [rule for rule in RULES.values() if rule.kernel is not None]
+    lines = ["// Written by gpuflat._src.layout.rules_header(): the layout's facts the C++ reads.", "#pragma once",
+             f"#define GF_ITEM {ITEM}", f"#define GF_GENERIC_STATES {GENERIC_STATES}"]
+    lines += [f"#define GF_TAG_{c_name} {tag}" for tag, _, c_name, _ in DTYPES]
+    lines += [f"#define GF_RULE_{rule.name.upper()} {rule.number}" for rule in RULES.values()]
+    lines += [f'#include "{header}"' for header in dict.fromkeys(rule.header for rule in generic)]
+    lines.append("#define GF_GENERIC_RULES(X) " + " ".join(f"X({rule.number}, {rule.kernel})" for rule in generic))
+    return "\n".join(lines) + "\n"
 
 
 @caches.function(maxsize=4096)

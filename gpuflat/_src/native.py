@@ -44,7 +44,7 @@ import numpy as np
 from gpuflat._src import host_compiler
 from gpuflat._src.dtypes import TAGS, when_bfloat16
 from gpuflat.errors import BuildError
-from gpuflat._src.kernel_loader import kernel_dir
+from gpuflat._src.kernel_loader import kernel_dir, sources
 from gpuflat._src.layout import DTYPES
 
 __all__ = ["NUMPY_API", "NativePart", "array_facts", "available", "host_library", "native_info", "optim_library",
@@ -177,7 +177,8 @@ def optim_library():
     if off:
         return None, off
     kernels = kernel_dir()
-    files = {name: (kernels / name).read_text() for name in ("gpuflat_common.cuh", "gpuflat_optim.cuh")}
+    # The kernels' headers, the rules' among them, and the header written from the layout.
+    files = {name: text for name, text in sources().items() if not name.endswith(".cu")}
     files["host_prelude.h"] = (kernels / "host" / "host_prelude.h").read_text()
     try:
         path = host_compiler.build_library(OPTIM_NAME, (kernels / "host" / "host_optim.cpp").read_text(),

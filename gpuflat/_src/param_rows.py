@@ -475,7 +475,7 @@ def _check_dense(rule, params, param_facts, grads, grad_facts, name_of) -> None:
     """A sparse or otherwise unstrided gradient (or parameter) named, with what to use instead."""
     if param_facts is not None and grad_facts is not None:
         return
-    optimizer = {"adamw": "AdamW", "sgd": "SGD"}.get(rule.name, rule.name)
+    optimizer = rule.torch_name
     for j, g in enumerate(grads):
         if g.layout != torch.strided:
             raise TypeError(f"{name_of(j)}: its gradient is sparse ({g.layout}); gpuflat.torch.{optimizer} "

@@ -67,11 +67,14 @@ from .residency import Resident
 from .layout import RULES
 from .torch_optim_ops import CLIP_EPS, name_of, unscale_factor, update
 
-__all__ = ["AdamW", "GradScaler", "SGD"]
+__all__ = ["AdamW", "FlatOptimizer", "GradScaler", "SGD"]
 
 
-class _FlatOptimizer(torch.optim.Optimizer):
-    """What AdamW and SGD share: the lazy state, the rows, the step."""
+class FlatOptimizer(torch.optim.Optimizer):
+    """A PyTorch optimizer over one rule of ``gpuflat._src.layout.RULES``
+    (a subclass names it in ``_rule``): the lazy state, the rows, the step,
+    the state dicts, all read from the rule's record. A subclass gives its
+    constructor's options and docstring, nothing else."""
 
     _rule = ""
     # torch.amp.GradScaler hands the scale and found_inf to step() instead of
@@ -291,6 +294,47 @@ class _FlatOptimizer(torch.optim.Optimizer):
             total = total * unscale_factor(scale).to(total.device)
         return total, nonfinite
 
+    def _lazy_state(self, state, p, group) -> None:
+        """The rule's state where ``p`` lacks what ``group``'s steps read
+        (``param_rows.needed``), made at its first gradient as PyTorch's
+        optimizers make theirs: each tensor at 0 (a flag's state too when
+        the flag is switched on later: AdamW's maximum then starts at 0, as at
+        a first step), and ``step``, a 0-d float32 tensor on its device (as
+        PyTorch's fused paths keep it). Where a rule's steps count only with
+        a hyperparameter (``counted_when``: SGD's momentum), the count is of
+        its state's updates: 0 with new state (the first update, which
+        makes SGD's buffer the gradient itself, is the one that finds 0: a
+        step a GradScaler skips leaves it new, as ``torch.optim``, which
+        never ran that step, has none yet), 1 for state found without a
+        count (loaded, or set by the loop)."""
+        rule = RULES[self._rule]
+        needs = param_rows.needed(rule, group)
+        if not needs[-1]:
+            return
+        made = False
+        for name, need in zip(param_rows.state_names(rule), needs):
+            if need and name != "step" and state.get(name) is None:
+                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                made = True
+        counted_by_state = rule.counted_when is not None
+        if "step" not in state or (made and counted_by_state):
+            new = made or not counted_by_state
+            state["step"] = torch.full((), 0.0 if new else 1.0, dtype=torch.float32, device=_local(p).device)
+
+    @property
+    def _unapplied(self) -> tuple:
+        """The state a parameter keeps once a step applied to it: left out of
+        a state dict while its count is 0."""
+        return tuple(name for name in param_rows.state_names(RULES[self._rule]) if name is not None)
+
+    def _traced_step(self, params, grads, columns, *, lr, lr_tensor, **common) -> None:
+        """The update of a compiled step: ``gpuflat::update_``, the state
+        columns (``_init_group``'s) one after the other."""
+        hyper = [x for g, group in enumerate(self.param_groups)
+                 for x in RULES[self._rule].hyper_row(dict(group, lr=lr[g]))]
+        torch_optim_ops.update_(self._rule, params, grads, [t for column in columns[:-1] for t in column],
+                                columns[-1], hyper=hyper, lr_tensor=lr_tensor, **common)
+
     def state_dict(self) -> dict:
         """PyTorch's, as ``torch.optim`` would hold it: a parameter's state
         made at a step that a GradScaler skipped on the device (its count
@@ -322,7 +366,14 @@ class _FlatOptimizer(torch.optim.Optimizer):
             self._loaded(state, p)
 
     def _loaded(self, state, p) -> None:
-        """A loaded ``step`` as the update reads it: a 0-d float32 tensor on its parameter's device."""
+        """A loaded ``step`` as the update reads it: a 0-d float32 tensor on
+        its parameter's device; loaded state without one counts as applied
+        where the count is of the state's updates (``torch.optim.SGD``
+        keeps none)."""
+        rule = RULES[self._rule]
+        if rule.counted_when is not None and "step" not in state and \
+                any(state.get(name) is not None for name in rule.state_names):
+            state["step"] = torch.ones((), dtype=torch.float32, device=_local(p).device)
         step = state.get("step")
         if step is not None and (not isinstance(step, torch.Tensor) or step.device != _local(p).device
                                  or step.dtype != torch.float32 or step.dim() != 0):
@@ -375,7 +426,7 @@ def _max_norm_by_value(max_norm) -> float:
     return float(max_norm)
 
 
-class AdamW(_FlatOptimizer):
+class AdamW(FlatOptimizer):
     """``torch.optim.AdamW``, with the clip inside the step.
 
     >>> import torch, gpuflat.torch as gft
@@ -388,7 +439,6 @@ class AdamW(_FlatOptimizer):
     """
 
     _rule = "adamw"
-    _unapplied = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
@@ -400,32 +450,8 @@ class AdamW(_FlatOptimizer):
                         differentiable=differentiable, fused=fused, decoupled_weight_decay=True)
         super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied)
 
-    def _lazy_state(self, state, p, group) -> None:
-        """PyTorch's AdamW state where ``p`` lacks it, made at its first
-        gradient: ``step`` (a 0-d float32 tensor on its device, as PyTorch's
-        fused path keeps it) and the moments at 0; ``max_exp_avg_sq`` too
-        where the group has ``amsgrad`` (also when it was switched on after
-        the state was made: its maximum then starts at 0, as at a first step)."""
-        if "step" not in state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
-        names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
-        for name in names:
-            if state.get(name) is None:
-                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    def _traced_step(self, params, grads, columns, **common):
-        groups = self.param_groups
-        exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = columns
-        torch_optim_ops.adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                               beta1=[float(g["betas"][0]) for g in groups],
-                               beta2=[float(g["betas"][1]) for g in groups],
-                               weight_decay=[float(g["weight_decay"]) for g in groups],
-                               eps=[float(g["eps"]) for g in groups],
-                               maximize=[bool(g["maximize"]) for g in groups],
-                               amsgrad=[bool(g["amsgrad"]) for g in groups], **common)
-
-
-class SGD(_FlatOptimizer):
+class SGD(FlatOptimizer):
     """``torch.optim.SGD``, with the clip inside the step.
 
     >>> import torch, gpuflat.torch as gft
@@ -438,7 +464,6 @@ class SGD(_FlatOptimizer):
     """
 
     _rule = "sgd"
-    _unapplied = ("momentum_buffer", "step")
 
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
@@ -449,38 +474,6 @@ class SGD(_FlatOptimizer):
                         nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
                         fused=fused)
         super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied)
-
-    def _lazy_state(self, state, p, group) -> None:
-        """PyTorch's SGD keeps a momentum buffer only where momentum is used
-        (also when it is switched on after the first steps): made at 0 with
-        its count ``step`` at 0, the number of updates applied to it (the
-        first, which makes the buffer the gradient itself, is the one that
-        finds 0: a step a GradScaler skips leaves it new, as
-        ``torch.optim.SGD``, which never ran that step, has no buffer yet). A
-        buffer found without a count (loaded, or set by the loop) counts as
-        applied."""
-        if group["momentum"] == 0:
-            return
-        if state.get("momentum_buffer") is None:
-            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
-        elif "step" not in state:
-            state["step"] = torch.ones((), dtype=torch.float32, device=_local(p).device)
-
-    def _loaded(self, state, p) -> None:
-        """A loaded momentum buffer without a count counts as applied (``torch.optim.SGD`` keeps none)."""
-        if state.get("momentum_buffer") is not None and "step" not in state:
-            state["step"] = torch.ones((), dtype=torch.float32, device=_local(p).device)
-        super()._loaded(state, p)
-
-    def _traced_step(self, params, grads, columns, **common):
-        groups = self.param_groups
-        torch_optim_ops.sgd_(params, grads, columns[0], columns[3],
-                             momentum=[float(g["momentum"]) for g in groups],
-                             dampening=[float(g["dampening"]) for g in groups],
-                             weight_decay=[float(g["weight_decay"]) for g in groups],
-                             nesterov=[bool(g["nesterov"]) for g in groups],
-                             maximize=[bool(g["maximize"]) for g in groups], **common)
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -509,7 +502,7 @@ class GradScaler(torch.amp.GradScaler):
         """As ``torch.amp.GradScaler.step``; a gpuflat optimizer finds NaN and inf in its own norm pass."""
         from torch.amp.grad_scaler import OptState
 
-        if not self._enabled or not isinstance(optimizer, _FlatOptimizer):
+        if not self._enabled or not isinstance(optimizer, FlatOptimizer):
             return super().step(optimizer, *args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")

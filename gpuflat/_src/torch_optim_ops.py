@@ -7,13 +7,12 @@ Python. Inside a compiled ``step()`` TorchDynamo traces that Python
 operators: ``gpuflat::norm_and_nonfinite``, the norm pass (a norm over a
 mesh or pipeline stages is a collective: it runs between two graphs,
 outside any operator, where every rank reaches it in the same order), then
-one update, ``gpuflat::adamw_`` or ``gpuflat::sgd_``, modelled on PyTorch's
-``_fused_adamw_`` and ``_fused_sgd_``: the lists it writes (parameters,
-state, step counts) marked mutated,
-the gradients read, each parameter group's hyperparameters as lists with
-each parameter's group and index in it, a tensor ``lr`` beside the float
-one, the norm and ``max_norm``, a GradScaler's ``grad_scale`` and
-``found_inf``. The operators take plain tensors (a DTensor's local shard)
+one update, ``gpuflat::update_``, for every rule, modelled on PyTorch's
+``_fused_adamw_``: the rule's name, the lists it writes (parameters,
+state, step counts) marked mutated, the gradients read, each parameter
+group's hyperparameter row with each parameter's group and index in it, a
+tensor ``lr`` beside the row, the norm and ``max_norm``, a GradScaler's
+``grad_scale`` and ``found_inf``. The operators take plain tensors (a DTensor's local shard)
 and read their rows at every call (``gpuflat._src.param_rows.tables_of``), so
 new gradient tensors in a later step neither recompile nor re-trace
 anything. Inductor hands the update the tensors themselves; ``aot_eager``,
@@ -24,8 +23,8 @@ Eager steps call :func:`update` directly: a Python operator's dispatch costs
 milliseconds on lists of 10,000 tensors.
 
 >>> w, g = torch.ones(2), torch.full((2,), 4.0)
->>> torch.ops.gpuflat.sgd_([w], [g], [], [], groups=[0], indices=[0], lr=[0.5], lr_tensor=[None],
-...                        momentum=[0.0], dampening=[0.0], weight_decay=[0.0], nesterov=[False], maximize=[False])
+>>> torch.ops.gpuflat.update_("sgd", [w], [g], [], [], groups=[0], indices=[0], hyper=[0.5] + [0.0] * 6,
+...                           lr_tensor=[None])
 >>> w
 tensor([-1., -1.])
 >>> [float(x) for x in torch.ops.gpuflat.norm_and_nonfinite([torch.tensor([3.0, 4.0])], 2.0, True)]
@@ -42,13 +41,13 @@ from . import caches, param_rows, tensor_table
 from .arrays import adopt, device_scope, launch_stream
 from .layout import HYPER, RULES, TAG_OF_NAME, hyper_row
 
-__all__ = ["CLIP_EPS", "adamw_", "name_of", "norm_and_nonfinite", "sgd_", "unscale_factor", "update"]
+__all__ = ["CLIP_EPS", "name_of", "norm_and_nonfinite", "unscale_factor", "update", "update_"]
 
 CLIP_EPS = 1e-6  # PyTorch's clip_grad_norm_: max_norm / (norm + 1e-6)
 
 
 def update(rule, tables, groups, total, max_norm, scale, found, read=()) -> None:
-    """One ``rule`` update ("adamw" or "sgd") of the parameters of
+    """One update by the rule named ``rule`` (``layout.RULES``) of the parameters of
     ``tables`` (``gpuflat._src.param_rows``), each group's hyperparameters and
     flags read from ``groups`` (dicts as ``param_groups`` holds them), the
     gradients clipped by their norm ``total`` to ``max_norm`` (None: no
@@ -165,52 +164,33 @@ def _(grads, norm_type, detect):
     return tuple(grads[0].new_empty((), dtype=torch.float64) for _ in range(2))
 
 
-@torch.library.custom_op("gpuflat::adamw_",
-                         mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps"))
-def adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-           exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], state_steps: list[torch.Tensor],
-           groups: list[int], indices: list[int], lr: list[float], lr_tensor: list[Optional[torch.Tensor]],
-           beta1: list[float], beta2: list[float], weight_decay: list[float], eps: list[float],
-           maximize: list[bool], amsgrad: list[bool], total: Optional[torch.Tensor] = None,
-           max_norm: Optional[float] = None, grad_scale: Optional[torch.Tensor] = None,
-           found_inf: Optional[torch.Tensor] = None) -> None:
-    """One AdamW update of ``params`` (plain tensors, a DTensor's local
-    shard), parameter j in group ``groups[j]`` at ``indices[j]`` of it;
-    ``max_exp_avg_sqs`` in order for the parameters of groups with
-    ``amsgrad``; ``state_steps`` counted up unless skipped."""
-    hyper = [dict(lr=t if t is not None else r, betas=(b1, b2), weight_decay=w, eps=e, maximize=m, amsgrad=a)
-             for r, t, b1, b2, w, e, m, a in zip(lr, lr_tensor, beta1, beta2, weight_decay, eps, maximize, amsgrad)]
-    maxima = _spread(max_exp_avg_sqs, [amsgrad[g] for g in groups])
-    _update_lists("adamw", hyper, params, grads, [exp_avgs, exp_avg_sqs, maxima, state_steps], groups, indices,
-                  total, max_norm, grad_scale, found_inf)
+@torch.library.custom_op("gpuflat::update_", mutates_args=("params", "states", "state_steps"))
+def update_(rule: str, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[torch.Tensor],
+            state_steps: list[torch.Tensor], groups: list[int], indices: list[int], hyper: list[float],
+            lr_tensor: list[Optional[torch.Tensor]], total: Optional[torch.Tensor] = None,
+            max_norm: Optional[float] = None, grad_scale: Optional[torch.Tensor] = None,
+            found_inf: Optional[torch.Tensor] = None) -> None:
+    """One update of ``params`` by the rule named ``rule``
+    (``gpuflat._src.layout.RULES``), parameter j in group ``groups[j]`` at
+    ``indices[j]`` of it. ``hyper`` holds each group's hyperparameter row
+    (HYPER floats; its lr is read from ``lr_tensor[group]`` where that is a
+    tensor). ``states`` holds, state after state in the rows' order
+    (``param_rows.state_names``), the tensors of the parameters whose group
+    needs that state (``param_rows.needed``), and ``state_steps`` their
+    step counts likewise; the counts move unless the step is skipped."""
+    rule_of = RULES[rule]
+    rows = np.asarray(hyper, np.float64).reshape(-1, HYPER)
+    named = [{**dict(zip(rule_of.hyper, row.tolist())), "lr": float(row[0]) if t is None else t}
+             for row, t in zip(rows, lr_tensor)]
+    needs = [param_rows.needed(rule_of, named[g]) for g in groups]
+    kept = iter(states)
+    columns = [[next(kept) if need[c] else None for need in needs] for c in range(len(needs[0]) - 1)] if needs else []
+    columns.append(_spread(state_steps, [need[-1] for need in needs]))
+    _update_lists(rule, named, params, grads, columns, groups, indices, total, max_norm, grad_scale, found_inf)
 
 
-@adamw_.register_fake
-def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *_):
-    return None
-
-
-@torch.library.custom_op("gpuflat::sgd_", mutates_args=("params", "momentum_buffers", "state_steps"))
-def sgd_(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
-         state_steps: list[torch.Tensor], groups: list[int], indices: list[int], lr: list[float],
-         lr_tensor: list[Optional[torch.Tensor]], momentum: list[float], dampening: list[float],
-         weight_decay: list[float], nesterov: list[bool], maximize: list[bool],
-         total: Optional[torch.Tensor] = None, max_norm: Optional[float] = None,
-         grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> None:
-    """One SGD update of ``params``, parameter j in group ``groups[j]`` at
-    ``indices[j]`` of it; ``momentum_buffers`` and their counts
-    ``state_steps`` in order for the parameters of groups with momentum (a
-    count of 0: the buffer is new), counted up unless skipped."""
-    hyper = [dict(lr=t if t is not None else r, momentum=m, dampening=d, weight_decay=w, nesterov=n, maximize=x)
-             for r, t, m, d, w, n, x in zip(lr, lr_tensor, momentum, dampening, weight_decay, nesterov, maximize)]
-    keeps = [momentum[g] != 0.0 for g in groups]
-    _update_lists("sgd", hyper, params, grads, [_spread(momentum_buffers, keeps), [None] * len(params),
-                                                [None] * len(params), _spread(state_steps, keeps)],
-                  groups, indices, total, max_norm, grad_scale, found_inf)
-
-
-@sgd_.register_fake
-def _(params, grads, momentum_buffers, state_steps, *_):
+@update_.register_fake
+def _(rule, params, grads, states, state_steps, *_):
     return None
 
 

@@ -13,12 +13,15 @@
 
 #include "host_prelude.h"
 #include "gpuflat_optim.cuh"
+// The layout's rule numbers, dtype tags and item size, and the rules with a
+// kernel struct (written from gpuflat._src.layout.RULES).
+#include "gpuflat_rules.h"
 
 #define GF_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
 
-constexpr long long ITEM = 4096;  // elements per work item: gpuflat.layout.ITEM
+constexpr long long ITEM = GF_ITEM;
 // Below this many elements per thread, starting a thread costs more than it saves.
 constexpr long long MIN_WORK_PER_THREAD = 1 << 20;
 
@@ -71,6 +74,18 @@ void adamw(const Step& s, void* p, void* g, void* m, void* v, void* vmax, int th
     });
 }
 
+// A generic rule R (gpuflat_optim.cuh) over a flat buffer.
+template <class R, class S>
+void rule_flat(const Step& s, void* p, void* g, void* const (&states)[GF_GENERIC_STATES], int threads) {
+    using C = typename gf_compute<S>::type;
+    S* const* st = reinterpret_cast<S* const*>(states);
+    for_items(s, threads, [&](const Item& it) {
+        const double* h = s.hyper + s.slot_group[it.slot] * GF_HYPER;
+        gf_rule_range<R, 1>((S*)p, (const S*)g, st, it.flat, it.len,
+                            R::template setup<C>(h, s.steps[it.slot], s.factor, h[0]));
+    });
+}
+
 template <class S>
 void sgd(const Step& s, void* p, void* g, void* buf, int threads) {
     using C = typename gf_compute<S>::type;
@@ -95,75 +110,113 @@ void for_row_items(const ParamRow* rows, long long n_rows, int threads, Body bod
     share(items, total, threads, [&](const Item& it) { body(rows[it.slot], it.start, it.len); });
 }
 
-// The kernels' gpuflat_adamw_rows (gpuflat_adamw_amsgrad_rows) and
-// gpuflat_sgd_rows (optim.cu), then gpuflat_count_steps: every update reads
-// its count before any is moved.
-template <class S>
-void rows_step(int rule, const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at,
-               double factor, long long counted_field, int threads) {
+// A generic rule R (gpuflat_optim.cuh) over every row's items, as the
+// kernels' gpuflat_rule_rows.
+template <class R, class S>
+void rule_rows(const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at, double factor,
+               int threads) {
     using C = typename gf_compute<S>::type;
     for_row_items(rows, n_rows, threads, [&](const ParamRow& r, long long first, long long n) {
         const double* h = hyper + r.group * GF_HYPER;
-        const double lr = gf_group_lr(h, lr_at, r.group);
-        if (rule == 0) {
-            gf_adamw_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, (S*)r.state1, (S*)r.state2, first, n,
-                              gf_adamw_setup<C>(h, gf_adamw_row_step(r), factor, lr));
-        } else {
-            gf_sgd_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, first, n,
-                            gf_sgd_setup<C>(h, gf_sgd_row_step(r, h), factor, lr));
-        }
+        S* st[R::STATES];
+        for (int t = 0; t < R::STATES; ++t) st[t] = (S*)gf_row_state(r, t);
+        gf_rule_range<R, 1>((S*)r.param, (const S*)r.grad, st, first, n,
+                            R::template setup<C>(h, gf_rule_row_step(r), factor, gf_group_lr(h, lr_at, r.group)));
     });
+}
+
+// The kernels' gpuflat_adamw_rows (gpuflat_adamw_amsgrad_rows),
+// gpuflat_sgd_rows and gpuflat_rule_rows (optim.cu), then
+// gpuflat_count_steps: every update reads its count before any is moved.
+// False for a rule number it does not know.
+template <class S>
+bool rows_step(int rule, const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at,
+               double factor, long long counted_field, int threads) {
+    using C = typename gf_compute<S>::type;
+    switch (rule) {
+        case GF_RULE_ADAMW:
+        case GF_RULE_SGD:
+            for_row_items(rows, n_rows, threads, [&](const ParamRow& r, long long first, long long n) {
+                const double* h = hyper + r.group * GF_HYPER;
+                const double lr = gf_group_lr(h, lr_at, r.group);
+                if (rule == GF_RULE_ADAMW) {
+                    gf_adamw_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, (S*)r.state1, (S*)r.state2,
+                                      first, n, gf_adamw_setup<C>(h, gf_adamw_row_step(r), factor, lr));
+                } else {
+                    gf_sgd_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, first, n,
+                                    gf_sgd_setup<C>(h, gf_sgd_row_step(r, h), factor, lr));
+                }
+            });
+            break;
+#define GF_RULE_CASE(number, R) \
+        case number: rule_rows<R, S>(rows, n_rows, hyper, lr_at, factor, threads); break;
+        GF_GENERIC_RULES(GF_RULE_CASE)
+#undef GF_RULE_CASE
+        default: return false;
+    }
     for (long long i = 0; i < n_rows; ++i)
         if (gf_counts(rows[i], hyper, counted_field)) *(float*)rows[i].step += 1.0f;
+    return true;
 }
 
 // f(S{}) for the dtype tags of gpuflat.dtypes.TAGS the optimizers take.
 template <class F>
 bool dispatch(int tag, F f) {
     switch (tag) {
-        case 0: f(f16{}); return true;
-        case 1: f(bf16{}); return true;
-        case 2: f(0.0f); return true;
-        case 3: f(0.0); return true;
+        case GF_TAG_f16: f(f16{}); return true;
+        case GF_TAG_bf16: f(bf16{}); return true;
+        case GF_TAG_float: f(0.0f); return true;
+        case GF_TAG_double: f(0.0); return true;
         default: return false;
     }
 }
 
 }  // namespace
 
-// rule 0: AdamW (states: exp_avg, exp_avg_sq, and max_exp_avg_sq, read only
-// for the groups with amsgrad: null where none has it); 1: SGD (states:
-// momentum_buffer).
+// A rule of gpuflat._src.layout.RULES by its number (GF_RULE_*): AdamW's
+// states are exp_avg, exp_avg_sq, and max_exp_avg_sq, read only for the
+// groups with amsgrad (null where none has it); SGD's momentum_buffer; a
+// generic rule's its state_names, in order.
 // total is null when the step does not clip; amp is (unscale factor, skip
 // flag), as for the kernels. Returns 0, or -1 for a tag that is not a real
-// floating dtype.
+// floating dtype or a rule number it does not know.
 GF_EXPORT int gf_host_optim_step(int rule, int tag, const long long* offsets, long long n_slots,
                                  const long long* slot_group, const double* hyper, const double* steps,
                                  void* p, void* g, void* s0, void* s1, void* s2, const double* total, double max_norm,
                                  double eps, const double* amp, int threads) {
-    if (amp[1] != 0.0) return tag >= 0 && tag <= 3 ? 0 : -1;
     const Step s{offsets, n_slots, slot_group, hyper, steps,
                  gf_grad_factor(total, max_norm, eps, total != nullptr, amp)};
+    bool known = true;
     const bool ok = dispatch(tag, [&](auto z) {
         using S = decltype(z);
-        if (rule == 0) adamw<S>(s, p, g, s0, s1, s2, threads);
-        else sgd<S>(s, p, g, s0, threads);
+        void* const states[GF_GENERIC_STATES] = {s0, s1, s2};
+        if (amp[1] != 0.0) return;
+        switch (rule) {
+            case GF_RULE_ADAMW: adamw<S>(s, p, g, s0, s1, s2, threads); break;
+            case GF_RULE_SGD: sgd<S>(s, p, g, s0, threads); break;
+#define GF_RULE_CASE(number, R) \
+            case number: rule_flat<R, S>(s, p, g, states, threads); break;
+            GF_GENERIC_RULES(GF_RULE_CASE)
+#undef GF_RULE_CASE
+            default: known = false;
+        }
     });
-    return ok ? 0 : -1;
+    return ok && known ? 0 : -1;
 }
 
 // The update of a table of PyTorch's parameters where they are (ParamRow,
-// gpuflat_optim.cuh), as the kernels' gpuflat_adamw_rows / gpuflat_sgd_rows
-// and gpuflat_count_steps: rule numbers, total, amp and the return value as
-// for gf_host_optim_step; lr_at and counted_field as the kernels read them.
+// gpuflat_optim.cuh), as the kernels' row updates and gpuflat_count_steps:
+// rule numbers, total, amp and the return value as for
+// gf_host_optim_step; lr_at and counted_field as the kernels read them.
 GF_EXPORT int gf_host_optim_rows(int rule, int tag, const long long* rows, long long n_rows, const double* hyper,
                                  const long long* lr_at, long long counted_field, const double* total,
                                  double max_norm, double eps, const double* amp, int threads) {
-    if (amp[1] != 0.0) return tag >= 0 && tag <= 3 ? 0 : -1;
     const double factor = gf_grad_factor(total, max_norm, eps, total != nullptr, amp);
+    bool known = true;
     const bool ok = dispatch(tag, [&](auto z) {
-        rows_step<decltype(z)>(rule, reinterpret_cast<const ParamRow*>(rows), n_rows, hyper, lr_at, factor,
-                               counted_field, threads);
+        if (amp[1] == 0.0)
+            known = rows_step<decltype(z)>(rule, reinterpret_cast<const ParamRow*>(rows), n_rows, hyper, lr_at,
+                                           factor, counted_field, threads);
     });
-    return ok ? 0 : -1;
+    return ok && known ? 0 : -1;
 }

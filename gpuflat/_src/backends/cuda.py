@@ -209,14 +209,14 @@ class CudaBackend:
         hyperparameters and step counts from device tables."""
         st = _static_tables(plan, self.runtime)
         clip = total is not None
-        # The kernel's flag states (AdamW's max_exp_avg_sq): where the caller
-        # keeps none, no group sets the flag and the kernel reads none, so
-        # any device array stands in.
-        kept = len(RULES[rule].state_names) + len(RULES[rule].flag_states)
+        # The kernel's state arguments beyond the caller's (AdamW's
+        # max_exp_avg_sq where no group sets amsgrad, a generic rule's unused
+        # ones): the kernel reads none of them, so any device array stands in.
+        kept = RULES[rule].flat_states
         args = [st.items, np.int64(st.n_items), slot_group, hyper, steps, params, grads,
                 *states, *[steps] * (kept - len(states)), total if clip else steps, np.float64(max_norm),
                 np.float64(eps), np.int64(clip), amp]
-        name = kl.optim_name(rule, c_name(params.dtype))
+        name = RULES[rule].flat_kernel(c_name(params.dtype))
         grid = self.grid or self.runtime.grid_for(st.n_items)
         self.runtime.launch(name, grid, min(self.runtime.block, BLOCK_THREADS), args, (st.uploaded,))
 
@@ -238,7 +238,7 @@ class CudaBackend:
         args = [on_device[1], np.int64(n_items), on_device[0], on_device[2], on_device[3],
                 total if clip else on_device[2], np.float64(max_norm), np.float64(eps), np.int64(clip), amp]
         block = min(rt.block, BLOCK_THREADS)
-        name = kl.optim_rows_name(rule, C_NAMES[tag], flag)
+        name = rule_of.rows_kernel(C_NAMES[tag], flag)
         rt.launch(name, self.grid or rt.grid_for(n_items), block, args, tables)
         rt.launch(kl.COUNT_STEPS_NAME, self.grid or rt.grid_for(-(-len(rows) // WARP)), block,
                   [on_device[0], np.int64(len(rows)), on_device[2], np.int64(rule_of.counted_field), amp],

@@ -42,7 +42,7 @@ import numpy as np
 from gpuflat._src import native
 from gpuflat._src.dtypes import TAGS
 from gpuflat._src.identity import Recorded
-from gpuflat._src.layout import DTYPES, NORM_KINDS, OPTIM_DTYPES, RULES, norm_kind, rule_id
+from gpuflat._src.layout import DTYPES, NORM_KINDS, OPTIM_DTYPES, RULES, norm_kind
 
 from .numpy_backend import HostMemory, NumpyBackend
 from .protocol import LeafRows, NormResult, OneSourcePerSlot
@@ -185,7 +185,7 @@ class HostBackend(HostMemory):
         # A dtype the update is not built for gets -1, which the library refuses.
         tag = TAGS.get(params.dtype, -1)
         s0, s1, s2 = [ptr(s) for s in states] + [None] * (3 - len(states))
-        code = lib.gf_host_optim_step(rule_id(rule), tag, ptr(plan.offsets), len(plan.leaves),
+        code = lib.gf_host_optim_step(RULES[rule].number, tag, ptr(plan.offsets), len(plan.leaves),
                                       ptr(slot_group), ptr(hyper), ptr(steps), ptr(params), ptr(grads),
                                       s0, s1, s2, None if total is None else ptr(total),
                                       float(max_norm), float(eps), ptr(amp), self.threads)

@@ -24,7 +24,7 @@ import numpy as np
 
 from gpuflat._src import caches
 from gpuflat._src.dtypes import cast_copy, dtype_of_tag
-from gpuflat._src.layout import HYPER, MAXIMIZE_FIELD, RULES
+from gpuflat._src.layout import HYPER, RULES
 from gpuflat._src.memory_order import in_memory_order
 
 from .protocol import NormResult
@@ -208,7 +208,7 @@ class NumpyBackend(HostMemory):
         """
         if amp[1] != 0.0:  # a loss scaler found NaN or inf: skip
             return
-        update = _adamw if rule == "adamw" else _sgd
+        update = RULES[rule].numpy
         compute = np.float64 if params.dtype == np.float64 else np.float32
         factor = (1.0 if total is None else _clip_factor(total, max_norm, eps)) * float(amp[0])
         with np.errstate(all="ignore"):  # NaN and inf follow IEEE rules, as in the kernels
@@ -251,7 +251,7 @@ def _rows_step(rule, dtype, rows, hyper, lr_at, factor):
     """The reference of the kernels' update over a parameter table (gpuflat_adamw_rows /
     gpuflat_sgd_rows, then gpuflat_count_steps), one row at a time."""
     rule_of = RULES[rule]
-    update = _adamw if rule == "adamw" else _sgd
+    update = rule_of.numpy
     compute = np.float64 if dtype == np.float64 else np.float32
     counted = []
     with np.errstate(all="ignore"):  # NaN and inf follow IEEE rules, as in the kernels
@@ -366,70 +366,3 @@ def _clip_factor(total, max_norm, eps):
     return 1.0 if c > 1.0 else float(c)
 
 
-def powi(base: float, n: float) -> float:
-    """base**n for a whole n >= 0 by repeated squaring, as the kernels compute it.
-
-    >>> powi(0.9, 3) == 0.9 * (0.9 * 0.9)
-    True
-    >>> powi(0.5, 10)
-    0.0009765625
-    """
-    r, k = 1.0, int(n)
-    while k > 0:
-        if k & 1:
-            r *= base
-        base *= base
-        k >>= 1
-    return r
-
-
-def _group_factor(h, factor):
-    # gf_group_factor: the clip and unscale factor, negated where the group maximizes.
-    return -factor if h[MAXIMIZE_FIELD] != 0.0 else factor
-
-
-def _adamw(p, g, states, h, step, factor, C):
-    """PyTorch's AdamW on one slot, in the compute type C (gf_adamw_range):
-    ``states`` are exp_avg, exp_avg_sq and max_exp_avg_sq (read only with amsgrad)."""
-    m, v, vmax = (list(states) + [None])[:3]
-    lr, wd, b1, b2, eps, _, amsgrad = h
-    bc1, bc2 = 1.0 - powi(b1, step), 1.0 - powi(b2, step)
-    gc = g.astype(C) * C(_group_factor(h, factor))
-    pc = p.astype(C) * C(1.0 - lr * wd)
-    mc = _lerp(m.astype(C), gc, C(1.0 - b1))
-    vc = v.astype(C) * C(b2) + C(1.0 - b2) * gc * gc
-    if amsgrad != 0.0:
-        wc = vmax.astype(C)
-        wc = np.where((wc > vc) | np.isnan(wc), wc, vc)  # torch.maximum: NaN from either side
-        _store(vmax, wc)
-    else:
-        wc = vc
-    denom = np.sqrt(wc) / C(math.sqrt(bc2)) + C(eps)
-    _store(p, pc + C(-(lr / bc1)) * (mc / denom))
-    _store(m, mc)
-    _store(v, vc)
-
-
-def _lerp(a, b, w):
-    # torch.lerp's two forms, switched at weight 0.5.
-    return a + w * (b - a) if -0.5 < w < 0.5 else b - (b - a) * (type(w)(1) - w)
-
-
-def _sgd(p, g, states, h, step, factor, C):
-    """PyTorch's SGD on one slot, in the compute type C (gf_sgd_range);
-    ``step`` counts the momentum buffer's updates with this one (1: it is new)."""
-    lr, wd, momentum, dampening, nesterov = h[:5]
-    pc = p.astype(C)
-    d = g.astype(C) * C(_group_factor(h, factor))
-    if wd != 0.0:
-        d = d + C(wd) * pc
-    if momentum != 0.0:
-        buf = states[0]
-        b = d if step <= 1.0 else buf.astype(C) * C(momentum) + C(1.0 - dampening) * d
-        _store(buf, b)
-        d = d + C(momentum) * b if nesterov != 0.0 else b
-    _store(p, pc + C(-lr) * d)
-
-
-def _store(target, values):
-    np.copyto(target, values, casting="unsafe")
