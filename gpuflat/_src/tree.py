@@ -348,7 +348,8 @@ def _missing_reason(x: object, missing: str, names: Sequence[str]) -> str:
 
 # One-shot iterables cannot be rebuilt (and model.parameters() is a
 # generator): taken as statics they would hide every array inside.
-_ONE_SHOT: tuple[type[Any], ...] = (Iterator, Set, type({}.keys()), type({}.values()), type({}.items()))
+_ONE_SHOT: tuple[type[Any], ...] = (Iterator, Set, type({}.keys()), type({}.values()),
+                                    type({}.items()))
 
 
 class collector_paused:  # noqa: N801 - used as a function, like contextlib's context managers
@@ -562,7 +563,8 @@ def display(path: str) -> str:
 
 # ---------------------------------------------------------------- matching
 
-def arrays_like(treedef: object, tree: Any, array_types: tuple[type[Any], ...] | None = None) -> list[Any]:
+def arrays_like(treedef: object, tree: Any,
+                array_types: tuple[type[Any], ...] | None = None) -> list[Any]:
     """What ``tree`` holds at each trainable place of ``treedef``, in walk order.
 
     Containers must match; at a trainable place any value is returned (the
