@@ -21,7 +21,7 @@ import math
 import sys
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -40,6 +40,12 @@ from .binding import Call
 from .ranks import ResidentGradients
 from .torch_params import Binding
 
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Sequence
+    from types import ModuleType
+
+    from .backends.protocol import Backend
+
 ALIGN_BYTES = 256
 PADDING = "<padding>"
 
@@ -52,7 +58,7 @@ class Slice:
     buffer: int
     offset: int
     size: int
-    shape: tuple
+    shape: tuple[int, ...]
     dtype: np.dtype
 
 
@@ -65,9 +71,10 @@ class _Group:
     or update writes it (0 x NaN would be NaN), and no norm reads it.
     """
 
-    def __init__(self, dtype, slices):
+    def __init__(self, dtype: np.dtype, slices: Sequence[Slice]) -> None:
         self.dtype = dtype
-        specs, offset = [], 0
+        specs: list[LeafSpec] = []
+        offset = 0
         for s in slices:
             if s.offset > offset:
                 specs.append(LeafSpec(PADDING, offset, s.offset - offset, (s.offset - offset,), dtype))
@@ -78,7 +85,7 @@ class _Group:
         self.real = [i for i, spec in enumerate(specs) if spec.path != PADDING]
         self.leaf_plan = _contiguous_plan([(specs[i].path, (specs[i].size,)) for i in self.real], dtype)
 
-    def pieces(self, buffer) -> list:
+    def pieces(self, buffer: Any) -> list[Any]:
         """The buffer cut along the plan's slots: what backends read per slot."""
         return [buffer[spec.offset : spec.offset + spec.size] for spec in self.plan.leaves]
 
@@ -102,15 +109,16 @@ class _Buffer:
     """One flat buffer: in the caller's kind, as a backend array, and cut once
     into its slots (all of them, and the leaves alone), so a step cuts nothing."""
 
-    def __init__(self, own, array, group):
+    def __init__(self, own: Any, array: Any, group: _Group) -> None:
         self.own, self.array = own, array
         self.pieces = group.pieces(array)
         self.leaves = [self.pieces[i] for i in group.real]
 
 
-def _contiguous_plan(named_shapes, dtype) -> FlatPlan:
+def _contiguous_plan(named_shapes: Iterable[tuple[str, tuple[int, ...]]], dtype: DTypeLike) -> FlatPlan:
     """A plan of leaves laid end to end, each of ``dtype``."""
-    specs, offset = [], 0
+    specs: list[LeafSpec] = []
+    offset = 0
     for path, shape in named_shapes:
         size = math.prod(shape)
         specs.append(LeafSpec(path, offset, size, shape, np.dtype(dtype)))
@@ -118,7 +126,7 @@ def _contiguous_plan(named_shapes, dtype) -> FlatPlan:
     return FlatPlan(None, tuple(specs), tuple(range(len(specs))), offset, np.dtype(dtype))
 
 
-def _norm_plan(slices) -> FlatPlan:
+def _norm_plan(slices: Iterable[Slice]) -> FlatPlan:
     """The plan of a norm over every leaf of ``slices`` in their order, each
     one slot (what a tree of the same leaves gets: the same chunks, so the
     same bits); laid end to end, as no pass gathers it (float64, the norms'
@@ -128,14 +136,15 @@ def _norm_plan(slices) -> FlatPlan:
     >>> [(leaf.path, leaf.offset, leaf.size, str(leaf.dtype)) for leaf in _norm_plan(s).leaves]
     [('a', 0, 3, 'float32'), ('b', 3, 2, 'float64')]
     """
-    specs, offset = [], 0
+    specs: list[LeafSpec] = []
+    offset = 0
     for s in slices:
         specs.append(LeafSpec(s.path, offset, s.size, (s.size,), s.dtype))
         offset += s.size
     return FlatPlan(None, tuple(specs), tuple(range(len(specs))), offset, np.dtype(np.float64))
 
 
-def _address_reader(backend):
+def _address_reader(backend: Backend) -> Callable[[Any], int]:
     """How ``backend`` reads the address of one of its arrays' first element."""
     runtime = getattr(backend, "runtime", None)
     if runtime is not None:
@@ -143,7 +152,7 @@ def _address_reader(backend):
     return lambda a: a.__array_interface__["data"][0]
 
 
-def layout(unique, paths) -> tuple:
+def layout(unique: Sequence[Any], paths: Iterable[str]) -> tuple[Slice, ...]:
     """The Slice of each unique trainable: grouped by dtype in order of first
     appearance, each start aligned to ALIGN_BYTES.
 
@@ -152,7 +161,7 @@ def layout(unique, paths) -> tuple:
     """
     dtypes = list(dict.fromkeys(a.dtype for a in unique))
     ends = [0] * len(dtypes)
-    slices = []
+    slices: list[Slice] = []
     for a, path in zip(unique, paths):
         b = dtypes.index(a.dtype)
         align = max(1, ALIGN_BYTES // a.dtype.itemsize)
@@ -216,46 +225,49 @@ class Resident(ResidentGradients):
         paths = call.paths()
         owners = call.owners()
         pairs = _torch_parameters(owners, paths)
-        self._backend = select(backend, unique, lambda i: paths[i])
-        self._like = next((o for o in owners if o is not None), None)
+        self._backend: Backend = select(backend, unique, lambda i: paths[i])
+        self._like: Any = next((o for o in owners if o is not None), None)  # a PyTorch parameter, or None
         self.layout = layout(unique, paths)
         dtypes = list(dict.fromkeys(a.dtype for a in unique))
         self._groups = [_Group(dt, [s for s in self.layout if s.buffer == b]) for b, dt in enumerate(dtypes)]
         self._norm_plan = _norm_plan(self.layout)
-        self._bounds: dict = {}  # by id of the buffer list (the parameters', the gradients'), both fixed
+        # By id of the buffer list (the parameters', the gradients'), both fixed.
+        self._bounds: dict[int, clipping.Bound] = {}
         with self._scope():
             self._params = [self._allocate(g) for g in self._groups]
-            self._grads = [self._allocate(g) for g in self._groups] if grads else None
+            self._grads: list[_Buffer] | None = [self._allocate(g) for g in self._groups] if grads else None
+            self._grad_tree: Any  # set below: a tree of views, or for PyTorch a dict path -> p.grad
+            self.params: Any
             if pairs is None:
-                self._binding = None
+                self._binding: Binding | None = None
                 self._bind_arrays(call, unique)
             else:
                 modules = [x for x in call.statics if _arrays.is_module(x)]
                 self._binding = Binding(pairs, modules, self._views(self._params, own=True),
-                                        self._views(self._grads, own=True) if grads else None)
+                                        self._views(self._grads, own=True) if self._grads is not None else None)
                 self.params = tree
                 self._grad_tree = dict(zip(self._binding.paths, self._binding.grads)) if grads else None
 
-    def _bind_arrays(self, call, unique):
+    def _bind_arrays(self, call: Call, unique: Sequence[Any]) -> None:
         """NumPy and CuPy trees: the values copied in, and new trees of views."""
         for s, a in zip(self.layout, unique):
             _view(self._params[s.buffer].array, s)[...] = a
 
-        def rebuilt(buffers):
+        def rebuilt(buffers: list[_Buffer]) -> Any:
             views = self._views(buffers, own=False)
             return _tree.rebuild(call.plan.treedef, [views[slot] for slot in call.plan.slot_of], call.statics)
 
         self.params = rebuilt(self._params)
         self._grad_tree = rebuilt(self._grads) if self._grads is not None else None
 
-    def _views(self, buffers, *, own):
+    def _views(self, buffers: list[_Buffer], *, own: bool) -> list[Any]:
         return [_view(buffers[s.buffer].own if own else buffers[s.buffer].array, s) for s in self.layout]
 
-    def _allocate(self, group) -> _Buffer:
+    def _allocate(self, group: _Group) -> _Buffer:
         """A zeroed buffer for ``group``."""
         return _Buffer(*self._zeros(group.size, group.dtype), group)
 
-    def _zeros(self, size, dtype) -> Storage:
+    def _zeros(self, size: int, dtype: DTypeLike) -> Storage:
         """A zeroed 1-D array, PyTorch's own for PyTorch parameters."""
         if self._like is not None:
             torch = sys.modules["torch"]
@@ -267,7 +279,7 @@ class Resident(ResidentGradients):
     # ---------------------------------------------------------- buffers
 
     @property
-    def grads(self):
+    def grads(self) -> Any:
         """The gradient views: a tree like ``params``, or for PyTorch a dict from
         each parameter's path to its ``p.grad`` (None with ``grads=False``)."""
         if self._grads is None:
@@ -300,16 +312,16 @@ class Resident(ResidentGradients):
         self._require_grads()
         return Buffers(self)
 
-    def _require_grads(self):
+    def _require_grads(self) -> list[_Buffer]:
         if self._grads is None:
             raise ValueError("this Resident was made with grads=False: it holds no gradient buffers")
         return self._grads
 
-    def _sync(self):
+    def _sync(self) -> None:
         if self._binding is not None:
             self._binding.sync(self._refuse_capture)
 
-    def _refuse_capture(self, what):
+    def _refuse_capture(self, what: str) -> None:
         """Following ``what`` copies into the buffers: refused while PyTorch's
         current stream captures a CUDA graph, which would record the copy
         instead of running it."""
@@ -319,12 +331,12 @@ class Resident(ResidentGradients):
                                f"copies instead of running them: make the same call once before capturing "
                                f"(a warm-up call after the gradients are set), so nothing is left to follow")
 
-    def _gradless(self) -> frozenset:
+    def _gradless(self) -> frozenset[int]:
         """The leaves (in layout order) whose PyTorch gradient is None: they
         count as zero in norms, and the flat optimizers skip them."""
         return frozenset() if self._binding is None else self._binding.gradless()
 
-    def _give_grads(self, leaves) -> None:
+    def _give_grads(self, leaves: list[int]) -> None:
         """Make each of ``leaves`` (in layout order, gradless until now) hold its
         view as its PyTorch gradient: a gradient all-reduce wrote one there,
         as DDP gives every rank the average gradient of a parameter that
@@ -401,12 +413,12 @@ class Resident(ResidentGradients):
 
     # ---------------------------------------------------------- helpers
 
-    def _scope(self):
+    def _scope(self) -> AbstractContextManager[Any]:
         """Where the per-step device work runs: the buffers' device and, for
         PyTorch, its current stream and allocator (``arrays.device_scope``)."""
         return _arrays.device_scope(self._backend, self._like)
 
-    def _bound(self, buffers) -> clipping.Bound:
+    def _bound(self, buffers: list[_Buffer]) -> clipping.Bound:
         """``buffers`` bound for a norm and a clip: the norm one pass over
         every leaf, the scale one per buffer, of the leaves alone. Bound once:
         the buffers and the caller's kind never change."""
@@ -415,7 +427,7 @@ class Resident(ResidentGradients):
             bound = self._bounds[id(buffers)] = self._bind(buffers)
         return bound
 
-    def _bind(self, buffers) -> clipping.Bound:
+    def _bind(self, buffers: list[_Buffer]) -> clipping.Bound:
         be, like, layout = self._backend, self._like, self.layout
         norm = clipping.Part(self._norm_plan, self._norm_leaves(buffers), be, like,
                              path=lambda slot: layout[slot].path)
@@ -423,7 +435,7 @@ class Resident(ResidentGradients):
                        for g, buf in zip(self._groups, buffers)]
         return clipping.Bound([norm], scale_parts)
 
-    def _norm_leaves(self, buffers):
+    def _norm_leaves(self, buffers: list[_Buffer]) -> list[Any] | LeafRows:
         """Every leaf of ``buffers`` in layout order, as the backend reads them:
         a table of their addresses where it reads tables (found again by its
         identity on a device: no per-leaf work per call), else the views."""
@@ -434,7 +446,7 @@ class Resident(ResidentGradients):
         return LeafRows(np.array([[address(v)] + leaf_row((s.size,), (s.dtype.itemsize,), s.dtype)
                                   for v, s in zip(views, self.layout)], np.int64).reshape(len(views), -1))
 
-    def _result(self, x):
+    def _result(self, x: Any) -> Any:
         return x if self._like is None else _arrays.to_caller(x, self._like)
 
 
@@ -455,7 +467,7 @@ class DtypeBuffers:
     """
 
     plan: FlatPlan
-    slot_of: dict
+    slot_of: dict[int, int]
     params: Any
     grads: Any
 
@@ -482,14 +494,15 @@ class Buffers:
     (array([-0.5,  0. ]), 5.0)
     """
 
-    def __init__(self, resident: Resident):
+    def __init__(self, resident: Resident) -> None:
         self._resident = resident
         self.backend = resident._backend
+        grads = resident._require_grads()
         dtypes = []
         for b, group in enumerate(resident._groups):
             leaves = [k for k, s in enumerate(resident.layout) if s.buffer == b]
             dtypes.append(DtypeBuffers(group.plan, dict(zip(leaves, group.real)),
-                                       resident._params[b].array, resident._grads[b].array))
+                                       resident._params[b].array, grads[b].array))
         self.dtypes = tuple(dtypes)
 
     def follow(self) -> None:
@@ -507,7 +520,7 @@ class Buffers:
         """
         self._resident._sync()
 
-    def scope(self) -> AbstractContextManager:
+    def scope(self) -> AbstractContextManager[Any]:
         """A context for the per-step device work: the buffers' device and,
         for PyTorch, its current stream and allocator.
 
@@ -535,7 +548,7 @@ class Buffers:
         """
         return self._resident._zeros(size, dtype)
 
-    def gradless(self) -> frozenset:
+    def gradless(self) -> frozenset[int]:
         """The leaves (indices into ``resident.layout``) whose PyTorch
         gradient is None: their slots hold zeros, and an optimizer leaves
         them as they are, as PyTorch's do. Empty for NumPy and CuPy arrays.
@@ -563,7 +576,7 @@ class Buffers:
         (5.0, 4.0)
         """
         r = self._resident
-        return r._bound(r._grads).norm(p).on_backend
+        return r._bound(r._require_grads()).norm(p).on_backend
 
     def to_caller(self, x: Any) -> Any:
         """A backend array as the caller's kind: a PyTorch tensor for a
@@ -589,7 +602,7 @@ def resident(tree: Any, *, grads: bool = True, backend: str | None = None) -> Re
     return Resident(tree, grads=grads, backend=backend)
 
 
-def _view(buffer, s: Slice):
+def _view(buffer: Any, s: Slice) -> Any:
     return buffer[s.offset : s.offset + s.size].reshape(s.shape)
 
 
@@ -608,7 +621,7 @@ _DTENSOR_REFUSED = (
 )
 
 
-def _torch_parameters(owners, paths):
+def _torch_parameters(owners: Sequence[Any], paths: Sequence[str]) -> list[tuple[str, Any]] | None:
     """[(path, tensor)] when every trainable is a PyTorch tensor; None when none is."""
     if all(o is None for o in owners):
         return None
@@ -624,7 +637,7 @@ def _torch_parameters(owners, paths):
     return list(zip(paths, owners))
 
 
-def _torch_dtype(torch, dtype):
+def _torch_dtype(torch: ModuleType, dtype: DTypeLike) -> Any:
     from .dtypes import is_bfloat16
 
     if is_bfloat16(dtype):

@@ -27,7 +27,7 @@ import contextvars
 import functools
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -45,18 +45,28 @@ from .flatplan import FlatPlan, cached
 from .overlap import first_pair, really_overlap
 from .tree import walk
 
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Iterator, Sequence
+    from typing import Literal, TypeAlias
+
+    from .backends.protocol import Backend, NormResult
+
+    # What decides the tensors' layout: True when every tensor is
+    # contiguous, else (their shapes, their strides in elements).
+    LayoutKey: TypeAlias = "Literal[True] | tuple[tuple[Any, ...], tuple[Any, ...]]"
+
 TABLES_KEPT = 8  # calls remembered: a few clips and norms over different tensor lists
-_NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
                  torch.float64: np.dtype(np.float64), torch.complex64: np.dtype(np.complex64),
                  torch.complex128: np.dtype(np.complex128)}
-if bfloat16() is not None:
-    _NUMPY_DTYPES[torch.bfloat16] = bfloat16()
+if (_bfloat16 := bfloat16()) is not None:
+    _NUMPY_DTYPES[torch.bfloat16] = _bfloat16
 _ITEMSIZE_BY_TAG = np.array(ITEMSIZES, np.int64)
 # Whether gpuflat holds each dtype of tensor_facts.DTYPES, by its code.
 _HELD_CODES = np.array([d in _NUMPY_DTYPES for d in tensor_facts.DTYPES])
 
 _shape, _dtype, _device, _layout = attrgetter("shape"), attrgetter("dtype"), attrgetter("device"), attrgetter("layout")
-_override: contextvars.ContextVar = contextvars.ContextVar("gpuflat_tensor_backend", default=None)
+_override: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("gpuflat_tensor_backend", default=None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,10 +75,10 @@ class Group:
     list (``members``), plan, backend, leaves (LeafRows, or NumPy views
     where the backend reads arrays only) and device."""
 
-    members: tuple
+    members: tuple[int, ...]
     plan: FlatPlan
-    backend: object
-    leaves: object
+    backend: Backend
+    leaves: LeafRows | list[Any]
     device: torch.device
 
 
@@ -82,8 +92,8 @@ class Reading:
     place."""
 
     facts: np.ndarray
-    layout: object
-    override: object
+    layout: LayoutKey
+    override: Backend | None
 
     @functools.cached_property
     def key(self) -> bytes:
@@ -91,17 +101,17 @@ class Reading:
         # table of other tensors is told apart at its first address.
         return self.facts.tobytes()
 
-    def same(self, other) -> bool:
+    def same(self, other: Reading) -> bool:
         return self.override is other.override and self.key == other.key and self.layout == other.layout
 
 
 class _Described(NamedTuple):
     """The tensors' facts, one tuple per field, as a table is built from them."""
 
-    pointers: tuple
-    numels: tuple
-    dtypes: tuple
-    layout: object
+    pointers: tuple[int, ...]
+    numels: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+    layout: LayoutKey
 
 
 @dataclass(eq=False)
@@ -112,10 +122,10 @@ class Table:
     same tensor: :func:`_ties`) and whether they were found fit for an
     in-place write."""
 
-    groups: list
+    groups: list[Group]
     returned_dtype: torch.dtype
     reading: Reading | None
-    ties: tuple | None
+    ties: tuple[int, ...] | None
     fit_in_place: bool = False
 
     @functools.cached_property
@@ -143,7 +153,7 @@ _places = caches.LRU("tensor-list devices", TABLES_KEPT)  # a tensor of no eleme
 
 
 @contextlib.contextmanager
-def serve_with(backend):
+def serve_with(backend: Backend) -> Iterator[None]:
     """Run the tensors of every device on ``backend`` inside the context.
 
     The emulated CUDA backend over CPU tensors runs the CUDA path (rows,
@@ -163,7 +173,8 @@ def serve_with(backend):
         _override.reset(token)
 
 
-def read(tensors, name_of, in_place=False, facts=None) -> Table | None:
+def read(tensors: list[torch.Tensor], name_of: Callable[[int], str], in_place: bool = False,
+         facts: np.ndarray | None = None) -> Table | None:
     """The table of ``tensors`` (each counted once), checked, and with
     ``in_place`` checked fit to be written in place; None when some are
     DTensors (``gpuflat._src.ranks`` reduces those). ``name_of(i)`` names
@@ -187,23 +198,23 @@ def read(tensors, name_of, in_place=False, facts=None) -> Table | None:
     return table
 
 
-def _reading(tensors, facts) -> Reading | None:
+def _reading(tensors: list[torch.Tensor], facts: np.ndarray | None) -> Reading | None:
     """The tensors' Reading; None for tensors checked in full when built (of a
     type that is no plain tensor, or without storage of their own: no facts)."""
     if facts is None:
         return None
-    layout = (True if np.all(facts[:, 2] & tensor_facts.CONTIGUOUS)
+    layout: LayoutKey = (True if np.all(facts[:, 2] & tensor_facts.CONTIGUOUS)
               else (tuple(map(_shape, tensors)), tuple(map(torch.Tensor.stride, tensors))))
     return Reading(facts, layout, _override.get())
 
 
-def _ties(tensors) -> tuple:
+def _ties(tensors: Iterable[object]) -> tuple[int, ...]:
     """For each tensor, the position of the first one that is the same object."""
-    first: dict = {}
+    first: dict[int, int] = {}
     return tuple(first.setdefault(id(t), i) for i, t in enumerate(tensors))
 
 
-def _remembered(reading, tensors):
+def _remembered(reading: Reading, tensors: list[torch.Tensor]) -> Table | None:
     # Repeated addresses are the same tensor passed twice (counted once) or
     # two views of one memory (counted twice): which, is read again.
     return _tables.find(lambda table: table.reading.same(reading)
@@ -212,7 +223,7 @@ def _remembered(reading, tensors):
 
 # ---------------------------------------------------------------- building
 
-def _build(tensors, reading, name_of):
+def _build(tensors: list[torch.Tensor], reading: Reading | None, name_of: Callable[[int], str]) -> Table | None:
     if not _all_plain(tensors, name_of):
         return None
     if reading is None or not _all_readable(reading.facts):
@@ -228,7 +239,7 @@ def _build(tensors, reading, name_of):
     return table
 
 
-def _described(tensors, reading) -> _Described:
+def _described(tensors: list[torch.Tensor], reading: Reading | None) -> _Described:
     """The facts as tuples: from the Reading, or read in full (then never remembered)."""
     if reading is None:
         return _Described(tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(torch.Tensor.numel, tensors)),
@@ -239,7 +250,7 @@ def _described(tensors, reading) -> _Described:
                       tuple(map(tensor_facts.DTYPES.__getitem__, codes)), reading.layout)
 
 
-def _all_plain(tensors, name_of) -> bool:
+def _all_plain(tensors: list[torch.Tensor], name_of: Callable[[int], str]) -> bool:
     """False if some tensor is a DTensor; raises for anything else that is
     not a tensor gpuflat can read."""
     for cls in set(map(type, tensors)) - tensor_facts.PLAIN:
@@ -252,7 +263,7 @@ def _all_plain(tensors, name_of) -> bool:
     return True
 
 
-def _all_readable(facts) -> bool:
+def _all_readable(facts: np.ndarray) -> bool:
     """Whether the tensors of these facts are all of a dtype gpuflat holds, on
     the CPU or a CUDA device, with no conjugate or negative bit (they are
     strided: only strided tensors have facts)."""
@@ -261,7 +272,7 @@ def _all_readable(facts) -> bool:
                 and not (facts[:, 2] & tensor_facts.LAZY_VIEW).any())
 
 
-def _check_readable(tensors, name_of):
+def _check_readable(tensors: list[torch.Tensor], name_of: Callable[[int], str]) -> None:
     """Every tensor floating point, strided, on the CPU or a CUDA device, with
     no conjugate or negative bit: one pass per property, and a pass per
     tensor only to name the first that is not."""
@@ -274,7 +285,7 @@ def _check_readable(tensors, name_of):
         _named(name_of(i), _readable, t)
 
 
-def check_floating(tensors, name_of):
+def check_floating(tensors: Iterable[torch.Tensor], name_of: Callable[[int], str]) -> None:
     """NonFloatingTensorError naming (``name_of(i)``) the first tensor that is
     neither floating point nor complex: an integer or bool tensor has no
     trainable values, and PyTorch's vector_norm refuses it too.
@@ -290,7 +301,7 @@ def check_floating(tensors, name_of):
                                          f"complex tensor, found dtype {t.dtype}")
 
 
-def _readable(t):
+def _readable(t: torch.Tensor) -> None:
     refusal = tensor_refusal(t)
     if refusal is None and t.dtype not in _NUMPY_DTYPES:
         refusal = f"expected a tensor of a dtype gpuflat holds, found {t.dtype}"
@@ -298,16 +309,16 @@ def _readable(t):
         raise UnsupportedLeafError(refusal)
 
 
-def _named(name, check, t):
+def _named(name: str, check: Callable[[Any], object], t: Any) -> None:
     try:
         check(t)
     except TypeError as err:
         raise type(err)(f"leaf {name!r}: {err}") from None
 
 
-def _combined_in_torch(bound, results, p):
+def _combined_in_torch(bound: Bound, results: Sequence[NormResult], p: float) -> tuple[torch.Tensor, None]:
     """The norm of the parts' norms, each in PyTorch on its own device first."""
-    totals = []
+    totals: list[torch.Tensor] = []
     for part, result in zip(bound.norm_parts, results):
         with bound.within(part):
             totals.append(part.result(result.total))
@@ -315,18 +326,18 @@ def _combined_in_torch(bound, results, p):
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in totals]), p), None
 
 
-def _placed_on(device):
+def _placed_on(device: torch.device) -> torch.Tensor:
     """A tensor of no elements on ``device``, kept: where work for tensors
     there runs (the device, its current stream) and what kind its results take."""
     return _places.get(device, lambda: torch.empty(0, device=device))
 
 
-def _total_for(part, total):
+def _total_for(part: Part, total: Any) -> Any:
     """A norm given as a tensor (or a number), as ``part``'s backend reads it: on its device."""
     return adopt(torch.as_tensor(total, dtype=torch.float64).to(part.like.device))
 
 
-def norm_pass(table, p, detect=False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def norm_pass(table: Table, p: float, detect: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the float64 norm of order ``p`` of all of ``table``'s tensors, as a
     0-d tensor on the first one's device; with ``detect``, a 0-d float64
     tensor beside it: 1 where some tensor holds NaN or inf (from the
@@ -343,7 +354,7 @@ def norm_pass(table, p, detect=False) -> tuple[torch.Tensor, torch.Tensor | None
         norm = bound.norm(p)
         if not detect:
             return norm.total, None
-        firsts = []
+        firsts: list[torch.Tensor] = []
         for part, result in zip(bound.norm_parts, norm.results):
             with bound.within(part):
                 firsts.append(part.result(result.first_nonfinite))
@@ -351,7 +362,7 @@ def norm_pass(table, p, detect=False) -> tuple[torch.Tensor, torch.Tensor | None
     return norm.total, (torch.stack([f.to(device) for f in firsts]) >= 0).any().double()
 
 
-def returned_dtype(dtypes):
+def returned_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
     """The dtype PyTorch returns a norm of tensors of ``dtypes`` in: their promoted real dtype.
 
     >>> returned_dtype([torch.bfloat16, torch.complex64, torch.float16])
@@ -364,11 +375,13 @@ def returned_dtype(dtypes):
 _REAL = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
 
 
-def _groups(tensors, unique, devices, facts, name_of) -> list:
+def _groups(tensors: list[torch.Tensor], unique: Sequence[int], devices: list[Any], facts: _Described,
+            name_of: Callable[[int], str]) -> list[Group]:
     """The unique tensors grouped by their ``devices`` (anything equal for
     tensors on the same device), each group with its plan, backend and leaves."""
+    by_device: dict[Any, list[int]]
     if len(set(devices)) == 1:  # the common case, without a pass per tensor in Python
-        by_device = {devices[0]: tuple(unique)}
+        by_device = {devices[0]: list(unique)}
     else:
         by_device = {}
         for i in unique:
@@ -377,13 +390,14 @@ def _groups(tensors, unique, devices, facts, name_of) -> list:
             for members in by_device.values()]
 
 
-def _group(tensors, members, facts, device, name_of):
+def _group(tensors: list[torch.Tensor], members: tuple[int, ...], facts: _Described, device: torch.device,
+           name_of: Callable[[int], str]) -> Group:
     backend = backend_for(device)
     whole = len(members) == len(tensors)
     pick = (lambda xs: xs) if whole else (lambda xs: tuple(xs[i] for i in members))
     numels, dtypes = pick(facts.numels), pick(facts.dtypes)
     layout = facts.layout if facts.layout is True else tuple(map(pick, facts.layout))
-    leaves = None
+    leaves: LeafRows | list[Any] | None = None
     if getattr(backend, "reads_rows", False):
         template = _template(numels, dtypes, layout)
         if template is not None:
@@ -395,7 +409,7 @@ def _group(tensors, members, facts, device, name_of):
     return Group(members, _plan(numels, dtypes), backend, leaves, device)
 
 
-def backend_for(device):
+def backend_for(device: torch.device) -> Backend:
     """The backend serving tensors on ``device``: the native host backend (or
     NumPy) on the CPU, the CUDA backend of that device on a GPU; inside
     :func:`serve_with`, its backend.
@@ -411,26 +425,26 @@ def backend_for(device):
     return get_backend(host_default())
 
 
-def _named_adopt(name, t):
+def _named_adopt(name: str, t: torch.Tensor) -> Any:
     try:
         return adopt(t)
     except TypeError as err:
         raise type(err)(f"leaf {name!r}: {err}") from None
 
 
-def _plan(numels, dtypes) -> FlatPlan:
+def _plan(numels: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> FlatPlan:
     """The plan of tensors of these sizes and dtypes (as 1-D leaves), walked once per layout."""
-    def make():
+    def make() -> FlatPlan:
         stand_ins = [np.broadcast_to(np.zeros((), _NUMPY_DTYPES[d]), (n,)) for n, d in zip(numels, dtypes)]
         return cached(walk(stand_ins).treedef, stand_ins)[0]
 
     return _plans.get((numels, dtypes), make)
 
 
-def _template(numels, dtypes, layout):
+def _template(numels: tuple[int, ...], dtypes: tuple[torch.dtype, ...], layout: LayoutKey) -> np.ndarray | None:
     """The rows of tensors of this layout but their addresses; None if one
     keeps more dims than a row holds."""
-    def make():
+    def make() -> np.ndarray | None:
         template = np.zeros((len(numels), LEAF_ROW_WORDS), np.int64)
         for k, (n, dtype) in enumerate(zip(numels, dtypes)):
             itemsize = _NUMPY_DTYPES[dtype].itemsize
@@ -447,7 +461,7 @@ def _template(numels, dtypes, layout):
 
 # ---------------------------------------------------------------- in-place fitness
 
-def _check_in_place(table, tensors, name_of):
+def _check_in_place(table: Table, tensors: list[torch.Tensor], name_of: Callable[[int], str]) -> None:
     """Refuse, naming the leaves, tensors with overlapping elements or sharing
     memory: ``checks.check_in_place`` on arrays, its tests on rows."""
     for g in table.groups:
@@ -468,11 +482,14 @@ def _check_in_place(table, tensors, name_of):
 class _Layout:
     """A tensor's layout as ``checks.may_overlap_itself`` reads an array's (byte strides)."""
 
-    def __init__(self, size, shape, strides, itemsize):
+    def __init__(self, size: int, shape: tuple[int, ...], strides: list[int], itemsize: int) -> None:
         self.size, self.shape, self.strides, self.dtype = size, shape, strides, np.dtype(f"V{itemsize}")
 
 
-def _sharing_pair(words, view):
+# ``view(i)`` is row i's array; Callable[..., Any], not Callable[[int], Any]:
+# mypy cannot infer the caller's lambda, which binds the group's members as
+# a default argument, against the latter.
+def _sharing_pair(words: np.ndarray, view: Callable[..., Any]) -> tuple[int, int] | None:
     """The first pair (i, j), i < j, of rows whose elements share memory, or
     None: their byte ranges read from the rows, swept as ``overlap.first_pair`` sweeps."""
     itemsize = _ITEMSIZE_BY_TAG[words[:, 1]]

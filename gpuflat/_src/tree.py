@@ -22,8 +22,8 @@ import gc
 import sys
 import threading
 from collections import defaultdict
-from collections.abc import Iterator, Sequence, Set
-from typing import NamedTuple
+from collections.abc import Iterable, Iterator, Sequence, Set
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
@@ -31,12 +31,24 @@ from . import arrays
 from .dtypes import TAGS, admit, unsupported_float
 from ..errors import TreeMismatchError, UnsupportedLeafError, UnwalkableError
 
+if TYPE_CHECKING:
+    from typing import NoReturn, TypeAlias
+
+    # A treedef is opaque to its callers (``object``); inside, a node is LEAF,
+    # a Static or a tuple (kind, type, names, children[, static kinds]) whose
+    # fields differ in type, so the walk reads its nodes as Any.
+    # What a walk collects besides the arrays: the statics, and the foreign
+    # objects adopted so far by id (the object, its view).
+    _Side: TypeAlias = "tuple[list[Any], dict[int, tuple[Any, Any]]]"
+    # An object's (trainable field names, other field names).
+    _Fields: TypeAlias = "tuple[tuple[str, ...], tuple[str, ...]]"
+
 class _Leaf:
     """Marks the place of a trainable array in a treedef."""
 
     __slots__ = ()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "LEAF"
 
 
@@ -51,28 +63,28 @@ class Static:
 
     __slots__ = ("kind",)
 
-    def __init__(self, kind):
+    def __init__(self, kind: tuple[Any, ...]) -> None:
         self.kind = kind
 
     @classmethod
-    def of(cls, value) -> "Static":
+    def of(cls, value: object) -> "Static":
         shape = getattr(value, "shape", None)
         dtype = getattr(value, "dtype", None)
         if type(shape) is tuple and dtype is not None:
             return cls((type(value), shape, dtype))
         return cls((type(value),))
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return type(other) is Static and self.kind == other.kind
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         return hash(self.kind)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Static({self.kind[0].__name__})"
 
 
-def _array_types():
+def _array_types() -> tuple[type[Any], ...]:
     # CuPy is never imported by gpuflat itself: a CuPy leaf can only exist if
     # the caller imported it already.
     cupy = sys.modules.get("cupy")
@@ -99,63 +111,65 @@ class _Kind:
     kept_first = True
     holds_parameters = False  # children are all PyTorch parameters: no container among them
 
-    def __init__(self, name):
+    def __init__(self, name: str) -> None:
         self.name = name
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return self.name
 
-    def open(self, x):
+    # ``names`` is what a node records of its container, by kind: None, the
+    # keys, the field names, or (trainable fields, other fields).
+    def open(self, x: Any) -> tuple[Any, Iterable[Any], Sequence[Any]]:
         return None, x, ()
 
-    def children_like(self, x, names, count, path):
+    def children_like(self, x: Any, names: Any, count: int, path: str) -> Iterable[Any]:
         """The values of ``x`` at the node's child places (``x`` is of the node's type)."""
         if len(x) != count:
             raise TreeMismatchError(f"leaf {display(path)!r}: expected {count} items, got {len(x)}")
         return x
 
-    def kept_count(self, cls, names):
+    def kept_count(self, cls: type, names: Any) -> int:
         """How many statics a node of this kind took."""
         return 0
 
-    def keys(self, names, count):
+    def keys(self, names: Any, count: int) -> list[str]:
         """The path step of each child."""
         return [f"[{i}]" for i in range(count)]
 
-    def build(self, cls, names, children, kept):
+    def build(self, cls: type[Any], names: Any, children: list[Any], kept: Sequence[Any]) -> Any:
         return cls(children)
 
 
 class _Dict(_Kind):
-    def open(self, x):
+    def open(self, x: Any) -> tuple[Any, Iterable[Any], Sequence[Any]]:
         kept = (x.default_factory,) if isinstance(x, defaultdict) else ()
         return tuple(x), x.values(), kept
 
-    def children_like(self, x, names, count, path):
+    def children_like(self, x: Any, names: Any, count: int, path: str) -> Iterable[Any]:
         if tuple(x) != names:
             _raise_keys(path, names, tuple(x))
         return x.values()
 
-    def kept_count(self, cls, names):
+    def kept_count(self, cls: type, names: Any) -> int:
         return 1 if issubclass(cls, defaultdict) else 0
 
-    def keys(self, names, count):
+    def keys(self, names: Any, count: int) -> list[str]:
         return [f"[{k!r}]" for k in names]
 
-    def build(self, cls, names, children, kept):
+    def build(self, cls: type[Any], names: Any, children: list[Any], kept: Sequence[Any]) -> Any:
         if kept:
             return cls(kept[0], zip(names, children))
         return cls(zip(names, children))
 
 
 class _NamedTuple(_Kind):
-    def open(self, x):
+    def open(self, x: Any) -> tuple[Any, Iterable[Any], Sequence[Any]]:
         return type(x)._fields, x, ()
 
-    def keys(self, names, count):
+    def keys(self, names: Any, count: int) -> list[str]:
         return [f".{n}" for n in names]
 
-    def build(self, cls, names, children, kept):
+    def build(self, cls: type[Any], names: Any, children: list[Any], kept: Sequence[Any]) -> Any:
         return cls._make(children)
 
 
@@ -168,23 +182,23 @@ class _Module(_Kind):
 
     holds_parameters = True
 
-    def open(self, x):
+    def open(self, x: Any) -> tuple[Any, Iterable[Any], Sequence[Any]]:
         named = arrays.module_parameters(x)
         return tuple(n for n, _ in named), [p for _, p in named], (x,)
 
-    def children_like(self, x, names, count, path):
+    def children_like(self, x: Any, names: Any, count: int, path: str) -> Iterable[Any]:
         named = arrays.module_parameters(x)
         found = tuple(n for n, _ in named)
         if found != names:
             _raise_keys(path, names, found)
         return [p for _, p in named]
 
-    def kept_count(self, cls, names):
+    def kept_count(self, cls: type, names: Any) -> int:
         return 1
 
     keys = _NamedTuple.keys
 
-    def build(self, cls, names, children, kept):
+    def build(self, cls: type[Any], names: Any, children: list[Any], kept: Sequence[Any]) -> Any:
         return _build_module(kept[0], names, children)
 
 
@@ -194,30 +208,34 @@ class _Object(_Kind):
 
     kept_first = False
 
-    def __init__(self, name, fields=None):
+    def __init__(self, name: str, fields: _Fields | None = None) -> None:
         super().__init__(name)
         self.fields = fields  # (trainable, others) of a registered class
 
-    def fields_of(self, x):
-        return self.fields or _declared_fields(x)
+    def fields_of(self, x: Any) -> _Fields:
+        # Only asked of an object kind_of gave this kind: of a registered
+        # class, or declaring its fields, so never None.
+        return self.fields or cast("_Fields", _declared_fields(x))
 
-    def open(self, x):
+    def open(self, x: Any) -> tuple[Any, Iterable[Any], Sequence[Any]]:
         trainable, others = self.fields_of(x)
         return (trainable, others), _field_values(x, trainable), _field_values(x, others)
 
-    def kept_count(self, cls, names):
+    def kept_count(self, cls: type, names: Any) -> int:
         return len(names[1])
 
-    def children_like(self, x, names, count, path):
+    def children_like(self, x: Any, names: Any, count: int, path: str) -> Iterable[Any]:
         try:
             return _field_values(x, names[0])
         except _MissingField as missing:
             raise TreeMismatchError(f"leaf {display(path)!r}: {missing.reason}") from None
 
-    def keys(self, names, count):
+    def keys(self, names: Any, count: int) -> list[str]:
         return [f".{n}" for n in names[0]]
 
-    def build(self, cls, names, children, kept):
+    # ``cls`` is Any, not type[Any]: mypy reads ``cls.__new__`` of a
+    # type[Any] as the metaclass's own and refuses the call below.
+    def build(self, cls: Any, names: Any, children: list[Any], kept: Sequence[Any]) -> Any:
         # Objects are rebuilt without calling __init__, as copy.copy does, so a
         # model class needs no special constructor. A subclass of a built-in
         # (a dict, say) must be made by its own __new__.
@@ -236,7 +254,7 @@ _kinds: dict[type, _Kind] = {dict: DICT, defaultdict: DICT, list: SEQUENCE, tupl
 _kinds_lock = threading.Lock()
 
 
-def kind_of(x):
+def kind_of(x: object) -> _Kind | None:
     """The kind of container ``x`` is, or None for a value the walk does not open.
 
     >>> kind_of({}), kind_of([1]), kind_of(np.ones(2))
@@ -286,7 +304,7 @@ def register(cls: type, fields: Sequence[str], trainable: Sequence[str] | None =
         _kinds[cls] = _Object(f"registered {cls.__name__}", (trainable, others))
 
 
-def _declared_fields(x):
+def _declared_fields(x: object) -> _Fields | None:
     """(trainable names, other names) of a dataclass or an object declaring
     ``__trainable__``, or None."""
     cls = type(x)
@@ -305,7 +323,7 @@ def _declared_fields(x):
 class _Refused(Exception):
     """Raised inside the walk at a value it refuses; ``walk`` adds the path."""
 
-    def __init__(self, value, reason):
+    def __init__(self, value: object, reason: str) -> None:
         super().__init__(reason)
         self.value, self.reason = value, reason
 
@@ -314,7 +332,7 @@ class _MissingField(_Refused):
     """Raised inside the walk at an object lacking one of its class's fields."""
 
 
-def _field_values(x, names):
+def _field_values(x: object, names: Sequence[str]) -> list[Any]:
     """``x``'s attributes ``names``; _MissingField naming the first one it lacks."""
     try:
         return [getattr(x, n) for n in names]
@@ -323,14 +341,15 @@ def _field_values(x, names):
         raise _MissingField(x, _missing_reason(x, missing, names)) from None
 
 
-def _missing_reason(x, missing, names):
+def _missing_reason(x: object, missing: str, names: Sequence[str]) -> str:
     return (f"expected a {type(x).__name__} with field {missing!r} (fields {list(names)}), "
             f"found none: it has no attribute {missing!r}")
 
 
 # One-shot iterables cannot be rebuilt (and model.parameters() is a
 # generator): taken as statics they would hide every array inside.
-_ONE_SHOT = (Iterator, Set, type({}.keys()), type({}.values()), type({}.items()))
+_ONE_SHOT: tuple[type[Any], ...] = (Iterator, Set, type({}.keys()), type({}.values()),
+                                    type({}.items()))
 
 
 class collector_paused:  # noqa: N801 - used as a function, like contextlib's context managers
@@ -350,11 +369,11 @@ class collector_paused:  # noqa: N801 - used as a function, like contextlib's co
 
     __slots__ = ("_was_enabled",)
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         self._was_enabled = gc.isenabled()
         gc.disable()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         if self._was_enabled:
             gc.enable()
 
@@ -368,12 +387,12 @@ class Walked(NamedTuple):
     """
 
     treedef: object
-    arrays: list
-    statics: list
-    foreign: dict
+    arrays: list[Any]
+    statics: list[Any]
+    foreign: dict[int, Any]
 
 
-def walk(tree, array_types=None) -> Walked:
+def walk(tree: Any, array_types: tuple[type[Any], ...] | None = None) -> Walked:
     """(treedef, arrays, statics, foreign): the tree's structure, its trainable
     arrays per occurrence, its non-trainable values, each in walk order, and
     the caller's own objects behind adopted arrays.
@@ -382,9 +401,9 @@ def walk(tree, array_types=None) -> Walked:
     >>> len(arrays), statics, foreign
     (1, [3], {})
     """
-    arrays: list = []
-    statics: list = []
-    foreign: dict = {}
+    arrays: list[Any] = []
+    statics: list[Any] = []
+    foreign: dict[int, tuple[Any, Any]] = {}
     try:
         treedef = _walk(tree, arrays, (statics, foreign), array_types or _array_types())
     except _MissingField as missing:
@@ -397,7 +416,7 @@ def walk(tree, array_types=None) -> Walked:
     return Walked(treedef, arrays, statics, {id(v): x for x, v in foreign.values()})
 
 
-def _walk(x, out, side, array_types):
+def _walk(x: Any, out: list[Any], side: _Side, array_types: tuple[type[Any], ...]) -> object:
     if isinstance(x, array_types):
         if admit(x.dtype):
             out.append(x)
@@ -422,7 +441,7 @@ def _walk(x, out, side, array_types):
     return (kind, type(x), names, children, tuple(map(Static.of, kept)))
 
 
-def _leaf(x, out, side):
+def _leaf(x: Any, out: list[Any], side: _Side) -> object:
     """A value the walk does not open: a trainable array of another kind, or a static."""
     statics, foreign = side
     seen = foreign.get(id(x))
@@ -446,7 +465,7 @@ def _leaf(x, out, side):
     return Static.of(x)
 
 
-def _refuse_unsupported_float(x, dtype):
+def _refuse_unsupported_float(x: object, dtype: Any) -> None:
     # A floating array gpuflat cannot compute on holds trainable values: kept
     # as a static, it would silently drop out of every norm and clip.
     reason = unsupported_float(dtype)
@@ -454,10 +473,11 @@ def _refuse_unsupported_float(x, dtype):
         raise _Refused(x, reason)
 
 
-def _walk_children(values, out, side, array_types):
+def _walk_children(values: Iterable[Any], out: list[Any], side: _Side,
+                   array_types: tuple[type[Any], ...]) -> tuple[object, ...]:
     # Arrays are handled inline: a model with thousands of leaves pays one
     # loop step per leaf, not one recursive call.
-    nodes = []
+    nodes: list[object] = []
     for v in values:
         if type(v) is np.ndarray and v.dtype in TAGS:
             out.append(v)
@@ -467,7 +487,7 @@ def _walk_children(values, out, side, array_types):
     return tuple(nodes)
 
 
-def _children_with_paths(x, prefix):
+def _children_with_paths(x: object, prefix: str) -> list[tuple[str, Any]]:
     """(path, child) of a container the walk opens; [] for anything else."""
     kind = kind_of(x)
     if kind is None:
@@ -481,9 +501,10 @@ def _children_with_paths(x, prefix):
     return [(prefix + key, v) for key, v in zip(kind.keys(names, len(values)), values)]
 
 
-def _path_of(tree, target) -> str:
+def _path_of(tree: object, target: object) -> str:
     """The path of ``target`` (by identity) in ``tree``: only called to word an error."""
-    stack, seen = [("", tree)], set()
+    stack: list[tuple[str, object]] = [("", tree)]
+    seen: set[int] = set()
     while stack:
         prefix, x = stack.pop()
         if x is target:
@@ -495,9 +516,9 @@ def _path_of(tree, target) -> str:
     return "<unknown>"
 
 
-def _cycle_path(tree) -> str:
+def _cycle_path(tree: object) -> str:
     """The path at which ``tree`` first contains one of its own ancestors."""
-    def search(x, prefix, ancestors):
+    def search(x: object, prefix: str, ancestors: set[int]) -> str | None:
         for path, child in _children_with_paths(x, prefix):
             if id(child) in ancestors:
                 return path
@@ -512,19 +533,19 @@ def _cycle_path(tree) -> str:
 
 # ---------------------------------------------------------------- paths
 
-def _child_paths(node, prefix):
+def _child_paths(node: tuple[Any, ...], prefix: str) -> list[tuple[str, object]]:
     kind, _, names, children = node[:4]
     return [(prefix + key, c) for key, c in zip(kind.keys(names, len(children)), children)]
 
 
-def leaf_paths(treedef) -> list[str]:
+def leaf_paths(treedef: object) -> list[str]:
     """The path of every trainable occurrence, in walk order.
 
     >>> leaf_paths(walk({"enc": [np.ones(1), {"w": np.ones(1)}]})[0])
     ["['enc'][0]", "['enc'][1]['w']"]
     """
     paths: list[str] = []
-    stack = [("", treedef)]
+    stack: list[tuple[str, object]] = [("", treedef)]
     while stack:
         prefix, node = stack.pop()
         if node is LEAF:
@@ -542,7 +563,8 @@ def display(path: str) -> str:
 
 # ---------------------------------------------------------------- matching
 
-def arrays_like(treedef, tree, array_types=None) -> list:
+def arrays_like(treedef: object, tree: Any,
+                array_types: tuple[type[Any], ...] | None = None) -> list[Any]:
     """What ``tree`` holds at each trainable place of ``treedef``, in walk order.
 
     Containers must match; at a trainable place any value is returned (the
@@ -554,12 +576,12 @@ def arrays_like(treedef, tree, array_types=None) -> list:
     >>> arrays_like(treedef, {"w": None, "act": None})
     [None]
     """
-    out: list = []
+    out: list[Any] = []
     _match(treedef, tree, out, "")
     return out
 
 
-def _match(node, x, out, path):
+def _match(node: object, x: Any, out: list[Any], path: str) -> None:
     if node is LEAF:
         out.append(x)
         return
@@ -575,7 +597,7 @@ def _match(node, x, out, path):
         _match(child, v, out, child_path)
 
 
-def _raise_keys(path, expected, found):
+def _raise_keys(path: str, expected: Sequence[Any], found: Sequence[Any]) -> NoReturn:
     missing = [k for k in expected if k not in found]
     extra = [k for k in found if k not in expected]
     what = (f"missing keys {missing}" if missing else "") + (
@@ -589,7 +611,7 @@ def _raise_keys(path, expected, found):
 
 # ---------------------------------------------------------------- rebuilding
 
-def rebuild(treedef, values, statics):
+def rebuild(treedef: object, values: Iterable[Any], statics: Iterable[Any]) -> Any:
     """A new tree shaped like ``treedef``: ``values`` at the trainable places,
     ``statics`` (from a walk of a tree of this structure) everywhere else.
 
@@ -600,7 +622,7 @@ def rebuild(treedef, values, statics):
     return _build(treedef, iter(values), iter(statics))
 
 
-def _build(node, values, statics):
+def _build(node: Any, values: Iterator[Any], statics: Iterator[Any]) -> Any:
     if node is LEAF:
         return next(values)
     if type(node) is Static:
@@ -614,7 +636,7 @@ def _build(node, values, statics):
     return kind.build(cls, names, built, kept)
 
 
-def _build_module(module, names, values):
+def _build_module(module: Any, names: Sequence[str], values: Iterable[Any]) -> Any:
     """A deep copy of ``module`` whose trainable parameters hold ``values``."""
     new = copy.deepcopy(module)
     for name, value in zip(names, values):

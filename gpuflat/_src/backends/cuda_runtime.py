@@ -31,12 +31,20 @@ import contextlib
 import sys
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gpuflat._src import caches, kernel_loader
 from gpuflat._src.arrays import external_stream
 from gpuflat.errors import CaptureError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Hashable, Sequence
+    from contextlib import AbstractContextManager
+    from types import ModuleType
+
+    from numpy.typing import DTypeLike
 
 WARP = 32
 MAX_BLOCK = 1024
@@ -62,7 +70,7 @@ class Stats:
     def reset(self) -> None:
         self.launches = self.syncs = self.uploads = 0
 
-    def snapshot(self) -> tuple:
+    def snapshot(self) -> tuple[int, int, int]:
         """(launches, syncs, uploads)."""
         return (self.launches, self.syncs, self.uploads)
 
@@ -100,13 +108,13 @@ class DeviceTable:
 
     __slots__ = ("array", "stream", "ready", "staging", "waited", "last_use", "captured")
 
-    def __init__(self, array, stream=None, ready=None, staging=None):
+    def __init__(self, array: Any, stream: int | None = None, ready: Any = None, staging: Any = None) -> None:
         self.array = array
-        self.stream = stream
+        self.stream = stream  # the stream's pointer
         self.ready = ready
         self.staging = staging
-        self.waited = set()
-        self.last_use = {}
+        self.waited: set[int] = set()  # stream pointers
+        self.last_use: dict[int, Any] = {}  # stream pointer -> event
         self.captured = False
 
 
@@ -138,14 +146,15 @@ class CaptureReserve:
     """
 
     ALIGN = 256  # each table starts on a boundary wide enough for any vector load
+    block: Any  # what ``allocate`` returned: pinned memory, or None before the first refill
 
-    def __init__(self, allocate, window: int = 64):
+    def __init__(self, allocate: Callable[[int], Any], window: int = 64) -> None:
         self.allocate = allocate
         self.need = 0  # the bytes of the tables in ``recent``
         self.recent = caches.LRU("capture reserve's recent tables", window, on_evict=self._forget)  # id -> bytes
         self.block, self.capacity, self.used = None, 0, 0  # CuPy's pinned memory has size(), no len()
 
-    def note(self, key, nbytes: int) -> None:
+    def note(self, key: Hashable, nbytes: int) -> None:
         """A launch read a table of ``nbytes`` (outside any capture)."""
         if self.recent.find(key) is None:
             self.need += _aligned(nbytes)
@@ -160,7 +169,7 @@ class CaptureReserve:
         if self.need and self.capacity - self.used < self.need:
             self.block, self.capacity, self.used = self.allocate(2 * self.need), 2 * self.need, 0
 
-    def take(self, nbytes: int):
+    def take(self, nbytes: int) -> tuple[Any, int] | None:
         """(the block, an offset) holding ``nbytes`` for a capture's table, or
         None when the reserve cannot hold them."""
         if self.used + nbytes > self.capacity:
@@ -184,33 +193,33 @@ class Runtime:
     """
 
     name = "runtime"
-    xp = np
+    xp: ModuleType = np
     block = 256
     max_grid = 1
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.stats = Stats()
         self._lock = threading.RLock()  # re-entrant: a finaliser may release a table while it is held
 
     # What the backend calls.
     @property
-    def device_key(self):
+    def device_key(self) -> tuple[Hashable, ...]:
         """A hashable naming this device, for per-device table caches."""
         return (self.name,)
 
-    def on_device(self):
+    def on_device(self) -> AbstractContextManager[Any]:
         """A context in which array-module calls run on this runtime's device."""
         return contextlib.nullcontext()
 
-    def empty(self, shape, dtype):
+    def empty(self, shape: int | tuple[int, ...], dtype: DTypeLike) -> Any:
         """An uninitialised device array (no upload: nothing crosses the bus)."""
         return self._empty(shape, dtype)
 
-    def zeros(self, shape, dtype):
+    def zeros(self, shape: int | tuple[int, ...], dtype: DTypeLike) -> Any:
         """A zeroed device array (a memset on the device, no upload)."""
         return self._zeros(shape, dtype)
 
-    def upload(self, host: np.ndarray, purpose: str = "an upload"):
+    def upload(self, host: np.ndarray, purpose: str = "an upload") -> Any:
         """Copy a host table to the device, with no host wait; counted in
         ``stats.uploads``. The copy is ordered on the current stream only: a
         table read on any stream comes from :meth:`upload_table`."""
@@ -228,13 +237,13 @@ class Runtime:
     def release(self, table: DeviceTable) -> None:
         """Let ``table`` go once no stream can still read it (see the device's override)."""
 
-    def to_host(self, array) -> np.ndarray:
+    def to_host(self, array: Any) -> np.ndarray:
         """Read a device array back; counted in ``stats.syncs`` (it waits for the device)."""
         with self._lock:
             self.stats.syncs += 1
         return self._to_host(array)
 
-    def pointer(self, array) -> int:
+    def pointer(self, array: Any) -> int:
         """The device address of ``array``'s first element."""
         return self._pointer(array)
 
@@ -243,7 +252,8 @@ class Runtime:
         per_block = self.block // WARP
         return int(max(1, min(self.max_grid, -(-n_warps // per_block))))
 
-    def launch(self, name: str, grid: int, block: int, args, tables=()) -> None:
+    def launch(self, name: str, grid: int, block: int, args: Sequence[Any],
+               tables: Sequence[DeviceTable] = ()) -> None:
         """Launch kernel ``name`` (a name expression); ``args`` are device arrays
         (passed as pointers) and NumPy scalars (passed by value); ``tables``
         the DeviceTables whose arrays ``args`` read, ordered after their
@@ -260,28 +270,28 @@ class Runtime:
             self._after_launch(table)
 
     # Implementation hooks.
-    def _empty(self, shape, dtype):
+    def _empty(self, shape: int | tuple[int, ...], dtype: DTypeLike) -> Any:
         raise NotImplementedError
 
-    def _zeros(self, shape, dtype):
+    def _zeros(self, shape: int | tuple[int, ...], dtype: DTypeLike) -> Any:
         raise NotImplementedError
 
-    def _pointer(self, array) -> int:
+    def _pointer(self, array: Any) -> int:
         raise NotImplementedError
 
-    def _upload(self, host, purpose) -> DeviceTable:
+    def _upload(self, host: np.ndarray, purpose: str) -> DeviceTable:
         raise NotImplementedError
 
-    def _to_host(self, array):
+    def _to_host(self, array: Any) -> np.ndarray:
         raise NotImplementedError
 
-    def _launch(self, name, grid, block, args):
+    def _launch(self, name: str, grid: int, block: int, args: Sequence[Any]) -> None:
         raise NotImplementedError
 
-    def _before_launch(self, table):
+    def _before_launch(self, table: DeviceTable) -> None:
         """Order the current stream after ``table``'s upload (nothing: one stream)."""
 
-    def _after_launch(self, table):
+    def _after_launch(self, table: DeviceTable) -> None:
         """Note that the current stream read ``table`` (nothing: one stream)."""
 
 
@@ -302,10 +312,10 @@ class EmulatedRuntime(Runtime):
         check_launch("grid-stride kernels", max_grid, block)
         self.block = block
         self.max_grid = max_grid
-        self._library = None
+        self._library: Any = None
 
     @property
-    def library(self):
+    def library(self) -> Any:
         """The emulator library of the kernels, built on first use."""
         if self._library is None:
             from gpuflat._src import emulator  # only the emulated backend builds and loads it
@@ -313,22 +323,22 @@ class EmulatedRuntime(Runtime):
             self._library = emulator.kernels_library()
         return self._library
 
-    def _empty(self, shape, dtype):
+    def _empty(self, shape: int | tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
         return np.empty(shape, dtype)
 
-    def _zeros(self, shape, dtype):
+    def _zeros(self, shape: int | tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
         return np.zeros(shape, dtype)
 
-    def _pointer(self, array) -> int:
+    def _pointer(self, array: np.ndarray) -> int:
         return array.ctypes.data
 
-    def _upload(self, host, purpose):
+    def _upload(self, host: np.ndarray, purpose: str) -> DeviceTable:
         return DeviceTable(np.array(host, copy=True))
 
-    def _to_host(self, array):
+    def _to_host(self, array: Any) -> np.ndarray:
         return np.array(array, copy=True)
 
-    def _launch(self, name, grid, block, args):
+    def _launch(self, name: str, grid: int, block: int, args: Sequence[Any]) -> None:
         converted = [np.uint64(self._pointer(a)) if isinstance(a, np.ndarray) else a for a in args]
         self.library.launch(name, grid, block, converted)
 
@@ -367,35 +377,35 @@ class CupyRuntime(Runtime):
         check_launch("grid-stride kernels", 1, block)
         self.block = block
         self.max_grid = self.device.attributes["MultiProcessorCount"] * blocks_per_sm
-        self._kernels: dict = {}
-        self._module = None
-        self._retired: list = []  # released tables other streams may still read
-        self._kept: list = []  # tables read by captured graphs
-        self._streams: dict = {}  # ptr -> CuPy's stream over it, for each that uploaded or launched
+        self._kernels: dict[str, Any] = {}
+        self._module: tuple[Any, dict[str, str]] | None = None  # (the module, the lowered names)
+        self._retired: list[DeviceTable] = []  # released tables other streams may still read
+        self._kept: list[DeviceTable] = []  # tables read by captured graphs
+        self._streams: dict[int, Any] = {}  # ptr -> CuPy's stream over it, for each that uploaded or launched
         self._reserve = CaptureReserve(cupy.cuda.alloc_pinned_memory)
 
     @property
-    def device_key(self):
+    def device_key(self) -> tuple[Hashable, ...]:
         return (self.name, self.device.id)
 
-    def on_device(self):
+    def on_device(self) -> AbstractContextManager[Any]:
         return self.device
 
-    def _empty(self, shape, dtype):
+    def _empty(self, shape: int | tuple[int, ...], dtype: DTypeLike) -> Any:
         with self.device:
             return self.xp.empty(shape, dtype)
 
-    def _zeros(self, shape, dtype):
+    def _zeros(self, shape: int | tuple[int, ...], dtype: DTypeLike) -> Any:
         with self.device:
             return self.xp.zeros(shape, dtype)
 
-    def _pointer(self, array) -> int:
+    def _pointer(self, array: Any) -> int:
         if array.device.id != self.device.id:
             raise ValueError(f"array on CUDA device {array.device.id}; this runtime launches on "
                              f"device {self.device.id}")
         return array.data.ptr
 
-    def _upload(self, host, purpose):
+    def _upload(self, host: np.ndarray, purpose: str) -> DeviceTable:
         cuda = self.xp.cuda
         with self.device:
             stream = cuda.get_current_stream()
@@ -412,7 +422,7 @@ class CupyRuntime(Runtime):
             ready.record(stream)
             return DeviceTable(table, stream.ptr, ready, staging)
 
-    def _table_in_capture(self, host, purpose, stream) -> DeviceTable:
+    def _table_in_capture(self, host: np.ndarray, purpose: str, stream: Any) -> DeviceTable:
         """``host`` written into the capture reserve, read there by the
         kernels (no upload, no allocation: neither can be captured)."""
         with self._lock:
@@ -431,7 +441,7 @@ class CupyRuntime(Runtime):
         array = self.xp.ndarray(host.shape, host.dtype, memptr=cuda.MemoryPointer(memory, 0))
         return DeviceTable(array, stream.ptr, None, block)
 
-    def _before_launch(self, table):
+    def _before_launch(self, table: DeviceTable) -> None:
         stream = self.xp.cuda.get_current_stream()
         if stream.ptr == table.stream or stream.ptr in table.waited or table.ready is None:
             return
@@ -447,7 +457,7 @@ class CupyRuntime(Runtime):
             stream.wait_event(table.ready)  # on the device: the host does not wait
         table.waited.add(stream.ptr)
 
-    def _after_launch(self, table):
+    def _after_launch(self, table: DeviceTable) -> None:
         stream = self.xp.cuda.get_current_stream()
         if stream.is_capturing():
             table.captured = True
@@ -483,7 +493,7 @@ class CupyRuntime(Runtime):
                 self._retired.append(table)
         self._free_finished()
 
-    def _free_finished(self):
+    def _free_finished(self) -> None:
         """Drop the released tables no stream can still read (event queries,
         no wait), unless the current stream or one this runtime used is
         capturing a graph (``cudaStreamIsCapturing`` may be asked during a
@@ -501,15 +511,15 @@ class CupyRuntime(Runtime):
                 if getattr(exc, "status", None) not in CONTEXT_GONE:
                     raise
 
-    def _to_host(self, array):
+    def _to_host(self, array: Any) -> np.ndarray:
         with self.device:
             return self.xp.asnumpy(array)
 
-    def _launch(self, name, grid, block, args):
+    def _launch(self, name: str, grid: int, block: int, args: Sequence[Any]) -> None:
         with self.device:
             self._kernel(name)((grid,), (block,), tuple(args))
 
-    def _kernel(self, name: str):
+    def _kernel(self, name: str) -> Any:
         with self._lock:
             kernel = self._kernels.get(name)
             if kernel is None:
