@@ -22,6 +22,9 @@ from __future__ import annotations
 import array as _array
 import contextlib
 import sys
+from collections.abc import Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,13 +32,21 @@ from . import dtensor
 from .dtypes import bfloat16, is_bfloat16
 from ..errors import Float32OverflowError, UnsupportedLeafError
 
+if TYPE_CHECKING:
+    from typing import TypeGuard
+
+    import jax
+    import torch
+
+    from .backends.protocol import Backend
+
 _ARRAY_PROTOCOLS = ("__dlpack__", "__array__", "__array_interface__", "__cuda_array_interface__")
 _BUFFERS = (memoryview, _array.array)
 
 
 # ---------------------------------------------------------------- kinds
 
-def kind(x):
+def kind(x: object) -> str | None:
     """"numpy", "cupy", "torch" or "jax" for an array of that library, else None.
 
     >>> import numpy as np
@@ -53,7 +64,7 @@ def kind(x):
 
 # ---------------------------------------------------------------- adopt
 
-def adopt(x):
+def adopt(x: object) -> Any:
     """A NumPy or CuPy array viewing ``x``'s memory, or None if ``x`` is no array.
 
     NumPy and CuPy arrays come back as they are. A PyTorch tensor is read
@@ -93,18 +104,18 @@ def adopt(x):
     )
 
 
-def _looks_like_array(x):
+def _looks_like_array(x: object) -> bool:
     return isinstance(x, _BUFFERS) or any(hasattr(x, name) for name in _ARRAY_PROTOCOLS)
 
 
-def _type_name(x):
+def _type_name(x: object) -> str:
     cls = type(x)
     return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
 # ---------------------------------------------------------------- PyTorch
 
-def plain_tensor(x):
+def plain_tensor(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself when its memory is its own data; UnsupportedLeafError for a
     wrapper subclass (float8 or quantised wrappers, fake tensors): it overrides
     ``__torch_dispatch__`` to compute on what it wraps, so its storage, if
@@ -124,7 +135,7 @@ def plain_tensor(x):
     )
 
 
-def _adopt_torch(x, torch):
+def _adopt_torch(x: torch.Tensor, torch: ModuleType) -> Any:
     # detach() gives the same storage; numpy() and DLPack refuse tensors that
     # require grad. Gradients do not, and skipping it halves the cost per leaf.
     t = x.detach() if x.requires_grad else x
@@ -143,7 +154,7 @@ def _adopt_torch(x, torch):
         ) from None
 
 
-def _adopt_torch_cuda(t, torch, cupy):
+def _adopt_torch_cuda(t: torch.Tensor, torch: ModuleType, cupy: ModuleType) -> Any:
     refusal = tensor_refusal(t)
     if refusal:
         raise UnsupportedLeafError(refusal)
@@ -159,7 +170,7 @@ def _adopt_torch_cuda(t, torch, cupy):
         return cupy.from_dlpack(t)
 
 
-def tensor_refusal(t):
+def tensor_refusal(t: torch.Tensor) -> str | None:
     """Why a tensor cannot be viewed zero-copy, or None if nothing is wrong.
 
     >>> import torch
@@ -180,7 +191,7 @@ def tensor_refusal(t):
 
 # ---------------------------------------------------------------- JAX
 
-def _adopt_jax(x, jax):
+def _adopt_jax(x: jax.Array, jax: ModuleType) -> Any:
     if isinstance(x, jax.core.Tracer):
         raise UnsupportedLeafError(
             f"expected a concrete jax.Array, found a tracer ({type(x).__name__}): "
@@ -199,7 +210,7 @@ def _adopt_jax(x, jax):
     raise UnsupportedLeafError(f"expected a CPU or GPU jax.Array, found one on {device}")
 
 
-def _adopt_jax_gpu(x, jax, cupy):
+def _adopt_jax_gpu(x: jax.Array, jax: ModuleType, cupy: ModuleType) -> Any:
     # Written through, a JAX buffer breaks JAX's immutability (jax issue 19123,
     # https://github.com/jax-ml/jax/issues/19123); CuPy arrays have no
     # read-only flag, so gpuflat's in-place operations must not be given them.
@@ -213,7 +224,7 @@ def _adopt_jax_gpu(x, jax, cupy):
 
 # ---------------------------------------------------------------- shared device helpers
 
-def _cupy():
+def _cupy() -> ModuleType:
     try:
         import cupy
     except ImportError:
@@ -223,7 +234,7 @@ def _cupy():
     return cupy
 
 
-def _bfloat16_for(library):
+def _bfloat16_for(library: str) -> np.dtype:
     dtype = bfloat16()
     if dtype is None:
         raise UnsupportedLeafError(
@@ -233,7 +244,7 @@ def _bfloat16_for(library):
     return dtype
 
 
-def _as_bfloat16(cupy, bits):
+def _as_bfloat16(cupy: ModuleType, bits: Any) -> Any:
     dtype = _bfloat16_for("device")
     try:
         return bits.view(dtype)
@@ -246,7 +257,7 @@ def _as_bfloat16(cupy, bits):
 
 # ---------------------------------------------------------------- results back to the caller
 
-def to_caller(result, like):
+def to_caller(result: Any, like: Any) -> Any:
     """``result`` (NumPy or CuPy) in the kind of ``like``, on like's device.
 
     Zero-copy where the libraries allow it (torch.from_numpy, DLPack); NumPy
@@ -265,7 +276,7 @@ def to_caller(result, like):
     return result
 
 
-def _to_torch(result, like, torch):
+def _to_torch(result: Any, like: torch.Tensor, torch: ModuleType) -> torch.Tensor:
     if isinstance(result, (np.ndarray, np.generic)):
         result = np.asarray(result)
         if not result.flags.writeable:
@@ -281,7 +292,7 @@ def _to_torch(result, like, torch):
     return tensor if tensor.device == like.device else tensor.to(like.device)
 
 
-def _to_jax(result, like, jax):
+def _to_jax(result: Any, like: jax.Array, jax: ModuleType) -> jax.Array:
     result = _in_jax_precision(result, jax)
     if isinstance(result, (np.ndarray, np.generic)):
         return jax.device_put(result, like.device)
@@ -291,7 +302,7 @@ def _to_jax(result, like, jax):
     return jax.device_put(jax.dlpack.from_dlpack(result), like.device)
 
 
-def _in_jax_precision(result, jax):
+def _in_jax_precision(result: Any, jax: ModuleType) -> Any:
     """``result`` in the dtype JAX holds it in: float64 stays float64 with
     ``jax_enable_x64`` on, and becomes float32 with it off, unless a finite
     value would become inf (Float32OverflowError)."""
@@ -315,7 +326,7 @@ def _in_jax_precision(result, jax):
 
 # ---------------------------------------------------------------- streams
 
-def launch_stream(like):
+def launch_stream(like: object) -> Any:
     """The context to launch kernels in for leaves like ``like``.
 
     For a PyTorch CUDA tensor, PyTorch's current stream on its device: no
@@ -331,7 +342,7 @@ def launch_stream(like):
     return contextlib.nullcontext()
 
 
-def _torch_stream(device, torch, cupy):
+def _torch_stream(device: torch.device, torch: ModuleType, cupy: ModuleType) -> Any:
     return external_stream(cupy, torch.cuda.current_stream(device).cuda_stream, device.index)
 
 
@@ -342,14 +353,14 @@ class _StreamHandle:
 
     __slots__ = ("ptr",)
 
-    def __init__(self, ptr: int):
+    def __init__(self, ptr: int) -> None:
         self.ptr = int(ptr)
 
-    def __cuda_stream__(self):
+    def __cuda_stream__(self) -> tuple[int, int]:
         return (0, self.ptr)
 
 
-def external_stream(cupy, ptr: int, device_id: int = -1):
+def external_stream(cupy: Any, ptr: int, device_id: int = -1) -> Any:
     """CuPy's stream object over a stream CuPy did not create (PyTorch's,
     say): ``Stream.from_external`` where CuPy has it (CuPy 14, which
     deprecates ``ExternalStream``), else ``ExternalStream`` (CuPy 13).
@@ -378,7 +389,7 @@ def external_stream(cupy, ptr: int, device_id: int = -1):
 
 
 @contextlib.contextmanager
-def device_scope(backend, like):
+def device_scope(backend: Backend | None, like: object) -> Iterator[None]:
     """The context a call's device work runs in: ``backend``'s device and, when
     ``like`` is a PyTorch CUDA tensor, its device, PyTorch's current stream
     there (:func:`launch_stream`) and PyTorch's caching allocator for every
@@ -403,12 +414,12 @@ def device_scope(backend, like):
         yield
 
 
-def _is_torch_cuda(x):
+def _is_torch_cuda(x: object) -> TypeGuard[torch.Tensor]:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor) and x.is_cuda
 
 
-def _torch_allocator(cupy, stream_ptr):
+def _torch_allocator(cupy: ModuleType, stream_ptr: int) -> Any:
     """A CuPy allocator taking blocks from PyTorch's caching allocator for the
     stream ``stream_ptr``; while PyTorch captures a graph on it, from the
     graph's private pool."""
@@ -420,7 +431,7 @@ def _torch_allocator(cupy, stream_ptr):
 
 # ---------------------------------------------------------------- PyTorch modules
 
-def is_module(x):
+def is_module(x: object) -> TypeGuard[torch.nn.Module]:
     """True for a ``torch.nn.Module`` (never imports torch).
 
     >>> is_module({"w": 1})
@@ -430,7 +441,7 @@ def is_module(x):
     return torch is not None and isinstance(x, torch.nn.Module)
 
 
-def module_parameters(module):
+def module_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """(qualified name, parameter) for each trainable parameter, in named_parameters() order.
 
     Frozen parameters (requires_grad False) and buffers are left out; a

@@ -28,21 +28,35 @@ import: a DTensor can only exist if the caller imported them already.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from . import caches
 
+if TYPE_CHECKING:
+    from typing import TypeGuard
+
+    import torch
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Placement
+
+    # A layout as the norms read it: a DTensor's mesh and its placements.
+    _Kind = tuple[DeviceMesh, tuple[Placement, ...]]
+
 __all__ = ["Sharding", "first_path", "is_dtensor", "like", "local", "local_shards", "pipeline_group", "replicated",
            "sharding"]
 
 
-def _dtensor_type():
+def _dtensor_type() -> type[DTensor] | None:
     module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None)
 
 
-def is_dtensor(x) -> bool:
+def is_dtensor(x: object) -> TypeGuard[DTensor]:
     """True for a DTensor (a FSDP2 or tensor-parallel parameter or gradient).
 
     >>> import torch
@@ -53,7 +67,7 @@ def is_dtensor(x) -> bool:
     return dtensor is not None and isinstance(x, dtensor)
 
 
-def first_path(owners, paths):
+def first_path(owners: Iterable[Any], paths: Iterable[str]) -> str | None:
     """The path of the first DTensor among ``owners``, or None.
 
     >>> import torch
@@ -63,7 +77,7 @@ def first_path(owners, paths):
     return next((path for x, path in zip(owners, paths) if is_dtensor(x)), None)
 
 
-def local(x):
+def local(x: DTensor) -> torch.Tensor:
     """The rank's own shard of the DTensor ``x``: a plain tensor sharing its memory.
 
     The shard is the very tensor the DTensor holds (as ``to_local()``
@@ -82,7 +96,7 @@ def local(x):
     return local_shards([x])[0]
 
 
-def local_shards(xs) -> list:
+def local_shards(xs: Iterable[Any]) -> list[Any]:
     """Each DTensor of ``xs`` as :func:`local` reads it, anything else
     (a plain tensor, None) itself: a model's parameters in one call.
 
@@ -125,12 +139,13 @@ class Sharding:
     :func:`sharding`.
     """
 
-    def __init__(self, mesh, groups, owned, ranks, stages_joined):
+    def __init__(self, mesh: DeviceMesh | None, groups: list[ProcessGroup | None], owned: np.ndarray, ranks: int,
+                 stages_joined: bool) -> None:
         self.mesh, self.groups, self.owned = mesh, groups, owned
         self.ranks, self.stages_joined = ranks, stages_joined
 
 
-def sharding(owners, paths, pp_mesh=None):
+def sharding(owners: Sequence[Any], paths: Sequence[str], pp_mesh: DeviceMesh | None = None) -> Sharding | None:
     """The Sharding of leaves ``owners`` (the caller's objects, one per slot,
     None for NumPy and CuPy) named ``paths``, or None if none is a DTensor.
 
@@ -178,8 +193,8 @@ def sharding(owners, paths, pp_mesh=None):
         return None
     root = _root(owners[first].device_mesh)
     # Models hold many leaves of few layouts: each layout is checked once a call.
-    layouts: dict = {}
-    kinds: list = []  # each layout's (mesh, placements), in the order met
+    layouts: dict[tuple[int, tuple[Placement, ...]], int] = {}
+    kinds: list[_Kind] = []  # each layout's (mesh, placements), in the order met
     which = np.empty(len(owners), dtype=np.intp)
     for i, (x, path) in enumerate(zip(owners, paths)):
         if not is_dtensor(x):
@@ -192,7 +207,7 @@ def sharding(owners, paths, pp_mesh=None):
             kinds.append((x.device_mesh, x.placements))
         which[i] = k
     joined = pp_mesh is not None and _root(pp_mesh) == root
-    if joined:
+    if joined and pp_mesh is not None:  # joined implies the second test, which is for mypy
         _check_layouts_readable(pp_mesh, "pp_mesh", root)
     elif pp_mesh is not None and _root(pp_mesh) != pp_mesh:
         raise _pipeline_of_another_root(pp_mesh, root, paths[first])
@@ -202,13 +217,13 @@ def sharding(owners, paths, pp_mesh=None):
     return Sharding(found.mesh, found.groups, found.owned[which], found.ranks, joined)
 
 
-def _root(mesh):
+def _root(mesh: DeviceMesh) -> DeviceMesh:
     # A submesh (mesh["dp"], a flattened or unflattened mesh) knows the mesh
     # it was cut from; a root mesh is its own.
     return mesh._get_root_mesh()
 
 
-def _pipeline_of_another_root(pp_mesh, root, first_path):
+def _pipeline_of_another_root(pp_mesh: DeviceMesh, root: DeviceMesh, first_path: str) -> ValueError:
     return ValueError(f"pp_mesh: expected a mesh cut from the root mesh of leaf {first_path!r}, {root}, or a "
                       f"mesh of its own, found {pp_mesh} cut from {_root(pp_mesh)}: a stage holding no "
                       f"gradients reads no mesh but pp_mesh, so it reduces over the ranks of pp_mesh's root, "
@@ -216,14 +231,14 @@ def _pipeline_of_another_root(pp_mesh, root, first_path):
                       f"init_device_mesh (mesh['pp'], mesh['dp']), or pass pp_mesh.get_group()")
 
 
-def _plain_leaf(x, path, first_path):
+def _plain_leaf(x: object, path: str, first_path: str) -> TypeError:
     found = type(x).__name__ if x is not None else "a NumPy or CuPy array"
     return TypeError(f"leaf {path!r}: expected a DTensor, as leaf {first_path!r} is one (a plain leaf "
                      f"does not say how it is spread over the ranks), found {found}; make it a DTensor "
                      f"(distribute_tensor, or DTensor.from_local with its placements)")
 
 
-def _check_layout(x, path, root, first_path):
+def _check_layout(x: DTensor, path: str, root: DeviceMesh, first_path: str) -> None:
     for placement in x.placements:
         if placement.is_partial():
             raise ValueError(f"leaf {path!r}: expected Shard or Replicate placements, found {placement} in "
@@ -242,7 +257,7 @@ def _check_layout(x, path, root, first_path):
         _check_layouts_readable(mesh, f"leaf {path!r}", root)
 
 
-def _cut_by_names(mesh, root) -> bool:
+def _cut_by_names(mesh: DeviceMesh, root: DeviceMesh) -> bool:
     """Whether ``mesh`` is ``root`` or a slice of it by dimension names."""
     names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
     return mesh == root or bool(names) and set(names) <= set(root_names)
@@ -255,7 +270,7 @@ def _cut_by_names(mesh, root) -> bool:
 _LAYOUTS_SINCE = "2.10"
 
 
-def _check_layouts_readable(mesh, what, root):
+def _check_layouts_readable(mesh: DeviceMesh, what: str, root: DeviceMesh) -> None:
     if not (hasattr(mesh, "_layout") and hasattr(mesh, "_rank_map")):
         import torch
 
@@ -269,12 +284,13 @@ class _Reading:
     """What a set of layouts gives: per layout, whether this rank counts it;
     the groups to reduce over; the ranks joined; the mesh the norm is on."""
 
-    def __init__(self, mesh, groups, owned, ranks):
+    def __init__(self, mesh: DeviceMesh | None, groups: list[ProcessGroup | None], owned: np.ndarray,
+                 ranks: int) -> None:
         self.mesh, self.groups, self.owned, self.ranks = mesh, groups, owned, ranks
 
 
 @caches.function(maxsize=8)
-def _reading(kinds, pp_mesh, world) -> _Reading:
+def _reading(kinds: tuple[_Kind, ...], pp_mesh: DeviceMesh | None, world: ProcessGroup | None) -> _Reading:
     """The _Reading of the layouts ``kinds`` ((mesh, placements) pairs), kept
     across calls: a model's layouts stay. ``world``, the default process
     group, keys it too, so that a new process group reads afresh."""
@@ -286,7 +302,7 @@ def _reading(kinds, pp_mesh, world) -> _Reading:
     return _by_span(kinds, root, pp_mesh, me)
 
 
-def _by_root_dims(kinds, root, me) -> _Reading:
+def _by_root_dims(kinds: Sequence[_Kind], root: DeviceMesh, me: int) -> _Reading:
     """Reduced over the root's dimensions that shard some leaf, one collective each.
 
     A leaf counts on the lowest rank of those holding its shard along the
@@ -295,7 +311,9 @@ def _by_root_dims(kinds, root, me) -> _Reading:
     """
     sharded = [_sharded_root_dims(mesh, placements, root) for mesh, placements in kinds]
     dims = tuple(d for d in range(root.ndim) if any(s[d] for s in sharded))
-    coordinate = root.get_coordinate()
+    # This rank's place in the root; None, for a rank outside the root mesh,
+    # is not handled here.
+    coordinate = cast("list[int]", root.get_coordinate())
     ranks = root.mesh.numpy()
     owned = np.array([ranks[tuple(slice(None) if d in dims and not s[d] else coordinate[d]
                                   for d in range(root.ndim))].min() == me for s in sharded], dtype=bool)
@@ -306,12 +324,14 @@ def _by_root_dims(kinds, root, me) -> _Reading:
     return _Reading(on, [root.get_group(d) for d in dims], owned, root.size())
 
 
-def _sharded_root_dims(mesh, placements, root) -> list:
+def _sharded_root_dims(mesh: DeviceMesh, placements: Sequence[Placement], root: DeviceMesh) -> list[bool]:
     """Per dimension of the root mesh, whether a leaf on ``mesh`` so placed is
     sharded along it (a submesh's leaf is replicated along the dimensions it
     leaves out)."""
-    names = root.mesh_dim_names
-    dims = range(root.ndim) if mesh == root else [names.index(name) for name in mesh.mesh_dim_names]
+    # Where mesh is not root both are named (only meshes cut by names come
+    # here); ``or ()`` reads the names as _cut_by_names does.
+    names = root.mesh_dim_names or ()
+    dims = range(root.ndim) if mesh == root else [names.index(name) for name in mesh.mesh_dim_names or ()]
     sharded = [False] * root.ndim
     for d, placement in zip(dims, placements):
         # Not is_shard(): FSDP2 over tensor parallelism places _StridedShard,
@@ -320,7 +340,7 @@ def _sharded_root_dims(mesh, placements, root) -> list:
     return sharded
 
 
-def _by_span(kinds, root, pp_mesh, me) -> _Reading:
+def _by_span(kinds: Sequence[_Kind], root: DeviceMesh, pp_mesh: DeviceMesh | None, me: int) -> _Reading:
     """Reduced in one collective over the ranks the meshes join.
 
     A stage is the ranks joined to this one through slices of the leaves'
@@ -347,7 +367,7 @@ def _by_span(kinds, root, pp_mesh, me) -> _Reading:
     return _Reading(None, groups, owned, int(span.size))
 
 
-def pipeline_group(pp_mesh):
+def pipeline_group(pp_mesh: DeviceMesh) -> ProcessGroup | None:
     """The process group the norms of the stages of ``pp_mesh`` (a 1-D
     DeviceMesh) are combined over: every rank of its root mesh, the mesh
     it was cut from (its own ranks where it is a root itself). Every rank
@@ -366,17 +386,17 @@ def pipeline_group(pp_mesh):
     return _group_over(_ranks_of(root), [pp_mesh, root])
 
 
-def _ranks_of(mesh) -> np.ndarray:
+def _ranks_of(mesh: DeviceMesh) -> np.ndarray:
     """The global ranks of ``mesh``, sorted."""
     return np.sort(mesh.mesh.numpy().ravel())
 
 
-def _all_slices(mesh) -> np.ndarray:
+def _all_slices(mesh: DeviceMesh) -> np.ndarray:
     """Every slice of ``mesh`` as a (slices, *mesh.shape) array of global ranks."""
     return mesh._layout.remap_to_tensor(mesh._rank_map).numpy()
 
 
-def _joined(me, meshes) -> np.ndarray:
+def _joined(me: int, meshes: Iterable[np.ndarray]) -> np.ndarray:
     """The ranks (sorted) joined to ``me`` through slices, of any of ``meshes``
     (each as :func:`_all_slices` gives it), that share a rank."""
     rows = [s.reshape(len(s), -1) for s in meshes]
@@ -388,7 +408,7 @@ def _joined(me, meshes) -> np.ndarray:
         held = grown
 
 
-def _first_holder(slices, placements, me, within) -> bool:
+def _first_holder(slices: np.ndarray, placements: Sequence[Placement], me: int, within: np.ndarray) -> bool:
     """Whether ``me`` is the lowest rank of ``within`` holding the shard it holds.
 
     Those are the ranks, in any slice of the mesh, whose coordinates along
@@ -405,10 +425,11 @@ def _first_holder(slices, placements, me, within) -> bool:
     return holders[np.isin(holders, within)].min() == me
 
 
-_GROUPS: dict = {}  # (default group, ranks) -> a process group made over exactly those ranks
+# (default group, ranks) -> a process group made over exactly those ranks
+_GROUPS: dict[tuple[ProcessGroup | None, tuple[int, ...]], ProcessGroup | None] = {}
 
 
-def _group_over(ranks, meshes):
+def _group_over(ranks: np.ndarray, meshes: Sequence[DeviceMesh]) -> ProcessGroup | None:
     """A process group over exactly ``ranks`` (sorted global ranks, this one
     among them): the world's, or a mesh dimension's that spans them, else
     one made at the first call and kept."""
@@ -430,7 +451,7 @@ def _group_over(ranks, meshes):
     return _GROUPS[key]
 
 
-def like(shard, x):
+def like(shard: torch.Tensor, x: object) -> torch.Tensor:
     """``shard`` (a plain tensor shaped as ``x``'s local shard) as a DTensor laid
     out as ``x``; ``shard`` itself when ``x`` is no DTensor.
 
@@ -454,7 +475,7 @@ def like(shard, x):
                               stride=x.stride())
 
 
-def replicated(total, mesh):
+def replicated(total: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     """``total``, the same on every rank, as a DTensor replicated over ``mesh``:
     what PyTorch's norms return for DTensor inputs.
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import threading
 from collections import namedtuple
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from operator import attrgetter
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +34,7 @@ class LeafSpec:
     path: str
     offset: int
     size: int
-    shape: tuple
+    shape: tuple[int, ...]
     dtype: np.dtype
 
     def describe(self) -> str:
@@ -67,14 +69,14 @@ class FlatPlan:
     """
 
     treedef: object = field(repr=False)
-    leaves: tuple
-    slot_of: tuple
+    leaves: tuple[LeafSpec, ...]
+    slot_of: tuple[int, ...]
     size: int
     dtype: np.dtype
     statics: tuple = field(repr=False, default=())
     structure: "FlatPlan | None" = field(repr=False, default=None)
 
-    def with_statics(self, statics: list) -> "FlatPlan":
+    def with_statics(self, statics: Sequence[Any]) -> "FlatPlan":
         """This plan carrying ``statics`` (the cached plan itself when there are none).
 
         >>> import numpy as np, gpuflat as gf
@@ -85,10 +87,10 @@ class FlatPlan:
         core = self.structure or self
         return replace(core, statics=tuple(statics), structure=core) if statics else core
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, FlatPlan) and (self.structure or self) is (other.structure or other)
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         return id(self.structure or self)
 
     @cached_property
@@ -99,17 +101,17 @@ class FlatPlan:
         return offsets
 
     @cached_property
-    def paths(self) -> tuple:
+    def paths(self) -> tuple[str, ...]:
         """The path of every slot, in plan order."""
         return tuple(leaf.path for leaf in self.leaves)
 
     @cached_property
-    def occurrence_paths(self) -> tuple:
+    def occurrence_paths(self) -> tuple[str, ...]:
         """The path of every trainable occurrence, ties included, in walk order."""
         return tuple(_tree.leaf_paths(self.treedef))
 
     @cached_property
-    def occurrence_signature(self) -> tuple:
+    def occurrence_signature(self) -> tuple[tuple[tuple[int, ...], ...], tuple[np.dtype, ...]]:
         """(shapes, dtypes) of the trainable occurrences: what a matching tree holds."""
         return (tuple(self.leaves[s].shape for s in self.slot_of), tuple(self.leaves[s].dtype for s in self.slot_of))
 
@@ -117,7 +119,8 @@ class FlatPlan:
 _shape, _dtype = attrgetter("shape"), attrgetter("dtype")
 
 
-def signature(arrays):
+def signature(arrays: list[Any]) -> tuple[tuple[int, ...], list[Any],
+                                         tuple[tuple[tuple[int, ...], ...], tuple[np.dtype, ...]]]:
     """(slot_of, unique arrays, key part): ties by identity, then shapes and dtypes.
 
     >>> a = np.ones(2)
@@ -147,20 +150,22 @@ class Key:
     """
 
     __slots__ = ("parts", "_hash")
+    parts: tuple[Any, ...]
+    _hash: int | None
 
-    def __init__(self, parts):
+    def __init__(self, parts: tuple[Any, ...]) -> None:
         self.parts, self._hash = parts, None
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         if self._hash is None:
             self._hash = hash(self.parts)
         return self._hash
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return self is other or (type(other) is Key and self.parts == other.parts)
 
 
-def key_of(treedef, arrays):
+def key_of(treedef: object, arrays: list[Any]) -> tuple[tuple[int, ...], list[Any], Key]:
     """(slot_of, unique arrays, cache Key) of a walked tree.
 
     >>> slot_of, unique, key = key_of(None, [np.ones(2)])
@@ -171,7 +176,7 @@ def key_of(treedef, arrays):
     return slot_of, unique, Key((treedef, part, slot_of))
 
 
-def build(treedef, slot_of, unique) -> FlatPlan:
+def build(treedef: object, slot_of: tuple[int, ...], unique: Sequence[Any]) -> FlatPlan:
     """The plan of a walked tree's structure (uncached; see :func:`cached`).
 
     >>> treedef, arrays, statics, _ = _tree.walk({"w": np.ones(3, np.float32), "n": "relu"})
@@ -199,15 +204,15 @@ class PlanCache:
     (1, 1, 3, CacheInfo(hits=1, misses=2, size=1, maxsize=1))
     """
 
-    def __init__(self, maxsize=256):
+    def __init__(self, maxsize: int = 256) -> None:
         self.maxsize = maxsize
         self._plans = caches.LRU("plans", maxsize)
         self._lock = threading.Lock()
         self.hits = self.misses = 0
-        self._last = (None, None)
+        self._last: tuple[Hashable, FlatPlan | None] = (None, None)
         caches.track("plans (counts and the last plan)", self)
 
-    def get(self, key, make):
+    def get(self, key: Hashable, make: Callable[[], FlatPlan]) -> FlatPlan:
         # Comparing with the last key first skips hashing a long key: a
         # training loop asks for the same plan every step. The key kept is
         # the one asked with, so a recorded tree's own Key is then found by
@@ -224,17 +229,17 @@ class PlanCache:
         self._last = (key, plan)
         return plan
 
-    def info(self):
+    def info(self) -> CacheInfo:
         with self._lock:
             return CacheInfo(self.hits, self.misses, len(self._plans), self.maxsize)
 
-    def clear(self):
+    def clear(self) -> None:
         self._plans.clear()
         with self._lock:
             self.hits = self.misses = 0
             self._last = (None, None)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return int(self._last[1] is not None)
 
 
@@ -242,7 +247,7 @@ CacheInfo = namedtuple("CacheInfo", "hits misses size maxsize")
 cache = PlanCache()
 
 
-def cached(treedef, arrays):
+def cached(treedef: object, arrays: list[Any]) -> tuple[FlatPlan, list[Any]]:
     """(plan, unique trainable arrays in slot order) of a walked tree, from the cache.
 
     >>> treedef, arrays, statics, _ = _tree.walk([np.ones(2), np.ones(2)])

@@ -12,7 +12,8 @@ leaf, and is NumPy or CuPy where there is none.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -27,6 +28,9 @@ from .dtypes import cast_copy
 from ..errors import OverlapError, TreeMismatchError, UnsupportedLeafError
 from .flatplan import FlatPlan
 from .overlap import first_sharing
+
+if TYPE_CHECKING:
+    from .seen import Verdicts
 
 _NAMED_TOTALS = ("sumsq", "l1", "l2", "count")
 
@@ -168,10 +172,10 @@ class Restructure:
     def __init__(self, plan: FlatPlan, owners: list, backend: str | None):
         self.plan, self._owners, self._backend = plan, owners, backend
 
-    def __call__(self, flat) -> Any:
+    def __call__(self, flat: Any) -> Any:
         return _rebuild(self.plan, flat, self._owners, self._backend)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         root = self.plan.treedef
         name = root[1].__name__ if type(root) is tuple else "array"
         return f"Restructure({name}, ..., {self.plan.size})"
@@ -213,7 +217,8 @@ def flatten(plan: FlatPlan, tree: Any, *, out: Any = None, backend: str | None =
     return _gather(plan, sources, like, arrays, lambda k: plan.leaves[slot_at[k]].path, out, backend)
 
 
-def _gather(plan, sources, like, arrays, path_of, out, backend, verdicts=None):
+def _gather(plan: FlatPlan, sources: Sequence[Sequence[Any]], like: Any, arrays: list[Any],
+            path_of: Callable[[int], str], out: Any, backend: str | None, verdicts: Verdicts | None = None) -> Any:
     """``flatten``'s work once its ``arrays`` are known (every source,
     ``path_of(k)`` naming the k-th): they choose the backend and are checked
     apart from ``out`` (``verdicts``: a recorded tree's, see ``_refuse_aliases``)."""
@@ -286,14 +291,14 @@ def scatter(plan: FlatPlan, flat: Any, tree: Any, *, backend: str | None = None)
                 lambda i: plan.leaves[i].path if i < len(plan.leaves) else "<flat>")
     # A broken tie (two arrays where the plan has one slot) is written at
     # both places, so every distinct array is checked before any write.
-    written, paths, met = [], [], set()
+    written, written_paths, met = [], [], set()
     for path, value in zip(plan.occurrence_paths, values):
         if id(value) not in met:
             met.add(id(value))
             written.append(value)
-            paths.append(path)
-    in_place.check(plan, paths, written)
-    _refuse_aliases(written, flat, "flat", paths.__getitem__)
+            written_paths.append(path)
+    in_place.check(plan, written_paths, written)
+    _refuse_aliases(written, flat, "flat", written_paths.__getitem__)
     with _arrays.device_scope(be, like if like is not None else given):
         # The flat goes in its own dtype: the backends round each value once,
         # straight into the leaf's dtype (through the plan's dtype, float64 to
@@ -464,24 +469,24 @@ def clip_by_global_norm(tree: Any, max_norm: float, ord: float = 2, *, eps: floa
 
 # ---------------------------------------------------------------- helpers
 
-def _in_kinds(arrays, owners) -> list:
+def _in_kinds(arrays: Sequence[Any], owners: Sequence[Any]) -> list[Any]:
     """Each array in the kind (and on the device) of its slot's caller leaf;
     a DTensor's local shard back in a DTensor of the same placements."""
     return [a if own is None else dtensor.like(_arrays.to_caller(a, own), own) for a, own in zip(arrays, owners)]
 
 
-def _has_dtensors(call) -> bool:
+def _has_dtensors(call: Call) -> bool:
     return any(map(dtensor.is_dtensor, call.foreign.values()))
 
 
-def _refuse_model(model, call):
+def _refuse_model(model: Any, call: Call) -> None:
     if model is not None:
         raise TypeError(f"leaf {dtensor.first_path(call.owners(), call.paths())!r}: model= expected gradients "
                         f"held whole, found a DTensor; pass the DTensor gradients without model= (their "
                         f"placements say how to count them)")
 
 
-def _refuse_dtensors(call, what):
+def _refuse_dtensors(call: Call, what: str) -> None:
     """TypeError naming the first DTensor leaf, for a reduction whose value
     over the ranks gpuflat does not compute: the local shards' would mislead."""
     path = dtensor.first_path(call.owners(), call.paths())
@@ -491,14 +496,14 @@ def _refuse_dtensors(call, what):
                         f"over its mesh")
 
 
-def _rebuild(plan, flat, owners, backend):
+def _rebuild(plan: FlatPlan, flat: Any, owners: Sequence[Any], backend: str | None) -> Any:
     flat = _view(flat, "flat")
     checks.check_flat(plan, flat, exact_dtype=False)
     leaves = _new_leaves(plan, flat, backend, owners)
     return _tree.rebuild(plan.treedef, [leaves[s] for s in plan.slot_of], plan.statics)
 
 
-def _new_leaves(plan, flat, backend, owners) -> list:
+def _new_leaves(plan: FlatPlan, flat: Any, backend: str | None, owners: Sequence[Any]) -> list[Any]:
     """New arrays shaped like ``plan``'s slots, holding ``flat`` cast to their
     dtypes, each in the kind of its slot's owner (see ``_in_kinds``)."""
     be = select(backend, [flat], lambda i: "<flat>")
@@ -508,7 +513,7 @@ def _new_leaves(plan, flat, backend, owners) -> list:
         return _in_kinds(leaves, owners)
 
 
-def _views_of(plan, flat) -> list:
+def _views_of(plan: FlatPlan, flat: Any) -> list[Any]:
     """Each slot of ``flat`` as its leaf: a view where the dtype matches, else a cast copy."""
     views = []
     for leaf in plan.leaves:
@@ -520,7 +525,7 @@ def _views_of(plan, flat) -> list:
     return views
 
 
-def _cast(piece, dtype):
+def _cast(piece: Any, dtype: np.dtype) -> Any:
     """A copy of ``piece`` as ``dtype``, rounded once as the backends round."""
     if not isinstance(piece, np.ndarray):
         return piece.astype(dtype)  # CuPy casts on the device, in one rounding
@@ -529,7 +534,7 @@ def _cast(piece, dtype):
     return out
 
 
-def _view(x, name):
+def _view(x: Any, name: str) -> Any:
     """A NumPy or CuPy view of a flat buffer given as any supported kind."""
     if isinstance(x, _tree._array_types()):
         return x
@@ -542,7 +547,7 @@ def _view(x, name):
     return adopted
 
 
-def _writable_flat(plan, x, name):
+def _writable_flat(plan: FlatPlan, x: Any, name: str) -> Any:
     """The NumPy or CuPy view of a flat buffer about to be written, checked:
     JAX arrays (immutable) and read-only arrays are refused, naming ``name``."""
     if _arrays.kind(x) == "jax":
@@ -556,7 +561,8 @@ def _writable_flat(plan, x, name):
     return view
 
 
-def _refuse_aliases(arrays, buffer, name, path_of, verdicts=None):
+def _refuse_aliases(arrays: Sequence[Any], buffer: Any, name: str, path_of: Callable[[int], str],
+                    verdicts: Verdicts | None = None) -> None:
     """OverlapError naming the first array (``path_of(i)``, only on error)
     sharing memory with ``buffer``: the kernels would read it after writing over it.
 
@@ -573,7 +579,7 @@ def _refuse_aliases(arrays, buffer, name, path_of, verdicts=None):
         verdicts.found_apart(buffer)
 
 
-def _callable_inputs(call, grads, model, backend) -> list:
+def _callable_inputs(call: Call, grads: Any, model: Any, backend: str | None) -> list[Any]:
     """What a callable ``f`` of ``total`` receives, one value per slot."""
     if model is None:
         return [call.foreign.get(id(a), a) for a in call.unique]

@@ -19,6 +19,7 @@ import operator
 import weakref
 from itertools import repeat
 from operator import attrgetter
+from typing import Any
 
 import numpy as np
 
@@ -61,8 +62,28 @@ class SeenTree:
     __slots__ = ("node", "treedef", "refs", "ids", "alive", "array_at", "static_at", "held", "static_arrays",
                  "shapes", "dtypes", "kind", "facts", "token", "slot_of", "first", "key", "_plans", "_verdicts", "__weakref__")
 
+    node: tuple[Any, ...]
+    treedef: object
+    refs: list[weakref.ref[Any]]
+    ids: list[int]
+    alive: list[bool]
+    array_at: list[int] | None
+    static_at: list[int]
+    held: list[Any]
+    static_arrays: list[tuple[int, tuple[int, ...], np.dtype]]
+    shapes: list[tuple[int, ...]]
+    dtypes: list[np.dtype]
+    kind: type
+    facts: Any
+    token: int
+    slot_of: tuple[int, ...]
+    first: list[int] | None
+    key: flatplan.Key
+    _plans: weakref.WeakSet[flatplan.FlatPlan]
+    _verdicts: Verdicts | None
+
     @classmethod
-    def of(cls, tree, walked) -> "SeenTree | None":
+    def of(cls, tree: Any, walked: _tree.Walked) -> "SeenTree | None":
         """The record of ``tree`` (``walked`` its walk), or None for a tree that is not plain."""
         if walked.foreign or type(tree) not in _PLAIN:
             return None
@@ -84,7 +105,8 @@ class SeenTree:
             return None  # not the tree walked (changed meanwhile): nothing is recorded
         return cls(node, walked.treedef, values, array_at, static_at, statics, kind)
 
-    def __init__(self, node, treedef, values, array_at, static_at, statics, kind=np.ndarray):
+    def __init__(self, node: tuple[Any, ...], treedef: object, values: list[Any], array_at: list[int],
+                 static_at: list[int], statics: list[Any], kind: type = np.ndarray) -> None:
         arrays = [values[i] for i in array_at]
         self.node, self.treedef = node, treedef
         # An array's id is its address, taken again only after it died; the
@@ -114,7 +136,7 @@ class SeenTree:
         self._plans = weakref.WeakSet()
         self._verdicts = None
 
-    def walk_again(self, tree):
+    def walk_again(self, tree: Any) -> _tree.Walked | None:
         """``tree``'s Walked if it is the tree recorded, unchanged (the same
         containers' contents, the same objects, of the same shapes and
         dtypes), else None."""
@@ -136,7 +158,7 @@ class SeenTree:
         arrays.token = self.token
         return _tree.Walked(self.treedef, arrays, statics, {})
 
-    def _same_facts(self, arrays) -> bool:
+    def _same_facts(self, arrays: list[Any]) -> bool:
         if self.kind is not np.ndarray:
             # The ids, then the liveness, before any CuPy attribute is read:
             # only the recorded arrays themselves have them (a tree of NumPy
@@ -148,7 +170,7 @@ class SeenTree:
         now = array_facts(arrays, len(self.facts))
         return now is not None and equal_facts(now, self.facts)
 
-    def _same_statics(self, statics) -> bool:
+    def _same_statics(self, statics: list[Any]) -> bool:
         # An immutable is held, so the same object is the same value; an
         # array static is weakly held, and its shape or dtype may have changed.
         held = [h if type(h) in _HELD else h() for h in self.held]
@@ -156,17 +178,17 @@ class SeenTree:
                 and all(statics[k].shape == shape and statics[k].dtype == dtype
                         for k, shape, dtype in self.static_arrays))
 
-    def unique(self, arrays) -> list:
+    def unique(self, arrays: list[Any]) -> list[Any]:
         """The unique arrays (ties once) of the recorded tree read again as ``arrays``."""
         return arrays if self.first is None else [arrays[i] for i in self.first]
 
-    def plan(self, arrays):
+    def plan(self, arrays: list[Any]) -> tuple[flatplan.FlatPlan, list[Any]]:
         """(plan, unique arrays) of the recorded tree read again as ``arrays``,
         from the plan cache (as ``flatplan.cached`` gives them)."""
         unique = self.unique(arrays)
         return flatplan.cache.get(self.key, lambda: flatplan.build(self.treedef, self.slot_of, unique)), unique
 
-    def exact_for(self, plan) -> bool:
+    def exact_for(self, plan: flatplan.FlatPlan) -> bool:
         """Whether the tree is shaped exactly like ``plan``'s (as ``checks.occurrences`` asks)."""
         core = plan.structure or plan
         if core in self._plans:
@@ -177,7 +199,7 @@ class SeenTree:
             self._plans.add(core)
         return exact
 
-    def ties_as(self, plan) -> bool:
+    def ties_as(self, plan: flatplan.FlatPlan) -> bool:
         """Whether the tree ties its arrays as ``plan`` does (each occurrence in the same slot)."""
         if plan.slot_of is self.slot_of:
             return True
@@ -186,14 +208,15 @@ class SeenTree:
         self.slot_of = plan.slot_of  # an equal tuple: the next time, one identity test
         return True
 
-    def verdicts(self, unique) -> "Verdicts":
+    def verdicts(self, unique: list[Any]) -> "Verdicts":
         """What was found about the tree's unique arrays (``unique``: this
         tree's, read again), while their layout is the one it was found on;
         a new, empty Verdicts when it has changed. Where the record reads its
         arrays' facts (natively, or a CuPy tree's every stride), a tree read
         again has the layout it was recorded with, so the verdicts always stand."""
         verdicts = self._verdicts
-        if verdicts is None or (self.facts is None and not verdicts.layout.holds(unique)):
+        if verdicts is None or (self.facts is None and verdicts.layout is not None
+                                and not verdicts.layout.holds(unique)):
             verdicts = self._verdicts = Verdicts(None if self.facts is not None else Layout(unique))
         return verdicts
 
@@ -213,31 +236,33 @@ class Verdicts:
     """
 
     __slots__ = ("layout", "in_place", "_apart")
+    layout: Layout | None
+    in_place: bool
+    _apart: tuple[weakref.ref[Any], tuple[tuple[int, ...], tuple[int, ...], np.dtype]] | None
 
-    def __init__(self, layout):
+    def __init__(self, layout: Layout | None) -> None:
         self.layout, self.in_place, self._apart = layout, False, None
 
-    def apart_from(self, buffer) -> bool:
+    def apart_from(self, buffer: Any) -> bool:
         apart = self._apart
         return apart is not None and apart[0]() is buffer and apart[1] == _buffer_layout(buffer)
 
-    def found_apart(self, buffer) -> None:
+    def found_apart(self, buffer: Any) -> None:
         try:
             self._apart = (weakref.ref(buffer), _buffer_layout(buffer))
         except TypeError:  # a buffer kind without weak references is checked every time
             pass
 
 
-def _buffer_layout(buffer):
+def _buffer_layout(buffer: Any) -> tuple[tuple[int, ...], tuple[int, ...], np.dtype]:
     return buffer.shape, buffer.strides, buffer.dtype
 
 
-def _plain_node(x, values):
+def _plain_node(x: dict[Any, Any] | list[Any] | tuple[Any, ...], values: list[Any]) -> tuple[Any, ...] | None:
     """The node of plain container ``x`` (its type, its keys or length, and
     where its containers sit), its other values appended to ``values`` in
     walk order; None if ``x`` holds a container that is not plain."""
-    is_dict = type(x) is dict
-    children = list(x.values()) if is_dict else x
+    children = list(x.values()) if type(x) is dict else x
     subs = []
     for i, child in enumerate(children):
         if isinstance(child, (dict, list, tuple)):
@@ -249,10 +274,10 @@ def _plain_node(x, values):
             subs.append((i, sub))
         else:
             values.append(child)
-    return type(x), tuple(x) if is_dict else len(x), tuple(subs) or None
+    return type(x), tuple(x) if type(x) is dict else len(x), tuple(subs) or None
 
 
-def _read_again(x, node, values) -> bool:
+def _read_again(x: Any, node: tuple[Any, ...], values: list[Any]) -> bool:
     """Append ``x``'s values to ``values`` as ``_plain_node`` did, if ``x``
     still has ``node``'s type, keys (or length) and containers."""
     cls, names, subs = node
@@ -299,10 +324,10 @@ class SeenTrees:
     True
     """
 
-    def __init__(self, maxsize: int = 8):
+    def __init__(self, maxsize: int = 8) -> None:
         self._entries = caches.LRU("trees seen", maxsize)
 
-    def walk(self, tree):
+    def walk(self, tree: Any) -> tuple[_tree.Walked, SeenTree | None]:
         """(``tree``'s Walked, its SeenTree or None where it is not recorded)."""
         entry = self._entries.find(id(tree))
         if type(entry) is SeenTree:
@@ -321,7 +346,7 @@ class SeenTrees:
         self._entries.put(id(tree), seen or ("walked" if entry != ("walked", mark) else "not plain", mark))
         return walked, seen
 
-    def clear(self):
+    def clear(self) -> None:
         self._entries.clear()
 
 

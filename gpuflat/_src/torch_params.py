@@ -26,31 +26,41 @@ walked again only after one happened.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from . import dtensor
 from ..errors import StaleResidentError
 
+if TYPE_CHECKING:
+    from typing import NoReturn
+
+    import torch
+
 _grad_of = operator.attrgetter("grad")
 _REBUILD = "; rebuild it with gf.resident(model)"
 _registrations = [0]  # parameters and submodules registered on any module so far
+_hooks_installed = False  # whether _count_registrations has installed its hooks
 
 
-def _count_registration(*args) -> None:
+def _count_registration(*args: object) -> None:
     _registrations[0] += 1  # returns None: the registered value is kept as it is
 
 
-def _count_registrations(torch) -> None:
+def _count_registrations(torch: ModuleType) -> None:
     """Install the counting hooks, once per process."""
-    if not getattr(_count_registrations, "installed", False):
+    global _hooks_installed
+    if not _hooks_installed:
         torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
         torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
-        _count_registrations.installed = True
+        _hooks_installed = True
 
 
-def _all_same(xs, ys) -> bool:
+def _all_same(xs: Iterable[object], ys: Iterable[object]) -> bool:
     xs, ys = list(xs), list(ys)
     return len(xs) == len(ys) and all(map(operator.is_, xs, ys))
 
@@ -64,7 +74,8 @@ class Binding:
     views (``grads`` None for a model made with ``grads=False``).
     """
 
-    def __init__(self, pairs, roots, data, grads):
+    def __init__(self, pairs: Sequence[tuple[str, torch.nn.Parameter]], roots: Iterable[torch.nn.Module],
+                 data: Iterable[torch.Tensor], grads: Iterable[torch.Tensor] | None) -> None:
         import torch
 
         from . import tensor_facts
@@ -77,7 +88,8 @@ class Binding:
         self.params = [param for _, param in pairs]
         self.data, self.grads = list(data), None if grads is None else list(grads)
         self._index = {id(p): k for k, p in enumerate(self.params)}
-        self._expected = [None] * len(self.params)  # each p.grad as last adopted: its view, or None
+        # Each p.grad as last adopted: its view, or None.
+        self._expected: list[torch.Tensor | None] = [None] * len(self.params)
         self._gradless: set = set()  # the k whose _expected is None, kept as they change (read every step)
         self._roots = list({id(m): m for m in roots}.values())
         self._prefixes = [self._prefix_of(root) for root in self._roots]
@@ -88,30 +100,31 @@ class Binding:
 
     # ------------------------------------------------------------ binding
 
-    def _bind(self, k, param):
+    def _bind(self, k: int, param: torch.nn.Parameter) -> None:
         """Point ``param`` at its views; a gradient it already holds is kept, copied in."""
         self.data[k].copy_(param.detach())
         param.data = self.data[k]
         if self.grads is not None:
             self._adopt_grad(k, param)
 
-    def _adopt_grad(self, k, param):
+    def _adopt_grad(self, k: int, param: torch.nn.Parameter) -> None:
         """Copy ``param``'s gradient into its view and point ``param.grad`` at the
         view. A gradient that is None stays None and its view is zeroed: it
         counts as zero (as in PyTorch's clip), and PyTorch's optimizers, and
         so the flat ones, skip its parameter."""
+        grads = cast("list[torch.Tensor]", self.grads)  # called only where there are gradient views
         grad = param.grad
         if grad is None:
-            self.grads[k].zero_()
+            grads[k].zero_()
             self._gradless.add(k)
         else:
-            if grad is not self.grads[k]:
-                self.grads[k].copy_(grad)
-                param.grad = self.grads[k]
+            if grad is not grads[k]:
+                grads[k].copy_(grad)
+                param.grad = grads[k]
             self._gradless.discard(k)
         self._expected[k] = param.grad
 
-    def gradless(self) -> frozenset:
+    def gradless(self) -> frozenset[int]:
         """The parameters (by index) whose gradient is None.
 
         >>> import torch, gpuflat as gf
@@ -122,7 +135,7 @@ class Binding:
         """
         return frozenset(self._gradless)
 
-    def give_grads(self, ks) -> None:
+    def give_grads(self, ks: Iterable[int]) -> None:
         """Bind each gradless parameter ``k`` of ``ks`` to its view as its gradient:
         the view holds one now (a gradient all-reduce wrote it).
 
@@ -132,14 +145,15 @@ class Binding:
         >>> binding.give_grads([1]); net.bias.grad is binding.grads[1], sorted(binding.gradless())
         (True, [0])
         """
+        grads = cast("list[torch.Tensor]", self.grads)  # only gradient views make a parameter gradless
         for k in ks:
-            self.params[k].grad = self._expected[k] = self.grads[k]
+            self.params[k].grad = self._expected[k] = grads[k]
             self._gradless.discard(k)
         self._expect_grads()
 
     # ------------------------------------------------------------ what is watched
 
-    def _prefix_of(self, root) -> str:
+    def _prefix_of(self, root: torch.nn.Module) -> str:
         """How the plan's paths name ``root``'s parameters before their qualified name."""
         for name, p in root.named_parameters():
             k = self._index.get(id(p))
@@ -147,7 +161,7 @@ class Binding:
                 return self.paths[k][: len(self.paths[k]) - len(name)]
         return ""
 
-    def _named_modules(self):
+    def _named_modules(self) -> list[tuple[str, torch.nn.Module]]:
         """(qualified name, module) of every module of the roots now, each once."""
         seen, named = set(), []
         for prefix, root in zip(self._prefixes, self._roots):
@@ -158,14 +172,15 @@ class Binding:
         return named
 
     @staticmethod
-    def _named_parameters(named_modules):
+    def _named_parameters(
+            named_modules: Iterable[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Parameter]]:
         """(qualified name, parameter) of every parameter of ``named_modules``,
         under each of its names (a tied one several times)."""
         return [(f"{prefix}.{name}" if prefix else name, p)
                 for prefix, sub in named_modules for name, p in sub._parameters.items() if p is not None]
 
     @staticmethod
-    def _first_names(named):
+    def _first_names(named: Iterable[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, torch.nn.Parameter]]:
         """``named`` with each parameter once, under its first name."""
         seen, first = set(), []
         for name, p in named:
@@ -174,7 +189,7 @@ class Binding:
                 first.append((name, p))
         return first
 
-    def _watch(self, other_grads):
+    def _watch(self, other_grads: dict[int, torch.Tensor | None]) -> None:
         """Snapshot what the per-step checks compare the module tables against;
         ``other_grads`` maps each parameter left out of the buffers (by id) to
         the gradient it is expected to hold (absent: None)."""
@@ -182,7 +197,8 @@ class Binding:
         self._registrations_seen = _registrations[0]
         self._modules = [sub for _, sub in named]
         self._classes = list(map(type, self._modules))
-        self._tables = [table for _, sub in named for table in (sub._parameters, sub._modules)]
+        self._tables: list[dict[str, Any]] = [table for _, sub in named
+                                              for table in (sub._parameters, sub._modules)]
         self._table_values = self._table_contents()
         params = self._first_names(self._named_parameters(named))
         self._homes = {self._index[id(p)]: name for name, p in params if id(p) in self._index}
@@ -192,16 +208,16 @@ class Binding:
         self._watched = (self.params if self.grads is not None else []) + self._other_params
         self._expect_grads()
 
-    def _expect_grads(self):
+    def _expect_grads(self) -> None:
         """What the gradient check compares against: every watched parameter's
         expected gradient, and those that are not None in order."""
         self._expected_all = (self._expected if self.grads is not None else []) + self._other_grads
         self._present = [g for g in self._expected_all if g is not None]
 
-    def _table_contents(self):
+    def _table_contents(self) -> list[Any]:
         return list(chain.from_iterable(map(dict.values, self._tables)))
 
-    def _read_data(self):
+    def _read_data(self) -> np.ndarray:
         """Each parameter's storage address, as an int64 array."""
         if self._facts is not None:
             facts = self._facts.of_tensors(self.params)
@@ -218,7 +234,7 @@ class Binding:
 
     # ------------------------------------------------------------ per step
 
-    def sync(self, before_writing=None) -> None:
+    def sync(self, before_writing: Callable[[str], object] | None = None) -> None:
         """Follow what the training loop did since the last call, or raise
         StaleResidentError having changed nothing. ``before_writing(what)``,
         if given, is called once every check has passed and before the first
@@ -263,7 +279,7 @@ class Binding:
             self._adopt_grad(k, self.params[k])
         self._expect_grads()
 
-    def _check_tables(self):
+    def _check_tables(self) -> None:
         """A registration happened, or a module's class changed: raise if a
         parameter of the buffers left its module or was replaced there, or if
         a parameter that requires grad was added; else watch the modules as
@@ -290,7 +306,7 @@ class Binding:
         # Parameters added frozen are watched from now on: a gradient they get is new.
         self._watch(dict(zip(map(id, self._other_params), self._other_grads)))
 
-    def _raise_replaced(self, k, new):
+    def _raise_replaced(self, k: int, new: torch.nn.Parameter | None) -> NoReturn:
         path = self.paths[k]
         if new is None:
             raise StaleResidentError(f"parameter {path!r} was removed from its module{_REBUILD}")
@@ -307,7 +323,7 @@ class Binding:
             f"its parameters' .data and .grad, not a new object in their place, and an optimizer made "
             f"before still updates the old one{_REBUILD}, and any optimizer over the old parameters")
 
-    def _check_fits(self, k, param, verb):
+    def _check_fits(self, k: int, param: torch.Tensor, verb: str) -> None:
         if dtensor.is_dtensor(param):
             raise StaleResidentError(f"parameter {self.paths[k]!r} {verb} a DTensor {tuple(param.placements)} "
                                      f"(fully_shard or tensor parallelism sharded it): FSDP2 and tensor "
@@ -323,7 +339,7 @@ class Binding:
             raise StaleResidentError(f"parameter {self.paths[k]!r} {verb} requires_grad=False where the "
                                      f"resident model holds a trainable parameter{_REBUILD}")
 
-    def _raise_if_left_out(self):
+    def _raise_if_left_out(self) -> None:
         for (name, p), grad in zip(self._others, self._other_grads):
             if p.grad is not grad:
                 raise StaleResidentError(
