@@ -10,6 +10,8 @@ are in ``gpuflat._src.tensor_table``). Backends never walk or check.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Sequence
+
 import numpy as np
 
 from . import arrays as _arrays
@@ -21,6 +23,12 @@ from .backends.selection import select
 from .clipping import Bound, Part
 from ..errors import TreeMismatchError
 from .seen import trees
+
+if TYPE_CHECKING:
+    from .backends.protocol import Backend
+    from .flatplan import FlatPlan
+    from .seen import SeenTree
+    from .tree import Walked
 
 # Arrays last found fit for an in-place write, per plan (see InPlaceChecked).
 in_place = checks.InPlaceChecked()
@@ -44,7 +52,15 @@ class Call:
 
     __slots__ = ("plan", "unique", "statics", "like", "foreign", "walked", "seen")
 
-    def __init__(self, tree):
+    plan: FlatPlan
+    unique: list[Any]
+    statics: list[Any]
+    like: Any
+    foreign: dict[int, Any]
+    walked: Walked
+    seen: SeenTree | None
+
+    def __init__(self, tree: Any) -> None:
         self.walked, self.seen = trees.walk(tree)
         if self.seen is None:
             with _tree.collector_paused():
@@ -55,25 +71,25 @@ class Call:
         self.foreign = self.walked.foreign
         self.like = next(iter(self.foreign.values()), None)
 
-    def backend(self, backend):
+    def backend(self, backend: str | None) -> Backend:
         """The backend named ``backend`` (None: the one the leaves choose), checked
         against the leaves."""
         return select(backend, self.unique, lambda i: self.plan.leaves[i].path)
 
-    def result(self, x):
+    def result(self, x: Any) -> Any:
         """A result standing for the whole tree (a norm, a flat buffer), in the
         kind of its first PyTorch or JAX leaf; NumPy or CuPy if it has none."""
         return x if self.like is None else _arrays.to_caller(x, self.like)
 
-    def owners(self) -> list:
+    def owners(self) -> list[Any]:
         """Per slot, the caller's own leaf behind it (None for NumPy and CuPy)."""
         return [self.foreign.get(id(a)) for a in self.unique]
 
-    def paths(self):
+    def paths(self) -> list[str]:
         return list(self.plan.paths)
 
 
-def gradients_of(parameters) -> list:
+def gradients_of(parameters: Call) -> list[Any]:
     """The ``.grad`` of each parameter of a walked module or tree (None ones
     left out), as torch's clip_grad_norm_ takes them: clipping the parameters
     themselves in place would silently ruin the weights.
@@ -94,7 +110,8 @@ def gradients_of(parameters) -> list:
     return [own.grad for own in owners if own.grad is not None]
 
 
-def slot_sources(plan, tree, walked=None, seen=None):
+def slot_sources(plan: FlatPlan, tree: Any, walked: Walked | None = None, seen: SeenTree | None = None
+                 ) -> tuple[Sequence[Sequence[Any]], Any, tuple[SeenTree, list[Any]] | None]:
     """(per slot, the distinct arrays ``tree`` holds there (tied gradients: several);
     one of the caller's own objects behind them, or None for NumPy/CuPy;
     ``(record, unique arrays)`` where ``tree`` is a recorded tree tied as
@@ -117,7 +134,7 @@ def slot_sources(plan, tree, walked=None, seen=None):
         return OneSourcePerSlot(unique), like, (seen, unique)
     if exact and len(plan.slot_of) == len(plan.leaves):
         return OneSourcePerSlot(values), like, None  # no ties, no None: the common case
-    sources: list = [[] for _ in plan.leaves]
+    sources: list[list[Any]] = [[] for _ in plan.leaves]
     for slot, value in zip(plan.slot_of, values):
         # The same gradient object met twice counts once (Optimisers.jl).
         if value is not None and all(value is not seen for seen in sources[slot]):
@@ -125,7 +142,7 @@ def slot_sources(plan, tree, walked=None, seen=None):
     return sources, like, None
 
 
-def norm_inputs(call, grads, model, backend):
+def norm_inputs(call: Call, grads: Any, model: Any, backend: str | None) -> tuple[FlatPlan, list[Any]]:
     """(plan, one array per slot) whose norms are the gradients' norms, slot by
     slot in the plan's order (the model's plan with ``model``); ``call`` is
     the walk of ``grads``.
@@ -150,7 +167,7 @@ def norm_inputs(call, grads, model, backend):
     return plan, [wide[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape) for leaf in plan.leaves]
 
 
-def summed_wide(plan, sources, backend, like=None):
+def summed_wide(plan: FlatPlan, sources: Sequence[Sequence[Any]], backend: str | None, like: Any = None) -> Any:
     """Each slot's sources added into one float64 (complex128) flat buffer,
     made where ``like`` (one of the caller's tensors, or None) says.
 
@@ -167,7 +184,7 @@ def summed_wide(plan, sources, backend, like=None):
     return wide
 
 
-def clip_bound(call, grads, model, backend) -> Bound:
+def clip_bound(call: Call, grads: Any, model: Any, backend: str | None) -> Bound:
     """The gradients ``grads`` (walked as ``call``) bound for a clip
     (``gpuflat._src.clipping``), checked fit for an in-place write: their
     norm read through ``model``'s plan where given (a tied weight's

@@ -31,22 +31,33 @@ import functools
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, Protocol, TypeVar
+
+_T = TypeVar("_T")
+
+
+class Cache(Protocol):
+    """What the registry holds: something that empties and says how many entries it has."""
+
+    def clear(self) -> None: ...
+
+    def __len__(self) -> int: ...
+
 
 _lock = threading.Lock()
 # name -> the live caches registered under it (weakly: a cache goes with its owner).
-_registry: dict[str, weakref.WeakSet] = {}
+_registry: dict[str, weakref.WeakSet[Cache]] = {}
 # name -> (size, clear) of caches kept by another structure (a weak dictionary).
-_external: dict[str, tuple[Callable[[], int], Callable[[], None]]] = {}
+_external: dict[str, tuple[Callable[[], int], Callable[[], object]]] = {}
 
 
-def track(name: str, cache) -> None:
+def track(name: str, cache: Cache) -> None:
     """Register ``cache`` (it has ``clear()`` and ``len()``) under ``name``, for as long as it lives."""
     with _lock:
         _registry.setdefault(name, weakref.WeakSet()).add(cache)
 
 
-def register(name: str, size: Callable[[], int], clear_it: Callable[[], None]) -> None:
+def register(name: str, size: Callable[[], int], clear_it: Callable[[], object]) -> None:
     """Register a cache kept by another structure: its size and how to empty it.
 
     >>> kept = {}
@@ -69,7 +80,7 @@ def clear() -> None:
         clear_it()
 
 
-def sizes() -> dict:
+def sizes() -> dict[str, int]:
     """{name: entries held} of every registered cache (``gpuflat.cache_info``)."""
     with _lock:
         groups = {name: list(group) for name, group in _registry.items()}
@@ -90,14 +101,14 @@ class LRU:
     (1, 2)
     """
 
-    def __init__(self, name: str, maxsize: int, on_evict: Callable[[Any], None] | None = None):
+    def __init__(self, name: str, maxsize: int, on_evict: Callable[[Any], None] | None = None) -> None:
         self.maxsize = maxsize
         self.on_evict = on_evict
-        self._entries: OrderedDict = OrderedDict()
+        self._entries: OrderedDict[Hashable, Any] = OrderedDict()
         self._lock = threading.Lock()
         track(name, self)
 
-    def get(self, key, make: Callable[[], Any]):
+    def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
         """The value under ``key``, made with ``make()`` (outside the lock) where there is none."""
         with self._lock:
             if key in self._entries:
@@ -111,7 +122,7 @@ class LRU:
         self._evicted(dropped)
         return value
 
-    def find(self, key):
+    def find(self, key: Hashable) -> Any:
         """The value under ``key`` (now the most recent), or None."""
         with self._lock:
             if key not in self._entries:
@@ -119,14 +130,14 @@ class LRU:
             self._entries.move_to_end(key)
             return self._entries[key]
 
-    def put(self, key, value) -> None:
+    def put(self, key: Hashable, value: Any) -> None:
         with self._lock:
             self._entries[key] = value
             self._entries.move_to_end(key)
             dropped = self._trim()
         self._evicted(dropped)
 
-    def keys(self) -> list:
+    def keys(self) -> list[Hashable]:
         with self._lock:
             return list(self._entries)
 
@@ -139,13 +150,13 @@ class LRU:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _trim(self) -> list:
+    def _trim(self) -> list[Any]:
         dropped = []
         while len(self._entries) > self.maxsize:
             dropped.append(self._entries.popitem(last=False)[1])
         return dropped
 
-    def _evicted(self, dropped) -> None:
+    def _evicted(self, dropped: list[Any]) -> None:
         if self.on_evict is not None:
             for value in dropped:
                 self.on_evict(value)
@@ -162,14 +173,14 @@ class Recent:
     (3, [2, 3])
     """
 
-    def __init__(self, name: str, maxsize: int, on_evict: Callable[[Any], None] | None = None):
+    def __init__(self, name: str, maxsize: int, on_evict: Callable[[Any], None] | None = None) -> None:
         self.maxsize = maxsize
         self.on_evict = on_evict
-        self._entries: list = []
+        self._entries: list[Any] = []
         self._lock = threading.Lock()
         track(name, self)
 
-    def find(self, match: Callable[[Any], bool]):
+    def find(self, match: Callable[[Any], bool]) -> Any:
         """The latest entry for which ``match(entry)`` holds (now the most recent), or None."""
         with self._lock:
             for k in range(len(self._entries) - 1, -1, -1):
@@ -179,18 +190,18 @@ class Recent:
                     return entry
         return None
 
-    def add(self, entry) -> None:
+    def add(self, entry: Any) -> None:
         with self._lock:
             self._entries.append(entry)
             dropped = self._entries[:-self.maxsize]
             del self._entries[:-self.maxsize]
         self._evicted(dropped)
 
-    def remove(self, entry) -> None:
+    def remove(self, entry: Any) -> None:
         with self._lock:
             self._entries.remove(entry)
 
-    def entries(self) -> list:
+    def entries(self) -> list[Any]:
         """The entries, the latest last."""
         with self._lock:
             return list(self._entries)
@@ -203,7 +214,7 @@ class Recent:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _evicted(self, dropped) -> None:
+    def _evicted(self, dropped: list[Any]) -> None:
         if self.on_evict is not None:
             for entry in dropped:
                 self.on_evict(entry)
@@ -212,7 +223,7 @@ class Recent:
 class _Function:
     """A registered ``functools.lru_cache``: what :func:`function` returns."""
 
-    def __init__(self, cached):
+    def __init__(self, cached: functools._lru_cache_wrapper[Any]) -> None:
         self.cached = cached
 
     def clear(self) -> None:
@@ -222,10 +233,10 @@ class _Function:
         return self.cached.cache_info().currsize
 
 
-_functions: list = []  # the registered function caches, kept as long as their functions
+_functions: list[_Function] = []  # the registered function caches, kept as long as their functions
 
 
-def function(maxsize: int):
+def function(maxsize: int) -> Callable[[Callable[..., _T]], functools._lru_cache_wrapper[_T]]:
     """``functools.lru_cache(maxsize)``, registered under the function's qualified name.
 
     >>> @function(maxsize=4)
@@ -234,7 +245,7 @@ def function(maxsize: int):
     >>> double(3), sizes()[f"{__name__}.double"]
     (6, 1)
     """
-    def decorate(fn):
+    def decorate(fn: Callable[..., _T]) -> functools._lru_cache_wrapper[_T]:
         cached = functools.lru_cache(maxsize=maxsize)(fn)
         holder = _Function(cached)
         _functions.append(holder)

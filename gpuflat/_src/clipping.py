@@ -70,7 +70,7 @@ class Norm(NamedTuple):
 
     total: Any
     on_backend: Any
-    results: list
+    results: list[Any]
 
 
 class Bound:
@@ -95,8 +95,9 @@ class Bound:
 
     ranks: int | None = None
 
-    def __init__(self, norm_parts: list, scale_parts: list | None = None, combine: Callable | None = None,
-                 total_for: Callable | None = None) -> None:
+    def __init__(self, norm_parts: list[Part], scale_parts: list[Part] | None = None,
+                 combine: Callable[[Bound, list[Any], float], tuple[Any, Any]] | None = None,
+                 total_for: Callable[[Part, Any], Any] | None = None) -> None:
         self.norm_parts = norm_parts
         self.scale_parts = norm_parts if scale_parts is None else scale_parts
         self.combine, self.total_for = combine, total_for
@@ -118,7 +119,7 @@ class Bound:
     def norm(self, p: float) -> Norm:
         """The float64 norm of order ``p`` of every norm part as one vector:
         one fused pass per part, then the combine (none for one part)."""
-        results = []
+        results: list[Any] = []
         for part in self.norm_parts:
             with self.within(part):
                 results.append(part.backend.norms(part.plan, part.leaves, p, False))
@@ -138,13 +139,20 @@ class Bound:
         """``"leaf 'path'"`` for the first leaf holding NaN or inf, or None;
         ``name_of(i)`` names the caller's i-th leaf where a part has no
         ``path`` but ``positions`` (a tensor list's)."""
-        found = []
+        found: list[tuple[Any, str]] = []
         for k, (part, result) in enumerate(zip(self.norm_parts, norm.results)):
             with self.within(part):
                 bad = int(part.backend.to_host(result.first_nonfinite))
             if bad >= 0:
                 at = (k, bad) if part.positions is None else part.positions[bad]
-                found.append((at, part.path(bad) if part.path is not None else name_of(at)))
+                if part.path is not None:
+                    name = part.path(bad)
+                else:
+                    # A part without paths is a share of the caller's list: it has
+                    # positions, and the caller names them.
+                    assert part.positions is not None and name_of is not None
+                    name = name_of(part.positions[bad])
+                found.append((at, name))
         return f"leaf {min(found)[1]!r}" if found else None
 
     def scale_(self, norm: Norm, max_norm: Any, eps: float) -> None:
@@ -152,7 +160,12 @@ class Bound:
         converted_for = given = None
         for part in self.scale_parts:
             with self.within(part):
-                total = norm.on_backend if norm.on_backend is not None else self.total_for(part, norm.total)
+                if norm.on_backend is not None:
+                    total = norm.on_backend
+                else:
+                    # A total given in the caller's kind: the bounds that take one say how.
+                    assert self.total_for is not None
+                    total = self.total_for(part, norm.total)
                 if part.backend is not converted_for:  # parts of one backend take one conversion
                     converted_for, given = part.backend, max_norm_for(part.backend, max_norm)
                 part.backend.clip_(part.plan, part.leaves, total, given, eps, flat=part.flat)
@@ -223,7 +236,8 @@ def scale_by(bound: Bound, total: Any, max_norm: Any, eps: float) -> None:
         bound.scale_(Norm(total, None, []), max_norm, eps)
 
 
-def _check_finite(bound: Bound, norm: Norm, p: float, scaled: bool, kind: type, name_of: Callable | None) -> None:
+def _check_finite(bound: Bound, norm: Norm, p: float, scaled: bool, kind: type,
+                  name_of: Callable[[int], str] | None) -> None:
     # The norm itself is read: finite leaves whose sum overflows float64 give
     # an inf norm too, and PyTorch raises on that. Only a non-finite norm costs
     # a second read, to name the leaf.

@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 from .layout import C_NAMES, DTYPES, TAG_OF_NAME
 
@@ -29,7 +33,7 @@ _BFLOAT16_TAG = TAG_OF_NAME["bfloat16"]
 TAGS = {np.dtype(name): tag for tag, name, _, _ in DTYPES if tag != _BFLOAT16_TAG}
 CUDA_NAMES = {dtype: C_NAMES[tag] for dtype, tag in TAGS.items()}
 _DTYPE_OF_TAG = {tag: dtype for dtype, tag in TAGS.items()}
-_when_registered: list = []
+_when_registered: list[Callable[[np.dtype], object]] = []
 
 
 @functools.cache
@@ -55,15 +59,16 @@ def bfloat16() -> np.dtype | None:
     return dtype
 
 
-def when_bfloat16(callback) -> None:
+def when_bfloat16(callback: Callable[[np.dtype], object]) -> None:
     """Call ``callback(dtype)`` once bfloat16 is registered: now if it is,
     else when it is (a native library that must know its type number)."""
     _when_registered.append(callback)
-    if bfloat16.cache_info().currsize and bfloat16() is not None:
-        callback(bfloat16())
+    registered = bfloat16() if bfloat16.cache_info().currsize else None
+    if registered is not None:
+        callback(registered)
 
 
-def is_bfloat16(dtype) -> bool:
+def is_bfloat16(dtype: npt.DTypeLike) -> bool:
     """Whether ``dtype`` is ml_dtypes' bfloat16, without importing ml_dtypes.
 
     >>> is_bfloat16(np.dtype(np.float16))
@@ -73,7 +78,7 @@ def is_bfloat16(dtype) -> bool:
         and np.dtype(dtype) == bfloat16()
 
 
-def admit(dtype) -> bool:
+def admit(dtype: npt.DTypeLike) -> bool:
     """Whether gpuflat computes on arrays of ``dtype``; bfloat16 is registered
     the first time it is asked about. Callers test ``dtype in TAGS`` first,
     the fast path, and this where that misses."""
@@ -91,7 +96,7 @@ def dtype_of_tag(tag: int) -> np.dtype:
     return _DTYPE_OF_TAG[tag]
 
 
-def c_name(dtype) -> str:
+def c_name(dtype: npt.DTypeLike) -> str:
     """The C++ type name of ``dtype`` in kernels/.
 
     >>> c_name(np.float64)
@@ -103,7 +108,7 @@ def c_name(dtype) -> str:
     return CUDA_NAMES[dtype]
 
 
-def flat_dtype(dtypes) -> np.dtype:
+def flat_dtype(dtypes: Iterable[npt.DTypeLike]) -> np.dtype:
     """The dtype of a flat buffer holding leaves of these dtypes.
 
     NumPy promotion, as JAX's ravel_pytree does; bfloat16 promotes with any
@@ -124,7 +129,7 @@ def flat_dtype(dtypes) -> np.dtype:
     return np.result_type(*widened)
 
 
-def unsupported_float(dtype) -> str | None:
+def unsupported_float(dtype: npt.DTypeLike) -> str | None:
     """Why a floating dtype outside the table cannot be a leaf, or None.
 
     Such an array holds trainable values, so leaving it out of a norm
@@ -148,7 +153,7 @@ def unsupported_float(dtype) -> str | None:
         return f"{expected}, got {dtype.name}: cast it to one of these first"
     return None
 
-def cast_copy(target, source):
+def cast_copy(target: npt.NDArray[Any], source: npt.NDArray[Any]) -> None:
     """target[...] = source, rounded once into ``target``'s dtype (as the kernels round).
 
     >>> import ml_dtypes
@@ -166,7 +171,7 @@ def cast_copy(target, source):
         np.copyto(target, source, casting="unsafe")
 
 
-def _float32_rounded_to_odd(x):
+def _float32_rounded_to_odd(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float32]:
     """``x`` (float64) rounded to float32 towards the neighbour whose last bit is odd.
 
     ml_dtypes converts float64 to bfloat16 through float32, rounding twice.

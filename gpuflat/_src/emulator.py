@@ -19,6 +19,7 @@ import ctypes
 import os
 import subprocess
 from pathlib import Path
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -120,11 +121,11 @@ def _describe(code: str) -> str:
     }.get(kind, f"a {size}-byte struct (bytes or a NumPy structured scalar)")
 
 
-def _raw(arg) -> bytes:
+def _raw(arg: bytes | np.generic) -> bytes:
     return arg if isinstance(arg, bytes) else arg.tobytes()
 
 
-def _accepts(code: str, arg) -> bool:
+def _accepts(code: str, arg: object) -> bool:
     kind, size = code[0], int(code[1:])
     if kind == "s":
         return isinstance(arg, (bytes, np.void)) and len(_raw(arg)) == size
@@ -147,7 +148,7 @@ class EmulatorLibrary:
     are safe (the library serialises them, with the GIL released).
     """
 
-    def __init__(self, path):
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         lib = ctypes.CDLL(str(self.path))
         lib.gpuflat_emu_launch.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p]
@@ -198,7 +199,7 @@ class EmulatorLibrary:
         """Fail a launch whose threads wait this long at a barrier (default 2 s)."""
         self._lib.gpuflat_emu_set_deadlock_timeout_ms(max(1, int(seconds * 1000)))
 
-    def launch(self, name: str, grid: int, block: int, args) -> None:
+    def launch(self, name: str, grid: int, block: int, args: Iterable[Any]) -> None:
         """Run kernel ``name`` on a 1-D grid of ``grid`` blocks of ``block`` threads.
 
         Returns when every block has run. ``args`` are NumPy scalars matching

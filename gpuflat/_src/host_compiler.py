@@ -38,9 +38,18 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar, overload
 
 from gpuflat.errors import BuildError
 
+if TYPE_CHECKING:
+    from types import ModuleType
+
+_Library = TypeVar("_Library")
+
+# A module where the platform has it, else None (declared so, as the import alone
+# would make it a module that is never None).
+fcntl: ModuleType | None
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX: builds run unlocked
@@ -59,7 +68,7 @@ logger = logging.getLogger("gpuflat")
 
 
 class _ShownUntilConfigured(logging.StreamHandler):
-    def emit(self, record):
+    def emit(self, record: logging.LogRecord) -> None:
         if not logging.getLogger().handlers:
             super().emit(record)
 
@@ -173,7 +182,7 @@ def cache_dir() -> Path:
     return cache_root() / "host"
 
 
-def digest(parts) -> str:
+def digest(parts: Iterable[str | bytes]) -> str:
     """SHA-256 (hex) of a sequence of strings or bytes, each part delimited,
     so ``["ab", "c"]`` and ``["a", "bc"]`` differ.
 
@@ -187,7 +196,7 @@ def digest(parts) -> str:
     return h.hexdigest()
 
 
-def tree_digest(directory) -> str:
+def tree_digest(directory: str | os.PathLike[str]) -> str:
     """SHA-256 of every file under ``directory`` (relative names and bytes),
     so an edit to any header gives a new hash.
 
@@ -201,7 +210,7 @@ def tree_digest(directory) -> str:
     """
     d = Path(directory)
     files = sorted(p for p in d.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-    parts = []
+    parts: list[str | bytes] = []
     for f in files:
         parts += [f.relative_to(d).as_posix(), f.read_bytes()]
     return digest(parts)
@@ -230,7 +239,9 @@ def _check_relative(name: str) -> str:
 _build_lock = threading.Lock()
 
 
-def build_library(name: str, main_source: str, include_dirs=(), flags=(), key_parts=(), files=None) -> Path:
+def build_library(name: str, main_source: str, include_dirs: Sequence[str | os.PathLike[str]] = (),
+                  flags: Iterable[str] = (), key_parts: Iterable[str | bytes] = (),
+                  files: Mapping[str, str] | None = None) -> Path:
     """The shared library compiled from ``main_source``, built once per content.
 
     ``include_dirs`` go to ``-I`` (their files are not hashed: put what
@@ -293,7 +304,7 @@ def _raise_remembered(record: Path | None) -> None:
                      f"in {record}; delete it to build again)", held["stderr"])
 
 
-def build_once(what: str, path: Path, build, failed: Path | None = None) -> None:
+def build_once(what: str, path: Path, build: Callable[[], object], failed: Path | None = None) -> None:
     """``build()``, which must leave ``path`` in place (by an atomic rename),
     unless ``path`` is there already: once per machine and content. With
     ``failed`` (a :func:`failure_record`), the failure recorded there, if
@@ -354,7 +365,7 @@ def obtained(what: str) -> str:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path, what: str):
+def _file_lock(path: Path, what: str) -> Iterator[None]:
     """An exclusive lock on ``path``'s lock file, or none where locking is
     unsupported or another holder outlasts :data:`LOCK_WAIT_SECONDS`."""
     if fcntl is None:
@@ -386,7 +397,8 @@ def _file_lock(path: Path, what: str):
             return
 
 
-def _compile(name, cxx, main_source, files, include_dirs, flags, path: Path) -> None:
+def _compile(name: str, cxx: str, main_source: str, files: Mapping[str, str],
+             include_dirs: Sequence[str | os.PathLike[str]], flags: Sequence[str], path: Path) -> None:
     """Compile into a temporary file beside ``path``, then rename it into place:
     another process building the same library at once is harmless."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -460,11 +472,19 @@ def _running(pid: int) -> bool:
     return True
 
 
-_loaded: dict = {}
+_loaded: dict[tuple[str, Callable[[str], Any]], Any] = {}
 _load_lock = threading.Lock()
 
 
-def load(path, factory=ctypes.CDLL):
+@overload
+def load(path: str | os.PathLike[str]) -> ctypes.CDLL: ...
+
+
+@overload
+def load(path: str | os.PathLike[str], factory: Callable[[str], _Library]) -> _Library: ...
+
+
+def load(path: str | os.PathLike[str], factory: Callable[[str], Any] = ctypes.CDLL) -> Any:
     """``factory(path)`` (default ``ctypes.CDLL``), made once per path and
     factory in this process; see the module example."""
     key = (str(path), factory)

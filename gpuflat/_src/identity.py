@@ -12,8 +12,12 @@ from __future__ import annotations
 import operator
 import weakref
 from operator import attrgetter
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 _deref = weakref.ref.__call__
 
@@ -25,7 +29,7 @@ _deref = weakref.ref.__call__
 BYTES_COMPARED_UP_TO = 8192
 
 
-def equal_facts(now, recorded) -> bool:
+def equal_facts(now: npt.NDArray[np.int64], recorded: npt.NDArray[np.int64]) -> bool:
     """Whether two 1-D int64 arrays of native facts are equal, as cheaply as
     their length allows.
 
@@ -50,18 +54,20 @@ class SameArrays:
 
     __slots__ = ("_refs",)
 
-    def __init__(self, arrays):
+    _refs: list[weakref.ref[Any]] | None
+
+    def __init__(self, arrays: Iterable[Any]) -> None:
         try:
             self._refs = list(map(weakref.ref, arrays))
         except TypeError:  # an array type without weak references never matches
             self._refs = None
 
-    def holds(self, arrays) -> bool:
+    def holds(self, arrays: Sequence[Any]) -> bool:
         refs = self._refs
         return (refs is not None and len(refs) == len(arrays)
                 and all(map(operator.is_, map(_deref, refs), arrays)))
 
-    def shared_start(self, arrays) -> int:
+    def shared_start(self, arrays: Sequence[Any]) -> int:
         """How many arrays at the start of ``arrays`` are the ones held (all
         the held ones or all of ``arrays``, whichever is shorter; else 0).
 
@@ -96,6 +102,8 @@ class Recorded(list):
 
     __slots__ = ("token",)
 
+    token: int
+
 
 class Layout:
     """What NumPy lets a caller change in place about a list of arrays,
@@ -119,14 +127,17 @@ class Layout:
 
     __slots__ = ("_flags", "_strided")
 
-    def __init__(self, arrays):
+    _flags: npt.NDArray[np.int64] | None
+    _strided: list[tuple[int, tuple[int, ...]]]
+
+    def __init__(self, arrays: Sequence[Any]) -> None:
         self._flags = flag_bits(arrays)
         if self._flags is None:
             self._strided = [(i, a.strides) for i, a in enumerate(arrays)]
         else:
             self._strided = [(i, arrays[i].strides) for i in np.flatnonzero((self._flags & CONTIGUOUS) == 0).tolist()]
 
-    def holds(self, arrays) -> bool:
+    def holds(self, arrays: Sequence[Any]) -> bool:
         """Whether ``arrays`` (the same objects, of the same shapes and dtypes) still have this layout."""
         flags = flag_bits(arrays)
         if flags is None or self._flags is None:
@@ -139,7 +150,8 @@ class Layout:
 _data_ptr, _shape, _strides, _dtype = attrgetter("data.ptr"), attrgetter("shape"), attrgetter("strides"), attrgetter("dtype")
 
 
-def device_array_facts(arrays) -> tuple:
+def device_array_facts(arrays: Sequence[Any]) -> tuple[list[int], list[int], list[tuple[int, ...]],
+                                                      list[tuple[int, ...]], list[np.dtype[Any]]]:
     """The identity, data address, shape, strides and dtype of each of
     ``arrays`` (CuPy's: a Cython class, whose struct no native reader can
     read as it reads NumPy's), as five lists, each read in one ``map``: a C
@@ -166,7 +178,7 @@ _flags_num = attrgetter("flags.num")
 CONTIGUOUS = 0x1 | 0x2  # NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_F_CONTIGUOUS: elements in distinct memory
 
 
-def flag_bits(arrays):
+def flag_bits(arrays: Sequence[Any]) -> npt.NDArray[np.int64] | None:
     """The NumPy flags of ``arrays`` as an int64 array, read in one C loop;
     None for arrays without them (CuPy's).
 

@@ -12,10 +12,12 @@ flatten always use the logical order: it is what a flat buffer means.
 """
 from __future__ import annotations
 
+from typing import Collection
+
 import numpy as np
 
 
-def dense_start(shape, strides, itemsize: int) -> int | None:
+def dense_start(shape: Collection[int], strides: Collection[int], itemsize: int) -> int | None:
     """The byte offset from an array's address to the lowest address of its
     elements, when they fill one dense block of memory (``strides`` in bytes,
     sorted by magnitude with size-1 dims dropped, are a C-contiguous layout's);
@@ -36,7 +38,7 @@ def dense_start(shape, strides, itemsize: int) -> int | None:
     return start
 
 
-def in_memory_order(a):
+def in_memory_order(a: np.ndarray) -> np.ndarray:
     """``a`` as the 1-D view of its memory, lowest address first, when its
     elements fill one dense block in another order than C's (see
     :func:`dense_start`); ``a`` itself otherwise (C-contiguous, 0-d, empty,

@@ -37,7 +37,7 @@ import os
 import platform
 import sys
 import sysconfig
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -46,6 +46,9 @@ from gpuflat._src.dtypes import TAGS, when_bfloat16
 from gpuflat.errors import BuildError
 from gpuflat._src.kernel_loader import kernel_dir, sources
 from gpuflat._src.layout import DTYPES
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 __all__ = ["NUMPY_API", "NativePart", "array_facts", "available", "host_library", "native_info", "optim_library",
            "unavailable_reason"]
@@ -105,7 +108,7 @@ OPTIM_INSTEAD = 'the host backend\'s optimizer steps are backend="numpy"\'s (the
 
 
 @functools.lru_cache(maxsize=None)
-def host_library():
+def host_library() -> tuple[ctypes.PyDLL, None] | tuple[None, str]:
     """(the loaded host backend library, None), or (None, why it is not
     used: off, or why it cannot be built or loaded); built on first use.
 
@@ -151,7 +154,7 @@ def host_library():
     return lib, None
 
 
-def _type_numbers():
+def _type_numbers() -> ctypes.Array[ctypes.c_int]:
     """The NumPy type number of each dtype tag (-1 for one not registered yet), as the library takes them.
 
     >>> list(_type_numbers())[2:4] == [np.dtype(np.float32).num, np.dtype(np.float64).num]
@@ -164,7 +167,7 @@ def _type_numbers():
 
 
 @functools.lru_cache(maxsize=None)
-def optim_library():
+def optim_library() -> tuple[ctypes.CDLL, None] | tuple[None, str]:
     """(the loaded optimizer update library, None), or (None, why it cannot
     be built or loaded); built on first use. Its ``gf_host_optim_step``
     returns 0, or -1 for a dtype tag it has no update for.
@@ -194,7 +197,7 @@ def optim_library():
     return lib, None
 
 
-def array_facts(arrays, words: int):
+def array_facts(arrays: Sequence[Any], words: int) -> npt.NDArray[np.int64] | None:
     """What NumPy lets change about ``arrays`` without a new object, with
     their identities, as one int64 array read in native code (at most
     ``words`` words: per array 4 and two per dim): identity, data address,

@@ -11,11 +11,15 @@ share bytes) is passed on one flag read per leaf.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
-def _byte_ranges(arrays, index):
+
+def _byte_ranges(arrays: Sequence[Any], index: Sequence[int]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """(lo, hi): int64 arrays of the [lo, hi) byte ranges that ``arrays[i]``, i in ``index``, can touch."""
     pointer = _pointer_reader()
     lo = np.array([pointer(arrays[i]) for i in index], np.int64)
@@ -26,7 +30,7 @@ def _byte_ranges(arrays, index):
     return lo, hi
 
 
-def _strided_range(a, start):
+def _strided_range(a: Any, start: int) -> tuple[int, int]:
     lo = hi = start
     for n, stride in zip(a.shape, a.strides):
         reach = (n - 1) * stride
@@ -34,12 +38,12 @@ def _strided_range(a, start):
     return lo, hi + a.itemsize
 
 
-def _pointer_reader():
+def _pointer_reader() -> Callable[[Any], int]:
     """A function giving an array's data pointer, as cheaply as its kind allows."""
     torch = sys.modules.get("torch")
     tensor = torch.Tensor if torch is not None else ()
 
-    def pointer(a):
+    def pointer(a: Any) -> int:
         if not isinstance(a, np.ndarray):
             return a.data.ptr  # CuPy
         if isinstance(a.base, tensor):
@@ -52,12 +56,12 @@ def _pointer_reader():
     return pointer
 
 
-def _owns_memory(a) -> bool:
+def _owns_memory(a: Any) -> bool:
     # Arrays without the flag (array kinds that do not report it) are views for this purpose.
     return getattr(a.flags, "owndata", False)
 
 
-def really_overlap(a, b) -> bool:
+def really_overlap(a: Any, b: Any) -> bool:
     """Whether two arrays whose byte ranges meet share an element: exact on
     the CPU, and True on a GPU, which has no exact test.
 
@@ -72,7 +76,7 @@ def really_overlap(a, b) -> bool:
     return True  # CuPy has no exact test; overlapping byte ranges are refused
 
 
-def find_overlap(arrays):
+def find_overlap(arrays: Sequence[Any]) -> tuple[int, int] | None:
     """The first pair (i, j), i < j, of distinct arrays that share memory, or None.
 
     Works on NumPy and CuPy arrays, whatever their base objects: two NumPy
@@ -93,7 +97,9 @@ def find_overlap(arrays):
     return first_pair(lo, hi, index, lambda i, j: really_overlap(arrays[i], arrays[j]))
 
 
-def first_pair(lo, hi, index, overlap):
+def first_pair(lo: npt.NDArray[np.integer[Any]], hi: npt.NDArray[np.integer[Any]],
+               index: Sequence[int] | npt.NDArray[np.integer[Any]],
+               overlap: Callable[[int, int], bool]) -> tuple[int, int] | None:
     """The first pair (i, j), i < j, of ``index`` whose byte ranges
     [``lo``, ``hi``) meet and for which ``overlap(i, j)`` holds, or None:
     the ranges sorted by start and swept once. The one sweep of every
@@ -115,7 +121,7 @@ def first_pair(lo, hi, index, overlap):
     return None
 
 
-def first_sharing(arrays, buffer):
+def first_sharing(arrays: Sequence[Any], buffer: Any) -> int | None:
     """The index of the first array sharing memory with ``buffer``, or None.
 
     For a buffer about to be written while ``arrays`` are read (or the other

@@ -31,6 +31,7 @@ import sys
 import sysconfig
 from operator import attrgetter
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -153,7 +154,7 @@ def in_python(tensors: list) -> np.ndarray | None:
     return _python_facts(tensors, any_type=True)
 
 
-def _python_facts(tensors, any_type=False):
+def _python_facts(tensors: Sequence[torch.Tensor], any_type: bool = False) -> np.ndarray | None:
     """The facts read in Python: where the library is not built, or for subclasses it leaves out."""
     if ((not any_type and not all(map(is_plain_type, set(map(type, tensors)))))
             or set(map(attrgetter("layout"), tensors)) - {torch.strided}):
@@ -174,7 +175,7 @@ def _python_facts(tensors, any_type=False):
 
 
 @caches.function(maxsize=64)
-def _device_code(device) -> int:
+def _device_code(device: torch.device) -> int:
     kind = _DEVICE_KINDS.get(device.type, 3)
     index = -1 if device.index is None else device.index
     return (kind | (index + 1) << 8) << _DEVICE_SHIFT
@@ -201,7 +202,7 @@ def device_keys(facts: np.ndarray) -> np.ndarray:
 
 
 @caches.function(maxsize=64)
-def is_plain_type(cls) -> bool:
+def is_plain_type(cls: object) -> bool:
     """A tensor type whose memory holds its values (not a DTensor or another wrapper).
 
     >>> is_plain_type(torch.nn.Parameter), is_plain_type(int)
@@ -230,12 +231,12 @@ def unavailable_reason() -> str | None:
     return _load()[1]
 
 
-def _library():
+def _library() -> ctypes.PyDLL | None:
     return _load()[0]
 
 
 @functools.lru_cache(maxsize=None)
-def _load():
+def _load() -> tuple[ctypes.PyDLL, None] | tuple[None, str]:
     """(the loaded library, None), or (None, why it is not used: off, or why
     it cannot be built or loaded); built on first use."""
     off = host_compiler.native_disabled()

@@ -41,7 +41,7 @@ def total_norm(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
 
 
 @total_norm.register_fake
-def _(tensors, norm_type):
+def _(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return tensors[0].new_empty((), dtype=torch.float64)
 
 
@@ -54,7 +54,7 @@ def scale_by_norm_(tensors: list[torch.Tensor], max_norm: float, total: torch.Te
 
 
 @scale_by_norm_.register_fake
-def _(tensors, max_norm, total, eps):
+def _(tensors: list[torch.Tensor], max_norm: float, total: torch.Tensor, eps: float) -> None:
     return None
 
 
@@ -69,5 +69,5 @@ def scale_by_tensor_norm_(tensors: list[torch.Tensor], max_norm: torch.Tensor, t
 
 
 @scale_by_tensor_norm_.register_fake
-def _(tensors, max_norm, total, eps):
+def _(tensors: list[torch.Tensor], max_norm: torch.Tensor, total: torch.Tensor, eps: float) -> None:
     return None

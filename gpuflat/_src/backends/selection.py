@@ -4,17 +4,21 @@ from __future__ import annotations
 import sys
 import threading
 from operator import attrgetter
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from gpuflat._src import caches, native
 from gpuflat._src.identity import SameArrays
 
+if TYPE_CHECKING:
+    from .protocol import Backend
+
 BACKEND_NAMES = ("numpy", "host", "cuda", "emulated")
 
-_backends: dict = {}
+_backends: dict[tuple[str, int | None], Backend] = {}
 _lock = threading.Lock()
 
 
-def get_backend(name: str, device: int | None = None):
+def get_backend(name: str, device: int | None = None) -> Backend:
     """The backend instance called ``name`` ("numpy", "host", "cuda" or "emulated").
 
     "cuda" has one backend per device (``device``: the CUDA device id;
@@ -36,7 +40,7 @@ def get_backend(name: str, device: int | None = None):
         return _backends[key]
 
 
-def _make(name, device):
+def _make(name: str, device: int | None) -> Backend:
     if name == "numpy":
         from .numpy_backend import NumpyBackend
 
@@ -51,12 +55,12 @@ def _make(name, device):
     return CudaBackend(EmulatedRuntime() if name == "emulated" else CupyRuntime(device))
 
 
-def _is_cupy(x) -> bool:
+def _is_cupy(x: Any) -> bool:
     cupy = sys.modules.get("cupy")
     return cupy is not None and isinstance(x, cupy.ndarray)
 
 
-def select(backend, arrays, path_of):
+def select(backend: str | None, arrays: Sequence[Any], path_of: Callable[[int], str]) -> Backend:
     """The backend for a call on ``arrays``; ``path_of(i)`` names the i-th (only on error).
 
     The default follows the arrays: NumPy arrays take "host" (the native
@@ -93,7 +97,7 @@ def select(backend, arrays, path_of):
     return get_backend(name, _one_device(arrays, path_of))
 
 
-def _first_of_each_kind(arrays):
+def _first_of_each_kind(arrays: Sequence[Any]) -> tuple[int | None, int | None]:
     """(the position of the first NumPy array, of the first CuPy array), None for a kind absent.
 
     Read from the set of the arrays' types: one C-level pass, and none at all
@@ -133,7 +137,7 @@ _devices_found = caches.Recent("devices of CuPy arrays", 4)
 _device_id = attrgetter("device.id")
 
 
-def _one_device(arrays, path_of):
+def _one_device(arrays: Sequence[Any], path_of: Callable[[int], str]) -> int | None:
     """The CUDA device all ``arrays`` live on; TypeError naming a leaf on each of two.
 
     >>> from types import SimpleNamespace as Array
@@ -166,7 +170,7 @@ def _one_device(arrays, path_of):
     return device
 
 
-def _raise_two_devices(arrays, path_of):
+def _raise_two_devices(arrays: Sequence[Any], path_of: Callable[[int], str]) -> None:
     device = arrays[0].device.id
     for i, a in enumerate(arrays):
         if a.device.id != device:
