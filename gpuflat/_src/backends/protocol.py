@@ -134,7 +134,7 @@ class Backend(Protocol):
     def scatter(self, plan: FlatPlan, flat: Any, leaves: Sequence[Any]) -> None:
         """leaves[slot][...] = flat[slot's range], cast to the leaf's dtype, in place."""
 
-    def norms(self, plan: FlatPlan, leaves: Sequence[Any] | LeafRows, ord: float, per_leaf: bool) -> NormResult:
+    def norms(self, plan: FlatPlan, leaves: Sequence[Any], ord: float, per_leaf: bool) -> NormResult:
         """Total and per-leaf norms, accumulated in float64 in a fixed order that
         depends on the leaves alone (kernels/norms.cu's, or the NumPy
         backend's own): a leaf filling one dense block of memory in another
@@ -142,7 +142,7 @@ class Backend(Protocol):
         other in logical order. The total is the same with or without
         ``per_leaf``."""
 
-    def clip_(self, plan: FlatPlan, leaves: Sequence[Any] | LeafRows, total: Any, max_norm: Any, eps: float,
+    def clip_(self, plan: FlatPlan, leaves: Sequence[Any], total: Any, max_norm: Any, eps: float,
               flat: Any = None) -> None:
         """Every leaf *= min(1, max_norm / (total + eps)), computed where ``total``
         lives; ``max_norm`` is a float, or for the CUDA backend a 0-d float64
