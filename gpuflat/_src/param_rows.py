@@ -217,7 +217,7 @@ class Step:
     params: list
     grads: list
     grad_facts: np.ndarray | None  # the gradients' tensor_facts, read once for the rows and the norm
-    name_of_gradient: object
+    name_of_gradient: Callable[[int], str]
     plain: bool  # no DTensor or other tensor subclass among the parameters and gradients
 
 
