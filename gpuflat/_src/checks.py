@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable, Sequence
 from operator import attrgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,10 +23,15 @@ from .layout import RULES
 from .overlap import find_overlap
 from .seen import trees
 
+if TYPE_CHECKING:
+    from .flatplan import FlatPlan, LeafSpec
+    from .seen import SeenTree, Verdicts
+
 _shape, _dtype, _writeable = attrgetter("shape"), attrgetter("dtype"), attrgetter("flags.writeable")
 
 
-def occurrences(plan, tree, *, allow_none, walked=None, seen=None):
+def occurrences(plan: FlatPlan, tree: Any, *, allow_none: bool, walked: _tree.Walked | None = None,
+                seen: SeenTree | None = None) -> tuple[list[Any], bool, Any, SeenTree | None]:
     """(values, exact, like, seen): what ``tree`` holds at each trainable place of
     ``plan``, checked, as NumPy or CuPy arrays.
 
@@ -68,7 +74,7 @@ def occurrences(plan, tree, *, allow_none, walked=None, seen=None):
     return checked, False, like, None
 
 
-def check_leaf(spec, path: str, value, *, allow_none: bool):
+def check_leaf(spec: LeafSpec, path: str, value: Any, *, allow_none: bool) -> Any:
     """``value`` as a NumPy or CuPy array if it fits ``spec`` (None stays None
     where allowed); else TreeMismatchError naming the path."""
     if value is None and allow_none:
@@ -84,14 +90,14 @@ def check_leaf(spec, path: str, value, *, allow_none: bool):
     return adopted
 
 
-def _adopt(path, value):
+def _adopt(path: str, value: Any) -> Any:
     try:
         return arrays.adopt(value)
     except UnsupportedLeafError as e:
         raise TreeMismatchError(f"leaf {path!r}: {e}") from None
 
 
-def check_flat(plan, flat, name="flat", *, exact_dtype=True):
+def check_flat(plan: FlatPlan, flat: Any, name: str = "flat", *, exact_dtype: bool = True) -> None:
     """A flat buffer: 1-D, ``plan.size`` elements, C-contiguous, and of
     ``plan.dtype`` (any real or complex floating dtype if not ``exact_dtype``).
 
@@ -117,7 +123,7 @@ def check_flat(plan, flat, name="flat", *, exact_dtype=True):
         raise TreeMismatchError(f"{name}: expected a C-contiguous array, got strides {tuple(flat.strides)}")
 
 
-def check_in_place(paths, arrays) -> None:
+def check_in_place(paths: Sequence[str], arrays: Sequence[Any]) -> None:
     """Arrays about to be written in place: writable, each free of self-overlap
     (no zero stride), and no two sharing memory.
 
@@ -137,7 +143,7 @@ def check_in_place(paths, arrays) -> None:
         raise sharing_memory(*(paths[k] for k in pair))
 
 
-def overlapping_itself(path, what, shape, strides, made_by) -> OverlapError:
+def overlapping_itself(path: str, what: str, shape: Sequence[int], strides: Sequence[int], made_by: str) -> OverlapError:
     """The error for a leaf about to be written in place whose elements may
     share an address: ``what`` it is, ``made_by`` what usually makes one.
 
@@ -149,7 +155,7 @@ def overlapping_itself(path, what, shape, strides, made_by) -> OverlapError:
                         f"an in-place write would race. Pass a copy")
 
 
-def sharing_memory(first, second) -> OverlapError:
+def sharing_memory(first: str, second: str) -> OverlapError:
     """The error for two leaves about to be written in place that share memory.
 
     >>> print(sharing_memory("a", "b"))
@@ -159,7 +165,7 @@ def sharing_memory(first, second) -> OverlapError:
                         f"write one through the other (expected distinct memory, found overlapping views)")
 
 
-def _not_contiguous(arrays):
+def _not_contiguous(arrays: Sequence[Any]) -> Sequence[int]:
     """The indices of the arrays that are neither C- nor F-contiguous (only
     those can overlap themselves), read from NumPy's flags in one C loop;
     every index for arrays without them."""
@@ -192,8 +198,8 @@ class InPlaceChecked:
     gpuflat.errors.TreeMismatchError: leaf 'b': expected a writable array, got a read-only one
     """
 
-    def __init__(self):
-        self._last = weakref.WeakKeyDictionary()  # by plan: bounded by the plans alive
+    def __init__(self) -> None:
+        self._last: weakref.WeakKeyDictionary[Any, tuple[SameArrays, Layout]] = weakref.WeakKeyDictionary()  # by plan: bounded by the plans alive
         caches.track("in-place verdicts", self)
 
     def clear(self) -> None:
@@ -202,7 +208,7 @@ class InPlaceChecked:
     def __len__(self) -> int:
         return len(self._last)
 
-    def check(self, plan, paths, arrays, verdicts=None) -> None:
+    def check(self, plan: Any, paths: Sequence[str], arrays: Sequence[Any], verdicts: Verdicts | None = None) -> None:
         """OverlapError or TreeMismatchError naming the leaf (``paths[i]``)
         unfit for an in-place write, unless ``arrays`` were found fit as they are."""
         if verdicts is not None:
@@ -219,7 +225,7 @@ class InPlaceChecked:
         self._last[plan] = (SameArrays(arrays), Layout(arrays))
 
 
-def _check_writable(paths, arrays):
+def _check_writable(paths: Sequence[str], arrays: Sequence[Any]) -> None:
     try:
         if all(map(_writeable, arrays)):  # one C loop where every array is writable
             return
@@ -231,7 +237,7 @@ def _check_writable(paths, arrays):
             raise TreeMismatchError(f"leaf {path!r}: expected a writable array, got a read-only one")
 
 
-def may_overlap_itself(a) -> bool:
+def may_overlap_itself(a: Any) -> bool:
     """True when two elements of ``a`` may share an address (a zero stride,
     or strides too small for the dimensions inside them).
 
@@ -255,7 +261,7 @@ def may_overlap_itself(a) -> bool:
     return False
 
 
-def clip_arguments(max_norm, ord, eps) -> tuple[Any, float, float]:
+def clip_arguments(max_norm: Any, ord: Any, eps: Any) -> tuple[Any, float, float]:
     """(max_norm, p, eps) of a clip, checked: ``max_norm`` and ``eps`` real
     numbers >= 0, ``ord`` 1, 2, inf or any p > 0 (no strings, no NaN).
     ``max_norm`` may also be a 0-d device tensor, kept as it is (see
@@ -280,13 +286,13 @@ def clip_arguments(max_norm, ord, eps) -> tuple[Any, float, float]:
     return max_norm, check_ord(ord), eps
 
 
-def _on_device(x) -> bool:
+def _on_device(x: Any) -> bool:
     """A CuPy array or a PyTorch CUDA tensor: reading its value would wait on the device."""
     kind = arrays.kind(x)
     return kind == "cupy" or kind == "torch" and x.is_cuda
 
 
-def _device_scalar(name, x):
+def _device_scalar(name: str, x: Any) -> Any:
     """A 0-d real floating device array, kept on the device: its value is not
     checked, as that would be a host read (a CUDA graph could not capture it)."""
     shape, dtype = tuple(x.shape), str(x.dtype).removeprefix("torch.")
@@ -296,7 +302,7 @@ def _device_scalar(name, x):
     return x
 
 
-def check_ord(ord, name: str = "ord") -> float:
+def check_ord(ord: Any, name: str = "ord") -> float:
     """The norm order as a float: 1, 2, inf or any p > 0; else ValueError
     naming the argument ``name``.
 
@@ -306,7 +312,7 @@ def check_ord(ord, name: str = "ord") -> float:
     return _real(name, ord, "1, 2, inf or a number p > 0", lambda v: v > 0)
 
 
-def torch_norm_type(norm_type, name: str = "norm_type") -> float:
+def torch_norm_type(norm_type: Any, name: str = "norm_type") -> float:
     """``norm_type`` read as PyTorch's ``clip_grad_norm_`` reads it
     (``float(norm_type)``, so the string ``'inf'`` too), checked as
     :func:`check_ord` checks it.
@@ -322,7 +328,7 @@ def torch_norm_type(norm_type, name: str = "norm_type") -> float:
     return check_ord(norm_type, name)
 
 
-def _real(name, x, expected, accept) -> float:
+def _real(name: str, x: Any, expected: str, accept: Callable[[float], bool]) -> float:
     """``x`` as a float if it is a real number (not a string or bool) that ``accept``s."""
     value = math.nan
     if not isinstance(x, (str, bytes, bool)):
@@ -345,7 +351,7 @@ def optimizer_options(rule: str, group: dict, i: int) -> None:
     ...
     ValueError: parameter group 2: expected lr >= 0, got -1.0
     """
-    def need(ok, what, value):
+    def need(ok: bool, what: str, value: Any) -> None:
         if not ok:
             raise ValueError(f"parameter group {i}: expected {what}, got {value!r}")
 

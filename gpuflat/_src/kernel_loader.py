@@ -31,6 +31,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -59,7 +60,7 @@ SCALE_AT_NAME = "gpuflat_scale_at"
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.M)
 
 
-def gather_name(dtype) -> str:
+def gather_name(dtype: Any) -> str:
     """Name expression of the gather kernel writing a flat buffer of ``dtype``.
 
     >>> gather_name(np.float32)
@@ -68,7 +69,7 @@ def gather_name(dtype) -> str:
     return GATHER.format(c_name(dtype))
 
 
-def scatter_name(dtype) -> str:
+def scatter_name(dtype: Any) -> str:
     """Name expression of the scatter kernel reading a flat buffer of ``dtype``.
 
     >>> scatter_name(np.complex128)
@@ -196,7 +197,7 @@ def assembled_source(directory: Path | None = None) -> str:
         text = texts[name]
         text = re.sub(r"^[ \t]*#[ \t]*pragma[ \t]+once[ \t]*$", "", text, flags=re.M)
 
-        def include(m):
+        def include(m: re.Match[str]) -> str:
             target = m.group(1)
             if target not in texts:
                 raise FileNotFoundError(f"{name}: includes {target!r}, not among the kernel sources")
@@ -290,7 +291,7 @@ def _wheel_file(distribution: str, name: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def nvrtc_library(major: int):
+def nvrtc_library(major: int) -> ctypes.CDLL:
     """ctypes handle on CUDA ``major``'s NVRTC (:func:`nvrtc_path`), its
     ``libnvrtc-builtins`` loaded before it.
 
@@ -317,7 +318,7 @@ def nvrtc_library(major: int):
     return lib
 
 
-def _loaded_version(lib) -> tuple[int, int]:
+def _loaded_version(lib: ctypes.CDLL) -> tuple[int, int]:
     found_major, minor = ctypes.c_int(), ctypes.c_int()
     lib.nvrtcVersion(ctypes.byref(found_major), ctypes.byref(minor))
     return found_major.value, minor.value
@@ -400,18 +401,20 @@ def compile_ptx(arch: str, major: int, directory: Path | None = None) -> Compile
     return nvrtc_compile(arch, major, directory, cubin=False)
 
 
-def _check(lib, status, what, log=""):
+def _check(lib: ctypes.CDLL, status: int, what: str, log: str = "") -> None:
     if status != 0:
         raise RuntimeError(f"NVRTC {what}: {lib.nvrtcGetErrorString(status).decode()}\n{log}")
 
 
-def _lowered_name(lib, prog, name: str) -> str:
+def _lowered_name(lib: ctypes.CDLL, prog: ctypes.c_void_p, name: str) -> str:
     out = ctypes.c_char_p()
     _check(lib, lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(out)), f"lowered name {name}")
-    return out.value.decode()
+    lowered = out.value
+    assert lowered is not None, "NVRTC gives the lowered name of a name expression it added"
+    return lowered.decode()
 
 
-def _output(lib, prog, kind: str):
+def _output(lib: ctypes.CDLL, prog: ctypes.c_void_p, kind: str) -> ctypes.Array[ctypes.c_char]:
     """The compiled PTX or CUBIN of ``prog`` as a ctypes buffer."""
     size = ctypes.c_size_t()
     _check(lib, getattr(lib, f"nvrtcGet{kind}Size")(prog, ctypes.byref(size)), f"{kind} size")
@@ -420,7 +423,7 @@ def _output(lib, prog, kind: str):
     return buf
 
 
-def _log(lib, prog) -> str:
+def _log(lib: ctypes.CDLL, prog: ctypes.c_void_p) -> str:
     size = ctypes.c_size_t()
     if lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)) != 0 or size.value <= 1:
         return ""
@@ -432,7 +435,7 @@ def _log(lib, prog) -> str:
 # ---------------------------------------------------------------- a real device
 
 
-def device_arch(device) -> str:
+def device_arch(device: Any) -> str:
     """``"sm_XY"`` of a ``cupy.cuda.Device``, from its compute capability ("90").
 
     >>> from types import SimpleNamespace
@@ -464,7 +467,7 @@ def _device_cubin(arch: str, major: int, key: str) -> Compiled:
     cubin_file = cubin_cache_path(arch, major)
     names_file = cubin_file.with_suffix(".json")
 
-    def build():
+    def build() -> None:
         compiled = nvrtc_compile(arch, major, cubin=True)
         for dest, data in ((names_file, json.dumps(compiled.lowered).encode()), (cubin_file, compiled.cubin)):
             tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
@@ -483,7 +486,7 @@ def device_cubin(arch: str, major: int) -> Compiled:
     return _device_cubin(arch, major, cache_key())
 
 
-def cupy_module(device):
+def cupy_module(device: Any) -> tuple[Any, dict[str, str]]:
     """The kernels loaded on ``device`` (a ``cupy.cuda.Device``): the
     ``cupy.cuda.function.Module`` holding :func:`device_cubin` for its
     architecture, built by the NVRTC of CuPy's runtime major

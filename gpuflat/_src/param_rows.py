@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import collections
 import weakref
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -50,6 +52,10 @@ import torch
 from . import caches, dtensor, tensor_facts
 from .layout import PARAM_ROW_FIELDS, PARAM_ROW_WORDS, ROW_GROUP, ROW_NUMEL, RULES, Rule
 from .memory_order import dense_start
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
+    from typing_extensions import Self
 
 __all__ = ["Step", "Table", "WatchedState", "WatchedStates", "forget", "needed", "plain", "read", "state_names",
            "tables_of", "watch"]
@@ -97,41 +103,51 @@ def needed(rule: Rule, group: dict) -> tuple:
 _EDITS = [0]
 
 
-class _Counting:
+if TYPE_CHECKING:
+    # The mixin is only ever mixed into a dict: its super() calls are dict's.
+    _DictMixin = dict[Any, Any]
+else:
+    _DictMixin = object
+
+
+class _Counting(_DictMixin):
     """Every edit of a dict counted in _EDITS. Plain methods calling
     ``super()``: TorchDynamo traces them where a compiled step makes state."""
 
     __slots__ = ()
 
-    def __setitem__(self, key, value):
+    def __setitem__(self, key: Any, value: Any) -> None:
         _EDITS[0] += 1
         super().__setitem__(key, value)
 
-    def __delitem__(self, key):
+    def __delitem__(self, key: Any) -> None:
         _EDITS[0] += 1
         super().__delitem__(key)
 
-    def __ior__(self, other):
+    # mypy checks __ior__ against dict's overloaded __or__ (whose second form widens the
+    # key and value types), which no in-place form returning Self satisfies; dict's own
+    # __ior__ returns Self as this does.
+    def __ior__(self, other: Any) -> Self:  # type: ignore[misc]
         _EDITS[0] += 1
         return super().__ior__(other)
 
-    def clear(self):
+    def clear(self) -> None:
         _EDITS[0] += 1
         super().clear()
 
-    def pop(self, *args):
+    def pop(self, *args: Any) -> Any:
         _EDITS[0] += 1
         return super().pop(*args)
 
-    def popitem(self):
+    def popitem(self) -> Any:
         _EDITS[0] += 1
         return super().popitem()
 
-    def setdefault(self, *args):
+    def setdefault(self, *args: Any) -> Any:
         _EDITS[0] += 1
         return super().setdefault(*args)
 
-    def update(self, *args, **kwargs):
+    def update(self, *args: Any, **kwargs: Any) -> None:
         _EDITS[0] += 1
         super().update(*args, **kwargs)
 
@@ -146,7 +162,7 @@ class WatchedState(_Counting, dict):
 
     __slots__ = ()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return dict, (dict(self),)
 
 
@@ -159,14 +175,14 @@ class WatchedStates(_Counting, collections.defaultdict):
     'WatchedState'
     """
 
-    def __init__(self, *args):
+    def __init__(self, *args: Any) -> None:
         super().__init__(WatchedState, *args)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return collections.defaultdict, (dict,), None, None, ((k, dict(v)) for k, v in self.items())
 
 
-def watch(optimizer) -> None:
+def watch(optimizer: torch.optim.Optimizer) -> None:
     """Make ``optimizer.state`` (fresh from PyTorch: its constructor or
     ``load_state_dict``, no other holder) and its dicts watched ones.
 
@@ -178,7 +194,7 @@ def watch(optimizer) -> None:
                                     for p, s in optimizer.state.items())
 
 
-def _watched(state) -> bool:
+def _watched(state: object) -> bool:
     return type(state) is WatchedStates and all(type(s) is WatchedState for s in state.values())
 
 
@@ -201,7 +217,7 @@ class Step:
     params: list
     grads: list
     grad_facts: np.ndarray | None  # the gradients' tensor_facts, read once for the rows and the norm
-    name_of_gradient: object
+    name_of_gradient: Callable[[int], str]
     plain: bool  # no DTensor or other tensor subclass among the parameters and gradients
 
 
@@ -228,9 +244,9 @@ class _Found:
     masked: np.ndarray | None = None
 
 
-def _derive(found, ks=None) -> None:
+def _derive(found: _Found, ks: np.ndarray | None = None) -> None:
     """``found.lacking`` and ``found.masked`` for the parameters at ``ks`` (all for None)."""
-    if ks is None or found.lacking is None:
+    if ks is None or found.lacking is None or found.masked is None:  # the last two are derived together
         need = found.needs[found.group_of]
         found.lacking = (need & ~found.present).any(axis=1)
         found.masked = found.words * need
@@ -240,7 +256,8 @@ def _derive(found, ks=None) -> None:
     found.masked[ks] = found.words[ks] * need
 
 
-def read(optimizer, rule: Rule, lazy_state) -> Step | None:
+def read(optimizer: torch.optim.Optimizer, rule: Rule,
+         lazy_state: Callable[[dict[str, Any], torch.Tensor, dict[str, Any]], object]) -> Step | None:
     """The step of ``optimizer`` (a ``torch.optim.Optimizer``) over its
     parameters that have a gradient, their state made first where it lacks
     what their group needs (``lazy_state(state, p, group)``); None when no
@@ -261,9 +278,11 @@ def read(optimizer, rule: Rule, lazy_state) -> Step | None:
     param_facts = _facts(locals_)
     local_grad_facts = grad_facts if all_plain else _facts(local_grads)
     _check_dense(rule, locals_, param_facts, local_grads, local_grad_facts, names.parameter)
+    assert local_grad_facts is not None  # _check_dense raised otherwise
     rows = _param_rows(locals_, param_facts, local_grads, local_grad_facts, found.group_of[have], names.parameter)
     # The state, once the parameters and gradients are known good.
     _follow_state(optimizer, rule, found, names.of_all)
+    assert found.lacking is not None and found.masked is not None  # derived by _found
     lacking = found.lacking if whole else found.lacking[have]
     if lacking.any():
         missing = have[lacking]
@@ -278,7 +297,7 @@ def read(optimizer, rule: Rule, lazy_state) -> Step | None:
                 lambda i: f"{names.parameter(i)}.grad", all_plain)
 
 
-def _found(optimizer, rule, lists) -> _Found:
+def _found(optimizer: torch.optim.Optimizer, rule: Rule, lists: list[list[torch.Tensor]]) -> _Found:
     """What was found for the parameters of ``lists`` (the groups' params
     lists): found again where they hold the same parameters, else found
     anew, each parameter found before keeping what was read of its state.
@@ -295,7 +314,8 @@ def _found(optimizer, rule, lists) -> _Found:
     return found
 
 
-def _relist(optimizer, rule, kept, lists) -> _Found:
+def _relist(optimizer: torch.optim.Optimizer, rule: Rule, kept: _Found | None,
+            lists: list[list[torch.Tensor]]) -> _Found:
     everything = [p for ps in lists for p in ps]
     group_of = np.repeat(np.arange(len(lists)), [len(ps) for ps in lists]).astype(np.int64)
     n, width = len(everything), len(_STATE_FIELDS)
@@ -309,12 +329,12 @@ def _relist(optimizer, rule, kept, lists) -> _Found:
         for name in ("words", "seen", "checked", "present"):
             getattr(found, name)[old] = getattr(kept, name)[at[old]]
         found.state, found.edits = kept.state, kept.edits
-    optimizer._gpuflat_found = found
+    optimizer.__dict__["_gpuflat_found"] = found  # where _found and forget look for it
     _holders.add(optimizer)
     return found
 
 
-def _follow_state(optimizer, rule, found, of_all) -> None:
+def _follow_state(optimizer: torch.optim.Optimizer, rule: Rule, found: _Found, of_all: Callable[[int], str]) -> None:
     """Check again the state of the parameters whose state words changed
     since they were read; nothing to read where the state is watched and
     no edit was made since."""
@@ -334,11 +354,11 @@ def _follow_state(optimizer, rule, found, of_all) -> None:
     found.edits = _EDITS[0] if _watched(state) else -1
 
 
-def _tensor_names(rule) -> tuple:
+def _tensor_names(rule: Rule) -> tuple:
     return tuple(n for n in state_names(rule) if n is not None)
 
 
-def _reread(optimizer, rule, found, ks, of_all) -> None:
+def _reread(optimizer: torch.optim.Optimizer, rule: Rule, found: _Found, ks: ArrayLike, of_all: Callable[[int], str]) -> None:
     """Check the state of the parameters at ``ks`` (positions in
     ``found.everything``) and keep its addresses: each tensor alike its
     parameter, one of another real floating dtype (the parameter's changed,
@@ -369,7 +389,7 @@ def _reread(optimizer, rule, found, ks, of_all) -> None:
         found.edits = _EDITS[0]
 
 
-def _conformed(s, name, t, p, parameter):
+def _conformed(s: Any, name: str, t: Any, p: torch.Tensor, parameter: Callable[[], str]) -> torch.Tensor:
     """``s[name]`` (``t``) as the step reads it for parameter ``p`` (local)."""
     if name == "step":
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 0 or t.device != p.device:
@@ -393,24 +413,30 @@ def _conformed(s, name, t, p, parameter):
     return t
 
 
-def _local(t):
+def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard, any other tensor itself."""
     return dtensor.local(t) if dtensor.is_dtensor(t) else t
 
 
-def forget(optimizer) -> None:
+def forget(optimizer: torch.optim.Optimizer) -> None:
     """Drop what was kept for ``optimizer``: its next step finds everything again."""
     optimizer.__dict__.pop("_gpuflat_found", None)
+
+
+def _forget_all() -> None:
+    for o in list(_holders):
+        forget(o)
 
 
 # The optimizers keeping what was found (on themselves, so it goes with
 # them), weakly: gpuflat.cache_clear() makes each find it again.
 _holders: weakref.WeakSet = weakref.WeakSet()
 caches.register("optimizers' parameters found", lambda: sum("_gpuflat_found" in o.__dict__ for o in list(_holders)),
-                lambda: [forget(o) for o in list(_holders)])
+                _forget_all)
 
 
-def tables_of(rule, params, grads, columns, groups, needs, name_of) -> list:
+def tables_of(rule: Rule, params: list[torch.Tensor], grads: list[torch.Tensor], columns: Sequence[list[torch.Tensor | None]],
+              groups: ArrayLike, needs: Sequence[Sequence[bool]], name_of: Callable[[int], str]) -> list[Table]:
     """The tables of a step given as lists of plain tensors, checked as
     :func:`read` checks an optimizer's: a compiled step's operator, which
     holds no optimizer to keep what it found on. ``columns``: per name of
@@ -433,7 +459,7 @@ def tables_of(rule, params, grads, columns, groups, needs, name_of) -> list:
         kept = np.flatnonzero([t is not None for t in column])
         if name is None or not len(kept):
             continue
-        tensors = [column[j] for j in kept]
+        tensors = cast("list[torch.Tensor]", [column[j] for j in kept])  # kept: those not None
         facts = _facts(tensors)
         if name != "step":
             _check_alike([params[j] for j in kept], param_facts[kept], tensors, facts,
@@ -443,7 +469,8 @@ def tables_of(rule, params, grads, columns, groups, needs, name_of) -> list:
     return _split(rows, param_facts, params)
 
 
-def _param_rows(params, param_facts, grads, grad_facts, groups, name_of) -> np.ndarray:
+def _param_rows(params: Sequence[torch.Tensor], param_facts: np.ndarray, grads: Sequence[torch.Tensor], grad_facts: np.ndarray, groups: np.ndarray,
+                name_of: Callable[[int], str]) -> np.ndarray:
     """The rows with their parameters', gradients' and groups' words."""
     rows = np.zeros((len(params), PARAM_ROW_WORDS), np.int64)
     rows[:, _ROW_PARAM] = _starts(params, param_facts, name_of, "parameter")
@@ -454,7 +481,7 @@ def _param_rows(params, param_facts, grads, grad_facts, groups, name_of) -> np.n
     return rows
 
 
-def _nonzero(starts, tensors) -> np.ndarray:
+def _nonzero(starts: np.ndarray, tensors: Sequence[torch.Tensor]) -> np.ndarray:
     """``starts`` with the word of an empty tensor (address 0: it has no
     memory) made its Python identity: the rows' state words are nonzero
     where a state is kept, and no element of an empty one is read."""
@@ -464,14 +491,15 @@ def _nonzero(starts, tensors) -> np.ndarray:
     return starts
 
 
-def _split(rows, param_facts, params) -> list:
+def _split(rows: np.ndarray, param_facts: np.ndarray, params: Sequence[torch.Tensor]) -> list[Table]:
     buckets = _buckets(param_facts)
     if len(buckets) == 1:
         return [Table(rows, params[0])]
     return [Table(rows[members], params[int(members[0])]) for members in buckets]
 
 
-def _check_dense(rule, params, param_facts, grads, grad_facts, name_of) -> None:
+def _check_dense(rule: Rule, params: Sequence[torch.Tensor], param_facts: np.ndarray | None, grads: Sequence[torch.Tensor],
+                 grad_facts: np.ndarray | None, name_of: Callable[[int], str]) -> None:
     """A sparse or otherwise unstrided gradient (or parameter) named, with what to use instead."""
     if param_facts is not None and grad_facts is not None:
         return
@@ -485,19 +513,21 @@ def _check_dense(rule, params, param_facts, grads, grad_facts, name_of) -> None:
                     f"their own")
 
 
-def _facts(tensors):
+def _facts(tensors: list[torch.Tensor]) -> Any:
     """The tensors' facts (gpuflat._src.tensor_facts), read in Python for a tensor
-    subclass the native reader leaves out."""
+    subclass the native reader leaves out; None where one is not strided
+    (typed Any: :func:`_check_dense` refuses that for parameters and
+    gradients, and the other callers index the facts as they are)."""
     facts = tensor_facts.of_tensors(tensors)
     return facts if facts is not None else tensor_facts.in_python(tensors)
 
 
-def plain(tensors) -> bool:
+def plain(tensors: Iterable[Any]) -> bool:
     """Whether every tensor is of a plain type (no DTensor, no subclass)."""
     return set(map(type, tensors)) <= tensor_facts.PLAIN
 
 
-def _buckets(facts) -> list:
+def _buckets(facts: np.ndarray) -> list[np.ndarray]:
     """Row positions by device and dtype, in order."""
     keys = (tensor_facts.device_keys(facts) << 16) | tensor_facts.dtype_codes(facts)
     if (keys == keys[0]).all():
@@ -505,7 +535,7 @@ def _buckets(facts) -> list:
     return [np.flatnonzero(keys == k) for k in dict.fromkeys(keys.tolist())]
 
 
-def _starts(tensors, facts, name_of, what) -> np.ndarray:
+def _starts(tensors: Sequence[torch.Tensor], facts: np.ndarray, name_of: Callable[[int], str], what: str) -> np.ndarray:
     """Each tensor's lowest element address: its data pointer where it is
     contiguous, else where its one dense block of memory begins. A tensor
     whose memory is not one dense block, or of a dtype the update does not
@@ -528,7 +558,8 @@ def _starts(tensors, facts, name_of, what) -> np.ndarray:
     return starts
 
 
-def _check_alike(params, param_facts, tensors, facts, name_of, what) -> None:
+def _check_alike(params: Sequence[torch.Tensor], param_facts: np.ndarray, tensors: Sequence[torch.Tensor], facts: np.ndarray, name_of: Callable[[int], str],
+                 what: str) -> None:
     """Each tensor of its parameter's element count, dtype, device and
     memory layout (shape and strides, read where either is not contiguous)."""
     same = (facts[:, 1] == param_facts[:, 1]) & (facts[:, 2] == param_facts[:, 2])
@@ -546,14 +577,14 @@ def _check_alike(params, param_facts, tensors, facts, name_of, what) -> None:
 class _Names:
     """The parameters named as the user's param_groups place them (made on error)."""
 
-    def __init__(self, found, have):
+    def __init__(self, found: _Found, have: np.ndarray) -> None:
         self.found, self.have = found, have
 
-    def of_all(self, k) -> str:
+    def of_all(self, k: int) -> str:
         """The k-th parameter of param_groups, counting across groups."""
         g = int(self.found.group_of[k])
         return f"param_groups[{g}]['params'][{int(k) - int(np.searchsorted(self.found.group_of, g))}]"
 
-    def parameter(self, j) -> str:
+    def parameter(self, j: int) -> str:
         """The j-th parameter of the step (those with a gradient)."""
         return self.of_all(self.have[int(j)])

@@ -246,7 +246,9 @@ class Resident(ResidentGradients):
                 self._binding = Binding(pairs, modules, self._views(self._params, own=True),
                                         self._views(self._grads, own=True) if self._grads is not None else None)
                 self.params = tree
-                self._grad_tree = dict(zip(self._binding.paths, self._binding.grads)) if grads else None
+                # The binding holds gradient views exactly when ``grads`` asked for them.
+                self._grad_tree = (dict(zip(self._binding.paths, self._binding.grads))
+                                   if self._binding.grads is not None else None)
 
     def _bind_arrays(self, call: Call, unique: Sequence[Any]) -> None:
         """NumPy and CuPy trees: the values copied in, and new trees of views."""

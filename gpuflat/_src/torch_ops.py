@@ -37,6 +37,7 @@ def total_norm(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     vector, a 0-d tensor on the first one's device (one fused pass per device).
     """
     table = tensor_table.read(tensors, "tensors[{}]".format)
+    assert table is not None, "the operators take plain tensors: read gives None only for DTensors"
     return tensor_table.norm_pass(table, norm_type)[0].clone()
 
 
@@ -50,6 +51,7 @@ def scale_by_norm_(tensors: list[torch.Tensor], max_norm: float, total: torch.Te
     """Scale every tensor in place by min(1, max_norm / (total + eps)), the
     factor taken from ``total`` on the device (no host read)."""
     table = tensor_table.read(tensors, "tensors[{}]".format, in_place=True)
+    assert table is not None, "the operators take plain tensors: read gives None only for DTensors"
     clipping.scale_by(table.bound, total, max_norm, eps)
 
 
@@ -65,6 +67,7 @@ def scale_by_tensor_norm_(tensors: list[torch.Tensor], max_norm: torch.Tensor, t
     lies (on a GPU by the kernel: a schedule may change it between calls of
     a compiled function or replays of a graph)."""
     table = tensor_table.read(tensors, "tensors[{}]".format, in_place=True)
+    assert table is not None, "the operators take plain tensors: read gives None only for DTensors"
     clipping.scale_by(table.bound, total, max_norm, eps)
 
 

@@ -54,7 +54,7 @@ it out.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -80,8 +80,15 @@ class FlatOptimizer(torch.optim.Optimizer):
     # torch.amp.GradScaler hands the scale and found_inf to step() instead of
     # unscaling the gradients itself: the update unscales, and skips on the device.
     _step_supports_amp_scaling = True
+    # Set by gpuflat.torch.GradScaler around a step, and deleted after it (read
+    # with getattr: absent otherwise). Declared only: no class attribute.
+    grad_scale: torch.Tensor
+    found_inf: torch.Tensor
+    _found_inf_from_norm: bool
+    _last_grad_norm: list[torch.Tensor | None]  # made by the last_grad_norm setter
 
-    def __init__(self, params, defaults, max_norm, norm_type, pp_mesh, tied):
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], max_norm: float | torch.Tensor | None, norm_type: float | str,
+                 pp_mesh: Any, tied: Any) -> None:
         name = type(self).__name__
         if isinstance(params, Resident):
             raise TypeError(f"gpuflat.torch.{name}: expected parameters or param groups, as torch.optim.{name} "
@@ -103,7 +110,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         self._check_group(len(self.param_groups) - 1, self.param_groups[-1], compiling=False)
 
     @property
-    def last_grad_norm(self):
+    def last_grad_norm(self) -> torch.Tensor | None:
         """The gradients' norm at the last step, unscaled, before the clip, as
         a float64 tensor; None before a step or without ``max_norm`` (and
         without gpuflat's GradScaler, which has the norm pass look for NaN
@@ -111,7 +118,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         return self._last_grad_norm[0]
 
     @last_grad_norm.setter
-    def last_grad_norm(self, total):
+    def last_grad_norm(self, total: torch.Tensor | None) -> None:
         # Held in a list: TorchDynamo drops a compiled step's writes to the
         # optimizer's own attributes
         # (https://github.com/pytorch/pytorch/issues/171590), not its writes
@@ -130,7 +137,8 @@ class FlatOptimizer(torch.optim.Optimizer):
         self._update()
         return loss
 
-    def _init_group(self, group, params, grads, state0, state1, state2, steps, indices) -> None:
+    def _init_group(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor], state0: list[torch.Tensor], state1: list[torch.Tensor],
+                    state2: list[torch.Tensor], steps: list[torch.Tensor], indices: list[int]) -> None:
         """The lists of ``group``'s parameters that have a gradient: the
         parameters, their gradients, per name of the rows' state
         (``param_rows.state_names``: ``state0`` to ``state2``, then the step
@@ -156,7 +164,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                 if need:
                     column.append(state[name])
 
-    def _update(self):
+    def _update(self) -> None:
         if torch.compiler.is_compiling():
             return self._traced_update()
         self._check_options(compiling=False)
@@ -176,7 +184,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         update(self._rule, step.tables, self.param_groups, total, self.max_norm, scale, found,
                lambda: self._read_by_address(step.params))
 
-    def _made_state(self, state, p, group) -> None:
+    def _made_state(self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any]) -> None:
         """``_lazy_state``, refused inside a CUDA-graph capture: every replay
         would make the state again (at 0: a new momentum buffer, a step count
         of 0), so it must exist before, made by a warm-up step."""
@@ -189,12 +197,12 @@ class FlatOptimizer(torch.optim.Optimizer):
                                f"warm-up), after any change that needs new state (momentum or amsgrad switched on)")
         self._lazy_state(state, p, group)
 
-    def _read_by_address(self, params) -> list:
+    def _read_by_address(self, params: Sequence[torch.Tensor]) -> list:
         """The tensors a step over ``params`` reads through their addresses."""
         state = [t for p in params for t in self.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
         return [*params, *(p.grad for p in params), *state]
 
-    def _traced_update(self):
+    def _traced_update(self) -> None:
         """The step as TorchDynamo traces it, with no host read of a tensor:
         the lists made by ``_init_group``, then the norm and the update as
         gpuflat's operators (``gpuflat._src.torch_optim_ops``) over plain tensors
@@ -204,7 +212,10 @@ class FlatOptimizer(torch.optim.Optimizer):
         self._check_options(compiling=True)
         scale, found = self._amp()
         self.last_grad_norm = None
-        params, grads, indices, groups = [], [], [], []
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        indices: list[int] = []
+        groups: list[int] = []
         columns: list = [[] for _ in param_rows.state_names(RULES[self._rule])]
         for g, group in enumerate(self.param_groups):
             lists: tuple = tuple([] for _ in range(3 + len(columns)))
@@ -237,13 +248,13 @@ class FlatOptimizer(torch.optim.Optimizer):
                               max_norm=None if self.max_norm is None else _max_norm_by_value(self.max_norm),
                               grad_scale=scale, found_inf=found)
 
-    def _check_options(self, compiling):
+    def _check_options(self, compiling: bool) -> None:
         """PyTorch's checks of each group's options, at every step too: a
         loop may change them."""
         for i, group in enumerate(self.param_groups):
             self._check_group(i, group, compiling)
 
-    def _check_group(self, i, group, compiling) -> None:
+    def _check_group(self, i: int, group: dict[str, Any], compiling: bool) -> None:
         """PyTorch's checks of group ``i``'s options; inside a compiled step a
         tensor ``lr``'s value is not read (the update reads it)."""
         if group.get("differentiable"):
@@ -254,13 +265,14 @@ class FlatOptimizer(torch.optim.Optimizer):
             group = dict(group, lr=0.0)
         optimizer_options(self._rule, group, i)
 
-    def _found_from(self, nonfinite):
+    def _found_from(self, nonfinite: torch.Tensor | None) -> torch.Tensor:
         """gpuflat.torch.GradScaler's found_inf, written from the norm pass's finding."""
+        assert nonfinite is not None  # the norm pass gives it wherever it is asked to detect
         found = self.found_inf
         found.copy_(nonfinite.to(found.device, found.dtype).reshape(found.shape))
         return found
 
-    def _amp(self):
+    def _amp(self) -> tuple[torch.Tensor | None, Any]:
         """(the GradScaler's scale or None, its found_inf: a tensor, None, or
         _FROM_NORM where gpuflat.torch.GradScaler leaves it to the norm pass)."""
         scale, found = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
@@ -273,7 +285,8 @@ class FlatOptimizer(torch.optim.Optimizer):
                                f"optimizer: the GradScaler found no gradient in its param_groups")
         return scale, found
 
-    def _norm(self, step, scale, detect):
+    def _norm(self, step: param_rows.Step | None, scale: torch.Tensor | None,
+              detect: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(the gradients' norm, unscaled, as a float64 tensor, or None
         without ``max_norm`` or ``detect``; with ``detect``, a 0-d tensor that
         is 1 where some gradient holds NaN or inf). ``step`` is None on a
@@ -282,19 +295,21 @@ class FlatOptimizer(torch.optim.Optimizer):
             return None, None
         p = clip_arguments(1.0, self.norm_type, CLIP_EPS)[1]
         grads = [] if step is None else step.grads
-        if self.pp_mesh is not None or not step.plain:  # DTensors or pipeline stages: over the ranks
+        # step is None only on a pipeline stage (pp_mesh set) without gradients.
+        if self.pp_mesh is not None or step is None or not step.plain:  # DTensors or pipeline stages: over the ranks
             tied = None if self.tied is None else [(q.grad, stage) for q, stage in self.tied]
             total = ranks.global_norm(grads, p, pp_mesh=self.pp_mesh, tied=tied)
             total = torch.as_tensor(total.to_local() if dtensor.is_dtensor(total) else total).double()
             nonfinite = (~torch.isfinite(total)).double() if detect else None
         else:
             table = tensor_table.read(grads, step.name_of_gradient, facts=step.grad_facts)
+            assert table is not None  # plain gradients: read gives None only for DTensors
             total, nonfinite = tensor_table.norm_pass(table, p, detect)
         if scale is not None:  # the norm of the unscaled gradients, as after GradScaler.unscale_
             total = total * unscale_factor(scale).to(total.device)
         return total, nonfinite
 
-    def _lazy_state(self, state, p, group) -> None:
+    def _lazy_state(self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any]) -> None:
         """The rule's state where ``p`` lacks what ``group``'s steps read
         (``param_rows.needed``), made at its first gradient as PyTorch's
         optimizers make theirs: each tensor at 0 (a flag's state too when
@@ -327,7 +342,8 @@ class FlatOptimizer(torch.optim.Optimizer):
         a state dict while its count is 0."""
         return tuple(name for name in param_rows.state_names(RULES[self._rule]) if name is not None)
 
-    def _traced_step(self, params, grads, columns, *, lr, lr_tensor, **common) -> None:
+    def _traced_step(self, params: list[torch.Tensor], grads: list[torch.Tensor], columns: list[list[torch.Tensor]], *, lr: list[float],
+                     lr_tensor: list[torch.Tensor | None], **common: Any) -> None:
         """The update of a compiled step: ``gpuflat::update_``, the state
         columns (``_init_group``'s) one after the other."""
         hyper = [x for g, group in enumerate(self.param_groups)
@@ -365,7 +381,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         for p, state in self.state.items():
             self._loaded(state, p)
 
-    def _loaded(self, state, p) -> None:
+    def _loaded(self, state: dict[str, Any], p: torch.Tensor) -> None:
         """A loaded ``step`` as the update reads it: a 0-d float32 tensor on
         its parameter's device; loaded state without one counts as applied
         where the count is of the state's updates (``torch.optim.SGD``
@@ -393,20 +409,21 @@ def _host_values(tensors: dict) -> dict:
     for k, t in tensors.items():
         local = _local(t).detach().reshape(())
         by_device.setdefault(local.device, []).append((k, local))
-    values = {}
+    values: dict[Any, float] = {}
     for pairs in by_device.values():
         read = torch.stack([t for _, t in pairs]).double().cpu().tolist()
         values.update(zip([k for k, _ in pairs], read))
     return values
 
 
-def _local(t):
+def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard, any other tensor itself."""
     return dtensor.local(t) if dtensor.is_dtensor(t) else t
 
 
 @torch.compiler.disable
-def _norm_between_graphs(optimizer, grads, name_of_parameter, sharded, scale, detect):
+def _norm_between_graphs(optimizer: FlatOptimizer, grads: list[torch.Tensor], name_of_parameter: Callable[[int], str], sharded: bool,
+                         scale: torch.Tensor | None, detect: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``optimizer._norm`` of ``grads`` (DTensors, or a pipeline stage's), run
     as it is between two graphs of a compiled step: its collective stays out
     of the graph and of any operator."""
@@ -415,7 +432,7 @@ def _norm_between_graphs(optimizer, grads, name_of_parameter, sharded, scale, de
     return optimizer._norm(step, scale, detect)
 
 
-def _max_norm_by_value(max_norm) -> float:
+def _max_norm_by_value(max_norm: float | torch.Tensor) -> float:
     """``max_norm`` as a compiled step's update takes it: a number (its
     kernels take it by value; the drop-in's compiled clip reads a 0-d
     tensor where it lies, ``gpuflat.torch._compiled_max_norm``)."""

@@ -32,7 +32,8 @@ tensor([-1., -1.])
 """
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, cast
 
 import numpy as np
 import torch
@@ -46,7 +47,9 @@ __all__ = ["CLIP_EPS", "name_of", "norm_and_nonfinite", "unscale_factor", "updat
 CLIP_EPS = 1e-6  # PyTorch's clip_grad_norm_: max_norm / (norm + 1e-6)
 
 
-def update(rule, tables, groups, total, max_norm, scale, found, read=()) -> None:
+def update(rule: str, tables: Sequence[param_rows.Table], groups: Sequence[dict[str, Any]],
+           total: torch.Tensor | None, max_norm: float | torch.Tensor | None, scale: torch.Tensor | None,
+           found: torch.Tensor | None, read: Any = ()) -> None:
     """One update by the rule named ``rule`` (``layout.RULES``) of the parameters of
     ``tables`` (``gpuflat._src.param_rows``), each group's hyperparameters and
     flags read from ``groups`` (dicts as ``param_groups`` holds them), the
@@ -73,7 +76,8 @@ def update(rule, tables, groups, total, max_norm, scale, found, read=()) -> None
         row_hyper, lr_at = _learning_rates(groups, like.device, hyper)
         with device_scope(backend, like):
             amp = _amp_tensor(scale, found, like.device)
-            norm = None if max_norm is None else total.to(like.device).reshape(())
+            # ``total`` is given wherever ``max_norm`` is.
+            norm = None if max_norm is None else cast(torch.Tensor, total).to(like.device).reshape(())
             if backend.name == "cuda" and launch_stream(like).is_capturing():
                 _READ_BY_GRAPHS.append((amp, norm, [g["lr"] for g in groups], read() if callable(read) else read))
             amp, clip = adopt(amp), None if norm is None else adopt(norm)
@@ -85,10 +89,10 @@ def update(rule, tables, groups, total, max_norm, scale, found, read=()) -> None
 # CUDA runtime keeps the tables a captured launch reads): a replay may come
 # at any time, after gpuflat.cache_clear() and after the optimizer's state
 # was edited, and must find them where they were.
-_READ_BY_GRAPHS: list = []
+_READ_BY_GRAPHS: list[Any] = []
 
 
-def unscale_factor(scale):
+def unscale_factor(scale: torch.Tensor) -> torch.Tensor:
     """What GradScaler's ``unscale_`` multiplies by, as float64: ``scale.double().reciprocal().float()``.
 
     >>> unscale_factor(torch.tensor(3.0))
@@ -97,7 +101,8 @@ def unscale_factor(scale):
     return scale.double().reciprocal().float().double()
 
 
-def _learning_rates(groups, device, hyper) -> tuple:
+def _learning_rates(groups: Sequence[dict[str, Any]], device: torch.device,
+                    hyper: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(``hyper`` with each group's lr as the update on ``device`` reads it,
     where a tensor ``lr`` is read: its address and dtype tag per group, or
     (0, 0) where the row holds the value). A 0-d float32 or float64 ``lr``
@@ -124,7 +129,7 @@ def _learning_rates(groups, device, hyper) -> tuple:
 _PLAIN_AMP = caches.LRU("plain amp flags", 8)  # by device
 
 
-def _amp_tensor(scale, found, device):
+def _amp_tensor(scale: torch.Tensor | None, found: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """(the unscale factor, the skip flag) as a float64 tensor on ``device``."""
     if scale is None and found is None:
         amp = _PLAIN_AMP.get(device, lambda: torch.tensor([1.0, 0.0], dtype=torch.float64, device=device))
@@ -136,7 +141,7 @@ def _amp_tensor(scale, found, device):
     return amp
 
 
-def name_of(groups, indices):
+def name_of(groups: Sequence[int], indices: Sequence[int]) -> Callable[[int], str]:
     """A function naming the j-th parameter of a step as ``param_groups`` place it.
 
     >>> name_of([1], [4])(0)
@@ -155,13 +160,15 @@ def norm_and_nonfinite(grads: list[torch.Tensor], norm_type: float,
     pass: gpuflat's GradScaler takes the flag from the gradients themselves,
     not from the norm, which can overflow alone."""
     table = tensor_table.read(grads, "grads[{}]".format)
+    assert table is not None, "the operators take plain tensors: read gives None only for DTensors"
     total, nonfinite = tensor_table.norm_pass(table, norm_type, detect)
-    return total.clone(), nonfinite if detect else torch.zeros_like(total)
+    # norm_pass gives the flag exactly when asked to detect.
+    return total.clone(), nonfinite if nonfinite is not None else torch.zeros_like(total)
 
 
 @norm_and_nonfinite.register_fake
-def _(grads, norm_type, detect):
-    return tuple(grads[0].new_empty((), dtype=torch.float64) for _ in range(2))
+def _(grads: list[torch.Tensor], norm_type: float, detect: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return grads[0].new_empty((), dtype=torch.float64), grads[0].new_empty((), dtype=torch.float64)
 
 
 @torch.library.custom_op("gpuflat::update_", mutates_args=("params", "states", "state_steps"))
@@ -190,17 +197,21 @@ def update_(rule: str, params: list[torch.Tensor], grads: list[torch.Tensor], st
 
 
 @update_.register_fake
-def _(rule, params, grads, states, state_steps, *_):
+def _(rule: str, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[torch.Tensor],
+      state_steps: list[torch.Tensor], *_: Any) -> None:
     return None
 
 
-def _spread(tensors, kept) -> list:
+def _spread(tensors: Sequence[torch.Tensor], kept: Sequence[bool]) -> list[torch.Tensor | None]:
     """``tensors`` placed at the positions where ``kept`` is true, None elsewhere."""
     it = iter(tensors)
     return [next(it) if k else None for k in kept]
 
 
-def _update_lists(rule, hyper, params, grads, columns, groups, indices, total, max_norm, scale, found) -> None:
+def _update_lists(rule: str, hyper: Sequence[dict[str, Any]], params: list[torch.Tensor], grads: list[torch.Tensor],
+                  columns: list[list[torch.Tensor | None]], groups: list[int], indices: list[int],
+                  total: torch.Tensor | None, max_norm: float | None, scale: torch.Tensor | None,
+                  found: torch.Tensor | None) -> None:
     needs = [param_rows.needed(RULES[rule], h) for h in hyper]
     tables = param_rows.tables_of(RULES[rule], params, grads, columns, groups, needs, name_of(groups, indices))
     read = [*params, *grads, *(t for column in columns for t in column if t is not None)]

@@ -39,7 +39,10 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from operator import attrgetter
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -53,6 +56,11 @@ from gpuflat._src.memory_order import dense_start
 from gpuflat._src.native import array_facts
 
 from .protocol import LeafRows, NormResult
+
+if TYPE_CHECKING:
+    from gpuflat._src.flatplan import FlatPlan
+
+    from .cuda_runtime import DeviceTable, Runtime, Stats
 
 # Per-call tables kept per plan and device, so alternating between parameter
 # and gradient trees does not upload every time.
@@ -73,7 +81,7 @@ class CudaBackend:
 
     reads_rows = True  # takes LeafRows for leaves in norms and clip_
 
-    def __init__(self, runtime, grid: int | None = None):
+    def __init__(self, runtime: Runtime, grid: int | None = None) -> None:
         self.runtime = runtime
         self.name = runtime.name
         self.xp = runtime.xp
@@ -81,39 +89,39 @@ class CudaBackend:
         self._step_tables = _StepTables(runtime)
 
     @property
-    def stats(self):
+    def stats(self) -> Stats:
         """The runtime's launch, sync and upload counters."""
         return self.runtime.stats
 
-    def on_device(self):
+    def on_device(self) -> AbstractContextManager[Any]:
         """The runtime's device as a context: arrays made inside land there."""
         return self.runtime.on_device()
 
-    def to_host(self, x) -> np.ndarray:
+    def to_host(self, x: Any) -> np.ndarray:
         """Read a device array on the host (one synchronisation)."""
         return self.runtime.to_host(x)
 
-    def empty(self, shape, dtype):
+    def empty(self, shape: int | tuple[int, ...], dtype: Any) -> Any:
         """An uninitialised device array, from the allocator of the current scope."""
         return self.runtime.empty(shape, dtype)
 
-    def zeros(self, shape, dtype):
+    def zeros(self, shape: int | tuple[int, ...], dtype: Any) -> Any:
         """A zeroed device array (a fill on the current stream)."""
         return self.runtime.zeros(shape, dtype)
 
-    def copy(self, x):
+    def copy(self, x: Any) -> Any:
         """A C-contiguous device copy of ``x``, on the current stream."""
         with self.runtime.on_device():
             return self.xp.array(x, copy=True, order="C")
 
-    def sum(self, x):
+    def sum(self, x: Any) -> Any:
         """The sum of ``x``'s elements as a 0-d device array (no host read)."""
         with self.runtime.on_device():
             return self.xp.sum(x)
 
     # ------------------------------------------------------------ operations
 
-    def gather(self, plan, sources, out) -> None:
+    def gather(self, plan: FlatPlan, sources: Sequence[Sequence[Any]], out: Any) -> None:
         """out[offset:offset+size] = sum of each slot's sources, cast to out's dtype
         (any of gpuflat._src.dtypes.TAGS: the kernel is instantiated for each) (1 launch)."""
         st = _static_tables(plan, self.runtime)
@@ -131,14 +139,14 @@ class CudaBackend:
             table, csr = buf[: len(arrays) * LEAF_ROW_WORDS], buf[len(arrays) * LEAF_ROW_WORDS :]
         self._launch(kl.gather_name(out.dtype), st, [st.items, np.int64(st.n_items), table, csr, out], uploaded)
 
-    def scatter(self, plan, flat, leaves) -> None:
+    def scatter(self, plan: FlatPlan, flat: Any, leaves: Sequence[Any]) -> None:
         """leaves[i][...] = flat slice i cast to the leaf's dtype, in place, rounded
         once whatever flat's dtype (any of gpuflat._src.dtypes.TAGS) (1 launch)."""
         st = _static_tables(plan, self.runtime)
         table = st.table(leaves, None, lambda: _leaf_rows(st, plan, leaves, range(len(leaves)), self.runtime))
         self._launch(kl.scatter_name(flat.dtype), st, [st.items, np.int64(st.n_items), table.array, flat], table)
 
-    def norms(self, plan, leaves, ord, per_leaf) -> NormResult:
+    def norms(self, plan: FlatPlan, leaves: Sequence[Any] | LeafRows, ord: float, per_leaf: bool) -> NormResult:
         """The total norm, the first non-finite slot and, with ``per_leaf``,
         each leaf's norm (2 launches), in kernels/norms.cu's order.
 
@@ -170,7 +178,8 @@ class CudaBackend:
                    per, totals, first], (st.uploaded,))
         return NormResult(totals[:1].reshape(()), per if per_leaf else None, first, totals[1:].reshape(()))
 
-    def clip_(self, plan, leaves, total, max_norm, eps, flat=None) -> None:
+    def clip_(self, plan: FlatPlan, leaves: Sequence[Any] | LeafRows, total: Any, max_norm: Any, eps: float,
+              flat: Any = None) -> None:
         """Every leaf *= min(1, max_norm / (total + eps)), the factor computed on
         the device from ``total`` and ``max_norm`` (a float, or a 0-d float64
         device array) (1 launch, no synchronisation)."""
@@ -184,26 +193,28 @@ class CudaBackend:
 
     # ------------------------------------------------------------ helpers
 
-    def _leaf_table(self, st, plan, leaves, flat=None):
+    def _leaf_table(self, st: _StaticTables, plan: FlatPlan, leaves: Sequence[Any] | LeafRows,
+                    flat: Any = None) -> DeviceTable:
         """The memory-order table of the norms and clips; ``flat``, a clip's
         buffer its leaves are fixed views of (see the protocol)."""
-        def build():
-            return _leaf_rows(st, plan, leaves, range(len(leaves)), self.runtime, memory_order=True)
-
         if isinstance(leaves, LeafRows):
             # Built once from tensors' metadata and never changed: found by its identity.
             return st.table((leaves,), "rows", lambda: memory_order_rows(leaves.words))
+
+        def build() -> np.ndarray:
+            return _leaf_rows(st, plan, leaves, range(len(leaves)), self.runtime, memory_order=True)
         if flat is not None:
             # The leaves are fixed views of ``flat`` (a resident model's): their
             # table depends on its address alone, found without a per-leaf look.
             return st.table((), ("flat", self.runtime.pointer(flat)), build)
         return st.table(leaves, MEMORY_ORDER, build)
 
-    def _launch(self, name, st, args, table):
+    def _launch(self, name: str, st: _StaticTables, args: Sequence[Any], table: DeviceTable) -> None:
         grid = self.grid or self.runtime.grid_for(st.n_items)
         self.runtime.launch(name, grid, min(self.runtime.block, BLOCK_THREADS), args, (st.uploaded, table))
 
-    def step_(self, rule, plan, params, grads, states, slot_group, hyper, steps, total, max_norm, eps, amp) -> None:
+    def step_(self, rule: str, plan: FlatPlan, params: Any, grads: Any, states: Sequence[Any], slot_group: Any,
+              hyper: Any, steps: Any, total: Any, max_norm: float, eps: float, amp: Any) -> None:
         """One optimizer update of a flat buffer (1 launch, no synchronisation):
         the clip factor is taken from ``total`` on the device, the
         hyperparameters and step counts from device tables."""
@@ -221,7 +232,8 @@ class CudaBackend:
         self.runtime.launch(name, grid, min(self.runtime.block, BLOCK_THREADS), args, (st.uploaded,))
 
 
-    def step_rows(self, rule, tag, rows, hyper, lr_at, total, max_norm, eps, amp) -> None:
+    def step_rows(self, rule: str, tag: int, rows: np.ndarray, hyper: np.ndarray, lr_at: np.ndarray, total: Any,
+                  max_norm: float, eps: float, amp: Any) -> None:
         """One optimizer update of parameters where they are (2 launches, no
         synchronisation): the update over the rows' work items, then the
         step counts. The rows, the groups' hyperparameters and the items
@@ -255,18 +267,18 @@ class _StepTables:
     than hashed: a comparison stops at the first difference and reads no
     more than a hash would, and a loop's step mostly repeats the last one."""
 
-    def __init__(self, runtime):
+    def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         # (host arrays, their device tables)
         self.kept = caches.Recent("optimizer step tables", TABLES_KEPT, on_evict=self._release)
         self.lock = threading.Lock()
 
-    def get(self, check, *host) -> tuple:
-        """(the device tables of the ``host`` arrays, what ``check()``
+    def get(self, check: Callable[[], Any], *arrays: np.ndarray) -> tuple[list[DeviceTable], Any]:
+        """(the device tables of the ``arrays`` (host), what ``check()``
         returned for them): where they are new, ``check()`` (which raises
         for bad ones) runs before the upload, and its answer is kept with
         the tables."""
-        host = [np.ascontiguousarray(a) for a in host]
+        host = [np.ascontiguousarray(a) for a in arrays]
         with self.lock:
             entry = self.kept.find(lambda kept: all(a.shape == b.shape and np.array_equal(a, b)
                                                     for a, b in zip(host, kept[0])))
@@ -277,7 +289,7 @@ class _StepTables:
                 self.kept.add(entry)
         return entry[1], entry[2]
 
-    def _release(self, entry) -> None:
+    def _release(self, entry: tuple[list[np.ndarray], list[DeviceTable], Any]) -> None:
         for table in entry[1]:
             self.runtime.release(table)
 
@@ -300,7 +312,7 @@ def _row_items(numels: bytes) -> np.ndarray:
     return np.stack([slot, start, length, np.zeros_like(slot)], axis=1).astype(np.int64).reshape(-1)
 
 
-def _norm_kind(ord):
+def _norm_kind(ord: float) -> tuple[str, float]:
     p = float(ord)
     if not p > 0:  # NaN too
         raise ValueError(f"ord: expected 1, 2, inf or a number p > 0, got {ord!r}")
@@ -310,7 +322,7 @@ def _norm_kind(ord):
 # ---------------------------------------------------------------- static tables
 
 
-def plan_items(plan) -> np.ndarray:
+def plan_items(plan: FlatPlan) -> np.ndarray:
     """The work items of a plan: int64 rows (slot, start, length, flat offset).
 
     >>> from types import SimpleNamespace as NS
@@ -341,7 +353,7 @@ class _TableEntry:
     and more), those alone decide, in one native pass: equal facts mean
     equal rows."""
 
-    def __init__(self, arrays, key, host, uploaded):
+    def __init__(self, arrays: Sequence[Any], key: Hashable, host: np.ndarray, uploaded: DeviceTable) -> None:
         numpy = bool(arrays) and isinstance(arrays[0], np.ndarray)
         words = 4 * len(arrays) + 2 * sum(a.ndim for a in arrays) if numpy else 0
         self.facts = array_facts(arrays, words) if numpy else None
@@ -351,17 +363,18 @@ class _TableEntry:
         self.host = host
         self.uploaded = uploaded  # a runtime.DeviceTable
 
-    def holds(self, arrays, key, facts) -> bool:
+    def holds(self, arrays: Sequence[Any], key: Hashable, facts: np.ndarray | None) -> bool:
         """Whether this table is ``arrays``'s (``facts``: theirs, as
         :func:`_current_facts` read them once for every entry)."""
         if self.key != key:
             return False
         if self.facts is not None:
             return facts is not None and equal_facts(facts, self.facts)
+        assert self.arrays is not None  # kept exactly where the facts are not
         return self.arrays.holds(arrays) and (self.layout is None or self.layout.holds(arrays))
 
 
-def _current_facts(arrays, entries):
+def _current_facts(arrays: Sequence[Any], entries: Iterable[_TableEntry]) -> np.ndarray | None:
     """The facts of ``arrays`` read once, in room for the longest an entry
     keeps (longer ones match no entry: None), or None where no entry keeps any."""
     words = max((len(e.facts) for e in entries if e.facts is not None), default=0)
@@ -374,7 +387,7 @@ class _StaticTables:
     all of them when the plan is collected) goes back through
     ``runtime.release``, which keeps it while another stream may still read it."""
 
-    def __init__(self, plan, runtime):
+    def __init__(self, plan: FlatPlan, runtime: Runtime) -> None:
         items = plan_items(plan)
         n_slots = len(plan.leaves)
         counts = np.bincount(items[:, 0], minlength=n_slots).astype(np.int64)
@@ -402,7 +415,7 @@ class _StaticTables:
         self.alive = [self.uploaded]
         weakref.finalize(self, _release_all, runtime, self.alive).atexit = False
 
-    def table(self, arrays, key, build):
+    def table(self, arrays: Sequence[Any], key: Hashable, build: Callable[[], np.ndarray]) -> DeviceTable:
         """The DeviceTable for ``arrays`` (and ``key``): found by identity,
         else built with ``build()`` and uploaded unless a kept table has the
         same words (new array objects at the same addresses)."""
@@ -422,7 +435,7 @@ class _StaticTables:
             self.entries.add(_TableEntry(arrays, key, host, uploaded))
             return uploaded
 
-    def _evict(self, uploaded):
+    def _evict(self, uploaded: DeviceTable) -> None:
         """Release a table no kept entry holds any more."""
         with self.lock:
             if uploaded not in self.alive or any(e.uploaded is uploaded for e in self.entries.entries()):
@@ -431,34 +444,34 @@ class _StaticTables:
         self.runtime.release(uploaded)
 
 
-def _evicting(evict):
+def _evicting(evict: Callable[[], Callable[[DeviceTable], None] | None]) -> Callable[[_TableEntry], None]:
     """What an entry dropped from a plan's per-call tables does: ``evict``
     (weakly, so that the plan's going frees its tables at once) releases its
     table, unless the tables are gone already (their finaliser released them)."""
-    def evicted(entry):
+    def evicted(entry: _TableEntry) -> None:
         method = evict()
         if method is not None:
             method(entry.uploaded)
     return evicted
 
 
-def _release_all(runtime, tables):
+def _release_all(runtime: Runtime, tables: list[DeviceTable]) -> None:
     for uploaded in tables:
         runtime.release(uploaded)
 
 
-def _purpose(paths, which):
+def _purpose(paths: Sequence[str], which: str) -> str:
     """What a table upload is for, as a CaptureError names it."""
     return f"a call over the leaves {', '.join(paths)} (its {which} table)"
 
 
 # Static tables per plan (weakly: they go when the plan goes) and device.
 _tables_lock = threading.Lock()
-_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_tables: weakref.WeakKeyDictionary[FlatPlan, dict[Hashable, _StaticTables]] = weakref.WeakKeyDictionary()
 caches.register("static device tables", lambda: len(_tables), _tables.clear)
 
 
-def _static_tables(plan, runtime) -> _StaticTables:
+def _static_tables(plan: FlatPlan, runtime: Runtime) -> _StaticTables:
     per_device = _tables.get(plan)
     st = per_device.get(runtime.device_key) if per_device is not None else None
     if st is None:
@@ -477,7 +490,7 @@ def _static_tables(plan, runtime) -> _StaticTables:
 _SAMPLE_STRIDE = 61
 
 
-def _same_words(a, b) -> bool:
+def _same_words(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether two host tables are equal. A sample of their words is
     compared first: a table of memory that moved differs there, and is told
     apart without reading all of its words (2.3 MB for 10,000 leaves).
@@ -490,7 +503,7 @@ def _same_words(a, b) -> bool:
             and np.array_equal(a, b))
 
 
-def memory_order_row(row):
+def memory_order_row(row: list[int]) -> tuple[list[int], int]:
     """(``row``, a :func:`leaf_row`, read in memory order; the byte offset of
     its first element from the array's address): the contiguous row at the
     lowest address where the leaf's merged dims fill one dense block, else
@@ -510,7 +523,7 @@ def memory_order_row(row):
     return leaf_row((row[2],), (dtype.itemsize,), dtype), start
 
 
-def memory_order_rows(words) -> np.ndarray:
+def memory_order_rows(words: np.ndarray) -> np.ndarray:
     """A leaf table (address, then a :func:`leaf_row`, per row) whose rows are
     read in memory order (see :func:`memory_order_row`).
 
@@ -527,11 +540,12 @@ def memory_order_rows(words) -> np.ndarray:
     return out
 
 
-def _leaf_rows(st, plan, arrays, slots, runtime, memory_order=False) -> np.ndarray:
+def _leaf_rows(st: _StaticTables, plan: FlatPlan, arrays: Sequence[Any], slots: Sequence[int], runtime: Runtime,
+               memory_order: bool = False) -> np.ndarray:
     """Host table (n, LEAF_ROW_WORDS) of ``arrays`` (``slots[i]`` is array i's
     slot), its rows read in memory order with ``memory_order`` (see
     :func:`memory_order_row`)."""
-    sig = (memory_order, *map(_sig, arrays))
+    sig: tuple[Any, ...] = (memory_order, *map(_sig, arrays))
     found = st.rows.find(sig)
     if found is None:
         rows = []

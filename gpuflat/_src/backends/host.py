@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,8 +49,11 @@ from gpuflat._src.layout import DTYPES, NORM_KINDS, OPTIM_DTYPES, RULES, norm_ki
 from .numpy_backend import HostMemory, NumpyBackend
 from .protocol import LeafRows, NormResult, OneSourcePerSlot
 
+if TYPE_CHECKING:
+    from gpuflat._src.flatplan import FlatPlan
 
-def _token(arrays) -> int:
+
+def _token(arrays: object) -> int:
     """The token under which the library may keep what it read from ``arrays``
     (a :class:`~gpuflat._src.identity.Recorded` list's), else 0.
 
@@ -71,11 +76,11 @@ class HostBackend(HostMemory):
     # Made only where the native library loads, so it always takes LeafRows.
     reads_rows = True
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None) -> None:
         self.threads = int(threads or len(os.sched_getaffinity(0)))
         self._lib = _needed(native.host_library(), "host library")
 
-    def gather(self, plan, sources, out) -> None:
+    def gather(self, plan: FlatPlan, sources: Sequence[Sequence[Any]], out: np.ndarray) -> None:
         """out[slot's range] = sum of the slot's sources, cast to ``plan.dtype``.
 
         >>> import numpy as np, gpuflat as gf
@@ -93,7 +98,7 @@ class HostBackend(HostMemory):
             slot = int(np.searchsorted(counts, bad, side="right"))
             _refuse(plan, slot, [a for s in sources for a in s][bad])
 
-    def scatter(self, plan, flat, leaves) -> None:
+    def scatter(self, plan: FlatPlan, flat: np.ndarray, leaves: Sequence[Any]) -> None:
         """leaves[slot][...] = flat[slot's range], cast to the leaf's dtype, in place.
 
         >>> import numpy as np, gpuflat as gf
@@ -104,7 +109,7 @@ class HostBackend(HostMemory):
         """
         _check(plan, leaves, self._lib.gf_host_scatter(flat, leaves, plan.offsets, self.threads, _token(leaves)))
 
-    def norms(self, plan, leaves, ord, per_leaf) -> NormResult:
+    def norms(self, plan: FlatPlan, leaves: Sequence[Any] | LeafRows, ord: float, per_leaf: bool) -> NormResult:
         """Total and per-leaf norms (always both) and the first non-finite slot, in
         the CUDA kernels' order (a dense-permuted leaf summed in memory order).
 
@@ -126,7 +131,8 @@ class HostBackend(HostMemory):
             _check(plan, leaves, lib.gf_host_norms(leaves, *args, _token(leaves)))
         return NormResult(totals[:1].reshape(()), per, first, totals[1:].reshape(()))
 
-    def clip_(self, plan, leaves, total, max_norm, eps, flat=None) -> None:
+    def clip_(self, plan: FlatPlan, leaves: Sequence[Any] | LeafRows, total: Any, max_norm: Any, eps: float,
+              flat: Any = None) -> None:
         """Every leaf *= min(1, max_norm / (total + eps)). ``flat``: the buffer
         the leaves are views of, zero outside them (a resident model's); a
         finite factor then scales the whole buffer in one pass (the zeros stay
@@ -150,7 +156,7 @@ class HostBackend(HostMemory):
             return
         _check(plan, leaves, lib.gf_host_clip(leaves, plan.offsets, *args, self.threads, _token(leaves)))
 
-    def on_device(self):
+    def on_device(self) -> contextlib.nullcontext[None]:
         """Host memory needs no device context.
 
         >>> with HostBackend().on_device():
@@ -158,7 +164,7 @@ class HostBackend(HostMemory):
         """
         return contextlib.nullcontext()
 
-    def to_host(self, x) -> np.ndarray:
+    def to_host(self, x: Any) -> np.ndarray:
         """``x`` as a NumPy array (it already is one).
 
         >>> HostBackend().to_host(np.float64(2.0))
@@ -166,7 +172,9 @@ class HostBackend(HostMemory):
         """
         return np.asarray(x)
 
-    def step_(self, rule, plan, params, grads, states, slot_group, hyper, steps, total, max_norm, eps, amp) -> None:
+    def step_(self, rule: str, plan: FlatPlan, params: np.ndarray, grads: np.ndarray, states: Sequence[np.ndarray],
+              slot_group: np.ndarray, hyper: np.ndarray, steps: np.ndarray, total: Any, max_norm: float, eps: float,
+              amp: np.ndarray) -> None:
         """One optimizer update of a flat buffer in native code (see the protocol).
 
         >>> import numpy as np, gpuflat as gf
@@ -194,7 +202,8 @@ class HostBackend(HostMemory):
                             f"({_OPTIM_NAMES}), found {params.dtype}")
 
 
-    def step_rows(self, rule, tag, rows, hyper, lr_at, total, max_norm, eps, amp) -> None:
+    def step_rows(self, rule: str, tag: int, rows: np.ndarray, hyper: np.ndarray, lr_at: np.ndarray, total: Any,
+                  max_norm: float, eps: float, amp: np.ndarray) -> None:
         """One optimizer update of parameters where they are, in native code (see the protocol).
 
         >>> import numpy as np
@@ -226,11 +235,11 @@ class HostBackend(HostMemory):
 _OPTIM_NAMES = ", ".join(name for _, name, c_name, _ in DTYPES if c_name in OPTIM_DTYPES)
 
 
-def _address(a) -> int:
+def _address(a: Any) -> int:
     return np.asarray(a).ctypes.data
 
 
-def _needed(loaded, what: str):
+def _needed(loaded: tuple[Any, str | None], what: str) -> Any:
     """The library of ``loaded`` (a native loader's pair), else an error naming why it is missing."""
     lib, reason = loaded
     if lib is None:
@@ -240,12 +249,12 @@ def _needed(loaded, what: str):
     return lib
 
 
-def _check(plan, arrays, bad: int) -> None:
+def _check(plan: FlatPlan, arrays: Sequence[Any] | LeafRows, bad: int) -> None:
     if bad >= 0:
         _refuse(plan, bad, arrays[bad])
 
 
-def _refuse(plan, slot: int, array) -> None:
+def _refuse(plan: FlatPlan, slot: int, array: object) -> None:
     leaf = plan.leaves[slot]
     found = (f"{type(array).__module__}.{type(array).__name__} of shape {getattr(array, 'shape', '?')} "
              f"{getattr(array, 'dtype', '?')}")

@@ -19,6 +19,8 @@ import contextlib
 import ctypes
 import math
 import weakref
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,6 +31,9 @@ from gpuflat._src.memory_order import in_memory_order
 
 from .protocol import NormResult
 
+if TYPE_CHECKING:
+    from gpuflat._src.flatplan import FlatPlan
+
 PIECE = 1 << 15  # elements per float64 piece: 256 KiB, a comfortable L2 fit
 # OpenBLAS computes a dot product of at most 10,000 elements on the calling
 # thread; a longer one wakes its thread pool, which stalls for milliseconds on
@@ -37,11 +42,11 @@ DOT = 8192
 
 
 # Per-plan piece layouts; a dropped plan drops its entry.
-_layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_layouts: weakref.WeakKeyDictionary[FlatPlan, tuple[tuple[int, int, int, bool], ...]] = weakref.WeakKeyDictionary()
 caches.register("NumPy piece layouts", lambda: len(_layouts), _layouts.clear)
 
 
-def _layout(plan):
+def _layout(plan: FlatPlan) -> tuple[tuple[int, int, int, bool], ...]:
     """Pieces of the plan: (first slot, end slot, element count, complex?), memoised per plan.
 
     A piece is either a run of consecutive small slots of one kind (real or
@@ -50,7 +55,9 @@ def _layout(plan):
     layout = _layouts.get(plan)
     if layout is not None:
         return layout
-    pieces, start, count, kind = [], 0, 0, None
+    # kind starts False: it is read only once the first slot has set it.
+    pieces: list[tuple[int, int, int, bool]] = []
+    start, count, kind = 0, 0, False
     for s, leaf in enumerate(plan.leaves):
         is_complex = leaf.dtype.kind == "c"
         if s > start and (count + leaf.size > PIECE or is_complex != kind):
@@ -64,7 +71,7 @@ def _layout(plan):
     return layout
 
 
-def _contributions(values, p):
+def _contributions(values: np.ndarray, p: float) -> np.ndarray:
     """Per element |x|**p as float64 (|x| for p = inf), computed in place where possible.
 
     A complex magnitude is np.abs (a hypot): finite wherever |z| is, and inf
@@ -81,7 +88,7 @@ def _contributions(values, p):
     return values if p in (1, math.inf) else np.power(values, p, out=values)
 
 
-def _squared_magnitudes(z):
+def _squared_magnitudes(z: np.ndarray) -> np.ndarray:
     # re**2 + im**2 rounds once where |z|**2 rounds twice; it is only wrong
     # (NaN) for an infinite part beside a NaN one, whose |z|**2 is inf.
     squares = np.square(z.real)
@@ -98,16 +105,16 @@ class HostMemory:
     True
     """
 
-    def empty(self, shape, dtype):
+    def empty(self, shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
         return np.empty(shape, dtype)
 
-    def zeros(self, shape, dtype):
+    def zeros(self, shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
         return np.zeros(shape, dtype)
 
-    def copy(self, x):
+    def copy(self, x: Any) -> np.ndarray:
         return np.array(x, copy=True, order="C")
 
-    def sum(self, x):
+    def sum(self, x: Any) -> Any:
         return np.sum(x)
 
 
@@ -118,7 +125,7 @@ class NumpyBackend(HostMemory):
     xp = np
     reads_rows = False  # reads leaves as arrays only: LeafRows would need native code
 
-    def gather(self, plan, sources, out):
+    def gather(self, plan: FlatPlan, sources: Sequence[Sequence[Any]], out: Any) -> None:
         if not sources:  # an empty tree: np.concatenate refuses an empty list
             return
         if all(len(s) == 1 for s in sources):
@@ -136,11 +143,11 @@ class NumpyBackend(HostMemory):
                 acc += src.reshape(-1)
             cast_copy(target, acc)
 
-    def scatter(self, plan, flat, leaves):
+    def scatter(self, plan: FlatPlan, flat: Any, leaves: Sequence[Any]) -> None:
         for leaf, target in zip(plan.leaves, leaves):
             cast_copy(target, flat[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape))
 
-    def norms(self, plan, leaves, ord, per_leaf):
+    def norms(self, plan: FlatPlan, leaves: Sequence[Any], ord: float, per_leaf: bool) -> NormResult:
         """Fused norms, a dense-permuted leaf summed in memory order.
 
         >>> import numpy as np, gpuflat as gf
@@ -153,7 +160,7 @@ class NumpyBackend(HostMemory):
         with np.errstate(over="ignore"):
             return self._norms(plan, list(map(in_memory_order, leaves)), float(ord), per_leaf)
 
-    def _norms(self, plan, leaves, p, per_leaf):
+    def _norms(self, plan: FlatPlan, leaves: list[np.ndarray], p: float, per_leaf: bool) -> NormResult:
         sums = np.zeros(len(plan.leaves))
         partials = []
         for first, end, count, is_complex in _layout(plan):
@@ -165,6 +172,7 @@ class NumpyBackend(HostMemory):
                 part, contrib = _partial(values, p, keep=packed)
                 partials.append(part)
                 if packed:
+                    assert contrib is not None  # kept: _partial gives it with keep
                     _per_slot(plan, first, end, contrib, p, sums)
                 elif per_leaf:
                     sums[first] = _reduce(sums[first], part, p)
@@ -174,7 +182,8 @@ class NumpyBackend(HostMemory):
         bad = -1 if math.isfinite(total) else _first_nonfinite(leaves)
         return NormResult(np.asarray(total), per, np.asarray(bad, np.int64), np.asarray(raw))
 
-    def clip_(self, plan, leaves, total, max_norm, eps, flat=None):
+    def clip_(self, plan: FlatPlan, leaves: Sequence[Any], total: Any, max_norm: Any, eps: float,
+              flat: Any = None) -> None:
         # A NaN or inf norm scales to NaN, PyTorch's semantics, without
         # NumPy's warnings: the caller asked for exactly that.
         with np.errstate(invalid="ignore", over="ignore"):
@@ -183,7 +192,7 @@ class NumpyBackend(HostMemory):
             for target in map(in_memory_order, leaves):
                 _scale(target, coef)
 
-    def on_device(self):
+    def on_device(self) -> contextlib.nullcontext[None]:
         """Host memory needs no device context.
 
         >>> with NumpyBackend().on_device():
@@ -191,10 +200,12 @@ class NumpyBackend(HostMemory):
         """
         return contextlib.nullcontext()
 
-    def to_host(self, x):
+    def to_host(self, x: Any) -> np.ndarray:
         return np.asarray(x)
 
-    def step_(self, rule, plan, params, grads, states, slot_group, hyper, steps, total, max_norm, eps, amp):
+    def step_(self, rule: str, plan: FlatPlan, params: np.ndarray, grads: np.ndarray, states: Sequence[np.ndarray],
+              slot_group: np.ndarray, hyper: np.ndarray, steps: np.ndarray, total: Any, max_norm: float, eps: float,
+              amp: np.ndarray) -> None:
         """One optimizer update of a flat buffer, slot by slot: the kernels'
         operations in the same order and precision (the reference).
 
@@ -209,6 +220,7 @@ class NumpyBackend(HostMemory):
         if amp[1] != 0.0:  # a loss scaler found NaN or inf: skip
             return
         update = RULES[rule].numpy
+        assert update is not None, f"every rule has a NumPy reference; {rule!r} has none"
         compute = np.float64 if params.dtype == np.float64 else np.float32
         factor = (1.0 if total is None else _clip_factor(total, max_norm, eps)) * float(amp[0])
         with np.errstate(all="ignore"):  # NaN and inf follow IEEE rules, as in the kernels
@@ -221,7 +233,8 @@ class NumpyBackend(HostMemory):
                        [float(x) for x in hyper[group * HYPER : (group + 1) * HYPER]],
                        float(steps[slot]), factor, compute)
 
-    def step_rows(self, rule, tag, rows, hyper, lr_at, total, max_norm, eps, amp):
+    def step_rows(self, rule: str, tag: int, rows: np.ndarray, hyper: np.ndarray, lr_at: np.ndarray, total: Any,
+                  max_norm: float, eps: float, amp: np.ndarray) -> None:
         """One optimizer update of parameters where they are (host memory),
         row by row: the kernels' operations in the same order and precision.
 
@@ -240,18 +253,19 @@ class NumpyBackend(HostMemory):
         _rows_step(rule, dtype_of_tag(tag), np.asarray(rows, np.int64), hyper, lr_at, factor)
 
 
-def _at(address: int, dtype, n: int) -> np.ndarray:
+def _at(address: int, dtype: Any, n: int) -> np.ndarray:
     """The ``n`` elements of ``dtype`` at ``address`` (host memory), as a writable view."""
     dtype = np.dtype(dtype)
     return np.frombuffer((ctypes.c_byte * (n * dtype.itemsize)).from_address(address), dtype) if n else \
         np.empty(0, dtype)
 
 
-def _rows_step(rule, dtype, rows, hyper, lr_at, factor):
+def _rows_step(rule: str, dtype: np.dtype, rows: np.ndarray, hyper: np.ndarray, lr_at: np.ndarray, factor: float) -> None:
     """The reference of the kernels' update over a parameter table (gpuflat_adamw_rows /
     gpuflat_sgd_rows, then gpuflat_count_steps), one row at a time."""
     rule_of = RULES[rule]
     update = rule_of.numpy
+    assert update is not None, f"every rule has a NumPy reference; {rule!r} has none"
     compute = np.float64 if dtype == np.float64 else np.float32
     counted = []
     with np.errstate(all="ignore"):  # NaN and inf follow IEEE rules, as in the kernels
@@ -271,7 +285,7 @@ def _rows_step(rule, dtype, rows, hyper, lr_at, factor):
         _at(step_at, np.float32, 1)[0] += np.float32(1.0)
 
 
-def _scale(target, coef):
+def _scale(target: np.ndarray, coef: Any) -> None:
     """target *= coef in PyTorch's precision, as the CUDA kernel does.
 
     The factor is cast to float32 for 16- and 32-bit leaves and to float64
@@ -283,13 +297,13 @@ def _scale(target, coef):
         np.multiply(part, factor, out=part, casting="unsafe")
 
 
-def _clip_coef(total, max_norm, eps):
+def _clip_coef(total: Any, max_norm: Any, eps: float) -> Any:
     # PyTorch's clip_grad_norm_: the factor is clamped to 1 and always applied;
     # a NaN norm gives a NaN factor, as there.
     return np.minimum(np.float64(max_norm) / (np.float64(total) + eps), 1.0)
 
 
-def _chunks(leaves, first, end, count, acc_dtype):
+def _chunks(leaves: list[np.ndarray], first: int, end: int, count: int, acc_dtype: Any) -> Iterator[np.ndarray]:
     """The values of a piece as float64 (or complex128) arrays of at most PIECE elements.
 
     A large leaf is converted chunk by chunk into one reused scratch buffer,
@@ -311,7 +325,7 @@ def _chunks(leaves, first, end, count, acc_dtype):
         yield out
 
 
-def _partial(values, p, keep=False):
+def _partial(values: np.ndarray, p: float, keep: bool = False) -> tuple[float, np.ndarray | None]:
     """(reduction of one chunk: sum of |x|**p, or max |x| for p = inf; its
     per-element contributions if ``keep``, else possibly None). May overwrite ``values``."""
     if p == 2 and values.dtype.kind == "f":
@@ -324,7 +338,7 @@ def _partial(values, p, keep=False):
     return (float(contrib.max()) if p == math.inf else float(contrib.sum())), contrib
 
 
-def _per_slot(plan, first, end, contrib, p, sums):
+def _per_slot(plan: FlatPlan, first: int, end: int, contrib: np.ndarray, p: float, sums: np.ndarray) -> None:
     """Add a packed piece's contributions into each of its slots' sums."""
     sizes = [leaf.size for leaf in plan.leaves[first:end]]
     starts = np.cumsum([0] + sizes[:-1])
@@ -334,12 +348,12 @@ def _per_slot(plan, first, end, contrib, p, sums):
         sums[first + nonempty] = reduce.reduceat(contrib, starts[nonempty])
 
 
-def _reduce(acc, value, p):
+def _reduce(acc: float, value: float, p: float) -> float:
     # np.maximum, not max(): a NaN must win.
     return float(np.maximum(acc, value)) if p == math.inf else acc + value
 
 
-def _combine(sums, p):
+def _combine(sums: np.ndarray, p: float) -> float:
     # The unrooted total: sum |x|**p, or the max for ord inf.
     if p == math.inf:
         return float(sums.max()) if len(sums) else 0.0
@@ -347,12 +361,12 @@ def _combine(sums, p):
     return math.fsum(sums) if np.isfinite(sums).all() else float(sums.sum())
 
 
-def _root(x, p):
+def _root(x: Any, p: float) -> Any:
     # np.power, not **: a float root past float64 is inf, where Python raises OverflowError.
     return x if p == 1 else np.power(x, 1.0 / p)
 
 
-def _first_nonfinite(leaves) -> int:
+def _first_nonfinite(leaves: Sequence[np.ndarray]) -> int:
     for i, a in enumerate(leaves):
         if a.size and not np.isfinite(a).all():
             return i
@@ -360,7 +374,7 @@ def _first_nonfinite(leaves) -> int:
 
 
 
-def _clip_factor(total, max_norm, eps):
+def _clip_factor(total: Any, max_norm: Any, eps: float) -> float:
     # kernels/gpuflat_optim.cuh (gf_grad_factor): min(1, max_norm / (total + eps)) with NaN kept.
     c = np.float64(max_norm) / (np.float64(total) + np.float64(eps))
     return 1.0 if c > 1.0 else float(c)

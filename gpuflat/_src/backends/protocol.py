@@ -9,8 +9,14 @@ weakly by the plan, so a dropped plan frees them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from gpuflat._src.flatplan import FlatPlan
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,7 @@ class NormResult:
     power_sum: Any
 
 
-class OneSourcePerSlot(Sequence):
+class OneSourcePerSlot(Sequence[tuple[Any]]):
     """``sources`` for ``gather`` where every slot has exactly one array:
     item ``s`` is ``(arrays[s],)``, made only when asked for. A backend that
     reads the arrays itself takes ``arrays`` as they are, with no tuple per
@@ -51,16 +57,17 @@ class OneSourcePerSlot(Sequence):
 
     __slots__ = ("arrays",)
 
-    def __init__(self, arrays):
+    def __init__(self, arrays: Sequence[Any]) -> None:
         self.arrays = arrays
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.arrays)
 
-    def __getitem__(self, s):
+    # A slice is accepted as Sequence declares it, giving one tuple of the sliced arrays.
+    def __getitem__(self, s: int | slice) -> tuple[Any]:
         return (self.arrays[s],)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[tuple[Any]]:
         return zip(self.arrays)
 
 
@@ -81,14 +88,14 @@ class LeafRows:
 
     __slots__ = ("words", "__weakref__")
 
-    def __init__(self, words):
+    def __init__(self, words: np.ndarray) -> None:
         self.words = words
         words.flags.writeable = False
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.words)
 
-    def __getitem__(self, i):
+    def __getitem__(self, i: int) -> np.ndarray:
         return self.words[i]
 
 
@@ -115,16 +122,19 @@ class Backend(Protocol):
     """
 
     name: str
-    xp: Any
     reads_rows: bool
 
-    def gather(self, plan, sources: Sequence[Sequence[Any]], out) -> None:
+    @property
+    def xp(self) -> Any:
+        """The array module of this backend's memory (NumPy or CuPy)."""
+
+    def gather(self, plan: FlatPlan, sources: Sequence[Sequence[Any]], out: Any) -> None:
         """out[slot] = sum of the slot's sources, cast to ``plan.dtype``."""
 
-    def scatter(self, plan, flat, leaves: Sequence[Any]) -> None:
+    def scatter(self, plan: FlatPlan, flat: Any, leaves: Sequence[Any]) -> None:
         """leaves[slot][...] = flat[slot's range], cast to the leaf's dtype, in place."""
 
-    def norms(self, plan, leaves: Sequence[Any], ord: float, per_leaf: bool) -> NormResult:
+    def norms(self, plan: FlatPlan, leaves: Sequence[Any], ord: float, per_leaf: bool) -> NormResult:
         """Total and per-leaf norms, accumulated in float64 in a fixed order that
         depends on the leaves alone (kernels/norms.cu's, or the NumPy
         backend's own): a leaf filling one dense block of memory in another
@@ -132,32 +142,33 @@ class Backend(Protocol):
         other in logical order. The total is the same with or without
         ``per_leaf``."""
 
-    def clip_(self, plan, leaves: Sequence[Any], total, max_norm, eps: float, flat=None) -> None:
+    def clip_(self, plan: FlatPlan, leaves: Sequence[Any], total: Any, max_norm: Any, eps: float,
+              flat: Any = None) -> None:
         """Every leaf *= min(1, max_norm / (total + eps)), computed where ``total``
         lives; ``max_norm`` is a float, or for the CUDA backend a 0-d float64
         device array it reads there."""
 
-    def to_host(self, x):
+    def to_host(self, x: Any) -> np.ndarray:
         """``x`` as a NumPy array (one synchronisation on a device)."""
 
-    def empty(self, shape, dtype):
+    def empty(self, shape: int | tuple[int, ...], dtype: Any) -> Any:
         """An uninitialised array of this backend's memory (inside ``on_device``)."""
 
-    def zeros(self, shape, dtype):
+    def zeros(self, shape: int | tuple[int, ...], dtype: Any) -> Any:
         """A zeroed array of this backend's memory (a fill, no upload)."""
 
-    def copy(self, x):
+    def copy(self, x: Any) -> Any:
         """A C-contiguous copy of ``x`` in this backend's memory."""
 
-    def sum(self, x):
+    def sum(self, x: Any) -> Any:
         """The sum of ``x``'s elements, a 0-d array where ``x`` lives (no host read)."""
 
-    def on_device(self):
+    def on_device(self) -> AbstractContextManager[Any]:
         """A context in which new arrays land on this backend's device (and
         array-module calls run there): callers allocate inside it."""
 
-    def step_(self, rule: str, plan, params, grads, states: Sequence[Any], slot_group, hyper, steps, total,
-              max_norm: float, eps: float, amp) -> None:
+    def step_(self, rule: str, plan: FlatPlan, params: Any, grads: Any, states: Sequence[Any], slot_group: Any,
+              hyper: Any, steps: Any, total: Any, max_norm: float, eps: float, amp: Any) -> None:
         """One optimizer update of a resident buffer, in place: ``rule`` is
         "adamw" (``states``: exp_avg, exp_avg_sq, and max_exp_avg_sq where
         some group sets amsgrad) or "sgd" (momentum_buffer).
@@ -174,7 +185,8 @@ class Backend(Protocol):
         two float64: every gradient is also multiplied by ``amp[0]`` (a loss
         scaler's 1 / scale), and a nonzero ``amp[1]`` skips the update."""
 
-    def step_rows(self, rule: str, tag: int, rows, hyper, lr_at, total, max_norm: float, eps: float, amp) -> None:
+    def step_rows(self, rule: str, tag: int, rows: np.ndarray, hyper: np.ndarray, lr_at: np.ndarray, total: Any,
+                  max_norm: float, eps: float, amp: Any) -> None:
         """One optimizer update of parameters where they are (PyTorch's, one
         table row each), in place: ``rows`` is a host int64 array of
         gpuflat._src.layout.PARAM_ROW_FIELDS per parameter, every tensor of dtype
