@@ -3,7 +3,7 @@
 # builds the kernel gates check). A venv is rebuilt when pyproject.toml or a
 # constraints file changes.
 #
-#   make test               mypy on the public modules, then the whole suite (what CI runs)
+#   make test               mypy on the whole package, then the whole suite (what CI runs)
 #   make test-fast          the suite but for the tests marked slow (builds, ranks)
 #   make test-nvrtc-latest  the kernel gates again under the newest NVRTC of
 #                           each major (one venv holds one NVRTC per major)

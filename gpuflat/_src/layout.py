@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -248,7 +249,7 @@ class Rule:
         row = tuple(float(named[field]) for field in self.hyper)
         return row + (0.0,) * (HYPER - len(row))
 
-    def flag_set(self, hyper) -> str | None:
+    def flag_set(self, hyper: Sequence[float] | np.ndarray) -> str | None:
         """The flag of ``flag_states`` that some group of ``hyper`` (the
         host hyperparameter table) sets, else None: the row update to
         launch (``Rule.rows_kernel``).
@@ -259,7 +260,7 @@ class Rule:
         table = np.asarray(hyper, np.float64).reshape(-1, HYPER)
         return next((flag for flag, _ in self.flag_states if table[:, self.hyper.index(flag)].any()), None)
 
-    def checked_flag(self, rows, hyper) -> str | None:
+    def checked_flag(self, rows: np.ndarray, hyper: Sequence[float] | np.ndarray) -> str | None:
         """``check_rows``, then ``flag_set``: what a backend needs to know of
         a new table before it launches.
 
@@ -269,7 +270,7 @@ class Rule:
         self.check_rows(rows, hyper)
         return self.flag_set(hyper)
 
-    def check_rows(self, rows, hyper) -> None:
+    def check_rows(self, rows: np.ndarray, hyper: Sequence[float] | np.ndarray) -> None:
         """Raise ValueError, naming the first such row, where a row lacks
         (has 0 for) a word its update reads: its state and step count where
         its group's steps count (``counted_when``: SGD's buffer and count
@@ -329,7 +330,7 @@ def powi(base: float, n: float) -> float:
     return r
 
 
-def group_factor(h, factor: float) -> float:
+def group_factor(h: Sequence[float], factor: float) -> float:
     """gf_group_factor: the clip and unscale factor, negated where the group maximizes.
 
     >>> group_factor([0.1, 0, 0, 0, 0, 1.0, 0], 0.5)
@@ -338,7 +339,7 @@ def group_factor(h, factor: float) -> float:
     return -factor if h[MAXIMIZE_FIELD] != 0.0 else factor
 
 
-def lerp(a, b, w):
+def lerp(a: Any, b: Any, w: Any) -> Any:
     """torch.lerp's two forms, switched at weight 0.5 (gf_adamw_setup).
 
     >>> float(lerp(np.float32(1.0), np.float32(3.0), np.float32(0.25)))
@@ -347,12 +348,13 @@ def lerp(a, b, w):
     return a + w * (b - a) if -0.5 < w < 0.5 else b - (b - a) * (type(w)(1) - w)
 
 
-def store(target, values) -> None:
+def store(target: np.ndarray, values: Any) -> None:
     """``values`` rounded once into ``target``'s dtype, in place (gf_store)."""
     np.copyto(target, values, casting="unsafe")
 
 
-def _adamw(p, g, states, h, step, factor, C) -> None:
+def _adamw(p: np.ndarray, g: np.ndarray, states: Sequence[Any], h: Sequence[float], step: float, factor: float,
+           C: type[np.floating]) -> None:
     """PyTorch's AdamW (gf_adamw_range): ``states`` are exp_avg, exp_avg_sq
     and max_exp_avg_sq (read only with amsgrad)."""
     m, v, vmax = (list(states) + [None])[:3]
@@ -374,7 +376,8 @@ def _adamw(p, g, states, h, step, factor, C) -> None:
     store(v, vc)
 
 
-def _sgd(p, g, states, h, step, factor, C) -> None:
+def _sgd(p: np.ndarray, g: np.ndarray, states: Sequence[Any], h: Sequence[float], step: float, factor: float,
+         C: type[np.floating]) -> None:
     """PyTorch's SGD (gf_sgd_range); ``step`` counts the momentum buffer's
     updates with this one (1: it is new)."""
     lr, wd, momentum, dampening, nesterov = h[:5]
@@ -445,7 +448,7 @@ def rules_header() -> str:
 
 
 @caches.function(maxsize=4096)
-def leaf_row(shape, strides, dtype):
+def leaf_row(shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any) -> list[int] | None:
     """The table row of an array but its address (``strides`` in bytes); None
     if it keeps too many dims.
 
@@ -457,7 +460,7 @@ def leaf_row(shape, strides, dtype):
     ([3, 0, 6], [3, 2, 6, 2, 3])
     """
     size = int(np.prod(shape, dtype=np.int64))
-    dims = []
+    dims: list[tuple[int, int]] = []
     if size > 0:
         for n, s in zip(shape, strides):
             if n == 1:
@@ -477,6 +480,17 @@ def leaf_row(shape, strides, dtype):
     return ([TAG_OF_NAME[dtype.name], len(dims), size] + [n for n, _ in dims] + pad
             + [s for _, s in dims] + pad + [m - (1 << 64) if m >= 1 << 63 else m for m in magic] + pad
             + [sum(k << (8 * d) for d, k in enumerate(shifts))])
+
+
+def dense_row(size: int, dtype: Any) -> list[int]:
+    """``leaf_row`` of a dense 1-D array of ``size`` elements, which keeps no dims.
+
+    >>> dense_row(6, np.float32)[:3]
+    [2, 0, 6]
+    """
+    row = leaf_row((size,), (np.dtype(dtype).itemsize,), dtype)
+    assert row is not None  # a dense array keeps no dims
+    return row
 
 
 def fast_division(d: int) -> tuple[int, int]:

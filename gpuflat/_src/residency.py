@@ -32,7 +32,7 @@ from . import dtensor
 from . import tree as _tree
 from .backends.protocol import LeafRows
 from .backends.selection import select
-from .layout import leaf_row
+from .layout import dense_row
 from ..errors import CaptureError
 from .flatplan import FlatPlan, LeafSpec
 from . import clipping
@@ -445,7 +445,7 @@ class Resident(ResidentGradients):
         if not self._backend.reads_rows:
             return views
         address = _address_reader(self._backend)
-        return LeafRows(np.array([[address(v)] + leaf_row((s.size,), (s.dtype.itemsize,), s.dtype)
+        return LeafRows(np.array([[address(v)] + dense_row(s.size, s.dtype)
                                   for v, s in zip(views, self.layout)], np.int64).reshape(len(views), -1))
 
     def _result(self, x: Any) -> Any:

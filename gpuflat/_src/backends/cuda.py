@@ -51,7 +51,7 @@ from gpuflat._src import kernel_loader as kl
 from gpuflat._src.dtypes import c_name, dtype_of_tag
 from gpuflat._src.identity import Layout, SameArrays, equal_facts
 from gpuflat._src.layout import (BLOCK_THREADS, C_NAMES, FINISH_THREADS, ITEM, ITEM_WORDS, LEAF_ROW_WORDS, MAX_DIMS,
-                                 ROW_NUMEL, RULES, SMALL_SLOT_ITEMS, WARP, leaf_row)
+                                 ROW_NUMEL, RULES, SMALL_SLOT_ITEMS, WARP, dense_row, leaf_row)
 from gpuflat._src.memory_order import dense_start
 from gpuflat._src.native import array_facts
 
@@ -520,7 +520,7 @@ def memory_order_row(row: list[int]) -> tuple[list[int], int]:
     start = dense_start(row[3 : 3 + ndim], row[3 + MAX_DIMS : 3 + MAX_DIMS + ndim], dtype.itemsize)
     if start is None:
         return row, 0
-    return leaf_row((row[2],), (dtype.itemsize,), dtype), start
+    return dense_row(row[2], dtype), start
 
 
 def memory_order_rows(words: np.ndarray) -> np.ndarray:
