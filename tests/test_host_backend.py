@@ -13,7 +13,7 @@ import pytest
 import gpuflat as gf
 from gpuflat._src.backends import get_backend
 from gpuflat._src.backends.host import HostBackend
-from gpuflat._src.layout import hyper_row
+from gpuflat._src.layout import RULES
 from gpuflat._src.native import available, unavailable_reason
 
 from conftest import (BF16, DTYPE_IDS, DTYPES, assert_bits_equal, random_array, read_order_copy, strided_variant,
@@ -499,7 +499,7 @@ def test_gather_names_the_slot_of_an_unreadable_source_and_writes_nothing():
 def test_the_optimizer_step_refuses_a_dtype_it_has_no_update_for():
     p = np.ones(3, np.complex64)
     g, m, v = p.copy(), np.zeros(3, np.complex64), np.zeros(3, np.complex64)
-    hyper = np.array(hyper_row("adamw", dict(lr=0.1, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)))
+    hyper = np.array(RULES["adamw"].hyper_row(dict(lr=0.1, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)))
     with pytest.raises(TypeError, match=r"expected buffers of a real floating dtype \(float16, bfloat16, float32, "
                                         r"float64\), found complex64"):
         HostBackend().step_("adamw", gf.plan([p]), p, g, (m, v), np.zeros(1, np.int64), hyper, np.ones(1), None,
@@ -515,7 +515,7 @@ def test_without_the_optimizer_library_the_steps_are_the_numpy_backends_bits(rul
     p0, g = rng.standard_normal(37).astype(np.float32), rng.standard_normal(37).astype(np.float32)
     group = (dict(lr=0.1, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8) if rule == "adamw"
              else dict(lr=0.1, weight_decay=0.01, momentum=0.9, dampening=0.1, nesterov=False))
-    hyper = np.array(hyper_row(rule, group))
+    hyper = np.array(RULES[rule].hyper_row(group))
 
     def step():
         p, states = p0.copy(), [np.full(37, 0.5, np.float32), np.full(37, 0.25, np.float32)]

@@ -249,6 +249,15 @@ class Rule:
         row = tuple(float(named[field]) for field in self.hyper)
         return row + (0.0,) * (HYPER - len(row))
 
+    def hyper_rows(self, groups: Sequence[dict]) -> np.ndarray:
+        """Every group's ``hyper_row``, as one float64 table (HYPER per group).
+
+        >>> RULES["sgd"].hyper_rows([{"lr": 0.5, "weight_decay": 0.0, "momentum": 0.9, "dampening": 0.0,
+        ...                           "nesterov": False}]).tolist()
+        [0.5, 0.0, 0.9, 0.0, 0.0, 0.0, 0.0]
+        """
+        return np.array([self.hyper_row(group) for group in groups], np.float64).reshape(-1)
+
     def flag_set(self, hyper: Sequence[float] | np.ndarray) -> str | None:
         """The flag of ``flag_states`` that some group of ``hyper`` (the
         host hyperparameter table) sets, else None: the row update to
@@ -410,15 +419,6 @@ RULES = {rule.name: rule for rule in (
                        lambda g: not g["nesterov"] or (float(g["momentum"]) > 0.0 and float(g["dampening"]) == 0.0),
                        lambda g: (float(g["momentum"]), float(g["dampening"]))))),
 )}
-
-
-def hyper_row(rule: str, group: dict) -> tuple:
-    """``RULES[rule].hyper_row(group)``, for the code that names rules by string.
-
-    >>> hyper_row("sgd", {"lr": 0.1, "weight_decay": 0.0, "momentum": 0.9, "dampening": 0.0, "nesterov": True})
-    (0.1, 0.0, 0.9, 0.0, 1.0, 0.0, 0.0)
-    """
-    return RULES[rule].hyper_row(group)
 
 
 # The generated header's name: C++ includes it to read the facts below.

@@ -250,9 +250,24 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     def _check_options(self, compiling: bool) -> None:
         """PyTorch's checks of each group's options, at every step too: a
-        loop may change them."""
+        loop may change them. An eager step checks the groups whose options
+        differ from those it last checked (a host tensor ``lr`` compared by
+        its value), the usual step none."""
+        if compiling:  # TorchDynamo traces the checks themselves, and keeps no record between graphs
+            for i, group in enumerate(self.param_groups):
+                self._check_group(i, group, True)
+            return
+        checked = self.__dict__.setdefault("_checked_options", [])
+        del checked[len(self.param_groups):]
         for i, group in enumerate(self.param_groups):
-            self._check_group(i, group, compiling)
+            options = tuple((k, _option_value(v)) for k, v in group.items() if k != "params")
+            if i < len(checked) and checked[i] == options:
+                continue
+            self._check_group(i, group, False)
+            if i < len(checked):
+                checked[i] = options
+            else:
+                checked.append(options)
 
     def _check_group(self, i: int, group: dict[str, Any], compiling: bool) -> None:
         """PyTorch's checks of group ``i``'s options; inside a compiled step a
@@ -293,7 +308,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         pipeline stage without gradients, which adds nothing to the norm."""
         if self.max_norm is None and not detect:
             return None, None
-        p = clip_arguments(1.0, self.norm_type, CLIP_EPS)[1]
+        p = self._order()
         grads = [] if step is None else step.grads
         # step is None only on a pipeline stage (pp_mesh set) without gradients.
         if self.pp_mesh is not None or step is None or not step.plain:  # DTensors or pipeline stages: over the ranks
@@ -351,6 +366,13 @@ class FlatOptimizer(torch.optim.Optimizer):
         torch_optim_ops.update_(self._rule, params, grads, [t for column in columns[:-1] for t in column],
                                 columns[-1], hyper=hyper, lr_tensor=lr_tensor, **common)
 
+    def _order(self) -> float:
+        """``norm_type`` as the norm's order p, read again where the loop changed it."""
+        kept = self.__dict__.get("_order_of")
+        if kept is None or kept[0] != self.norm_type:
+            kept = self.__dict__["_order_of"] = (self.norm_type, clip_arguments(1.0, self.norm_type, CLIP_EPS)[1])
+        return kept[1]
+
     def state_dict(self) -> dict:
         """PyTorch's, as ``torch.optim`` would hold it: a parameter's state
         made at a step that a GradScaler skipped on the device (its count
@@ -397,6 +419,15 @@ class FlatOptimizer(torch.optim.Optimizer):
 
 
 _FROM_NORM = object()
+
+
+def _option_value(value: Any) -> Any:
+    """An option as a step's checks compare it: a tensor on the host by its
+    value (a scheduler writes it in place), one elsewhere by its identity
+    (never read: that would wait for its device), anything else itself."""
+    if isinstance(value, torch.Tensor):
+        return float(value) if value.device.type == "cpu" and value.numel() == 1 else id(value)
+    return value
 
 
 def _host_values(tensors: dict) -> dict:

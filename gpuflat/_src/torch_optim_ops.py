@@ -40,7 +40,7 @@ import torch
 
 from . import caches, param_rows, tensor_table
 from .arrays import adopt, device_scope, launch_stream
-from .layout import HYPER, RULES, TAG_OF_NAME, hyper_row
+from .layout import HYPER, RULES, TAG_OF_NAME
 
 __all__ = ["CLIP_EPS", "name_of", "norm_and_nonfinite", "unscale_factor", "update", "update_"]
 
@@ -69,7 +69,7 @@ def update(rule: str, tables: Sequence[param_rows.Table], groups: Sequence[dict[
     >>> w  # 1 - 0.5 * 4 * 2 / 8
     tensor([0.5000, 0.5000])
     """
-    hyper = np.array([hyper_row(rule, g) for g in groups], np.float64).reshape(-1)
+    hyper = RULES[rule].hyper_rows(groups)
     for table in tables:
         like = table.like
         backend = tensor_table.backend_for(like.device)
