@@ -736,3 +736,40 @@ def test_a_tensor_lr_the_kernels_cannot_read_is_read_on_the_host():
     run_torch(net_t, opt_t, data)
     run_flat(net_f, opt_f, data)
     assert_close(net_t, opt_t, net_f, opt_f, len(data))
+
+
+# The module switches of one warm AdamW(max_norm=1.0) step on a 3-layer MLP
+# (a Python call event in a gpuflat module other than the previous call's):
+# how many modules a step's work passes through, and how often it crosses
+# between them. The seam's aim is at most 25; this is where the step stands,
+# so that a change adding hops fails here.
+STEP_SWITCHES = 69
+
+
+def test_a_warm_step_passes_few_module_boundaries():
+    import sys
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                              torch.nn.Linear(16, 4))
+    opt = gft.AdamW(net.parameters(), max_norm=1.0)
+    for _ in range(4):  # warm: the state made, the plans and tables built
+        net.zero_grad()
+        net(torch.ones(2, 8)).sum().backward()
+        opt.step()
+    net.zero_grad()
+    net(torch.ones(2, 8)).sum().backward()
+    modules: list[str] = []
+
+    def trace(frame, event, arg):
+        name = frame.f_globals.get("__name__", "")
+        if event == "call" and name.startswith("gpuflat") and (not modules or modules[-1] != name):
+            modules.append(name)
+
+    sys.setprofile(trace)
+    try:
+        opt.step()
+    finally:
+        sys.setprofile(None)
+    assert modules[0] == "gpuflat._src.torch_optim"
+    assert len(modules) <= STEP_SWITCHES, modules
