@@ -43,7 +43,7 @@ from ._src.layout import Rule as _Rule
 if TYPE_CHECKING:
     from ._src.residency import Resident, Storage
 
-__all__ = ["AdamW", "SGD"]
+__all__ = ["AdamW", "Lion", "SGD"]
 
 __dir__ = _public.listing(__all__)
 # Names this module showed in 0.7.0 beside __all__, deprecated.
@@ -324,6 +324,29 @@ class SGD(_Flat):
                  max_norm: float | None = None, norm_type: float = 2.0, groups: list[dict] | None = None):
         defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay,
                     "nesterov": nesterov, "maximize": maximize}
+        super().__init__(resident, defaults, groups, max_norm, norm_type)
+
+
+class Lion(_Flat):
+    """Lion (Chen et al. 2023, https://arxiv.org/abs/2302.06675) over a
+    resident model, as :class:`gpuflat.torch.Lion` computes it; ``groups``
+    as for :class:`AdamW`. The state is ``exp_avg`` and ``step``.
+
+    >>> import numpy as np, gpuflat as gf
+    >>> r = gf.resident({"w": np.array([1.0, -1.0, 0.5])})
+    >>> opt = Lion(r, lr=0.1, weight_decay=0.5)
+    >>> r.grads["w"][:] = [2.0, -3.0, 0.0]
+    >>> _ = opt.step()
+    >>> r.params["w"], opt.state["['w']"]["exp_avg"]
+    (array([ 0.85 , -0.85 ,  0.475]), array([ 0.02, -0.03,  0.  ]))
+    """
+
+    rule = _RULES["lion"]
+
+    def __init__(self, resident: Resident, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0, *, maximize: bool = False, max_norm: float | None = None,
+                 norm_type: float = 2.0, groups: list[dict] | None = None):
+        defaults = {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay, "maximize": maximize}
         super().__init__(resident, defaults, groups, max_norm, norm_type)
 
 

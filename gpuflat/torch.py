@@ -71,6 +71,7 @@ __all__ = [
     "get_total_norm",
 ]
 __all__ += ["SGD", "AdamW", "GradScaler"]  # gpuflat._src.torch_optim: the flat optimizers
+__all__ += ["Lion"]
 
 __dir__ = _public.listing(__all__)
 # Names this module showed in 0.7.0 beside __all__ (what it imported), deprecated.
@@ -372,3 +373,33 @@ def _torch_nonfinite_error() -> Iterator[None]:
 
 from ._src.torch_optim import SGD, AdamW, GradScaler
 from ._src.torch_optim import FlatOptimizer as _FlatOptimizer
+
+
+class Lion(_FlatOptimizer):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization
+    Algorithms", https://arxiv.org/abs/2302.06675), with the clip inside the
+    step: per element, with ``m`` the state ``exp_avg``,
+    ``u = sign(beta1 * m + (1 - beta1) * g)``, ``p = p * (1 - lr * weight_decay)
+    - lr * u``, ``m = beta2 * m + (1 - beta2) * g``, as lion-pytorch computes it
+    (https://github.com/lucidrains/lion-pytorch). Everything else is
+    :class:`AdamW`'s: ``max_norm``, both GradScalers, ``pp_mesh``/``tied``,
+    DTensors, ``torch.compile(opt.step)``, CUDA-graph capture, state dicts.
+
+    >>> import torch, gpuflat.torch as gft
+    >>> w = torch.nn.Parameter(torch.tensor([1.0, -1.0, 0.5]))
+    >>> opt = gft.Lion([w], lr=0.1, weight_decay=0.5)
+    >>> w.grad = torch.tensor([2.0, -3.0, 0.0])
+    >>> opt.step()
+    >>> w.detach(), opt.state[w]["exp_avg"]
+    (tensor([ 0.8500, -0.8500,  0.4750]), tensor([ 0.0200, -0.0300,  0.0000]))
+    """
+
+    _rule = "lion"
+
+    def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0, *, maximize: bool = False, foreach: bool | None = None,
+                 differentiable: bool = False, max_norm: float | None = None, norm_type: float | str = 2.0,
+                 pp_mesh: Any = None, tied: Iterable | None = None):
+        defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, foreach=foreach,
+                        differentiable=differentiable)
+        super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied)

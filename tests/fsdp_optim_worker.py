@@ -1,4 +1,4 @@
-"""One rank of the FSDP2 tests of gpuflat.torch.AdamW and SGD.
+"""One rank of the FSDP2 tests of gpuflat.torch.AdamW, SGD and Lion.
 
 Run as ``python fsdp_optim_worker.py OUT RANK SIZE PORT``: torch.distributed
 over gloo on 127.0.0.1, one process per rank. Every case runs on every rank
@@ -9,7 +9,8 @@ every rank shares.
 The cases train identically initialised FSDP2 models side by side in the
 same processes: with gpuflat's optimizer clipping inside its step
 (``max_norm=``), and with torch.optim after ``torch.nn.utils.clip_grad_norm_``
-(which takes DTensor gradients), ``zero_grad()`` setting gradients to None
+(which takes DTensor gradients; Lion: the plain PyTorch one of
+tests/torch_lion.py), ``zero_grad()`` setting gradients to None
 each step. The model has a frozen layer, a layer used in even steps only, and
 layers that split unevenly over 2 and 4 ranks (a one-row layer leaves most
 ranks an empty shard).
@@ -31,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 import gpuflat.torch as gft
 from ranks import run_cases
+from torch_lion import Lion as TorchLion
 
 CASES = []
 MAX_NORM = 0.5
@@ -39,6 +41,7 @@ RTOL, ATOL = 1e-10, 1e-13
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, gft.AdamW, dict(lr=2e-2, betas=(0.9, 0.99), weight_decay=0.1)),
     "sgd": (torch.optim.SGD, gft.SGD, dict(lr=5e-2, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    "lion": (TorchLion, gft.Lion, dict(lr=5e-3, betas=(0.9, 0.99), weight_decay=0.1)),
 }
 
 
@@ -147,7 +150,7 @@ def side_by_side(ctx, name, steps=5, **fsdp):
     assert_same(ours, opt_ours, theirs, opt_theirs, name)
     if any(p in opt_ours.state for p in ours.frozen.parameters()):
         raise AssertionError(f"{name}: the frozen layer has state")
-    if name == "adamw" and float(opt_ours.state[ours.side.weight]["step"]) != (steps + 1) // 2:
+    if name in ("adamw", "lion") and float(opt_ours.state[ours.side.weight]["step"]) != (steps + 1) // 2:
         raise AssertionError(f"{name}: the side layer, used in even steps, counted "
                              f"{float(opt_ours.state[ours.side.weight]['step'])} steps")
     return ours
@@ -191,6 +194,11 @@ def adamw_float32_is_as_close_to_float64_as_torch(ctx):
 @case
 def sgd_momentum_matches_torch(ctx):
     side_by_side(ctx, "sgd")
+
+
+@case
+def lion_matches_torch(ctx):
+    side_by_side(ctx, "lion")
 
 
 @case
@@ -268,6 +276,16 @@ def adamw_with_a_tensor_lr_resumes_from_dcp(ctx):
 @case
 def sgd_momentum_resumes_from_dcp(ctx):
     resumed(ctx, "sgd", None)
+
+
+@case
+def lion_resumes_from_dcp(ctx):
+    resumed(ctx, "lion", None)
+
+
+@case
+def lion_with_a_tensor_lr_resumes_from_dcp(ctx):
+    resumed(ctx, "lion", 5e-3)
 
 
 # ---------------------------------------------------------------- running

@@ -30,6 +30,7 @@ from gpuflat import distributed as gfd
 from gpuflat._src import dtensor
 from dtensor_worker import ORDS, assert_close, comm_count, ref_norm
 from ranks import run_cases
+from torch_lion import Lion as TorchLion
 
 CASES = []  # (name, the world sizes it runs on; None: any)
 MAX_NORM_SHARE = 0.5  # every clip below bounds the norm at half its value: it really scales
@@ -435,14 +436,16 @@ def pipeline_steps():
 OPTIMIZERS = {
     "AdamW": (torch.optim.AdamW, gft.AdamW, dict(lr=2e-2, betas=(0.9, 0.99), weight_decay=0.1)),
     "SGD": (torch.optim.SGD, gft.SGD, dict(lr=5e-2, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    "Lion": (TorchLion, gft.Lion, dict(lr=5e-3, betas=(0.9, 0.99), weight_decay=0.1)),
 }
 OPTIMIZER_MAX_NORM = 1.0  # below every step's norm: each step clips
 
 
 @case
 def pp_flat_optimizers_train_as_torch_after_the_pipeline_clip(ctx):
-    """gft.AdamW and SGD with max_norm= and pp_mesh=, each stage's optimizer
-    over its own DTensor parameters, against torch.optim over the whole
+    """gft.AdamW, SGD and Lion with max_norm= and pp_mesh=, each stage's
+    optimizer over its own DTensor parameters, against torch.optim (Lion:
+    tests/torch_lion.py's) over the whole
     model's tensors after torch.nn.utils.clip_grad_norm_ over all of them:
     the parameters after 3 steps in float64, a step where stage 1 has no
     gradient included."""

@@ -246,14 +246,15 @@ def test_a_table_released_during_a_capture_is_freed_after_it(cp):
 
 # ---------------------------------------------------------------- the flat optimizers
 
-@pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lion"])
 def test_a_flat_optimizer_step_captures_after_a_warm_up_and_replays_like_eager_steps(cp, tc, name):
     # Gradients written in place keep their memory (zero_grad(set_to_none=False),
     # or a whole-step capture's gradients, allocated at the same addresses of
     # the graph's pool at every replay): after one warm-up step, the step's
     # tables are found again and nothing is uploaded, so the step captures.
     make = {"adamw": lambda ps: gft.AdamW(ps, lr=1e-2, weight_decay=0.1, max_norm=0.5),
-            "sgd": lambda ps: gft.SGD(ps, lr=1e-2, momentum=0.9, max_norm=0.5)}[name]
+            "sgd": lambda ps: gft.SGD(ps, lr=1e-2, momentum=0.9, max_norm=0.5),
+            "lion": lambda ps: gft.Lion(ps, lr=1e-3, weight_decay=0.1, max_norm=0.5)}[name]
     model, twin = net(3), net(3)
     opt, twin_opt = make(list(model.parameters())), make(list(twin.parameters()))
     with torch.cuda.stream(torch.cuda.Stream()):
@@ -290,7 +291,8 @@ def make_whole_step(params, inputs, opt, scaler):
     return whole_step
 
 
-def test_a_whole_step_with_gradients_made_inside_the_capture_replays_like_eager_steps(cp, tc, monkeypatch):
+@pytest.mark.parametrize("flat_cls", [gft.AdamW, gft.Lion], ids=["adamw", "lion"])
+def test_a_whole_step_with_gradients_made_inside_the_capture_replays_like_eager_steps(cp, tc, monkeypatch, flat_cls):
     # The gradients are new memory inside the capture, so the step's tables
     # are new too: written into the pinned memory set aside before the
     # capture, and read there by every replay. A scheduler writes the tensor
@@ -301,7 +303,7 @@ def test_a_whole_step_with_gradients_made_inside_the_capture_replays_like_eager_
         model = net(9)
         params = list(model.parameters())
         lr = tcs.cuda(torch.tensor(1e-2, dtype=torch.float32))
-        opt = gft.AdamW(params, lr=lr, weight_decay=0.1, max_norm=0.5)
+        opt = flat_cls(params, lr=lr, weight_decay=0.1, max_norm=0.5)
         scaler = gft.GradScaler("cuda", init_scale=2.0**10, growth_interval=2)
         inputs = [tcs.cuda(torch.zeros_like(p)) for p in params]
         runs.append((params, lr, opt, scaler, inputs, make_whole_step(params, inputs, opt, scaler)))
@@ -390,13 +392,14 @@ def test_a_momentum_buffer_no_step_applied_before_the_capture_replays_like_eager
     assert cp.freed_in_flight == []
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lion"])
 def test_a_captured_step_replays_like_eager_steps_after_the_caches_are_cleared(cp, tc, name):
     # A step without a GradScaler reads an (unscale, skip) flags tensor of
     # gpuflat's own; the graph keeps it, and everything else its launches
     # read, whatever gf.cache_clear() drops and whatever takes the memory after.
     make = {"adamw": lambda ps: gft.AdamW(ps, lr=1e-2, max_norm=0.5),
-            "sgd": lambda ps: gft.SGD(ps, lr=1e-2, momentum=0.9, max_norm=0.5)}[name]
+            "sgd": lambda ps: gft.SGD(ps, lr=1e-2, momentum=0.9, max_norm=0.5),
+            "lion": lambda ps: gft.Lion(ps, lr=1e-3, weight_decay=0.1, max_norm=0.5)}[name]
     model, twin = net(6), net(6)
     opt, twin_opt = make(list(model.parameters())), make(list(twin.parameters()))
     with torch.cuda.stream(torch.cuda.Stream()):

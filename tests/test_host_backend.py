@@ -507,14 +507,15 @@ def test_the_optimizer_step_refuses_a_dtype_it_has_no_update_for():
     assert p.tolist() == [1.0, 1.0, 1.0]
 
 
-@pytest.mark.parametrize("rule", ["adamw", "sgd"])
+@pytest.mark.parametrize("rule", ["adamw", "sgd", "lion"])
 def test_without_the_optimizer_library_the_steps_are_the_numpy_backends_bits(rule, monkeypatch):
     from gpuflat._src import native
 
     rng = np.random.default_rng(5)
     p0, g = rng.standard_normal(37).astype(np.float32), rng.standard_normal(37).astype(np.float32)
-    group = (dict(lr=0.1, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8) if rule == "adamw"
-             else dict(lr=0.1, weight_decay=0.01, momentum=0.9, dampening=0.1, nesterov=False))
+    group = {"adamw": dict(lr=0.1, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8),
+             "sgd": dict(lr=0.1, weight_decay=0.01, momentum=0.9, dampening=0.1, nesterov=False),
+             "lion": dict(lr=0.1, weight_decay=0.01, betas=(0.9, 0.99))}[rule]
     hyper = np.array(RULES[rule].hyper_row(group))
 
     def step():

@@ -66,7 +66,7 @@ def test_a_pipeline_clip_inside_torch_compile_runs_between_graphs():
 
 
 def test_flat_optimizers_check_pp_mesh_and_tied_when_made():
-    """gft.AdamW and SGD refuse a bad pp_mesh or tied as the clip does, when
+    """gft.AdamW, SGD and Lion refuse a bad pp_mesh or tied as the clip does, when
     made, not at their first step (a world of one rank here)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -78,7 +78,7 @@ def test_flat_optimizers_check_pp_mesh_and_tied_when_made():
         pp = init_device_mesh("cpu", (1,), mesh_dim_names=("pp",))
         w = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
         stranger = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
-        for kind in (gft.AdamW, gft.SGD):
+        for kind in (gft.AdamW, gft.SGD, gft.Lion):
             for options, error, needle in (
                     (dict(pp_mesh=2), TypeError, "pp_mesh: expected a DeviceMesh or a torch.distributed ProcessGroup"),
                     (dict(pp_mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))), ValueError,

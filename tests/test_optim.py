@@ -1,11 +1,11 @@
-"""gpuflat.optim: the flat AdamW and SGD over a resident model.
+"""gpuflat.optim: the flat AdamW, SGD and Lion over a resident model.
 
 The update kernel runs on the emulated device (the CUDA source on the host)
 and in the host backend's native build, the NumPy backend is the reference:
 all three must give the same bits, step after step, for every real dtype,
 with and without the clip, with several parameter groups; and the result
 must be PyTorch's formulas (checked here against a plain float64 loop, and
-against torch.optim in test_torch_optim).
+against torch.optim in test_torch_optim); Lion's are lion-pytorch's.
 """
 import ast
 import math
@@ -20,7 +20,7 @@ from gpuflat._src.backends.cuda import ITEM
 from gpuflat._src.backends.selection import get_backend
 from gpuflat._src.dtypes import TAGS
 from gpuflat._src.layout import PARAM_ROW_FIELDS, RULES
-from gpuflat.optim import SGD, AdamW
+from gpuflat.optim import SGD, AdamW, Lion
 
 from conftest import BACKENDS, BF16, assert_bits_equal
 
@@ -69,6 +69,10 @@ MAKERS = {
                                               max_norm=2.0, groups=[{"params": ["['b']"], "amsgrad": False}]),
     "sgd-maximize": lambda r: SGD(r, lr=0.1, momentum=0.9, dampening=0.2, maximize=True,
                                   groups=[{"params": ["['e']"], "maximize": False, "momentum": 0.0}]),
+    "lion": lambda r: Lion(r, lr=0.01, weight_decay=0.1),
+    "lion-maximize-clip-groups": lambda r: Lion(r, lr=0.02, betas=(0.8, 0.95), weight_decay=0.1, maximize=True,
+                                                max_norm=1.0, groups=[{"params": ["['b']"], "weight_decay": 0.0,
+                                                                       "maximize": False, "lr": 0.05}]),
 }
 
 
@@ -124,6 +128,12 @@ def reference(rule, params, grads_per_step, hyper, max_norm=None):
                     st["vmax"] = np.maximum(st["vmax"], st["v"])
                 w = st["vmax"] if h.get("amsgrad") else st["v"]
                 p -= h["lr"] / (1 - a**n) * st["m"] / (np.sqrt(w) / math.sqrt(1 - b**n) + eps)
+            elif rule == "lion":  # lion-pytorch's order: decay, the sign's step, then the moment
+                a, b = h["betas"]
+                st["step"] += 1
+                p *= 1 - h["lr"] * h["weight_decay"]
+                p -= h["lr"] * np.sign(a * st["m"] + (1 - a) * g)
+                st["m"] = b * st["m"] + (1 - b) * g
             else:
                 d = g + h["weight_decay"] * p
                 if h["momentum"]:
@@ -137,12 +147,14 @@ def reference(rule, params, grads_per_step, hyper, max_norm=None):
 
 ADAMW = {"lr": 0.01, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
 SGD_OPTIONS = {"lr": 0.05, "momentum": 0.9, "dampening": 0.2, "weight_decay": 0.01, "nesterov": False}
+LION = {"lr": 0.01, "betas": (0.9, 0.99), "weight_decay": 0.1}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rule,flags", [("adamw", {}), ("adamw", {"maximize": True}), ("adamw", {"amsgrad": True}),
                                         ("adamw", {"amsgrad": True, "maximize": True}), ("sgd", {}),
-                                        ("sgd", {"maximize": True})], ids=str)
+                                        ("sgd", {"maximize": True}), ("lion", {}), ("lion", {"maximize": True})],
+                         ids=str)
 def test_formulas_are_pytorchs(backend, rule, flags):
     rng = np.random.default_rng(1)
     tree = {"w": rng.standard_normal(300), "b": rng.standard_normal(4)}
@@ -152,6 +164,9 @@ def test_formulas_are_pytorchs(backend, rule, flags):
     if rule == "adamw":
         opt = AdamW(r, **ADAMW, **flags, max_norm=3.0, groups=[{"params": ["['b']"], "weight_decay": 0.0}])
         hyper = {"['w']": {**ADAMW, **flags}, "['b']": {**ADAMW, **flags, "weight_decay": 0.0}}
+    elif rule == "lion":
+        opt = Lion(r, **LION, **flags, max_norm=3.0, groups=[{"params": ["['b']"], "weight_decay": 0.0}])
+        hyper = {"['w']": {**LION, **flags}, "['b']": {**LION, **flags, "weight_decay": 0.0}}
     else:
         opt = SGD(r, **SGD_OPTIONS, **flags, max_norm=3.0)
         hyper = {k: {**SGD_OPTIONS, **flags} for k in ("['w']", "['b']")}
@@ -165,6 +180,9 @@ def test_formulas_are_pytorchs(backend, rule, flags):
         np.testing.assert_allclose(r.params[k[2:-2]], v, rtol=1e-12, atol=1e-14)
         if flags.get("amsgrad"):
             np.testing.assert_allclose(opt.state[k]["max_exp_avg_sq"], state[k]["vmax"], rtol=1e-12, atol=1e-14)
+        if rule == "lion":
+            np.testing.assert_allclose(opt.state[k]["exp_avg"], state[k]["m"], rtol=1e-12, atol=1e-14)
+            assert float(opt.state[k]["step"]) == state[k]["step"] == len(grads)
     opt = SGD(r, lr=0.1)
     opt.groups[0]["lr"] = -1.0
     before = np.array(r.param_buffers[0])
@@ -356,6 +374,12 @@ def _row_reference(rule, before, h, factor, keeps):
             out["s2"] = w = np.maximum(f64["s2"], out["s1"])
         out["p"] = p - h["lr"] / (1 - b1**n) * out["s0"] / (np.sqrt(w) / math.sqrt(1 - b2**n) + h["eps"])
         out["step"] = n
+    elif rule == "lion":
+        b1, b2 = h["betas"]
+        p = p * (1 - h["lr"] * h["weight_decay"])
+        out["p"] = p - h["lr"] * np.sign(b1 * f64["s0"] + (1 - b1) * g)
+        out["s0"] = b2 * f64["s0"] + (1 - b2) * g
+        out["step"] = count + 1
     else:
         d = g + h["weight_decay"] * p
         if h["momentum"]:
@@ -459,6 +483,40 @@ def test_sgd_rows_count_their_buffers_updates(offset, dtype):
     for be in ("numpy", "host"):
         for t, u in zip(tables[be].tensors, tables["emulated"].tensors):
             for name in ("p", "s0", "step"):
+                assert_bits_equal(t[name], u[name])
+
+
+LION_ROWS = [dict(LION, betas=(0.8, 0.7)), dict(LION, betas=(0.8, 0.7), maximize=True),
+             dict(LION, betas=(0.5, 0.9), weight_decay=0.0)]
+
+
+@pytest.mark.parametrize("dtype", REAL, ids=str)
+@pytest.mark.parametrize("offset", [0, 1])
+def test_lion_rows_follow_lion_pytorch_and_give_every_backends_bits(offset, dtype):
+    # Groups with and without maximize and decay in one table; a clipped and
+    # unscaled step between plain ones, and a skipped one that leaves every
+    # parameter, exp_avg and count as it was.
+    rng = np.random.default_rng(6)
+    tables = {be: Rows("lion", dtype, [dict(g) for g in LION_ROWS], seed=8, offset=offset) for be in BACKENDS}
+    keeps = lambda t: {"s0", "step"}  # noqa: E731
+    plan = [(3.0, None, 0.0), (0.1, (40.0, 1.0, 0.5), 0.0), (1.0, None, 1.0), (0.1, None, 0.0)]
+    for k, (scale, factor, skip) in enumerate(plan):
+        grads_seed = int(rng.integers(1 << 30))
+        for be, table in tables.items():
+            table.gradients(np.random.default_rng(grads_seed), scale)
+            before = table.snapshot()
+            _step_rows(be, table, table.rows(keeps), factor, skip)
+            if skip:
+                for t, b in zip(table.tensors, before):
+                    for name in ("p", "s0", "step"):
+                        assert_bits_equal(t[name], b[name])
+                continue
+            coef = 1.0 if factor is None else min(1.0, factor[1] / (factor[0] + CLIP_EPS)) * factor[2]
+            _assert_step_is_pytorchs(table, before, coef, keeps)
+    assert [float(t["step"][0]) for t in tables["numpy"].tensors] == [3.0] * len(ROW_SIZES) * len(LION_ROWS)
+    for be in ("numpy", "host"):
+        for t, u in zip(tables[be].tensors, tables["emulated"].tensors):
+            for name in ("p", "s0", "s1", "s2", "step"):
                 assert_bits_equal(t[name], u[name])
 
 

@@ -1,4 +1,5 @@
-"""gpuflat.torch.AdamW and SGD against torch.optim's, on the CPU.
+"""gpuflat.torch.AdamW, SGD and Lion against torch.optim's (Lion: the plain
+PyTorch one of tests/torch_lion.py), on the CPU.
 
 The model has what real ones have: an embedding tied to the output layer,
 a frozen layer, BatchNorm, and a no-decay group for biases and norms. Over
@@ -21,6 +22,7 @@ import gpuflat.torch as gft  # noqa: E402
 from gpuflat._src import tensor_table  # noqa: E402
 from gpuflat._src.backends import get_backend  # noqa: E402
 from conftest import apart_at_most  # noqa: E402
+from torch_lion import Lion as TorchLion  # noqa: E402
 
 VOCAB, DIM, BATCH = 11, 8, 16
 # The two loops are one computation rounded differently: PyTorch's CPU
@@ -37,8 +39,10 @@ VOCAB, DIM, BATCH = 11, 8, 16
 # (the tied VOCAB x DIM weight) summed, the factor and the multiply; AdamW's
 # update, the longer: decay (2), both moments (3 and 4), both bias
 # corrections (2), the square root of the quotient (2), eps, the step's
-# quotient (2), lr and the subtraction (18 in all). Each loop is within the
-# bound of its steps times that of exact arithmetic (tests/conftest.py).
+# quotient (2), lr and the subtraction (18 in all); Lion's is shorter (decay
+# 2, the moment 3, the sign, lr and the subtraction), so 18 bounds it too.
+# Each loop is within the bound of its steps times that of exact arithmetic
+# (tests/conftest.py).
 # The models of the other tests here are no deeper.
 FORWARD_ROUNDINGS = 2 * (DIM + 1) + 1 + (2 * BATCH + 3) + (DIM + 1) + (VOCAB + 2) + BATCH
 STEP_ROUNDINGS = 2 * FORWARD_ROUNDINGS + 3 * BATCH + (VOCAB * DIM + 2) + 18
@@ -138,6 +142,7 @@ OPTIMIZERS = {
     "sgd": (torch.optim.SGD, gft.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)),
     "sgd-nesterov": (torch.optim.SGD, gft.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
     "sgd-plain": (torch.optim.SGD, gft.SGD, dict(lr=0.05)),
+    "lion": (TorchLion, gft.Lion, dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)),
 }
 
 
@@ -201,12 +206,14 @@ def test_a_parameter_without_a_gradient_is_skipped_as_in_torch(name, dtype):
 
 
 @pytest.mark.parametrize("backend", ["numpy", "host", "emulated"])
-def test_every_backend_steps_as_torch(backend):
+@pytest.mark.parametrize("torch_cls,flat_cls", [(torch.optim.AdamW, gft.AdamW), (TorchLion, gft.Lion)],
+                         ids=["adamw", "lion"])
+def test_every_backend_steps_as_torch(torch_cls, flat_cls, backend):
     # The emulated backend runs the CUDA kernels (the update over the
     # parameter table, the step counts) on the CPU tensors.
     net_t, net_f = pair(1)
-    opt_t = torch.optim.AdamW(net_t.parameters(), lr=1e-2, foreach=True)
-    opt_f = gft.AdamW(net_f.parameters(), lr=1e-2, max_norm=0.5)
+    opt_t = torch_cls(net_t.parameters(), lr=1e-2, foreach=True)
+    opt_f = flat_cls(net_f.parameters(), lr=1e-2, max_norm=0.5)
     data = batches(20, seed=1)
     run_torch(net_t, opt_t, data, max_norm=0.5)
     with tensor_table.serve_with(get_backend(backend)):
@@ -227,17 +234,20 @@ def test_lr_schedulers_change_lr_the_same_way():
     assert_close(net_t, opt_t, net_f, opt_f, len(data))
 
 
-def test_lr_may_be_a_tensor():
+@pytest.mark.parametrize("torch_cls,flat_cls,kw", [(torch.optim.SGD, gft.SGD, dict(lr=0.1, momentum=0.5)),
+                                                   (TorchLion, gft.Lion, dict(lr=0.01, weight_decay=0.1))],
+                         ids=["sgd", "lion"])
+def test_lr_may_be_a_tensor(torch_cls, flat_cls, kw):
     net_t, net_f = pair(3)
-    opt_t = torch.optim.SGD(net_t.parameters(), lr=torch.tensor(0.1), momentum=0.5, foreach=True)
-    opt_f = gft.SGD(net_f.parameters(), lr=torch.tensor(0.1), momentum=0.5)
+    opt_t = torch_cls(net_t.parameters(), foreach=True, **dict(kw, lr=torch.tensor(kw["lr"])))
+    opt_f = flat_cls(net_f.parameters(), **dict(kw, lr=torch.tensor(kw["lr"])))
     data = batches(5, seed=3)
     run_torch(net_t, opt_t, data)
     run_flat(net_f, opt_f, data)
     assert_close(net_t, opt_t, net_f, opt_f, len(data))
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lion"])
 def test_state_dicts_load_both_ways(name):
     torch_cls, flat_cls, kw = OPTIMIZERS[name]
     data = batches(20, seed=4)
@@ -379,7 +389,7 @@ def state_snapshot(opt):
 
 
 @pytest.mark.parametrize("scaler_name", list(SCALERS))
-@pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lion"])
 def test_thirty_scaled_steps_match_torch(name, scaler_name):
     torch_cls, flat_cls, kw = OPTIMIZERS[name]
     net_t, net_f = pair(6)
@@ -424,7 +434,7 @@ def test_gpuflat_gradscaler_takes_the_flag_from_the_norm_pass(monkeypatch):
 
 # TorchDynamo warns where it traces into code it cannot follow faithfully.
 @pytest.mark.filterwarnings("error::UserWarning")
-@pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lion"])
 def test_a_compiled_training_step_matches_torch(name):
     # torch.compile traces the forward, the backward and the step, down to
     # gpuflat's operators (tests/test_torch_optim_compile.py).
@@ -496,7 +506,7 @@ def side_by_side(name, make_params, loop, steps=LOOP_STEPS, seed=7, max_norm=1.0
 
 
 LOOP_CASES = [(None, None), (1.0, None), (1.0, "stock"), (None, "gpuflat"), (1.0, "gpuflat")]
-LOOP_OPTIMIZERS = ["adamw", "sgd"]
+LOOP_OPTIMIZERS = ["adamw", "sgd", "lion"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
@@ -700,7 +710,7 @@ def test_sgd_momentum_made_at_a_skipped_first_step_stays_new_as_in_torch(scaler_
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
-@pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lion"])
 def test_the_host_library_and_the_kernels_give_the_same_bits_on_every_dtype(name, dtype):
     # The host library and the CUDA kernels on the emulated device compute
     # each element by the same operations in the same precision (float for

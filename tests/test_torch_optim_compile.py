@@ -1,4 +1,4 @@
-"""gpuflat.torch.AdamW and SGD inside torch.compile: ``step()`` traces down
+"""gpuflat.torch.AdamW, SGD and Lion inside torch.compile: ``step()`` traces down
 to gpuflat's operators (gpuflat._src.torch_optim_ops) with no graph break in
 gpuflat's code, with and without max_norm, under gpuflat's GradScaler and
 PyTorch's; ``zero_grad()`` reallocating the gradients recompiles nothing;
@@ -32,6 +32,7 @@ OPTIMIZERS = {
     "adamw": (gft.AdamW, dict(lr=1e-2, weight_decay=0.1), dict(weight_decay=0.0)),
     "sgd": (gft.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01), dict(weight_decay=0.0)),
     "sgd-mixed": (gft.SGD, dict(lr=0.05, momentum=0.9, nesterov=True), dict(momentum=0.0, nesterov=False)),
+    "lion": (gft.Lion, dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1), dict(weight_decay=0.0)),
 }
 SCALERS = {"stock": torch.amp.GradScaler, "gpuflat": gft.GradScaler}
 INF_STEP = 2
@@ -203,7 +204,7 @@ def test_a_skipped_first_step_leaves_compiled_sgd_momentum_new_as_torch(scaler_n
             torch.testing.assert_close(a, b, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lion"])
 def test_dtensor_parameters_compile_with_the_eager_bits(name):
     # The operators take the local shards; the norm over the mesh, a
     # collective, runs between two graphs. One rank: the same code paths.
@@ -279,7 +280,7 @@ def addresses_updated(monkeypatch) -> list:
     return seen
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lion"])
 @pytest.mark.slow  # Inductor builds C++ with g++
 def test_inductor_updates_in_place_with_the_eager_bits_and_peak_memory(name, monkeypatch):
     torch.manual_seed(4)

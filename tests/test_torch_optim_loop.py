@@ -1,7 +1,8 @@
-"""gpuflat.torch.AdamW and SGD under a training loop that edits the
+"""gpuflat.torch.AdamW, SGD and Lion under a training loop that edits the
 optimizer itself: its groups, their flags and hyperparameters, its state,
 checkpoints after skipped steps. Every case runs the same loop with
-torch.optim in float64 and compares normwise per tensor, to 1e-12 relative.
+torch.optim in float64 (Lion: tests/torch_lion.py) and compares normwise
+per tensor, to 1e-12 relative.
 
 The numbered cases each failed on 0.7.0, whose rows were kept while the
 groups' lists, their lengths and the state dict kept their identity; the
@@ -18,10 +19,14 @@ import torch
 
 import gpuflat as gf
 import gpuflat.torch as gft
+from torch_lion import Lion as TorchLion
 
 RTOL = 1e-12
-TORCH = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
-FLAT = {"adamw": gft.AdamW, "sgd": gft.SGD}
+TORCH = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "lion": TorchLion}
+FLAT = {"adamw": gft.AdamW, "sgd": gft.SGD, "lion": gft.Lion}
+# The options of the tests below that take one optimizer at a time.
+OPTIONS = {"adamw": {"lr": 0.1}, "sgd": {"lr": 0.1, "momentum": 0.9, "dampening": 0.3},
+           "lion": {"lr": 0.01, "weight_decay": 0.1}}
 
 
 def close(a, b, what, floor=0.0) -> None:
@@ -46,7 +51,7 @@ def as_torch_keeps(opt) -> dict:
     kept = {}
     for k, p in enumerate(q for g in opt.param_groups for q in g["params"]):
         s = {name: v for name, v in opt.state.get(p, {}).items() if v is not None}
-        if isinstance(opt, (gft.AdamW, gft.SGD)) and torch.is_tensor(s.get("step")) and float(s["step"]) == 0:
+        if isinstance(opt, _Flat) and torch.is_tensor(s.get("step")) and float(s["step"]) == 0:
             s = {}
         if "momentum_buffer" in s:
             s.pop("step", None)
@@ -107,7 +112,8 @@ SHAPES = [(4, 3), (5,), ()]
 
 @pytest.mark.parametrize("name, flags", [("adamw", {"maximize": True}), ("adamw", {"amsgrad": True}),
                                          ("adamw", {"maximize": True, "amsgrad": True}),
-                                         ("sgd", {"maximize": True, "momentum": 0.9})])
+                                         ("sgd", {"maximize": True, "momentum": 0.9}),
+                                         ("lion", {"maximize": True}), ("lion", {"weight_decay": 0.3})])
 @pytest.mark.parametrize("how", ["params list", "add_param_group"])
 def test_1_a_groups_own_flags_are_followed(name, flags, how):
     params_t, params_f = twins(SHAPES, 1)
@@ -151,10 +157,11 @@ def _edit_state(opt, ps, edit):
 
 @pytest.mark.parametrize("name, edit", [("adamw", "clear"), ("adamw", "del"), ("adamw", "new exp_avg"),
                                         ("adamw", "new step"), ("sgd", "clear"), ("sgd", "del"),
-                                        ("sgd", "new momentum_buffer")])
+                                        ("sgd", "new momentum_buffer"), ("lion", "clear"), ("lion", "del"),
+                                        ("lion", "new exp_avg"), ("lion", "new step")])
 def test_2_edits_of_the_state_are_followed(name, edit):
     params_t, params_f = twins(SHAPES, 3)
-    kw = {"lr": 0.1} if name == "adamw" else {"lr": 0.1, "momentum": 0.9, "dampening": 0.3}
+    kw = OPTIONS[name]
     opt_t, opt_f = TORCH[name](params_t, **kw), FLAT[name](params_f, **kw)
     steps(params_t, params_f, opt_t, opt_f, 0, 2)
     _edit_state(opt_t, params_t, edit)
@@ -162,10 +169,10 @@ def test_2_edits_of_the_state_are_followed(name, edit):
     steps(params_t, params_f, opt_t, opt_f, 2, 3, edit)
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lion"])
 def test_2_a_parameter_swapped_in_a_groups_list_is_followed(name):
     params_t, params_f = twins(SHAPES, 4)
-    kw = {"lr": 0.1} if name == "adamw" else {"lr": 0.1, "momentum": 0.9}
+    kw = {"adamw": {"lr": 0.1}, "sgd": {"lr": 0.1, "momentum": 0.9}, "lion": OPTIONS["lion"]}[name]
     opt_t, opt_f = TORCH[name](params_t, **kw), FLAT[name](params_f, **kw)
     steps(params_t, params_f, opt_t, opt_f, 0, 2)
     new_t, new_f = twins([(4, 3)], 5)
@@ -253,11 +260,11 @@ def test_norm_type_inf_may_be_a_string_as_in_the_drop_in():
         same(params_t, params_f, opt_t, opt_f, f"step {k}")
 
 
-@pytest.mark.parametrize("name", ["sgd", "adamw"])
+@pytest.mark.parametrize("name", ["sgd", "adamw", "lion"])
 def test_a_model_made_double_mid_training_is_followed(name):
     # torch.optim.SGD carries on with its float32 buffer, torch.optim.AdamW
     # raises; gpuflat's state follows the parameters into float64.
-    kw = {"lr": 0.1, "momentum": 0.9} if name == "sgd" else {"lr": 0.1}
+    kw = {"sgd": {"lr": 0.1, "momentum": 0.9}, "adamw": {"lr": 0.1}, "lion": OPTIONS["lion"]}[name]
     model = torch.nn.Linear(3, 2)
     opt = FLAT[name](model.parameters(), **kw)
     model(torch.ones(4, 3)).sum().backward()
@@ -297,10 +304,13 @@ class Loop:
     """One random training loop, run with torch.optim and gpuflat side by
     side; ``actions`` says what it did, for the failure message."""
 
-    def __init__(self, seed):
+    def __init__(self, seed, name=None):
         self.seed, self.rng = seed, np.random.default_rng(seed)
         rng = self.rng
-        self.name = ["adamw", "sgd"][rng.integers(2)]
+        # Drawn whether or not ``name`` is given: the seeds of AdamW and SGD
+        # draw what they drew before Lion was added.
+        drawn = ["adamw", "sgd"][rng.integers(2)]
+        self.name = name or drawn
         self.max_norm = [None, 0.7, 50.0][rng.integers(3)]
         self.scaler = [None, "torch", "gpuflat"][rng.integers(3)]
         self.actions = [f"{self.name}, max_norm={self.max_norm}, scaler={self.scaler}"]
@@ -328,6 +338,10 @@ class Loop:
                     "betas": (float(rng.uniform(0.5, 0.95)), float(rng.uniform(0.9, 0.999))),
                     "weight_decay": float(rng.choice([0.0, 0.05])), "maximize": bool(rng.integers(2)),
                     "amsgrad": bool(rng.integers(2))}
+        if self.name == "lion":
+            return {"lr": float(rng.uniform(0.001, 0.1)),
+                    "betas": (float(rng.uniform(0.5, 0.95)), float(rng.uniform(0.9, 0.999))),
+                    "weight_decay": float(rng.choice([0.0, 0.05])), "maximize": bool(rng.integers(2))}
         momentum = float(rng.choice([0.0, 0.9]))
         nesterov = momentum > 0 and bool(rng.integers(2))
         return {"lr": float(rng.uniform(0.001, 0.1)), "momentum": momentum,
@@ -467,11 +481,11 @@ class Loop:
         same(self.params_t, self.params_f, self.opt_t, self.opt_f, f"step {k}", floor)
 
 
-_Flat = (gft.AdamW, gft.SGD)
+_Flat = (gft.AdamW, gft.SGD, gft.Lion)
 
 
-def run_loop(seed, n_steps=12) -> None:
-    loop = Loop(seed)
+def run_loop(seed, n_steps=12, name=None) -> None:
+    loop = Loop(seed, name)
     try:
         for k in range(n_steps):
             loop.edit(k)
@@ -490,6 +504,17 @@ def test_a_loop_that_edits_the_optimizer_trains_as_torch(seed):
 @pytest.mark.parametrize("seed", range(80, 1000))
 def test_a_loop_that_edits_the_optimizer_trains_as_torch_many_seeds(seed):
     run_loop(seed, n_steps=20)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_loop_that_edits_lion_trains_as_torch(seed):
+    run_loop(seed, name="lion")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(40, 500))
+def test_a_loop_that_edits_lion_trains_as_torch_many_seeds(seed):
+    run_loop(seed, n_steps=20, name="lion")
 
 
 def test_the_fuzz_fails_where_a_step_ignores_an_edit(monkeypatch):

@@ -402,6 +402,20 @@ def _sgd(p: np.ndarray, g: np.ndarray, states: Sequence[Any], h: Sequence[float]
     store(p, pc + C(-lr) * d)
 
 
+def _lion(p: np.ndarray, g: np.ndarray, states: Sequence[Any], h: Sequence[float], step: float, factor: float,
+          C: type[np.floating]) -> None:
+    """Lion (kernels/gpuflat_lion.cuh): u = sign(beta1 * m + (1 - beta1) * g),
+    p = p * (1 - lr * weight_decay) - lr * u, m = beta2 * m + (1 - beta2) * g;
+    ``states`` is exp_avg. np.sign is torch.sign: 0 at 0, NaN at NaN."""
+    lr, wd, b1, b2 = h[:4]
+    m = states[0]
+    gc = g.astype(C) * C(group_factor(h, factor))
+    mc = m.astype(C)
+    u = np.sign(mc * C(b1) + C(1.0 - b1) * gc)
+    store(p, p.astype(C) * C(1.0 - lr * wd) + C(-lr) * u)
+    store(m, mc * C(b2) + C(1.0 - b2) * gc)
+
+
 # The group flags the kernels read, each False where a group lacks it.
 FLAGS = ("maximize", "amsgrad")
 # The state buffers the generic kernels take (gpuflat_rule in kernels/optim.cu):
@@ -418,6 +432,9 @@ RULES = {rule.name: rule for rule in (
                  Check("nesterov only with momentum > 0 and dampening 0",
                        lambda g: not g["nesterov"] or (float(g["momentum"]) > 0.0 and float(g["dampening"]) == 0.0),
                        lambda g: (float(g["momentum"]), float(g["dampening"]))))),
+    Rule("lion", number=2, hyper=("lr", "weight_decay", "beta1", "beta2", None, "maximize"),
+         state_names=("exp_avg",), torch_name="Lion", numpy=_lion, checks=(_betas_in_unit(),),
+         kernel="gf_lion", header="gpuflat_lion.cuh"),
 )}
 
 
