@@ -137,3 +137,28 @@ def test_the_tensor_list_row_is_the_kernels():
     body = re.search(r"struct ParamRow \{(.*?)\n\};", header, re.S).group(1)
     fields = [name.strip() for line in re.findall(r"^\s*long long ([^;]+);", body, re.M) for name in line.split(",")]
     assert tuple(fields) == layout.PARAM_ROW_FIELDS
+
+
+def test_the_kernels_comments_name_modules_that_exist():
+    # The C++ names the Python it mirrors by module path; a path from before a
+    # move would send a reader to nothing.
+    import importlib
+    from pathlib import Path
+
+    root = Path(layout.__file__).parents[2]
+    named = {m for p in kl.kernel_dir().rglob("*") if p.suffix in (".cu", ".cuh", ".h", ".cpp")
+             for m in re.findall(r"gpuflat(?:[./]\w+)+", p.read_text())}
+    assert named
+    for name in named:
+        if "/" in name:
+            assert (root / name).is_file(), name
+            continue
+        parts = name.split(".")
+        for k in range(len(parts), 0, -1):
+            try:
+                found = importlib.import_module(".".join(parts[:k]))
+            except ImportError:
+                continue
+            for attr in parts[k:]:
+                found = getattr(found, attr)  # AttributeError names the stale one
+            break

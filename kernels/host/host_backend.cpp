@@ -1,4 +1,4 @@
-// The native host backend (gpuflat/backends/host.py): gather, scatter, norms
+// The native host backend (gpuflat/_src/backends/host.py): gather, scatter, norms
 // and clipping over NumPy arrays, on every core, with the CUDA kernels'
 // arithmetic and summation order.
 //
@@ -51,7 +51,7 @@
 
 namespace {
 
-constexpr long long ITEM = 4096;  // elements per work item: gpuflat.layout.ITEM
+constexpr long long ITEM = 4096;  // elements per work item: gpuflat._src.layout.ITEM
 // Below this many elements per thread, starting a thread costs more than it
 // saves: a start costs tens of microseconds on an idle machine, and
 // milliseconds when other processes hold the cores, while 2M elements are a
@@ -106,7 +106,7 @@ long long itemsize_of(int tag) {
 
 // Whether merged dims (`kept` pairs of extent and byte stride in `n_s`, no
 // extent 1) fill one dense block of memory: sorted by |stride|, a C-contiguous
-// layout's (gpuflat/memory_order.py's dense_start). If so, `start` is the byte
+// layout's (gpuflat/_src/memory_order.py's dense_start). If so, `start` is the byte
 // offset of the block's lowest address. Norms and clips read such a leaf as
 // that block, contiguously, in memory order.
 bool dense_block(const long long* n_s, int kept, long long itemsize, long long& start) {
@@ -209,7 +209,7 @@ struct LeafSet {
         return true;
     }
 
-    // The leaves of a leaf table (LeafRef rows, gpuflat/backends/cuda.py's
+    // The leaves of a leaf table (LeafRef rows, gpuflat/_src/backends/cuda.py's
     // layout), as gpuflat.torch builds it from tensors' metadata, for norms
     // and clips: a row filling one dense block reads as that block. A
     // contiguous row whose address is not a multiple of its itemsize reads
@@ -356,7 +356,7 @@ Workspace& workspace() {
 }
 
 // The items of a plan from its offsets (n_slots + 1 of them), as
-// gpuflat.backends.cuda.plan_items builds them, into `items`.
+// gpuflat._src.backends.cuda.plan_items builds them, into `items`.
 void plan_items(const long long* offsets, long long n_slots, std::vector<Item>& items) {
     items.clear();
     for (long long s = 0; s < n_slots; ++s)
@@ -892,7 +892,7 @@ struct Prepared {
 };
 
 // Arrays read once and kept under the token Python gives arrays it has found
-// unchanged since they were read (gpuflat/seen.py: the same objects, at the
+// unchanged since they were read (gpuflat/_src/seen.py: the same objects, at the
 // same addresses, of the same dtypes, shapes, strides and flags): a tree met
 // again costs no read of its arrays here, only the work. A few per thread,
 // the most recently used first.
@@ -1037,7 +1037,7 @@ GF_EXPORT long long gf_host_norms_rows(PyObject* rows, PyObject* offsets, int ki
     return run_norms(w.set, w.items, kind, p, threads, per_leaf, total, first_bad);
 }
 
-// What a tree record (gpuflat/seen.py) compares from call to call about
+// What a tree record (gpuflat/_src/seen.py) compares from call to call about
 // its NumPy arrays, read in one loop: per array its identity, data address,
 // dtype (number and byte order), flags (writable and contiguous among them),
 // ndim, dims and strides, as int64 words into `out`. Returns the number of

@@ -1,4 +1,4 @@
-// The flat optimizers' update on the host (gpuflat/backends/host.py): the
+// The flat optimizers' update on the host (gpuflat/_src/backends/host.py): the
 // CUDA kernels' element arithmetic (gpuflat_optim.cuh, compiled for the host
 // through host_prelude.h) over the same work items, each item's elements in
 // one contiguous loop that the compiler vectorises. Every element is
@@ -159,7 +159,7 @@ bool rows_step(int rule, const ParamRow* rows, long long n_rows, const double* h
     return true;
 }
 
-// f(S{}) for the dtype tags of gpuflat.dtypes.TAGS the optimizers take.
+// f(S{}) for the dtype tags of gpuflat._src.dtypes.TAGS the optimizers take.
 template <class F>
 bool dispatch(int tag, F f) {
     switch (tag) {

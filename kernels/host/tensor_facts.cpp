@@ -1,4 +1,4 @@
-// PyTorch tensors' metadata in one native pass (gpuflat/tensor_facts.py).
+// PyTorch tensors' metadata in one native pass (gpuflat/_src/tensor_facts.py).
 //
 // gpuflat.torch finds a call's leaf table again by each tensor's address,
 // element count, dtype and contiguity. Read from Python, with a method call
@@ -31,7 +31,7 @@ PyTypeObject* g_parameter = nullptr;
 // gpuflat's code of each c10::ScalarType: its position in the dtype list
 // given at init (so the Python fallback computes the same codes), -1 if absent.
 int64_t g_code[256];
-// The rest of a tensor's code word (gpuflat/tensor_facts.py): whether it is
+// The rest of a tensor's code word (gpuflat/_src/tensor_facts.py): whether it is
 // contiguous; whether it is a conjugate or negative view (its memory holds
 // other values than it shows); its device's kind and index + 1.
 constexpr int64_t CONTIGUOUS = int64_t(1) << 16;
