@@ -3,6 +3,8 @@ and the host libraries spell out again is read back from their sources here,
 so a drift on either side fails."""
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import re
 
 import numpy as np
@@ -142,7 +144,6 @@ def test_the_tensor_list_row_is_the_kernels():
 def test_the_kernels_comments_name_modules_that_exist():
     # The C++ names the Python it mirrors by module path; a path from before a
     # move would send a reader to nothing.
-    import importlib
     from pathlib import Path
 
     root = Path(layout.__file__).parents[2]
@@ -162,3 +163,24 @@ def test_the_kernels_comments_name_modules_that_exist():
             for attr in parts[k:]:
                 found = getattr(found, attr)  # AttributeError names the stale one
             break
+
+
+def test_every_clip_takes_the_one_eps():
+    import inspect
+
+    import gpuflat
+    import gpuflat.distributed
+    import gpuflat.optim
+    from gpuflat._src import ops, ranks, residency
+
+    assert layout.CLIP_EPS == 1e-6  # PyTorch's clip_grad_norm_: max_norm / (total_norm + 1e-6)
+    clips = [gpuflat.clip_grad_norm_, gpuflat.clip_by_global_norm, ops.clip_grad_norm_, ops.clip_by_global_norm,
+             ranks.clip_grad_norm_, gpuflat.distributed.clip_grad_norm_, residency.Resident.clip_grad_norm_]
+    for clip in clips:
+        assert inspect.signature(clip).parameters["eps"].default is layout.CLIP_EPS, clip
+    assert gpuflat.optim._CLIP_EPS is layout.CLIP_EPS
+    if importlib.util.find_spec("torch") is not None:
+        import gpuflat.torch
+        from gpuflat._src import torch_optim_ops
+
+        assert gpuflat.torch._EPS is layout.CLIP_EPS and torch_optim_ops.CLIP_EPS is layout.CLIP_EPS

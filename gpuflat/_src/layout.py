@@ -74,6 +74,9 @@ BLOCK_SLOT_ITEMS = 4096
 # Norm kinds, the template argument of the norm kernels and the kind the host
 # library takes (GF_NORM_* in kernels/gpuflat_math.cuh).
 NORM_KINDS = {"l1": 0, "l2": 1, "inf": 2, "p": 3}
+# The clip's default eps, PyTorch's clip_grad_norm_'s: the factor is
+# min(1, max_norm / (norm + CLIP_EPS)). The kernels take it by value.
+CLIP_EPS = 1e-6
 
 # Doubles per parameter group in the hyperparameter table (GF_HYPER in
 # kernels/gpuflat_optim.cuh): a rule's row holds its ``Rule.hyper`` fields,

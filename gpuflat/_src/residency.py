@@ -32,7 +32,7 @@ from . import dtensor
 from . import tree as _tree
 from .backends.protocol import LeafRows
 from .backends.selection import select
-from .layout import dense_row
+from .layout import CLIP_EPS, dense_row
 from ..errors import CaptureError
 from .flatplan import FlatPlan, LeafSpec
 from . import clipping
@@ -378,7 +378,7 @@ class Resident(ResidentGradients):
         self._sync()
         return clipping.total_norm(self._bound(self._params), p).total
 
-    def clip_grad_norm_(self, max_norm: float, ord: float = 2, *, eps: float = 1e-6,
+    def clip_grad_norm_(self, max_norm: float, ord: float = 2, *, eps: float = CLIP_EPS,
                         error_if_nonfinite: bool = False) -> Any:
         """Scale the gradients by min(1, max_norm / (norm + eps)) in place; return the norm.
 
