@@ -13,7 +13,7 @@ import pytest
 from gpuflat._src import dtypes, layout
 from gpuflat._src import kernel_loader as kl
 
-SOURCES = {**kl.sources(), **{f"host/{p.name}": p.read_text() for p in (kl.kernel_dir() / "host").glob("*.cpp")}}
+SOURCES = {**kl.sources(), **{f"host/{p.name}": p.read_text() for p in (kl.kernel_dir() / "host").glob("*.[ch]*")}}
 # The value literal each kernel dispatch case passes for a C++ type.
 _LITERAL_TYPE = {"0.0f": "float", "0.0": "double"}
 
@@ -66,10 +66,18 @@ def test_the_host_library_reads_each_tag():
 
 
 def test_the_host_libraries_work_item_is_the_layouts():
-    assert re.search(r"constexpr long long ITEM = (\d+);", SOURCES["host/host_backend.cpp"]).group(1) \
-        == str(layout.ITEM)
-    assert "constexpr long long ITEM = GF_ITEM;" in SOURCES["host/host_optim.cpp"]
+    assert "constexpr long long ITEM = GF_ITEM;" in SOURCES["host/host_backend.cpp"]
     assert _defines(layout.RULES_HEADER)["GF_ITEM"] == layout.ITEM
+    # Both host libraries cut their items with the one helper, which alone spells out the cut.
+    assert SOURCES["host/host_items.h"].count("+= GF_ITEM") == 1
+    for name in ("host/host_backend.cpp", "host/host_optim.cpp"):
+        assert '#include "host_items.h"' in SOURCES[name] and "gf_append_items(" in SOURCES[name]
+        assert not re.search(r"\+= (GF_)?ITEM\b", SOURCES[name]), name
+    # As the layout's work_items cuts them for the kernels: its rows are struct Item's.
+    items = layout.work_items([0, 1, layout.ITEM, layout.ITEM + 1], [0, 0, 1, 1 + layout.ITEM])
+    assert items.shape == (1 + 1 + 2, layout.ITEM_WORDS)
+    assert items.tolist() == [[1, 0, 1, 0], [2, 0, layout.ITEM, 1], [3, 0, layout.ITEM, 1 + layout.ITEM],
+                              [3, layout.ITEM, 1, 1 + 2 * layout.ITEM]]
     # Every item of a leaf starts as aligned as the leaf: 32 lanes of 16-byte vectors of 2-byte elements.
     assert layout.ITEM % (32 * 8) == 0
 

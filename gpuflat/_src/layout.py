@@ -485,6 +485,27 @@ def leaf_row(shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any) -> li
             + [sum(k << (8 * d) for d, k in enumerate(shifts))])
 
 
+def work_items(sizes: Sequence[int] | np.ndarray, firsts: Sequence[int] | np.ndarray | int = 0) -> np.ndarray:
+    """The work items of slots of ``sizes`` elements, one int64 row of
+    ITEM_WORDS each (struct Item: slot, start, length, flat): each slot cut
+    into items of ITEM elements and a shorter last one, in order. ``firsts``
+    is where each slot's first element lies in the flat buffer: 0 for
+    parameter rows, which have none (their update reads start, never flat).
+    The host libraries cut them alike (``kernels/host/host_items.h``).
+
+    >>> work_items([3, 0, ITEM + 1], [0, 3, 3]).tolist()
+    [[0, 0, 3, 0], [2, 0, 4096, 3], [2, 4096, 1, 4099]]
+    """
+    sizes = np.asarray(sizes, np.int64)
+    counts = -(-sizes // ITEM)
+    slot = np.repeat(np.arange(len(sizes), dtype=np.int64), counts)
+    first = np.cumsum(counts) - counts
+    start = (np.arange(len(slot), dtype=np.int64) - first[slot]) * ITEM
+    length = np.minimum(ITEM, sizes[slot] - start)
+    flat = np.broadcast_to(np.asarray(firsts, np.int64), sizes.shape)[slot] + start
+    return np.stack([slot, start, length, flat], axis=1).astype(np.int64)
+
+
 def dense_row(size: int, dtype: Any) -> list[int]:
     """``leaf_row`` of a dense 1-D array of ``size`` elements, which keeps no dims.
 

@@ -46,12 +46,15 @@
 
 #include "host_prelude.h"
 #include "gpuflat_math.cuh"
+// The layout's item size, dtype tags and rule numbers (written from gpuflat._src.layout).
+#include "gpuflat_rules.h"
+#include "host_items.h"
 
 #define GF_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
 
-constexpr long long ITEM = 4096;  // elements per work item: gpuflat._src.layout.ITEM
+constexpr long long ITEM = GF_ITEM;  // elements per work item
 // Below this many elements per thread, starting a thread costs more than it
 // saves: a start costs tens of microseconds on an idle machine, and
 // milliseconds when other processes hold the cores, while 2M elements are a
@@ -359,9 +362,7 @@ Workspace& workspace() {
 // gpuflat._src.backends.cuda.plan_items builds them, into `items`.
 void plan_items(const long long* offsets, long long n_slots, std::vector<Item>& items) {
     items.clear();
-    for (long long s = 0; s < n_slots; ++s)
-        for (long long start = 0; start < offsets[s + 1] - offsets[s]; start += ITEM)
-            items.push_back(Item{s, start, std::min(ITEM, offsets[s + 1] - offsets[s] - start), offsets[s] + start});
+    for (long long s = 0; s < n_slots; ++s) gf_append_items(items, s, offsets[s + 1] - offsets[s], offsets[s]);
 }
 
 long long cost_of(const Item& item) { return item.len + ITEM_OVERHEAD; }
