@@ -59,9 +59,12 @@ def test_the_kernels_dispatch_each_tag_to_its_type():
 
 def test_the_host_library_reads_each_tag():
     # Python gives the library each tag's NumPy type number (gpuflat._src.native, from the dtype table).
+    # The count and item sizes come from the written header, indexed by tag.
+    assert [tag for tag, _, _, _ in layout.DTYPES] == list(range(len(layout.DTYPES)))
     source = SOURCES["host/host_backend.cpp"]
-    assert re.search(r"constexpr int N_TAGS = (\d+);", source).group(1) == str(len(layout.DTYPES))
-    sizes = re.search(r"static const long long sizes\[\] = \{([\d, ]+)\};", source).group(1)
+    assert "constexpr int N_TAGS = GF_N_TAGS;" in source and "sizes[] = {GF_ITEMSIZES};" in source
+    assert _defines(layout.RULES_HEADER)["GF_N_TAGS"] == len(layout.DTYPES)
+    sizes = re.search(r"^#define GF_ITEMSIZES ([\d, ]+)$", SOURCES[layout.RULES_HEADER], re.M).group(1)
     assert tuple(int(s) for s in sizes.split(",")) == layout.ITEMSIZES
 
 

@@ -432,7 +432,8 @@ def rules_header() -> str:
     """The C++ header ``gpuflat_rules.h``, written from this module (the
     kernel loader hands it to every build beside the sources; it is never
     on disk): the elements of a work item, each dtype's tag
-    (``GF_TAG_<C++ name>``), each rule's number (``GF_RULE_<NAME>``), and
+    (``GF_TAG_<C++ name>``), their count and item sizes in tag order
+    (``GF_N_TAGS``, ``GF_ITEMSIZES``), each rule's number (``GF_RULE_<NAME>``), and
     the rules with a ``kernel`` struct: their headers included and
     ``GF_GENERIC_RULES(X)`` calling ``X(number, struct)`` for each, which the
     host library's dispatch expands.
@@ -444,6 +445,7 @@ def rules_header() -> str:
     lines = ["// Written by gpuflat._src.layout.rules_header(): the layout's facts the C++ reads.", "#pragma once",
              f"#define GF_ITEM {ITEM}", f"#define GF_GENERIC_STATES {GENERIC_STATES}"]
     lines += [f"#define GF_TAG_{c_name} {tag}" for tag, _, c_name, _ in DTYPES]
+    lines += [f"#define GF_N_TAGS {len(DTYPES)}", f"#define GF_ITEMSIZES {', '.join(map(str, ITEMSIZES))}"]
     lines += [f"#define GF_RULE_{rule.name.upper()} {rule.number}" for rule in RULES.values()]
     lines += [f'#include "{header}"' for header in dict.fromkeys(rule.header for rule in generic)]
     lines.append("#define GF_GENERIC_RULES(X) " + " ".join(f"X({rule.number}, {rule.kernel})" for rule in generic))

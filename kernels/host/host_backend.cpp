@@ -34,6 +34,7 @@
 #include <numpy/ndarraytypes.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -85,12 +86,16 @@ struct Leaf {
 // The most dims an array may have: NumPy 2's limit (NumPy 1's is 32). An
 // array with more (a NumPy yet to come) is refused, never overrun.
 constexpr int MAX_DIMS = 64;
-constexpr int N_TAGS = 6;
+constexpr int N_TAGS = GF_N_TAGS;
 
 PyTypeObject* g_ndarray = nullptr;
 // The NumPy type number of each dtype tag (gpuflat/_src/layout.py's rows),
 // -1 for one not known yet (bfloat16 before ml_dtypes is imported).
-int g_type_num[N_TAGS] = {-1, -1, -1, -1, -1, -1};
+std::array<int, N_TAGS> g_type_num = [] {
+    std::array<int, N_TAGS> nums;
+    nums.fill(-1);
+    return nums;
+}();
 
 int tag_of(PyArrayObject* a) {
     const int num = PyArray_TYPE(a);
@@ -103,7 +108,7 @@ int tag_of(PyArrayObject* a) {
 bool aligned(PyArrayObject* a) { return (PyArray_FLAGS(a) & NPY_ARRAY_ALIGNED) != 0; }
 
 long long itemsize_of(int tag) {
-    static const long long sizes[] = {2, 2, 4, 8, 8, 16};
+    static const long long sizes[] = {GF_ITEMSIZES};
     return sizes[tag];
 }
 
@@ -976,7 +981,7 @@ const Prepared* prepare(PyObject* arrays, PyObject* offsets, long long token, Or
 // type_nums: the NumPy type number of each dtype tag, -1 for one not known yet.
 GF_EXPORT void gf_host_init(PyObject* ndarray_type, const int* type_nums) {
     g_ndarray = (PyTypeObject*)ndarray_type;
-    std::copy(type_nums, type_nums + N_TAGS, g_type_num);
+    std::copy(type_nums, type_nums + N_TAGS, g_type_num.begin());
 }
 
 namespace {
