@@ -35,6 +35,8 @@ TAGS = {np.dtype(name): tag for tag, name, _, _ in DTYPES if tag != _BFLOAT16_TA
 CUDA_NAMES = {dtype: C_NAMES[tag] for dtype, tag in TAGS.items()}
 _DTYPE_OF_TAG = {tag: dtype for dtype, tag in TAGS.items()}
 _when_registered: list[Callable[[np.dtype], object]] = []
+# The table's dtypes as a message lists them.
+_LISTED = " or ".join((", ".join(name for _, name, _, _ in DTYPES[:-1]), DTYPES[-1][1]))
 # Each row's NumPy name, by that name and by its C++ name.
 _NUMPY_NAME = {**{c: name for _, name, c, _ in DTYPES}, **{name: name for _, name, _, _ in DTYPES}}
 
@@ -162,8 +164,7 @@ def unsupported_float(dtype: npt.DTypeLike) -> str | None:
     dtype = np.dtype(dtype)
     if admit(dtype):
         return None
-    expected = ("expected a native-byte-order float16, bfloat16, float32, float64, complex64 or "
-                "complex128 array")
+    expected = f"expected a native-byte-order {_LISTED} array"
     if dtype.kind in "fc" and not dtype.isnative:
         return (f"{expected}, got dtype '{dtype.str}' (byte-swapped): convert it with "
                 f"a.astype(a.dtype.newbyteorder('='))")
