@@ -5,9 +5,10 @@ The CUDA kernels (``kernels/*.cu``, ``*.cuh``) and the host libraries
 their rows, the words of a leaf row and of a work item, the hyperparameter
 row of an optimizer, the numbers of the norm kinds and optimizer rules, the
 block sizes whose trees fix a sum's bits. Each of those facts is written
-here once; the C++ side spells them out again (it cannot import Python),
-and tests/test_layout.py reads every such constant back from the sources and
-fails when one drifts from this module.
+here once. The C++ reads some from the header this module writes
+(:func:`rules_header`) and spells the others out again (it cannot import
+Python); tests/test_layout.py reads every such constant back from the
+sources and fails when one drifts from this module.
 
 >>> LEAF_ROW_WORDS, ITEM_WORDS, HYPER
 (29, 4, 7)
