@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._src import public as _public
 from ._src import ranks as _ranks
+from ._src.layout import CLIP_EPS as _CLIP_EPS
 from ._src.ranks import PATH_FORMAT, Owned
 from ._src.ranks import OwnedLike as _OwnedLike
 from .errors import CollectiveError
@@ -104,7 +105,7 @@ def global_norm(tree: Any, ord: float = 2, *, group: Any = None, owned: _OwnedLi
 
 
 def clip_grad_norm_(grads: Any, max_norm: float, ord: float = 2, *, group: Any = None,
-                    owned: _OwnedLike | None = None, pp_mesh: Any = None, tied: Any = None, eps: float = 1e-6,
+                    owned: _OwnedLike | None = None, pp_mesh: Any = None, tied: Any = None, eps: float = _CLIP_EPS,
                     error_if_nonfinite: bool = False, backend: str | None = None) -> Any:
     """Scale every rank's gradients by the same min(1, max_norm / (norm + eps)); return the norm.
 

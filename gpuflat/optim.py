@@ -37,6 +37,7 @@ import numpy as np
 from ._src import checks as _checks
 from ._src import public as _public
 from ._src.layout import HYPER as _HYPER
+from ._src.layout import CLIP_EPS as _CLIP_EPS
 from ._src.layout import RULES as _RULES
 from ._src.layout import Rule as _Rule
 
@@ -56,8 +57,6 @@ if not TYPE_CHECKING:  # see gpuflat._src.public
         "Rule": "gpuflat._src.layout.Rule",
         "checks": "gpuflat._src.checks",
     })
-
-_CLIP_EPS = 1e-6  # PyTorch's clip_grad_norm_: max_norm / (norm + 1e-6)
 
 
 class _FlatStep:

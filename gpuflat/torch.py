@@ -60,6 +60,7 @@ from ._src import tensor_table as _tensor_table
 from ._src import torch_ops as _torch_ops
 from ._src.checks import clip_arguments as _clip_arguments
 from ._src.checks import torch_norm_type as _torch_norm_type
+from ._src.layout import CLIP_EPS as _EPS  # PyTorch's: coef = max_norm / (total_norm + 1e-6)
 from .errors import NonFiniteError as _NonFiniteError
 from .errors import NonFiniteNormError, NonFloatingTensorError
 
@@ -86,8 +87,6 @@ if not TYPE_CHECKING:  # see gpuflat._src.public
         "tensor_table": "gpuflat._src.tensor_table",
         "torch_ops": "gpuflat._src.torch_ops",
     })
-
-_EPS = 1e-6  # PyTorch's: coef = max_norm / (total_norm + 1e-6)
 
 
 @torch.no_grad()

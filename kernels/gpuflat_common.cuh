@@ -1,5 +1,5 @@
 // Shared definitions of the flat-tree kernels: element types, dtype
-// conversions, the device tables written by gpuflat/backends/cuda.py, and the
+// conversions, the device tables written by gpuflat/_src/backends/cuda.py, and the
 // per-warp loop over one work item.
 //
 // The same text compiles with NVRTC for the GPU and with g++ against the host
@@ -48,10 +48,10 @@ struct c128 { double re, im; };
 struct gf_wide { double re, im; };
 
 // One row of the leaf (source) table; the layout is mirrored by
-// gpuflat/backends/cuda.py (LEAF_ROW_WORDS int64 words).
+// gpuflat/_src/backends/cuda.py (LEAF_ROW_WORDS int64 words).
 struct LeafRef {
     long long ptr;    // address of element [0, ..., 0]
-    long long tag;    // dtype tag (gpuflat.dtypes.TAGS)
+    long long tag;    // dtype tag (gpuflat._src.dtypes.TAGS)
     long long ndim;   // dims after merging; 0 means contiguous: ptr + i * itemsize
     long long size;   // elements
     long long shape[GF_MAX_DIMS];

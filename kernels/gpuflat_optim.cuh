@@ -30,7 +30,7 @@
 // Blocks per SM the AMSGrad row update asks for (optim.cu).
 #define GF_AMSGRAD_MIN_BLOCKS_PER_SM 3
 
-// One row of a tensor-list step's table (gpuflat.layout.PARAM_ROW_WORDS
+// One row of a tensor-list step's table (gpuflat._src.layout.PARAM_ROW_WORDS
 // int64 words): a parameter and what it is updated with, each tensor dense
 // and laid out alike, addressed at its lowest element, so the update runs
 // over numel consecutive elements of each.
@@ -320,7 +320,7 @@ __device__ __forceinline__ double gf_sgd_row_step(const ParamRow& r, const doubl
 }
 
 // Whether a step moves a row's count: it keeps one, and its group's
-// hyperparameter `counted_field` is nonzero (gpuflat.layout.Rule.counted_field;
+// hyperparameter `counted_field` is nonzero (gpuflat._src.layout.Rule.counted_field;
 // -1: every step counts).
 __device__ __forceinline__ bool gf_counts(const ParamRow& r, const double* hyper, long long counted_field) {
     return r.step != 0 && (counted_field < 0 || hyper[r.group * GF_HYPER + counted_field] != 0.0);

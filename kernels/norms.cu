@@ -9,7 +9,7 @@
 //     and what lies between leaves, changes no chunk. A leaf filling one dense
 //     block of memory in another order than C's (transposed, channels_last,
 //     reversed) comes as the contiguous row of that block
-//     (gpuflat.memory_order), so it is read in memory order; any other leaf in
+//     (gpuflat._src.memory_order), so it is read in memory order; any other leaf in
 //     its logical (C) order.
 //  3. A chunk's partial: vector j of the chunk (16 bytes) is lane j % 32's,
 //     each lane combines its terms in order from 0.0, then lane 0 ends with

@@ -169,7 +169,7 @@ __device__ __forceinline__ int gf_opaque(int x) {
 //
 // The loop costs little per vector: the tail goes first, so the base
 // pointers are dead by the vector loop; the vector index is 32-bit (an item
-// holds at most gpuflat.layout.ITEM elements), so an address is one
+// holds at most gpuflat._src.layout.ITEM elements), so an address is one
 // IMAD.WIDE from the item's start; and a store address is computed again
 // after the update instead of held through it, which left the 16-bit AdamW
 // kernels a register short (a spill).

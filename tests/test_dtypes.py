@@ -55,3 +55,26 @@ def test_bfloat16_made_after_import_is_admitted_at_first_sight():
             "assert np.dtype(ml_dtypes.bfloat16) not in dtypes.TAGS\n"
             "print(float(gf.global_norm({'w': x}, backend='host')), dtypes.TAGS[x.dtype], dtypes.c_name(x.dtype))")
     assert _fresh(code) == "5.0 1 bf16"
+
+
+def test_the_pytorch_dtypes_are_the_tables():
+    torch = pytest.importorskip("torch")
+    from gpuflat._src import dtypes, layout, param_rows, tensor_table
+
+    for tag, name, c_name, size in layout.DTYPES:
+        assert dtypes.torch_dtype(name) is dtypes.torch_dtype(c_name) is getattr(torch, name)
+        assert dtypes.torch_dtype(name).itemsize == size
+    with pytest.raises(ValueError, match="got 'int8'"):
+        dtypes.torch_dtype("int8")
+    # The tensor front ends hold every dtype of the table, and step the optimizer's.
+    assert {d: n.name for d, n in tensor_table._NUMPY_DTYPES.items()} == {
+        getattr(torch, name): name for _, name, _, _ in layout.DTYPES}
+    assert param_rows.STEPPED == tuple(dtypes.torch_dtype(c) for c in layout.OPTIM_DTYPES)
+    assert set(param_rows.STEPPED) == {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+
+
+def test_the_dtype_table_imports_without_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from gpuflat._src import dtypes\n"
+            "try:\n    dtypes.torch_dtype('float32')\nexcept ImportError:\n    print('no torch')")
+    assert _fresh(code) == "no torch"

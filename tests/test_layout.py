@@ -3,6 +3,8 @@ and the host libraries spell out again is read back from their sources here,
 so a drift on either side fails."""
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import re
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 from gpuflat._src import dtypes, layout
 from gpuflat._src import kernel_loader as kl
 
-SOURCES = {**kl.sources(), **{f"host/{p.name}": p.read_text() for p in (kl.kernel_dir() / "host").glob("*.cpp")}}
+SOURCES = {**kl.sources(), **{f"host/{p.name}": p.read_text() for p in (kl.kernel_dir() / "host").glob("*.[ch]*")}}
 # The value literal each kernel dispatch case passes for a C++ type.
 _LITERAL_TYPE = {"0.0f": "float", "0.0": "double"}
 
@@ -57,17 +59,28 @@ def test_the_kernels_dispatch_each_tag_to_its_type():
 
 def test_the_host_library_reads_each_tag():
     # Python gives the library each tag's NumPy type number (gpuflat._src.native, from the dtype table).
+    # The count and item sizes come from the written header, indexed by tag.
+    assert [tag for tag, _, _, _ in layout.DTYPES] == list(range(len(layout.DTYPES)))
     source = SOURCES["host/host_backend.cpp"]
-    assert re.search(r"constexpr int N_TAGS = (\d+);", source).group(1) == str(len(layout.DTYPES))
-    sizes = re.search(r"static const long long sizes\[\] = \{([\d, ]+)\};", source).group(1)
+    assert "constexpr int N_TAGS = GF_N_TAGS;" in source and "sizes[] = {GF_ITEMSIZES};" in source
+    assert _defines(layout.RULES_HEADER)["GF_N_TAGS"] == len(layout.DTYPES)
+    sizes = re.search(r"^#define GF_ITEMSIZES ([\d, ]+)$", SOURCES[layout.RULES_HEADER], re.M).group(1)
     assert tuple(int(s) for s in sizes.split(",")) == layout.ITEMSIZES
 
 
 def test_the_host_libraries_work_item_is_the_layouts():
-    assert re.search(r"constexpr long long ITEM = (\d+);", SOURCES["host/host_backend.cpp"]).group(1) \
-        == str(layout.ITEM)
-    assert "constexpr long long ITEM = GF_ITEM;" in SOURCES["host/host_optim.cpp"]
+    assert "constexpr long long ITEM = GF_ITEM;" in SOURCES["host/host_backend.cpp"]
     assert _defines(layout.RULES_HEADER)["GF_ITEM"] == layout.ITEM
+    # Both host libraries cut their items with the one helper, which alone spells out the cut.
+    assert SOURCES["host/host_items.h"].count("+= GF_ITEM") == 1
+    for name in ("host/host_backend.cpp", "host/host_optim.cpp"):
+        assert '#include "host_items.h"' in SOURCES[name] and "gf_append_items(" in SOURCES[name]
+        assert not re.search(r"\+= (GF_)?ITEM\b", SOURCES[name]), name
+    # As the layout's work_items cuts them for the kernels: its rows are struct Item's.
+    items = layout.work_items([0, 1, layout.ITEM, layout.ITEM + 1], [0, 0, 1, 1 + layout.ITEM])
+    assert items.shape == (1 + 1 + 2, layout.ITEM_WORDS)
+    assert items.tolist() == [[1, 0, 1, 0], [2, 0, layout.ITEM, 1], [3, 0, layout.ITEM, 1 + layout.ITEM],
+                              [3, layout.ITEM, 1, 1 + 2 * layout.ITEM]]
     # Every item of a leaf starts as aligned as the leaf: 32 lanes of 16-byte vectors of 2-byte elements.
     assert layout.ITEM % (32 * 8) == 0
 
@@ -137,3 +150,48 @@ def test_the_tensor_list_row_is_the_kernels():
     body = re.search(r"struct ParamRow \{(.*?)\n\};", header, re.S).group(1)
     fields = [name.strip() for line in re.findall(r"^\s*long long ([^;]+);", body, re.M) for name in line.split(",")]
     assert tuple(fields) == layout.PARAM_ROW_FIELDS
+
+
+def test_the_kernels_comments_name_modules_that_exist():
+    # The C++ names the Python it mirrors by module path; a path from before a
+    # move would send a reader to nothing.
+    from pathlib import Path
+
+    root = Path(layout.__file__).parents[2]
+    named = {m for p in kl.kernel_dir().rglob("*") if p.suffix in (".cu", ".cuh", ".h", ".cpp")
+             for m in re.findall(r"gpuflat(?:[./]\w+)+", p.read_text())}
+    assert named
+    for name in named:
+        if "/" in name:
+            assert (root / name).is_file(), name
+            continue
+        parts = name.split(".")
+        for k in range(len(parts), 0, -1):
+            try:
+                found = importlib.import_module(".".join(parts[:k]))
+            except ImportError:
+                continue
+            for attr in parts[k:]:
+                found = getattr(found, attr)  # AttributeError names the stale one
+            break
+
+
+def test_every_clip_takes_the_one_eps():
+    import inspect
+
+    import gpuflat
+    import gpuflat.distributed
+    import gpuflat.optim
+    from gpuflat._src import ops, ranks, residency
+
+    assert layout.CLIP_EPS == 1e-6  # PyTorch's clip_grad_norm_: max_norm / (total_norm + 1e-6)
+    clips = [gpuflat.clip_grad_norm_, gpuflat.clip_by_global_norm, ops.clip_grad_norm_, ops.clip_by_global_norm,
+             ranks.clip_grad_norm_, gpuflat.distributed.clip_grad_norm_, residency.Resident.clip_grad_norm_]
+    for clip in clips:
+        assert inspect.signature(clip).parameters["eps"].default is layout.CLIP_EPS, clip
+    assert gpuflat.optim._CLIP_EPS is layout.CLIP_EPS
+    if importlib.util.find_spec("torch") is not None:
+        import gpuflat.torch
+        from gpuflat._src import torch_optim_ops
+
+        assert gpuflat.torch._EPS is layout.CLIP_EPS and torch_optim_ops.CLIP_EPS is layout.CLIP_EPS

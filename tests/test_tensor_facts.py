@@ -30,10 +30,10 @@ def expected(tensors):
 
 
 def code(t):
-    kind = {"cpu": 1, "cuda": 2}.get(t.device.type, 3)
-    index = -1 if t.device.index is None else t.device.index
+    # The code word's parts are the module's (the C++ reads them from the
+    # header it writes); each fact is PyTorch's.
     return (DTYPES.index(t.dtype) | (CONTIGUOUS if t.is_contiguous() else 0)
-            | (LAZY_VIEW if t.is_conj() or t.is_neg() else 0) | (kind | (index + 1) << 8) << 24)
+            | (LAZY_VIEW if t.is_conj() or t.is_neg() else 0) | tensor_facts._device_code(t.device))
 
 
 def every_kind():
@@ -133,5 +133,25 @@ def test_the_device_and_lazy_views_are_coded(reader):
     plain, conj, meta = torch.ones(2, dtype=torch.complex64), torch.ones(2, dtype=torch.complex64).conj(), torch.ones(2, device="meta")
     facts = tensor_facts.of_tensors([plain, conj, meta])
     assert [bool(c & LAZY_VIEW) for c in facts[:, 2]] == [False, True, False]
-    assert (tensor_facts.device_keys(facts) & 255).tolist() == [1, 1, 3]
+    keys = tensor_facts.device_keys(facts)
+    assert keys[0] == keys[1] != keys[2] and keys[0] == tensor_facts.device_keys(tensor_facts.in_python([plain]))[0]
     assert [DTYPES[c] for c in tensor_facts.dtype_codes(facts)] == [torch.complex64, torch.complex64, torch.float32]
+
+
+def test_the_code_word_is_written_once_in_python():
+    # The C++ takes every part of the code word from the header written from
+    # the module's constants, and spells out none of them.
+    import re
+
+    from gpuflat._src.kernel_loader import kernel_dir
+
+    source = (kernel_dir() / "host" / "tensor_facts.cpp").read_text()
+    written = set(re.findall(r"^#define (GF_FACTS_\w+) ", tensor_facts._header(), re.M))
+    assert f'#include "{tensor_facts.HEADER}"' in source
+    assert set(re.findall(r"GF_FACTS_\w+", source)) == written
+    code = source[source.index("constexpr int64_t CONTIGUOUS"):source.index("bool plain(")]
+    assert not re.search(r"<<\s*\d|\?\s*\d", code)
+    # The device code is one number per device, its kind below the index.
+    codes = {tensor_facts._device_code(torch.device(d)) for d in ("cpu", "cuda:0", "cuda:1", "meta")}
+    assert len(codes) == 4 and all(c >> tensor_facts._DEVICE_SHIFT << tensor_facts._DEVICE_SHIFT == c for c in codes)
+    assert max(DTYPES.index(d) for d in DTYPES) < CONTIGUOUS < LAZY_VIEW < 1 << tensor_facts._DEVICE_SHIFT

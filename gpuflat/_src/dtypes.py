@@ -23,6 +23,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     import numpy.typing as npt
+    import torch
 
 from .layout import C_NAMES, DTYPES, TAG_OF_NAME
 
@@ -34,6 +35,10 @@ TAGS = {np.dtype(name): tag for tag, name, _, _ in DTYPES if tag != _BFLOAT16_TA
 CUDA_NAMES = {dtype: C_NAMES[tag] for dtype, tag in TAGS.items()}
 _DTYPE_OF_TAG = {tag: dtype for dtype, tag in TAGS.items()}
 _when_registered: list[Callable[[np.dtype], object]] = []
+# The table's dtypes as a message lists them.
+_LISTED = " or ".join((", ".join(name for _, name, _, _ in DTYPES[:-1]), DTYPES[-1][1]))
+# Each row's NumPy name, by that name and by its C++ name.
+_NUMPY_NAME = {**{c: name for _, name, c, _ in DTYPES}, **{name: name for _, name, _, _ in DTYPES}}
 
 
 @functools.cache
@@ -66,6 +71,21 @@ def when_bfloat16(callback: Callable[[np.dtype], object]) -> None:
     registered = bfloat16() if bfloat16.cache_info().currsize else None
     if registered is not None:
         callback(registered)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The PyTorch dtype of a row of the table, named by its NumPy name or its
+    C++ name (as ``layout.OPTIM_DTYPES`` names them). PyTorch calls each of
+    them by its NumPy name. Imports torch, which nothing else here needs.
+
+    >>> torch_dtype("bfloat16"), [torch_dtype(c) for c in ("f16", "double")]
+    (torch.bfloat16, [torch.float16, torch.float64])
+    """
+    if name not in _NUMPY_NAME:
+        raise ValueError(f"expected the NumPy or C++ name of a dtype of the table, got {name!r}")
+    import torch
+
+    return getattr(torch, _NUMPY_NAME[name])
 
 
 def is_bfloat16(dtype: npt.DTypeLike) -> bool:
@@ -144,8 +164,7 @@ def unsupported_float(dtype: npt.DTypeLike) -> str | None:
     dtype = np.dtype(dtype)
     if admit(dtype):
         return None
-    expected = ("expected a native-byte-order float16, bfloat16, float32, float64, complex64 or "
-                "complex128 array")
+    expected = f"expected a native-byte-order {_LISTED} array"
     if dtype.kind in "fc" and not dtype.isnative:
         return (f"{expected}, got dtype '{dtype.str}' (byte-swapped): convert it with "
                 f"a.astype(a.dtype.newbyteorder('='))")

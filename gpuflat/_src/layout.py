@@ -5,9 +5,10 @@ The CUDA kernels (``kernels/*.cu``, ``*.cuh``) and the host libraries
 their rows, the words of a leaf row and of a work item, the hyperparameter
 row of an optimizer, the numbers of the norm kinds and optimizer rules, the
 block sizes whose trees fix a sum's bits. Each of those facts is written
-here once; the C++ side spells them out again (it cannot import Python),
-and tests/test_layout.py reads every such constant back from the sources and
-fails when one drifts from this module.
+here once. The C++ reads some from the header this module writes
+(:func:`rules_header`) and spells the others out again (it cannot import
+Python); tests/test_layout.py reads every such constant back from the
+sources and fails when one drifts from this module.
 
 >>> LEAF_ROW_WORDS, ITEM_WORDS, HYPER
 (29, 4, 7)
@@ -74,6 +75,9 @@ BLOCK_SLOT_ITEMS = 4096
 # Norm kinds, the template argument of the norm kernels and the kind the host
 # library takes (GF_NORM_* in kernels/gpuflat_math.cuh).
 NORM_KINDS = {"l1": 0, "l2": 1, "inf": 2, "p": 3}
+# The clip's default eps, PyTorch's clip_grad_norm_'s: the factor is
+# min(1, max_norm / (norm + CLIP_EPS)). The kernels take it by value.
+CLIP_EPS = 1e-6
 
 # Doubles per parameter group in the hyperparameter table (GF_HYPER in
 # kernels/gpuflat_optim.cuh): a rule's row holds its ``Rule.hyper`` fields,
@@ -446,7 +450,8 @@ def rules_header() -> str:
     """The C++ header ``gpuflat_rules.h``, written from this module (the
     kernel loader hands it to every build beside the sources; it is never
     on disk): the elements of a work item, each dtype's tag
-    (``GF_TAG_<C++ name>``), each rule's number (``GF_RULE_<NAME>``), and
+    (``GF_TAG_<C++ name>``), their count and item sizes in tag order
+    (``GF_N_TAGS``, ``GF_ITEMSIZES``), each rule's number (``GF_RULE_<NAME>``), and
     the rules with a ``kernel`` struct: their headers included and
     ``GF_GENERIC_RULES(X)`` calling ``X(number, struct)`` for each, which the
     host library's dispatch expands.
@@ -458,6 +463,7 @@ def rules_header() -> str:
     lines = ["// Written by gpuflat._src.layout.rules_header(): the layout's facts the C++ reads.", "#pragma once",
              f"#define GF_ITEM {ITEM}", f"#define GF_GENERIC_STATES {GENERIC_STATES}"]
     lines += [f"#define GF_TAG_{c_name} {tag}" for tag, _, c_name, _ in DTYPES]
+    lines += [f"#define GF_N_TAGS {len(DTYPES)}", f"#define GF_ITEMSIZES {', '.join(map(str, ITEMSIZES))}"]
     lines += [f"#define GF_RULE_{rule.name.upper()} {rule.number}" for rule in RULES.values()]
     lines += [f'#include "{header}"' for header in dict.fromkeys(rule.header for rule in generic)]
     lines.append("#define GF_GENERIC_RULES(X) " + " ".join(f"X({rule.number}, {rule.kernel})" for rule in generic))
@@ -497,6 +503,27 @@ def leaf_row(shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any) -> li
     return ([TAG_OF_NAME[dtype.name], len(dims), size] + [n for n, _ in dims] + pad
             + [s for _, s in dims] + pad + [m - (1 << 64) if m >= 1 << 63 else m for m in magic] + pad
             + [sum(k << (8 * d) for d, k in enumerate(shifts))])
+
+
+def work_items(sizes: Sequence[int] | np.ndarray, firsts: Sequence[int] | np.ndarray | int = 0) -> np.ndarray:
+    """The work items of slots of ``sizes`` elements, one int64 row of
+    ITEM_WORDS each (struct Item: slot, start, length, flat): each slot cut
+    into items of ITEM elements and a shorter last one, in order. ``firsts``
+    is where each slot's first element lies in the flat buffer: 0 for
+    parameter rows, which have none (their update reads start, never flat).
+    The host libraries cut them alike (``kernels/host/host_items.h``).
+
+    >>> work_items([3, 0, ITEM + 1], [0, 3, 3]).tolist()
+    [[0, 0, 3, 0], [2, 0, 4096, 3], [2, 4096, 1, 4099]]
+    """
+    sizes = np.asarray(sizes, np.int64)
+    counts = -(-sizes // ITEM)
+    slot = np.repeat(np.arange(len(sizes), dtype=np.int64), counts)
+    first = np.cumsum(counts) - counts
+    start = (np.arange(len(slot), dtype=np.int64) - first[slot]) * ITEM
+    length = np.minimum(ITEM, sizes[slot] - start)
+    flat = np.broadcast_to(np.asarray(firsts, np.int64), sizes.shape)[slot] + start
+    return np.stack([slot, start, length, flat], axis=1).astype(np.int64)
 
 
 def dense_row(size: int, dtype: Any) -> list[int]:

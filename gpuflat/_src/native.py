@@ -78,7 +78,6 @@ NUMPY_API = frozenset({
 # the CPU's identity, so a library is never loaded on a CPU it was not built for.
 FLAGS = ("-O3", "-std=c++20", "-pthread", "-march=native", "-ffp-contract=off", "-fno-math-errno",
          "-fno-strict-aliasing", "-fvisibility=hidden")
-SHARED_HEADERS = ("gpuflat_common.cuh", "gpuflat_math.cuh")
 # The libraries' names in the cache (and in host_compiler.obtained).
 HOST_NAME, OPTIM_NAME = "gpuflat-host", "gpuflat-host-optim"
 
@@ -122,14 +121,10 @@ def host_library() -> tuple[ctypes.PyDLL, None] | tuple[None, str]:
     python_include = sysconfig.get_paths()["include"]
     if not os.path.isfile(os.path.join(python_include, "Python.h")):
         return None, host_compiler.warn_unbuilt("host library", f"no Python.h in {python_include}", HOST_INSTEAD)
-    kernels = kernel_dir()
-    host = kernels / "host"
-    files = {name: (kernels / name).read_text() for name in SHARED_HEADERS}
-    files["host_prelude.h"] = (host / "host_prelude.h").read_text()
     try:
         path = host_compiler.build_library(
-            HOST_NAME, (host / "host_backend.cpp").read_text(), include_dirs=(python_include, np.get_include()),
-            flags=FLAGS, files=files, key_parts=(python_include, sys.version, np.__version__, _cpu_identity()))
+            HOST_NAME, (kernel_dir() / "host" / "host_backend.cpp").read_text(),
+            include_dirs=(python_include, np.get_include()), flags=FLAGS, files=_host_headers(), key_parts=(python_include, sys.version, np.__version__, _cpu_identity()))
         lib = host_compiler.load(path, ctypes.PyDLL)
     except (BuildError, OSError) as exc:
         return None, host_compiler.warn_unbuilt("host library", str(exc), HOST_INSTEAD)
@@ -152,6 +147,19 @@ def host_library() -> tuple[ctypes.PyDLL, None] | tuple[None, str]:
     lib.gf_host_init(np.ndarray, _type_numbers())
     when_bfloat16(lambda _: lib.gf_host_init(np.ndarray, _type_numbers()))
     return lib, None
+
+
+def _host_headers() -> dict[str, str]:
+    """The headers both host libraries build with: the kernels' (the rules'
+    among them), the one written from the layout (``gpuflat_rules.h``) and
+    the host's own (``kernels/host/*.h``).
+
+    >>> sorted(n for n in _host_headers() if n.startswith(("host_", "gpuflat_rules")))
+    ['gpuflat_rules.h', 'host_items.h', 'host_prelude.h']
+    """
+    files = {name: text for name, text in sources().items() if not name.endswith(".cu")}
+    files.update({path.name: path.read_text() for path in sorted((kernel_dir() / "host").glob("*.h"))})
+    return files
 
 
 def _type_numbers() -> ctypes.Array[ctypes.c_int]:
@@ -179,13 +187,9 @@ def optim_library() -> tuple[ctypes.CDLL, None] | tuple[None, str]:
     off = host_compiler.native_disabled()
     if off:
         return None, off
-    kernels = kernel_dir()
-    # The kernels' headers, the rules' among them, and the header written from the layout.
-    files = {name: text for name, text in sources().items() if not name.endswith(".cu")}
-    files["host_prelude.h"] = (kernels / "host" / "host_prelude.h").read_text()
     try:
-        path = host_compiler.build_library(OPTIM_NAME, (kernels / "host" / "host_optim.cpp").read_text(),
-                                           flags=FLAGS, files=files, key_parts=(_cpu_identity(),))
+        path = host_compiler.build_library(OPTIM_NAME, (kernel_dir() / "host" / "host_optim.cpp").read_text(),
+                                           flags=FLAGS, files=_host_headers(), key_parts=(_cpu_identity(),))
         lib = host_compiler.load(path, ctypes.CDLL)
     except (BuildError, OSError) as exc:
         return None, host_compiler.warn_unbuilt("optimizer library", str(exc), OPTIM_INSTEAD)

@@ -27,6 +27,7 @@ from .binding import Call, clip_bound, gradients_of, in_place, norm_inputs, slot
 from .dtypes import cast_copy
 from ..errors import OverlapError, TreeMismatchError, UnsupportedLeafError
 from .flatplan import FlatPlan
+from .layout import CLIP_EPS
 from .overlap import first_sharing
 
 if TYPE_CHECKING:
@@ -391,7 +392,7 @@ def global_norm(tree: Any, ord: float = 2, *, per_leaf: bool = False, model: Any
         return call.result(result.total)
 
 
-def clip_grad_norm_(grads: Any, max_norm: float, ord: float = 2, *, eps: float = 1e-6,
+def clip_grad_norm_(grads: Any, max_norm: float, ord: float = 2, *, eps: float = CLIP_EPS,
                     error_if_nonfinite: bool = False, model: Any = None, backend: str | None = None) -> Any:
     """Scale every gradient in place by min(1, max_norm / (norm + eps)); return the norm.
 
@@ -435,7 +436,7 @@ def clip_grad_norm_(grads: Any, max_norm: float, ord: float = 2, *, eps: float =
     return clipping.clip_(clip_bound(call, grads, model, backend), max_norm, p, eps, error_if_nonfinite)
 
 
-def clip_by_global_norm(tree: Any, max_norm: float, ord: float = 2, *, eps: float = 1e-6,
+def clip_by_global_norm(tree: Any, max_norm: float, ord: float = 2, *, eps: float = CLIP_EPS,
                         backend: str | None = None) -> tuple[Any, Any]:
     """``(clipped, norm)``: a new tree whose trainables are scaled by
     min(1, max_norm / (norm + eps)); the input is left untouched.

@@ -50,7 +50,8 @@ import numpy as np
 import torch
 
 from . import caches, dtensor, tensor_facts
-from .layout import PARAM_ROW_FIELDS, PARAM_ROW_WORDS, ROW_GROUP, ROW_NUMEL, RULES, Rule
+from .dtypes import torch_dtype
+from .layout import OPTIM_DTYPES, PARAM_ROW_FIELDS, PARAM_ROW_WORDS, ROW_GROUP, ROW_NUMEL, RULES, Rule
 from .memory_order import dense_start
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ __all__ = ["Step", "Table", "WatchedState", "WatchedStates", "forget", "needed",
            "tables_of", "watch"]
 
 # The dtypes the update kernels take, by their tensor_facts codes.
-STEPPED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+STEPPED = tuple(map(torch_dtype, OPTIM_DTYPES))
 _STEPPED_CODES = np.array([d in STEPPED for d in tensor_facts.DTYPES])
 # The rows' words of the state, in the order of state_names(rule): state0, state1, state2, then the step count.
 _STATE_FIELDS = [PARAM_ROW_FIELDS.index(f) for f in ("state0", "state1", "state2", "step")]

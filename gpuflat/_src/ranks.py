@@ -29,6 +29,7 @@ from . import caches, checks, clipping, dtensor
 from .arrays import adopt, device_scope, external_stream, is_module, module_parameters
 from .backends import get_backend
 from .dtypes import is_bfloat16
+from .layout import CLIP_EPS
 from .binding import Call
 from ..errors import CollectiveError
 
@@ -53,7 +54,7 @@ def global_norm(tree: Any, ord: float = 2, *, group: Any = None, owned: OwnedLik
 
 
 def clip_grad_norm_(grads: Any, max_norm: float, ord: float = 2, *, group: Any = None,
-                    owned: OwnedLike | None = None, pp_mesh: Any = None, tied: Any = None, eps: float = 1e-6,
+                    owned: OwnedLike | None = None, pp_mesh: Any = None, tied: Any = None, eps: float = CLIP_EPS,
                     error_if_nonfinite: bool = False, backend: str | None = None) -> Any:
     """Scale every rank's gradients by one factor; return the norm (see
     ``gpuflat.distributed.clip_grad_norm_``)."""

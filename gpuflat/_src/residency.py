@@ -32,7 +32,8 @@ from . import dtensor
 from . import tree as _tree
 from .backends.protocol import LeafRows
 from .backends.selection import select
-from .layout import dense_row
+from .dtypes import torch_dtype
+from .layout import CLIP_EPS, dense_row
 from ..errors import CaptureError
 from .flatplan import FlatPlan, LeafSpec
 from . import clipping
@@ -42,7 +43,6 @@ from .torch_params import Binding
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
-    from types import ModuleType
 
     from .backends.protocol import Backend
 
@@ -273,7 +273,7 @@ class Resident(ResidentGradients):
         """A zeroed 1-D array, PyTorch's own for PyTorch parameters."""
         if self._like is not None:
             torch = sys.modules["torch"]
-            own = torch.zeros(size, dtype=_torch_dtype(torch, dtype), device=self._like.device)
+            own = torch.zeros(size, dtype=torch_dtype(np.dtype(dtype).name), device=self._like.device)
             return Storage(own, _arrays.adopt(own))
         buf = self._backend.zeros(size, dtype)
         return Storage(buf, buf)
@@ -378,7 +378,7 @@ class Resident(ResidentGradients):
         self._sync()
         return clipping.total_norm(self._bound(self._params), p).total
 
-    def clip_grad_norm_(self, max_norm: float, ord: float = 2, *, eps: float = 1e-6,
+    def clip_grad_norm_(self, max_norm: float, ord: float = 2, *, eps: float = CLIP_EPS,
                         error_if_nonfinite: bool = False) -> Any:
         """Scale the gradients by min(1, max_norm / (norm + eps)) in place; return the norm.
 
@@ -637,11 +637,3 @@ def _torch_parameters(owners: Sequence[Any], paths: Sequence[str]) -> list[tuple
                             + (" (JAX arrays are immutable: use gf.clip_by_global_norm)"
                                if _arrays.kind(o) == "jax" else ""))
     return list(zip(paths, owners))
-
-
-def _torch_dtype(torch: ModuleType, dtype: DTypeLike) -> Any:
-    from .dtypes import is_bfloat16
-
-    if is_bfloat16(dtype):
-        return torch.bfloat16
-    return torch.from_numpy(np.zeros(0, dtype)).dtype

@@ -45,11 +45,15 @@ __all__ = ["CONTIGUOUS", "DTYPES", "LAZY_VIEW", "NAME", "PLAIN", "available", "d
 
 # Every torch dtype, in a fixed order: a dtype's code is its position here.
 DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+# The rest of the code word, written here once: the C++ reads it from the
+# header :func:`_header` writes from these.
 CONTIGUOUS = 1 << 16
 LAZY_VIEW = 1 << 17  # a conjugate or negative view: its memory holds other values than it shows
 # Bits 24 and up: the device's kind (1 the CPU, 2 CUDA, 3 anything else), then its index + 1.
 _DEVICE_SHIFT = 24
 _DEVICE_KINDS = {"cpu": 1, "cuda": 2}
+_OTHER_DEVICE = 3
+_INDEX_SHIFT = 8  # the index + 1 above the kind
 _CODE = {dtype: i for i, dtype in enumerate(DTYPES)}
 # The tensor types read natively; a subclass may define what Python sees its own way.
 PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
@@ -176,9 +180,9 @@ def _python_facts(tensors: Sequence[torch.Tensor], any_type: bool = False) -> np
 
 @caches.function(maxsize=64)
 def _device_code(device: torch.device) -> int:
-    kind = _DEVICE_KINDS.get(device.type, 3)
+    kind = _DEVICE_KINDS.get(device.type, _OTHER_DEVICE)
     index = -1 if device.index is None else device.index
-    return (kind | (index + 1) << 8) << _DEVICE_SHIFT
+    return (kind | (index + 1) << _INDEX_SHIFT) << _DEVICE_SHIFT
 
 
 def dtype_codes(facts: np.ndarray) -> np.ndarray:
@@ -231,6 +235,23 @@ def unavailable_reason() -> str | None:
     return _load()[1]
 
 
+# The header the library reads the code word from, written by _header.
+HEADER = "gpuflat_tensor_facts.h"
+
+
+def _header() -> str:
+    """The C++ header of the code word's parts (never on disk: handed to the build).
+
+    >>> "#define GF_FACTS_CONTIGUOUS 65536LL" in _header().splitlines()
+    True
+    """
+    words = {"CONTIGUOUS": CONTIGUOUS, "LAZY_VIEW": LAZY_VIEW, "DEVICE_SHIFT": _DEVICE_SHIFT,
+             "INDEX_SHIFT": _INDEX_SHIFT, "CPU": _DEVICE_KINDS["cpu"], "CUDA": _DEVICE_KINDS["cuda"],
+             "OTHER_DEVICE": _OTHER_DEVICE}
+    lines = ["// Written by gpuflat._src.tensor_facts._header(): the parts of a tensor's code word.", "#pragma once"]
+    return "\n".join(lines + [f"#define GF_FACTS_{name} {value}LL" for name, value in words.items()]) + "\n"
+
+
 def _library() -> ctypes.PyDLL | None:
     return _load()[0]
 
@@ -256,7 +277,7 @@ def _load() -> tuple[ctypes.PyDLL, None] | tuple[None, str]:
         path = host_compiler.build_library(
             NAME, (kernel_dir() / "host" / "tensor_facts.cpp").read_text(),
             include_dirs=(python_include, torch_include, torch_include / "torch" / "csrc" / "api" / "include"),
-            flags=flags,
+            flags=flags, files={HEADER: _header()},
             key_parts=(sys.version, torch.__version__, str(torch_lib)))
         lib = host_compiler.load(path, ctypes.PyDLL)
     except (BuildError, OSError) as exc:

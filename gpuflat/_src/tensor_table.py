@@ -39,7 +39,7 @@ from .backends.protocol import LeafRows
 from .backends.selection import get_backend, host_default
 from .clipping import Bound, Part
 from .checks import check_in_place, may_overlap_itself, overlapping_itself, sharing_memory
-from .dtypes import bfloat16
+from .dtypes import TAGS, bfloat16, torch_dtype
 from ..errors import NonFloatingTensorError, UnsupportedLeafError
 from .flatplan import FlatPlan, cached
 from .overlap import first_pair, really_overlap
@@ -56,11 +56,8 @@ if TYPE_CHECKING:
     LayoutKey: TypeAlias = "Literal[True] | tuple[tuple[Any, ...], tuple[Any, ...]]"
 
 TABLES_KEPT = 8  # calls remembered: a few clips and norms over different tensor lists
-_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
-                 torch.float64: np.dtype(np.float64), torch.complex64: np.dtype(np.complex64),
-                 torch.complex128: np.dtype(np.complex128)}
-if (_bfloat16 := bfloat16()) is not None:
-    _NUMPY_DTYPES[torch.bfloat16] = _bfloat16
+bfloat16()  # in TAGS from now on where ml_dtypes is installed
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {torch_dtype(d.name): d for d in TAGS}
 _ITEMSIZE_BY_TAG = np.array(ITEMSIZES, np.int64)
 # Whether gpuflat holds each dtype of tensor_facts.DTYPES, by its code.
 _HELD_CODES = np.array([d in _NUMPY_DTYPES for d in tensor_facts.DTYPES])

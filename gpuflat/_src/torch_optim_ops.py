@@ -40,11 +40,9 @@ import torch
 
 from . import caches, param_rows, tensor_table
 from .arrays import adopt, device_scope, launch_stream
-from .layout import HYPER, RULES, TAG_OF_NAME
+from .layout import CLIP_EPS, HYPER, RULES, TAG_OF_NAME
 
 __all__ = ["CLIP_EPS", "name_of", "norm_and_nonfinite", "unscale_factor", "update", "update_"]
-
-CLIP_EPS = 1e-6  # PyTorch's clip_grad_norm_: max_norm / (norm + 1e-6)
 
 
 def update(rule: str, tables: Sequence[param_rows.Table], groups: Sequence[dict[str, Any]],

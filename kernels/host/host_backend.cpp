@@ -1,4 +1,4 @@
-// The native host backend (gpuflat/backends/host.py): gather, scatter, norms
+// The native host backend (gpuflat/_src/backends/host.py): gather, scatter, norms
 // and clipping over NumPy arrays, on every core, with the CUDA kernels'
 // arithmetic and summation order.
 //
@@ -34,6 +34,7 @@
 #include <numpy/ndarraytypes.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -46,12 +47,15 @@
 
 #include "host_prelude.h"
 #include "gpuflat_math.cuh"
+// The layout's item size, dtype tags and rule numbers (written from gpuflat._src.layout).
+#include "gpuflat_rules.h"
+#include "host_items.h"
 
 #define GF_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
 
-constexpr long long ITEM = 4096;  // elements per work item: gpuflat.layout.ITEM
+constexpr long long ITEM = GF_ITEM;  // elements per work item
 // Below this many elements per thread, starting a thread costs more than it
 // saves: a start costs tens of microseconds on an idle machine, and
 // milliseconds when other processes hold the cores, while 2M elements are a
@@ -82,12 +86,16 @@ struct Leaf {
 // The most dims an array may have: NumPy 2's limit (NumPy 1's is 32). An
 // array with more (a NumPy yet to come) is refused, never overrun.
 constexpr int MAX_DIMS = 64;
-constexpr int N_TAGS = 6;
+constexpr int N_TAGS = GF_N_TAGS;
 
 PyTypeObject* g_ndarray = nullptr;
 // The NumPy type number of each dtype tag (gpuflat/_src/layout.py's rows),
 // -1 for one not known yet (bfloat16 before ml_dtypes is imported).
-int g_type_num[N_TAGS] = {-1, -1, -1, -1, -1, -1};
+std::array<int, N_TAGS> g_type_num = [] {
+    std::array<int, N_TAGS> nums;
+    nums.fill(-1);
+    return nums;
+}();
 
 int tag_of(PyArrayObject* a) {
     const int num = PyArray_TYPE(a);
@@ -100,13 +108,13 @@ int tag_of(PyArrayObject* a) {
 bool aligned(PyArrayObject* a) { return (PyArray_FLAGS(a) & NPY_ARRAY_ALIGNED) != 0; }
 
 long long itemsize_of(int tag) {
-    static const long long sizes[] = {2, 2, 4, 8, 8, 16};
+    static const long long sizes[] = {GF_ITEMSIZES};
     return sizes[tag];
 }
 
 // Whether merged dims (`kept` pairs of extent and byte stride in `n_s`, no
 // extent 1) fill one dense block of memory: sorted by |stride|, a C-contiguous
-// layout's (gpuflat/memory_order.py's dense_start). If so, `start` is the byte
+// layout's (gpuflat/_src/memory_order.py's dense_start). If so, `start` is the byte
 // offset of the block's lowest address. Norms and clips read such a leaf as
 // that block, contiguously, in memory order.
 bool dense_block(const long long* n_s, int kept, long long itemsize, long long& start) {
@@ -209,7 +217,7 @@ struct LeafSet {
         return true;
     }
 
-    // The leaves of a leaf table (LeafRef rows, gpuflat/backends/cuda.py's
+    // The leaves of a leaf table (LeafRef rows, gpuflat/_src/backends/cuda.py's
     // layout), as gpuflat.torch builds it from tensors' metadata, for norms
     // and clips: a row filling one dense block reads as that block. A
     // contiguous row whose address is not a multiple of its itemsize reads
@@ -356,12 +364,10 @@ Workspace& workspace() {
 }
 
 // The items of a plan from its offsets (n_slots + 1 of them), as
-// gpuflat.backends.cuda.plan_items builds them, into `items`.
+// gpuflat._src.backends.cuda.plan_items builds them, into `items`.
 void plan_items(const long long* offsets, long long n_slots, std::vector<Item>& items) {
     items.clear();
-    for (long long s = 0; s < n_slots; ++s)
-        for (long long start = 0; start < offsets[s + 1] - offsets[s]; start += ITEM)
-            items.push_back(Item{s, start, std::min(ITEM, offsets[s + 1] - offsets[s] - start), offsets[s] + start});
+    for (long long s = 0; s < n_slots; ++s) gf_append_items(items, s, offsets[s + 1] - offsets[s], offsets[s]);
 }
 
 long long cost_of(const Item& item) { return item.len + ITEM_OVERHEAD; }
@@ -892,7 +898,7 @@ struct Prepared {
 };
 
 // Arrays read once and kept under the token Python gives arrays it has found
-// unchanged since they were read (gpuflat/seen.py: the same objects, at the
+// unchanged since they were read (gpuflat/_src/seen.py: the same objects, at the
 // same addresses, of the same dtypes, shapes, strides and flags): a tree met
 // again costs no read of its arrays here, only the work. A few per thread,
 // the most recently used first.
@@ -975,7 +981,7 @@ const Prepared* prepare(PyObject* arrays, PyObject* offsets, long long token, Or
 // type_nums: the NumPy type number of each dtype tag, -1 for one not known yet.
 GF_EXPORT void gf_host_init(PyObject* ndarray_type, const int* type_nums) {
     g_ndarray = (PyTypeObject*)ndarray_type;
-    std::copy(type_nums, type_nums + N_TAGS, g_type_num);
+    std::copy(type_nums, type_nums + N_TAGS, g_type_num.begin());
 }
 
 namespace {
@@ -1037,7 +1043,7 @@ GF_EXPORT long long gf_host_norms_rows(PyObject* rows, PyObject* offsets, int ki
     return run_norms(w.set, w.items, kind, p, threads, per_leaf, total, first_bad);
 }
 
-// What a tree record (gpuflat/seen.py) compares from call to call about
+// What a tree record (gpuflat/_src/seen.py) compares from call to call about
 // its NumPy arrays, read in one loop: per array its identity, data address,
 // dtype (number and byte order), flags (writable and contiguous among them),
 // ndim, dims and strides, as int64 words into `out`. Returns the number of

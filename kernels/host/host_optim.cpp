@@ -1,4 +1,4 @@
-// The flat optimizers' update on the host (gpuflat/backends/host.py): the
+// The flat optimizers' update on the host (gpuflat/_src/backends/host.py): the
 // CUDA kernels' element arithmetic (gpuflat_optim.cuh, compiled for the host
 // through host_prelude.h) over the same work items, each item's elements in
 // one contiguous loop that the compiler vectorises. Every element is
@@ -16,12 +16,12 @@
 // The layout's rule numbers, dtype tags and item size, and the rules with a
 // kernel struct (written from gpuflat._src.layout.RULES).
 #include "gpuflat_rules.h"
+#include "host_items.h"
 
 #define GF_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
 
-constexpr long long ITEM = GF_ITEM;
 // Below this many elements per thread, starting a thread costs more than it saves.
 constexpr long long MIN_WORK_PER_THREAD = 1 << 20;
 
@@ -57,9 +57,7 @@ void for_items(const Step& s, int threads, Body body) {
     std::vector<Item> items;
     for (long long slot = 0; slot < s.n_slots; ++slot) {
         if (s.slot_group[slot] < 0) continue;
-        const long long size = s.offsets[slot + 1] - s.offsets[slot];
-        for (long long start = 0; start < size; start += ITEM)
-            items.push_back(Item{slot, start, std::min(ITEM, size - start), s.offsets[slot] + start});
+        gf_append_items(items, slot, s.offsets[slot + 1] - s.offsets[slot], s.offsets[slot]);
     }
     share(items, s.offsets[s.n_slots], threads, body);
 }
@@ -103,8 +101,7 @@ void for_row_items(const ParamRow* rows, long long n_rows, int threads, Body bod
     std::vector<Item> items;
     long long total = 0;
     for (long long r = 0; r < n_rows; ++r) {
-        for (long long start = 0; start < rows[r].numel; start += ITEM)
-            items.push_back(Item{r, start, std::min(ITEM, rows[r].numel - start), 0});
+        gf_append_items(items, r, rows[r].numel, 0);
         total += rows[r].numel;
     }
     share(items, total, threads, [&](const Item& it) { body(rows[it.slot], it.start, it.len); });
@@ -159,7 +156,7 @@ bool rows_step(int rule, const ParamRow* rows, long long n_rows, const double* h
     return true;
 }
 
-// f(S{}) for the dtype tags of gpuflat.dtypes.TAGS the optimizers take.
+// f(S{}) for the dtype tags of gpuflat._src.dtypes.TAGS the optimizers take.
 template <class F>
 bool dispatch(int tag, F f) {
     switch (tag) {

@@ -1,4 +1,4 @@
-// PyTorch tensors' metadata in one native pass (gpuflat/tensor_facts.py).
+// PyTorch tensors' metadata in one native pass (gpuflat/_src/tensor_facts.py).
 //
 // gpuflat.torch finds a call's leaf table again by each tensor's address,
 // element count, dtype and contiguity. Read from Python, with a method call
@@ -22,6 +22,9 @@
 
 #include <cstdint>
 
+// The code word's parts, written from gpuflat/_src/tensor_facts.py.
+#include "gpuflat_tensor_facts.h"
+
 #define GF_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
@@ -31,16 +34,15 @@ PyTypeObject* g_parameter = nullptr;
 // gpuflat's code of each c10::ScalarType: its position in the dtype list
 // given at init (so the Python fallback computes the same codes), -1 if absent.
 int64_t g_code[256];
-// The rest of a tensor's code word (gpuflat/tensor_facts.py): whether it is
+// The rest of a tensor's code word (gpuflat/_src/tensor_facts.py): whether it is
 // contiguous; whether it is a conjugate or negative view (its memory holds
 // other values than it shows); its device's kind and index + 1.
-constexpr int64_t CONTIGUOUS = int64_t(1) << 16;
-constexpr int64_t LAZY_VIEW = int64_t(1) << 17;
-constexpr int DEVICE_SHIFT = 24;
+constexpr int64_t CONTIGUOUS = GF_FACTS_CONTIGUOUS;
+constexpr int64_t LAZY_VIEW = GF_FACTS_LAZY_VIEW;
 
 int64_t device_code(const c10::Device& d) {
-    const int64_t kind = d.is_cpu() ? 1 : d.is_cuda() ? 2 : 3;
-    return (kind | (int64_t(d.index() + 1) << 8)) << DEVICE_SHIFT;
+    const int64_t kind = d.is_cpu() ? GF_FACTS_CPU : d.is_cuda() ? GF_FACTS_CUDA : GF_FACTS_OTHER_DEVICE;
+    return (kind | (int64_t(d.index() + 1) << GF_FACTS_INDEX_SHIFT)) << GF_FACTS_DEVICE_SHIFT;
 }
 
 bool plain(PyObject* obj) {

@@ -51,7 +51,7 @@ from gpuflat._src import kernel_loader as kl
 from gpuflat._src.dtypes import c_name, dtype_of_tag
 from gpuflat._src.identity import Layout, SameArrays, equal_facts
 from gpuflat._src.layout import (BLOCK_THREADS, C_NAMES, FINISH_THREADS, ITEM, ITEM_WORDS, LEAF_ROW_WORDS, MAX_DIMS,
-                                 ROW_NUMEL, RULES, SMALL_SLOT_ITEMS, WARP, dense_row, leaf_row)
+                                 ROW_NUMEL, RULES, SMALL_SLOT_ITEMS, WARP, dense_row, leaf_row, work_items)
 from gpuflat._src.memory_order import dense_start
 from gpuflat._src.native import array_facts
 
@@ -297,19 +297,12 @@ class _StepTables:
 @caches.function(maxsize=16)
 def _row_items(numels: bytes) -> np.ndarray:
     """The work items (flat, ITEM_WORDS per item) of parameters of these
-    element counts (int64 bytes): each split into items of at most ITEM
-    elements, slot = its row.
+    element counts (int64 bytes): ``work_items``, slot = its row.
 
     >>> _row_items(np.array([3, ITEM + 1], np.int64).tobytes()).reshape(-1, ITEM_WORDS).tolist()
-    [[0, 0, 3, 0], [1, 0, 4096, 0], [1, 4096, 1, 0]]
+    [[0, 0, 3, 0], [1, 0, 4096, 0], [1, 4096, 1, 4096]]
     """
-    sizes = np.frombuffer(numels, np.int64)
-    counts = -(-sizes // ITEM)
-    slot = np.repeat(np.arange(len(sizes), dtype=np.int64), counts)
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    start = (np.arange(len(slot), dtype=np.int64) - first[slot]) * ITEM
-    length = np.minimum(ITEM, sizes[slot] - start)
-    return np.stack([slot, start, length, np.zeros_like(slot)], axis=1).astype(np.int64).reshape(-1)
+    return work_items(np.frombuffer(numels, np.int64)).reshape(-1)
 
 
 def _norm_kind(ord: float) -> tuple[str, float]:
@@ -331,14 +324,7 @@ def plan_items(plan: FlatPlan) -> np.ndarray:
     >>> plan_items(p).tolist()
     [[0, 0, 4096, 0], [0, 4096, 1, 4096], [2, 0, 3, 4097]]
     """
-    sizes = np.array([leaf.size for leaf in plan.leaves], dtype=np.int64)
-    counts = -(-sizes // ITEM)
-    slot = np.repeat(np.arange(len(sizes), dtype=np.int64), counts)
-    first = np.cumsum(counts) - counts
-    start = (np.arange(len(slot), dtype=np.int64) - first[slot]) * ITEM
-    length = np.minimum(ITEM, sizes[slot] - start)
-    flat = np.asarray(plan.offsets, dtype=np.int64)[:-1][slot] + start
-    return np.stack([slot, start, length, flat], axis=1).astype(np.int64).reshape(-1, ITEM_WORDS)
+    return work_items([leaf.size for leaf in plan.leaves], np.asarray(plan.offsets, dtype=np.int64)[:-1])
 
 
 class _TableEntry:
