@@ -63,6 +63,9 @@ __all__ = ["Step", "Table", "WatchedState", "WatchedStates", "forget", "needed",
 
 # The dtypes the update kernels take, by their tensor_facts codes.
 STEPPED = tuple(map(torch_dtype, OPTIM_DTYPES))
+# Their names as an error lists them: "float16, bfloat16, float32 or float64".
+_STEPPED_NAMES = " or ".join([", ".join(str(d).removeprefix("torch.") for d in STEPPED[:-1]),
+                              str(STEPPED[-1]).removeprefix("torch.")])
 _STEPPED_CODES = np.array([d in STEPPED for d in tensor_facts.DTYPES])
 # The rows' words of the state, in the order of state_names(rule): state0, state1, state2, then the step count.
 _STATE_FIELDS = [PARAM_ROW_FIELDS.index(f) for f in ("state0", "state1", "state2", "step")]
@@ -545,7 +548,7 @@ def _starts(tensors: Sequence[torch.Tensor], facts: np.ndarray, name_of: Callabl
     if not _STEPPED_CODES[codes].all():
         j = int(np.flatnonzero(~_STEPPED_CODES[codes])[0])
         dtype = tensors[j].dtype
-        raise TypeError(f"{name_of(j)}: expected a float16, bfloat16, float32 or float64 {what}, got {dtype}"
+        raise TypeError(f"{name_of(j)}: expected a {_STEPPED_NAMES} {what}, got {dtype}"
                         + (": complex parameters are not supported" if dtype.is_complex else ""))
     starts = facts[:, 0].copy()
     for j in np.flatnonzero((facts[:, 2] & tensor_facts.CONTIGUOUS) == 0).tolist():
