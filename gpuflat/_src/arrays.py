@@ -38,8 +38,6 @@ if TYPE_CHECKING:
     import jax
     import torch
 
-    from .backends.protocol import Backend
-
 _ARRAY_PROTOCOLS = ("__dlpack__", "__array__", "__array_interface__", "__cuda_array_interface__")
 _BUFFERS = (memoryview, _array.array)
 
@@ -389,14 +387,15 @@ def external_stream(cupy: Any, ptr: int, device_id: int = -1) -> Any:
 
 
 @contextlib.contextmanager
-def device_scope(backend: Backend | None, like: object) -> Iterator[None]:
+def device_scope(backend: Any, like: object) -> Iterator[None]:
     """The context a call's device work runs in: ``backend``'s device and, when
     ``like`` is a PyTorch CUDA tensor, its device, PyTorch's current stream
     there (:func:`launch_stream`) and PyTorch's caching allocator for every
     CuPy allocation, so that each launch, allocation, fill and element-wise
     operation is ordered with PyTorch's own work, and a CUDA graph that
     PyTorch captures keeps the scratch in its private pool. ``backend`` may
-    be None: then only ``like`` says where the work runs.
+    be None: then only ``like`` says where the work runs. (Typed Any: the
+    backends' protocol is a layer above this module.)
 
     >>> import numpy as np
     >>> from gpuflat._src.backends import get_backend
