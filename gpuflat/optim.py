@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._src import checks as _checks
+from ._src import clipping as _clipping
 from ._src import public as _public
 from ._src.layout import HYPER as _HYPER
 from ._src.layout import CLIP_EPS as _CLIP_EPS
@@ -177,32 +178,42 @@ class _FlatStep:
             skipped = bufs.gradless()
             if skipped != self._skipped:
                 self._route(skipped)
-            total = None
-            if max_norm is not None or detect:
+
+            def norm() -> tuple[Any, Any]:
                 total = bufs.grad_norm(p)
-                if inv_scale is not None:
-                    total = xp.asarray(total * inv_scale)
-            if detect:
-                skip = xp.where(xp.isfinite(total), 0.0, 1.0)
-            amp = self.amp.array
-            scaled = inv_scale is not None or skip is not None
-            if scaled or not self._amp_plain:
-                amp[0] = 1.0 if inv_scale is None else inv_scale
-                amp[1] = 0.0 if skip is None else skip
-                self._amp_plain = not scaled
-            # A skipped step is not counted. Assignments, not in-place
-            # operators: every array module writes through them.
-            count = 1.0 if skip is None else 1.0 - amp[1]
-            for b, d in enumerate(bufs.dtypes):
-                steps = self.steps[b].array
-                steps[...] = steps + self.counted[b].array * count
-                states = self.states[b] + [kept[b] for kept in self.flag_states.values()]
-                bufs.backend.step_(self.rule.name, d.plan, d.params, d.grads,
-                                   [s.array for s in states], self.slot_group[b].array, self.hyper.array,
-                                   steps, total if max_norm is not None else None,
-                                   0.0 if max_norm is None else max_norm, _CLIP_EPS, amp)
+                return total, xp.where(xp.isfinite(total), 0.0, 1.0) if detect else None
+
+            def update(total: Any, nonfinite: Any) -> None:
+                self._update(total if max_norm is not None else None, max_norm, inv_scale,
+                             nonfinite if detect else skip)
+
+            total, nonfinite = _clipping.step_(norm, update, reads_norm=max_norm is not None or detect,
+                                               unscale=None if inv_scale is None else lambda t: xp.asarray(t * inv_scale))
             return (None if total is None else bufs.to_caller(total),
-                    None if not detect else bufs.to_caller(skip))
+                    None if not detect else bufs.to_caller(nonfinite))
+
+    def _update(self, total: Any, max_norm: float | None, inv_scale: Any, skip: Any) -> None:
+        """Every buffer's update launch, its step counts moved first: the
+        gradients clipped by ``total`` (None: no clip), unscaled by
+        ``inv_scale`` and the whole step skipped on the device where ``skip``
+        is nonzero (None: never)."""
+        bufs = self.buffers
+        amp = self.amp.array
+        scaled = inv_scale is not None or skip is not None
+        if scaled or not self._amp_plain:
+            amp[0] = 1.0 if inv_scale is None else inv_scale
+            amp[1] = 0.0 if skip is None else skip
+            self._amp_plain = not scaled
+        # A skipped step is not counted. Assignments, not in-place
+        # operators: every array module writes through them.
+        count = 1.0 if skip is None else 1.0 - amp[1]
+        for b, d in enumerate(bufs.dtypes):
+            steps = self.steps[b].array
+            steps[...] = steps + self.counted[b].array * count
+            states = self.states[b] + [kept[b] for kept in self.flag_states.values()]
+            bufs.backend.step_(self.rule.name, d.plan, d.params, d.grads,
+                               [s.array for s in states], self.slot_group[b].array, self.hyper.array,
+                               steps, total, 0.0 if max_norm is None else max_norm, _CLIP_EPS, amp)
 
     def state_views(self, k: int) -> dict:
         """Leaf k's state as views in the caller's kind: each of the rule's

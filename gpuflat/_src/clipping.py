@@ -221,6 +221,38 @@ def clip_(bound: Bound, max_norm: Any, p: float, eps: float, error_if_nonfinite:
     return norm.total
 
 
+def step_(norm: Callable[[], tuple[Any, Any]], update: Callable[[Any, Any], None], *, reads_norm: bool,
+          unscale: Callable[[Any], Any] | None = None) -> tuple[Any, Any]:
+    """One optimizer step, composed once for every front end
+    (``gpuflat.torch``'s eager and compiled steps, ``gpuflat.optim``'s), as
+    :func:`clip_` composes a clip: where the step reads the norm (it clips,
+    or a loss scaler leaves its NaN and inf check to the norm pass),
+    ``norm()`` gives the gradients' norm and their non-finite flag from one
+    pass, plain or over ranks as the front end bound them; the norm is then
+    unscaled (``unscale(total)``, a loss scaler's 1 / scale: the norm
+    returned is that of the gradients ``GradScaler.unscale_`` would give);
+    then ``update(total, flag)`` runs the fused update, which clips by the
+    total, unscales each gradient and skips on the device where the flag
+    (or the scaler's own) says so. Returns (the norm or None, the flag or
+    None).
+
+    >>> calls = []
+    >>> step_(lambda: (4.0, 0.0), lambda t, f: calls.append((t, f)), reads_norm=True, unscale=lambda t: t / 2)
+    (2.0, 0.0)
+    >>> step_(lambda: (4.0, 0.0), lambda t, f: calls.append((t, f)), reads_norm=False)
+    (None, None)
+    >>> calls
+    [(2.0, 0.0), (None, None)]
+    """
+    total = flag = None
+    if reads_norm:
+        total, flag = norm()
+        if unscale is not None:
+            total = unscale(total)
+    update(total, flag)
+    return total, flag
+
+
 def scale_by(bound: Bound, total: Any, max_norm: Any, eps: float) -> None:
     """Scale ``bound``'s scale parts in place by min(1, max_norm / (total + eps)),
     ``total`` a norm given in the caller's kind (reduced elsewhere, say).

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from numpy.typing import ArrayLike
     from typing_extensions import Self
 
-__all__ = ["Step", "Table", "WatchedState", "WatchedStates", "forget", "needed", "plain", "read", "state_names",
+__all__ = ["DeviceRows", "Step", "WatchedState", "WatchedStates", "forget", "needed", "plain", "read", "state_names",
            "tables_of", "watch"]
 
 # The dtypes the update kernels take, by their tensor_facts codes.
@@ -205,7 +205,7 @@ def _watched(state: object) -> bool:
 # ---------------------------------------------------------------- tables
 
 @dataclass(frozen=True)
-class Table:
+class DeviceRows:
     """One device's and dtype's rows, and a tensor placing their work (its device, its stream)."""
 
     rows: np.ndarray
@@ -440,7 +440,7 @@ caches.register("optimizers' parameters found", lambda: sum("_gpuflat_found" in 
 
 
 def tables_of(rule: Rule, params: list[torch.Tensor], grads: list[torch.Tensor], columns: Sequence[list[torch.Tensor | None]],
-              groups: ArrayLike, needs: Sequence[Sequence[bool]], name_of: Callable[[int], str]) -> list[Table]:
+              groups: ArrayLike, needs: Sequence[Sequence[bool]], name_of: Callable[[int], str]) -> list[DeviceRows]:
     """The tables of a step given as lists of plain tensors, checked as
     :func:`read` checks an optimizer's: a compiled step's operator, which
     holds no optimizer to keep what it found on. ``columns``: per name of
@@ -495,11 +495,11 @@ def _nonzero(starts: np.ndarray, tensors: Sequence[torch.Tensor]) -> np.ndarray:
     return starts
 
 
-def _split(rows: np.ndarray, param_facts: np.ndarray, params: Sequence[torch.Tensor]) -> list[Table]:
+def _split(rows: np.ndarray, param_facts: np.ndarray, params: Sequence[torch.Tensor]) -> list[DeviceRows]:
     buckets = _buckets(param_facts)
     if len(buckets) == 1:
-        return [Table(rows, params[0])]
-    return [Table(rows[members], params[int(members[0])]) for members in buckets]
+        return [DeviceRows(rows, params[0])]
+    return [DeviceRows(rows[members], params[int(members[0])]) for members in buckets]
 
 
 def _check_dense(rule: Rule, params: Sequence[torch.Tensor], param_facts: np.ndarray | None, grads: Sequence[torch.Tensor],

@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from . import dtensor, param_rows, ranks, tensor_table, torch_optim_ops
+from . import clipping, dtensor, param_rows, ranks, tensor_table, torch_optim_ops
 from ..errors import CaptureError
 from .arrays import launch_stream
 from .checks import clip_arguments, optimizer_options, torch_norm_type
@@ -175,14 +175,16 @@ class FlatOptimizer(torch.optim.Optimizer):
         if step is None and self.pp_mesh is None:  # a stage without gradients still joins the stages' norm
             return
         detect = found is _FROM_NORM
-        total, nonfinite = self._norm(step, scale, detect)
-        if detect:
-            found = self._found_from(nonfinite)
-        self.last_grad_norm = total
-        if step is None:
-            return
-        update(self._rule, step.tables, self.param_groups, total, self.max_norm, scale, found,
-               lambda: self._read_by_address(step.params))
+
+        def update_tables(total: torch.Tensor | None, nonfinite: torch.Tensor | None) -> None:
+            found_now = self._found_from(nonfinite) if detect else found
+            self.last_grad_norm = total
+            if step is not None:
+                update(self._rule, step.tables, self.param_groups, total, self.max_norm, scale, found_now,
+                       lambda: self._read_by_address(step.params))
+
+        clipping.step_(lambda: self._norm(step, detect), update_tables,
+                       reads_norm=self.max_norm is not None or detect, unscale=_unscaler(scale))
 
     def _made_state(self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any]) -> None:
         """``_lazy_state``, refused inside a CUDA-graph capture: every replay
@@ -227,26 +229,26 @@ class FlatOptimizer(torch.optim.Optimizer):
             return
         detect = found is _FROM_NORM
         sharded = any(dtensor.is_dtensor(p) for p in params)
-        total = nonfinite = None
-        if (self.max_norm is not None or detect) and (sharded or self.pp_mesh is not None):
-            total, nonfinite = _norm_between_graphs(self, grads, name_of(groups, indices), sharded, scale, detect)
-        elif self.max_norm is not None or detect:
-            p = clip_arguments(1.0, self.norm_type, CLIP_EPS)[1]
-            total, nonfinite = torch_optim_ops.norm_and_nonfinite(grads, p, detect)
-            if scale is not None:  # the norm of the unscaled gradients, as after GradScaler.unscale_
-                total = total * unscale_factor(scale).to(total.device)
-        if detect:
-            found = self._found_from(nonfinite)
-        self.last_grad_norm = total
-        if params:
-            params, grads = dtensor.local_shards(params), dtensor.local_shards(grads)
-            columns = [dtensor.local_shards(column) for column in columns]
+
+        def norm() -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            if sharded or self.pp_mesh is not None:
+                return _norm_between_graphs(self, grads, name_of(groups, indices), sharded, detect)
+            return torch_optim_ops.norm_and_nonfinite(grads, clip_arguments(1.0, self.norm_type, CLIP_EPS)[1], detect)
+
+        def update_lists(total: torch.Tensor | None, nonfinite: torch.Tensor | None) -> None:
+            found_now = self._found_from(nonfinite) if detect else found
+            self.last_grad_norm = total
+            if not params:
+                return
             lr = [0.0 if isinstance(g["lr"], torch.Tensor) else float(g["lr"]) for g in self.param_groups]
             lr_tensor = [g["lr"] if isinstance(g["lr"], torch.Tensor) else None for g in self.param_groups]
-            self._traced_step(params, grads, columns, groups=groups, indices=indices, lr=lr,
-                              lr_tensor=lr_tensor, total=total,
+            self._traced_step(dtensor.local_shards(params), dtensor.local_shards(grads),
+                              [dtensor.local_shards(column) for column in columns], groups=groups, indices=indices,
+                              lr=lr, lr_tensor=lr_tensor, total=total,
                               max_norm=None if self.max_norm is None else _max_norm_by_value(self.max_norm),
-                              grad_scale=scale, found_inf=found)
+                              grad_scale=scale, found_inf=found_now)
+
+        clipping.step_(norm, update_lists, reads_norm=self.max_norm is not None or detect, unscale=_unscaler(scale))
 
     def _check_options(self, compiling: bool) -> None:
         """PyTorch's checks of each group's options, at every step too: a
@@ -300,14 +302,11 @@ class FlatOptimizer(torch.optim.Optimizer):
                                f"optimizer: the GradScaler found no gradient in its param_groups")
         return scale, found
 
-    def _norm(self, step: param_rows.Step | None, scale: torch.Tensor | None,
-              detect: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(the gradients' norm, unscaled, as a float64 tensor, or None
-        without ``max_norm`` or ``detect``; with ``detect``, a 0-d tensor that
-        is 1 where some gradient holds NaN or inf). ``step`` is None on a
-        pipeline stage without gradients, which adds nothing to the norm."""
-        if self.max_norm is None and not detect:
-            return None, None
+    def _norm(self, step: param_rows.Step | None, detect: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the gradients' norm as a float64 tensor, still scaled; with
+        ``detect``, a 0-d tensor that is 1 where some gradient holds NaN or
+        inf). ``step`` is None on a pipeline stage without gradients, which
+        adds nothing to the norm."""
         p = self._order()
         grads = [] if step is None else step.grads
         # step is None only on a pipeline stage (pp_mesh set) without gradients.
@@ -320,8 +319,6 @@ class FlatOptimizer(torch.optim.Optimizer):
             table = tensor_table.read(grads, step.name_of_gradient, facts=step.grad_facts)
             assert table is not None  # plain gradients: read gives None only for DTensors
             total, nonfinite = tensor_table.norm_pass(table, p, detect)
-        if scale is not None:  # the norm of the unscaled gradients, as after GradScaler.unscale_
-            total = total * unscale_factor(scale).to(total.device)
         return total, nonfinite
 
     def _lazy_state(self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any]) -> None:
@@ -453,14 +450,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.compiler.disable
-def _norm_between_graphs(optimizer: FlatOptimizer, grads: list[torch.Tensor], name_of_parameter: Callable[[int], str], sharded: bool,
-                         scale: torch.Tensor | None, detect: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _norm_between_graphs(optimizer: FlatOptimizer, grads: list[torch.Tensor], name_of_parameter: Callable[[int], str],
+                         sharded: bool, detect: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``optimizer._norm`` of ``grads`` (DTensors, or a pipeline stage's), run
     as it is between two graphs of a compiled step: its collective stays out
     of the graph and of any operator."""
     step = None if not grads else param_rows.Step(tables=[], params=[], grads=grads, grad_facts=None, plain=not sharded,
                                                   name_of_gradient=lambda j: f"{name_of_parameter(j)}.grad")
-    return optimizer._norm(step, scale, detect)
+    return optimizer._norm(step, detect)
+
+
+def _unscaler(scale: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What a step's norm is multiplied by to be that of the unscaled
+    gradients, as after ``GradScaler.unscale_``; None without a scaler."""
+    if scale is None:
+        return None
+    return lambda total: total * unscale_factor(scale).to(total.device)
 
 
 def _max_norm_by_value(max_norm: float | torch.Tensor) -> float:

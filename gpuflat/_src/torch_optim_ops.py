@@ -45,7 +45,7 @@ from .layout import CLIP_EPS, HYPER, RULES, TAG_OF_NAME
 __all__ = ["CLIP_EPS", "name_of", "norm_and_nonfinite", "unscale_factor", "update", "update_"]
 
 
-def update(rule: str, tables: Sequence[param_rows.Table], groups: Sequence[dict[str, Any]],
+def update(rule: str, tables: Sequence[param_rows.DeviceRows], groups: Sequence[dict[str, Any]],
            total: torch.Tensor | None, max_norm: float | torch.Tensor | None, scale: torch.Tensor | None,
            found: torch.Tensor | None, read: Any = ()) -> None:
     """One update by the rule named ``rule`` (``layout.RULES``) of the parameters of
