@@ -758,7 +758,11 @@ def test_a_replay_holds_the_device_work_and_none_of_the_host_work(monkeypatch):
     case = Case("host-heavy norm", "gpuflat", slow_on_the_host, arrays.values, kind="gpuflat")
     row = graphs.run_case(case, "global_norm", ctx, timing.QUICK)
     assert (row["status"], row["clock"]) == ("ok", "graph"), row
-    assert row["eager_wall_ms"] >= 30 and row["median_ms"] < 10, row
+    # The eager call holds the 30 ms of host work and the device work, the
+    # replay the device work alone: it is shorter by the host work, within
+    # 10 ms for a busy machine's noise (an absolute bound on the replay
+    # failed when the emulated kernels shared two cores with another run).
+    assert row["eager_wall_ms"] >= 30 and row["median_ms"] < row["eager_wall_ms"] - 20, row
     # The Python ran for the eager calls, the warm-up on the side stream and
     # the capture, and never while the replays were timed.
     assert len(calls) == 2 * timing.QUICK.warmup + row["eager_reps"] + 1 and row["reps"] >= timing.QUICK.min_reps
