@@ -160,6 +160,24 @@ def compiled_operator_norm(leaves, p, backend):
         return torch.ops.gpuflat.total_norm(tensors_of(leaves), p).numpy()
 
 
+def dense(a):
+    """Whether ``a`` fills one dense block of memory: what a parameter of the flat optimizers may be."""
+    return a.flags.c_contiguous or a.flags.f_contiguous
+
+
+def optimizer_norm(leaves, p, backend):
+    # A flat optimizer's norm of its parameters' gradients (last_grad_norm),
+    # each gradient laid out like its parameter, transposed ones too.
+    grads = [_torch_tensor(a.copy(order="K")) for a in leaves]
+    params = [torch.nn.Parameter(g.clone()) for g in grads]
+    for q, g in zip(params, grads):
+        q.grad = g
+    opt = gft.AdamW(params, max_norm=HUGE, norm_type=p)
+    with tensor_table.serve_with(get_backend(backend)):
+        opt.step()
+    return opt.last_grad_norm.numpy()
+
+
 def resident_model(leaves, backend):
     r = gf.resident({f"g{i}": np.zeros(a.shape, a.dtype) for i, a in enumerate(leaves)}, backend=backend)
     for i, a in enumerate(leaves):
@@ -189,6 +207,8 @@ def test_every_front_end_returns_the_trees_bits(seed, backend):
         }
         for name, value in got.items():
             assert bits(value) == want, (name, p, float(np.asarray(value)), float(np.frombuffer(want)[0]))
+        real = [a for a in leaves if (a.dtype.kind == "f" or a.dtype.name == "bfloat16") and dense(a)]  # its params
+        assert bits(optimizer_norm(real, p, backend)) == bits(tree_norm(real, p, backend)), ("AdamW", p)
         contiguous = c_order(leaves)
         want_c = bits(tree_norm(contiguous, p, backend))
         r = resident_model(leaves, backend)

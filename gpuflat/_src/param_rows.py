@@ -221,6 +221,7 @@ class Step:
     params: list
     grads: list
     grad_facts: np.ndarray | None  # the gradients' tensor_facts, read once for the rows and the norm
+    grad_starts: np.ndarray | None  # the lowest address of each gradient's dense block: the norm's rows
     name_of_gradient: Callable[[int], str]
     plain: bool  # no DTensor or other tensor subclass among the parameters and gradients
 
@@ -297,7 +298,7 @@ def read(optimizer: torch.optim.Optimizer, rule: Rule,
     if not np.array_equal(checked, param_facts[:, 1:]):  # a parameter moved or changed: its state is checked again
         _reread(optimizer, rule, found, have[(checked != param_facts[:, 1:]).any(axis=1)], names.of_all)
     rows[:, _STATE_WORDS] = found.masked if whole else found.masked[have]
-    return Step(_split(rows, param_facts, locals_), params, grads, grad_facts,
+    return Step(_split(rows, param_facts, locals_), params, grads, grad_facts, rows[:, _ROW_GRAD],
                 lambda i: f"{names.parameter(i)}.grad", all_plain)
 
 

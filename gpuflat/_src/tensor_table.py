@@ -147,6 +147,9 @@ _tables = caches.Recent("tensor tables", TABLES_KEPT)
 _plans = caches.LRU("tensor-list plans", TABLES_KEPT)  # by (numels, dtypes)
 _templates = caches.LRU("tensor-list rows", TABLES_KEPT)  # rows but their addresses, by (numels, dtypes, layout)
 _places = caches.LRU("tensor-list devices", TABLES_KEPT)  # a tensor of no elements per device (_placed_on)
+# What an optimizer step's gradients decide but their addresses (of_gradients), by
+# their facts but the addresses and the backend put in place.
+_gradient_layouts = caches.LRU("optimizer gradient layouts", TABLES_KEPT)
 
 
 @contextlib.contextmanager
@@ -193,6 +196,49 @@ def read(tensors: list[torch.Tensor], name_of: Callable[[int], str], in_place: b
         _check_in_place(table, tensors, name_of)
         table.fit_in_place = True
     return table
+
+
+def of_gradients(grads: list[torch.Tensor], starts: np.ndarray, facts: np.ndarray) -> Table | None:
+    """The table of an optimizer step's gradients, from what its parameter
+    rows hold already (``gpuflat._src.param_rows``): ``facts``, their tensor
+    facts, and ``starts``, the lowest address of the dense block each
+    fills, read as one dense leaf (in memory order, as every norm reads a
+    leaf that fills one block in another order than C's). Each parameter's
+    gradient counts, as ``torch.nn.utils.clip_grad_norm_`` over the
+    parameters counts it. The plan and rows but the addresses are kept by
+    what decides them, so new gradient tensors cost one copy of the rows.
+    None where the gradients lie on several devices or their backend reads
+    arrays, not rows: :func:`read` decides those.
+
+    >>> ts = [torch.tensor([3.0]), torch.tensor([4.0], dtype=torch.float64)]
+    >>> facts = tensor_facts.of_tensors(ts)
+    >>> float(norm_pass(of_gradients(ts, facts[:, 0].copy(), facts), 2.0)[0])
+    5.0
+    """
+    override = _override.get()
+    layout = _gradient_layouts.get((facts[:, 1:].tobytes(), override), lambda: _gradient_layout(grads, facts))
+    if layout is None:
+        return None
+    members, plan, template, returned, device, backend = layout
+    words = template.copy()
+    words[:, 0] = starts
+    return Table([Group(members, plan, backend, LeafRows(words), device)], returned, None, None)
+
+
+def _gradient_layout(grads: list[torch.Tensor], facts: np.ndarray) -> tuple[Any, ...] | None:
+    """What :func:`of_gradients` keeps: (members, plan, rows but the
+    addresses, the returned dtype, device, backend), or None."""
+    keys = tensor_facts.device_keys(facts)
+    if not len(grads) or (keys != keys[0]).any():
+        return None
+    device = grads[0].device
+    backend = backend_for(device)
+    if not getattr(backend, "reads_rows", False):
+        return None
+    numels = tuple(facts[:, 1].tolist())
+    dtypes = tuple(map(tensor_facts.DTYPES.__getitem__, tensor_facts.dtype_codes(facts).tolist()))
+    template = _template(numels, dtypes, True)
+    return tuple(range(len(grads))), _plan(numels, dtypes), template, returned_dtype(dtypes), device, backend
 
 
 def _reading(tensors: list[torch.Tensor], facts: np.ndarray | None) -> Reading | None:

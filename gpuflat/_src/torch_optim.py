@@ -316,7 +316,11 @@ class FlatOptimizer(torch.optim.Optimizer):
             total = torch.as_tensor(total.to_local() if dtensor.is_dtensor(total) else total).double()
             nonfinite = (~torch.isfinite(total)).double() if detect else None
         else:
-            table = tensor_table.read(grads, step.name_of_gradient, facts=step.grad_facts)
+            # The table of the rows' gradients, else (several devices, a
+            # backend reading arrays) one read from the gradients themselves.
+            assert step.grad_starts is not None and step.grad_facts is not None  # a plain step's
+            table = tensor_table.of_gradients(grads, step.grad_starts, step.grad_facts) \
+                or tensor_table.read(grads, step.name_of_gradient, facts=step.grad_facts)
             assert table is not None  # plain gradients: read gives None only for DTensors
             total, nonfinite = tensor_table.norm_pass(table, p, detect)
         return total, nonfinite
@@ -455,7 +459,8 @@ def _norm_between_graphs(optimizer: FlatOptimizer, grads: list[torch.Tensor], na
     """``optimizer._norm`` of ``grads`` (DTensors, or a pipeline stage's), run
     as it is between two graphs of a compiled step: its collective stays out
     of the graph and of any operator."""
-    step = None if not grads else param_rows.Step(tables=[], params=[], grads=grads, grad_facts=None, plain=not sharded,
+    step = None if not grads else param_rows.Step(tables=[], params=[], grads=grads, grad_facts=None, grad_starts=None,
+                                                  plain=not sharded,
                                                   name_of_gradient=lambda j: f"{name_of_parameter(j)}.grad")
     return optimizer._norm(step, detect)
 
