@@ -150,6 +150,9 @@ _places = caches.LRU("tensor-list devices", TABLES_KEPT)  # a tensor of no eleme
 # What an optimizer step's gradients decide but their addresses (of_gradients), by
 # their facts but the addresses and the backend put in place.
 _gradient_layouts = caches.LRU("optimizer gradient layouts", TABLES_KEPT)
+# The tables of_gradients made, found again by their facts, addresses included
+# (apart from read's: a step's gradients count per parameter, never as ties).
+_gradient_tables = caches.Recent("optimizer gradient tables", TABLES_KEPT)
 
 
 @contextlib.contextmanager
@@ -215,14 +218,21 @@ def of_gradients(grads: list[torch.Tensor], starts: np.ndarray, facts: np.ndarra
     >>> float(norm_pass(of_gradients(ts, facts[:, 0].copy(), facts), 2.0)[0])
     5.0
     """
-    override = _override.get()
-    layout = _gradient_layouts.get((facts[:, 1:].tobytes(), override), lambda: _gradient_layout(grads, facts))
+    reading = Reading(facts, True, _override.get())
+    # The same gradients as a recent step's (their memory reused): its table,
+    # whose rows a device holds already.
+    table = _gradient_tables.find(lambda kept: kept.reading.same(reading))
+    if table is not None:
+        return table
+    layout = _gradient_layouts.get((facts[:, 1:].tobytes(), reading.override), lambda: _gradient_layout(grads, facts))
     if layout is None:
         return None
     members, plan, template, returned, device, backend = layout
     words = template.copy()
     words[:, 0] = starts
-    return Table([Group(members, plan, backend, LeafRows(words), device)], returned, None, None)
+    table = Table([Group(members, plan, backend, LeafRows(words), device)], returned, reading, None)
+    _gradient_tables.add(table)
+    return table
 
 
 def _gradient_layout(grads: list[torch.Tensor], facts: np.ndarray) -> tuple[Any, ...] | None:
