@@ -193,6 +193,35 @@ __device__ __forceinline__ bool gf_all_aligned(A... addresses) {
     return ((addresses | ...) & 15) == 0;
 }
 
+// The vector body of a row item over N tensors (0: the parameter, 1: its
+// gradient, only read; the others written back), for one lane's 16-byte
+// vector of each (load(u), store(u): its address in tensor u): each vector
+// loaded once, unpacked into the compute type a group of E elements at a
+// time, element(c, e) updating element e of the group in place (c[u][e]:
+// tensor u's), then packed and stored once.
+template <class S, int N, class Load, class Store, class Element>
+__device__ __forceinline__ void gf_vectors(Load load, Store store, Element element) {
+    using C = typename gf_compute<S>::type;
+    constexpr int E = gf_group<S>::GROUP;
+    gf_vec<S> x[N];
+#pragma unroll
+    for (int u = 0; u < N; ++u) x[u].raw = *load(u);
+#pragma unroll
+    for (int i = 0; i < gf_vec<S>::V / E; ++i) {
+        C c[N][E];
+#pragma unroll
+        for (int u = 0; u < N; ++u) gf_unpack(x[u], i, c[u]);
+#pragma unroll
+        for (int e = 0; e < E; ++e) element(c, e);
+#pragma unroll
+        for (int u = 0; u < N; ++u)
+            if (u != 1) gf_pack(x[u], i, c[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < N; ++u)
+        if (u != 1) *store(u) = x[u].raw;  // the gradient is only read
+}
+
 // An AdamW row's item over its N tensors (4: param, grad, exp_avg,
 // exp_avg_sq; 5: and max_exp_avg_sq, for amsgrad), whole vectors where all
 // start 16-byte aligned and a float row may divide through the reciprocal.
@@ -212,26 +241,11 @@ __device__ __forceinline__ void gf_adamw_row_item(const ParamRow& r, const Item&
     if constexpr (N == 5) aligned = aligned && gf_all_aligned(r.state2 + at);
     gf_row_item(t, item, lane, (!BY_PRODUCT || k.unbias_by_product) && aligned,
         [&](auto load, auto store) {
-            gf_vec<S> x[N];
-#pragma unroll
-            for (int u = 0; u < N; ++u) x[u].raw = *load(u);
-#pragma unroll
-            for (int i = 0; i < gf_vec<S>::V / E; ++i) {
-                C c[N][E];  // param, grad, exp_avg, exp_avg_sq(, max_exp_avg_sq)
-#pragma unroll
-                for (int u = 0; u < N; ++u) gf_unpack(x[u], i, c[u]);
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    if constexpr (N == 5) gf_amsgrad_math<BY_PRODUCT>(c[0][e], c[1][e], c[2][e], c[3][e], c[4][e], k);
-                    else gf_adamw_math<BY_PRODUCT>(c[0][e], c[1][e], c[2][e], c[3][e], k);
-                }
-#pragma unroll
-                for (int u = 0; u < N; ++u)
-                    if (u != 1) gf_pack(x[u], i, c[u]);
-            }
-#pragma unroll
-            for (int u = 0; u < N; ++u)
-                if (u != 1) *store(u) = x[u].raw;  // the gradient is only read
+            // c: param, grad, exp_avg, exp_avg_sq(, max_exp_avg_sq)
+            gf_vectors<S, N>(load, store, [&](C (&c)[N][E], int e) {
+                if constexpr (N == 5) gf_amsgrad_math<BY_PRODUCT>(c[0][e], c[1][e], c[2][e], c[3][e], c[4][e], k);
+                else gf_adamw_math<BY_PRODUCT>(c[0][e], c[1][e], c[2][e], c[3][e], k);
+            });
         },
         [&](long long i) {
             if constexpr (N == 5) gf_amsgrad_one(t[0][i], t[1][i], t[2][i], t[3][i], t[4][i], k);
@@ -360,30 +374,15 @@ gpuflat_rule_rows(const Item* __restrict__ items, long long n_items, const Param
         for (int u = 0; u < R::STATES; ++u) s[u] = t[2 + u];
         gf_row_item(t, item, lane, (addresses & 15) == 0,
             [&](auto load, auto store) {
-                gf_vec<S> x[N];
+                // c: param, grad, the states
+                gf_vectors<S, N>(load, store, [&](C (&c)[N][E], int e) {
+                    C st[R::STATES];
 #pragma unroll
-                for (int u = 0; u < N; ++u) x[u].raw = *load(u);
+                    for (int u = 0; u < R::STATES; ++u) st[u] = c[2 + u][e];
+                    R::math(c[0][e], c[1][e], st, k);
 #pragma unroll
-                for (int i = 0; i < gf_vec<S>::V / E; ++i) {
-                    C c[N][E];  // param, grad, the states
-#pragma unroll
-                    for (int u = 0; u < N; ++u) gf_unpack(x[u], i, c[u]);
-#pragma unroll
-                    for (int e = 0; e < E; ++e) {
-                        C st[R::STATES];
-#pragma unroll
-                        for (int u = 0; u < R::STATES; ++u) st[u] = c[2 + u][e];
-                        R::math(c[0][e], c[1][e], st, k);
-#pragma unroll
-                        for (int u = 0; u < R::STATES; ++u) c[2 + u][e] = st[u];
-                    }
-#pragma unroll
-                    for (int u = 0; u < N; ++u)
-                        if (u != 1) gf_pack(x[u], i, c[u]);
-                }
-#pragma unroll
-                for (int u = 0; u < N; ++u)
-                    if (u != 1) *store(u) = x[u].raw;  // the gradient is only read
+                    for (int u = 0; u < R::STATES; ++u) c[2 + u][e] = st[u];
+                });
             },
             [&](long long i) { gf_rule_one<R>(t[0], t[1], s, i, k); });
     });

@@ -439,6 +439,25 @@ def test_adamw_rows_follow_pytorch_and_give_every_backends_bits(groups, offset, 
                 assert_bits_equal(t[name], u[name])
 
 
+def _step_every_backend(tables, keeps_of, grads_seed, scale, factor, skip):
+    """One step of every backend's table over the same gradients (``scale``
+    times seeded normals), each row keeping what ``keeps_of(table)(row)``
+    names: a skipped step leaves every parameter, state and count as it
+    was; any other is PyTorch's."""
+    for be, table in tables.items():
+        keeps = keeps_of(table)
+        table.gradients(np.random.default_rng(grads_seed), scale)
+        before = table.snapshot()
+        _step_rows(be, table, table.rows(keeps), factor, skip)
+        if skip:
+            for t, b in zip(table.tensors, before):
+                for name in ("p", "s0", "step"):
+                    assert_bits_equal(t[name], b[name])
+            continue
+        coef = 1.0 if factor is None else min(1.0, factor[1] / (factor[0] + CLIP_EPS)) * factor[2]
+        _assert_step_is_pytorchs(table, before, coef, keeps)
+
+
 SGD_ROWS = [{**SGD_OPTIONS, "dampening": 0.3}, {**SGD_OPTIONS, "momentum": 0.0, "maximize": True},
             {**SGD_OPTIONS, "nesterov": True, "dampening": 0.0, "maximize": True}]
 
@@ -465,19 +484,7 @@ def test_sgd_rows_count_their_buffers_updates(offset, dtype):
         if k == 4:  # and on again in group 0: its buffer goes on from its count
             for table in tables.values():
                 table.groups[0]["momentum"] = 0.5
-        grads_seed = int(rng.integers(1 << 30))
-        for be, table in tables.items():
-            keeps = _sgd_keeps(table)
-            table.gradients(np.random.default_rng(grads_seed), 1.0)
-            before = table.snapshot()
-            _step_rows(be, table, table.rows(keeps), factor, skip)
-            if skip:
-                for t, b in zip(table.tensors, before):
-                    for name in ("p", "s0", "step"):
-                        assert_bits_equal(t[name], b[name])
-                continue
-            coef = 1.0 if factor is None else min(1.0, factor[1] / (factor[0] + CLIP_EPS)) * factor[2]
-            _assert_step_is_pytorchs(table, before, coef, keeps)
+        _step_every_backend(tables, _sgd_keeps, int(rng.integers(1 << 30)), 1.0, factor, skip)
     counts = [float(t["step"][0]) for t in tables["numpy"].tensors]
     assert counts == [3.0] * len(ROW_SIZES) + [2.0] * len(ROW_SIZES) + [4.0] * len(ROW_SIZES)
     for be in ("numpy", "host"):
@@ -498,21 +505,10 @@ def test_lion_rows_follow_lion_pytorch_and_give_every_backends_bits(offset, dtyp
     # parameter, exp_avg and count as it was.
     rng = np.random.default_rng(6)
     tables = {be: Rows("lion", dtype, [dict(g) for g in LION_ROWS], seed=8, offset=offset) for be in BACKENDS}
-    keeps = lambda t: {"s0", "step"}  # noqa: E731
     plan = [(3.0, None, 0.0), (0.1, (40.0, 1.0, 0.5), 0.0), (1.0, None, 1.0), (0.1, None, 0.0)]
-    for k, (scale, factor, skip) in enumerate(plan):
-        grads_seed = int(rng.integers(1 << 30))
-        for be, table in tables.items():
-            table.gradients(np.random.default_rng(grads_seed), scale)
-            before = table.snapshot()
-            _step_rows(be, table, table.rows(keeps), factor, skip)
-            if skip:
-                for t, b in zip(table.tensors, before):
-                    for name in ("p", "s0", "step"):
-                        assert_bits_equal(t[name], b[name])
-                continue
-            coef = 1.0 if factor is None else min(1.0, factor[1] / (factor[0] + CLIP_EPS)) * factor[2]
-            _assert_step_is_pytorchs(table, before, coef, keeps)
+    for scale, factor, skip in plan:
+        _step_every_backend(tables, lambda table: lambda t: {"s0", "step"}, int(rng.integers(1 << 30)), scale,
+                            factor, skip)
     assert [float(t["step"][0]) for t in tables["numpy"].tensors] == [3.0] * len(ROW_SIZES) * len(LION_ROWS)
     for be in ("numpy", "host"):
         for t, u in zip(tables[be].tensors, tables["emulated"].tensors):
