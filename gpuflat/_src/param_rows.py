@@ -247,6 +247,7 @@ class _Found:
     # group's steps read, and its rows' state words (0 where not read).
     lacking: np.ndarray | None = None
     masked: np.ndarray | None = None
+    kept: _Kept | None = None  # the last step's rows, while they hold
 
 
 def _derive(found: _Found, ks: np.ndarray | None = None) -> None:
@@ -268,23 +269,34 @@ def read(optimizer: torch.optim.Optimizer, rule: Rule,
     what their group needs (``lazy_state(state, p, group)``); None when no
     parameter has a gradient."""
     groups = optimizer.param_groups
-    found = _found(optimizer, rule, [g["params"] for g in groups])
+    found, (grads, grad_facts, all_facts) = _found(optimizer, rule, [g["params"] for g in groups])
     everything = found.everything
-    grads, grad_facts = tensor_facts.gradients(everything)
     if not grads:
         return None
     whole = len(grads) == len(everything)
     have = np.arange(len(everything)) if whole else np.flatnonzero([p.grad is not None for p in everything])
-    params = everything if whole else [everything[k] for k in have]
     names = _Names(found, have)
-    # Facts read natively are of plain gradients only (tensor_facts.gradients).
-    all_plain = found.plain and grad_facts is not None
-    locals_, local_grads = (params, grads) if all_plain else (dtensor.local_shards(params), dtensor.local_shards(grads))
-    param_facts = _facts(locals_)
-    local_grad_facts = grad_facts if all_plain else _facts(local_grads)
-    _check_dense(rule, locals_, param_facts, local_grads, local_grad_facts, names.parameter)
-    assert local_grad_facts is not None  # _check_dense raised otherwise
-    rows = _param_rows(locals_, param_facts, local_grads, local_grad_facts, found.group_of[have], names.parameter)
+    kept = found.kept
+    if kept is not None and kept.fits(have, all_facts, grad_facts):
+        # The parameters and their gradients' kinds as at the last step: its
+        # rows hold, with the new gradients' addresses.
+        params, param_facts, buckets, all_plain = kept.params, kept.param_facts, kept.buckets, True
+        rows = kept.rows.copy()
+        rows[:, _ROW_GRAD] = cast(np.ndarray, grad_facts)[:, 0]
+    else:
+        params = everything if whole else [everything[k] for k in have]
+        # Facts read natively are of plain gradients only (tensor_facts.gradients).
+        all_plain = found.plain and grad_facts is not None and all_facts is not None
+        locals_, local_grads = (params, grads) if all_plain else (dtensor.local_shards(params),
+                                                                  dtensor.local_shards(grads))
+        param_facts = cast(np.ndarray, all_facts)[have] if all_plain else _facts(locals_)
+        local_grad_facts = grad_facts if all_plain else _facts(local_grads)
+        _check_dense(rule, locals_, param_facts, local_grads, local_grad_facts, names.parameter)
+        assert local_grad_facts is not None  # _check_dense raised otherwise
+        rows = _param_rows(locals_, param_facts, local_grads, local_grad_facts, found.group_of[have], names.parameter)
+        buckets = _buckets(param_facts)
+        found.kept = _Kept(have, param_facts, rows.copy(), params, buckets) \
+            if all_plain and (param_facts[:, 2] & tensor_facts.CONTIGUOUS).all() else None
     # The state, once the parameters and gradients are known good.
     _follow_state(optimizer, rule, found, names.of_all)
     assert found.lacking is not None and found.masked is not None  # derived by _found
@@ -298,25 +310,51 @@ def read(optimizer: torch.optim.Optimizer, rule: Rule,
     if not np.array_equal(checked, param_facts[:, 1:]):  # a parameter moved or changed: its state is checked again
         _reread(optimizer, rule, found, have[(checked != param_facts[:, 1:]).any(axis=1)], names.of_all)
     rows[:, _STATE_WORDS] = found.masked if whole else found.masked[have]
-    return Step(_split(rows, param_facts, locals_), params, grads, grad_facts, rows[:, _ROW_GRAD],
+    return Step(_split(rows, buckets, params), params, grads, grad_facts, rows[:, _ROW_GRAD],
                 lambda i: f"{names.parameter(i)}.grad", all_plain)
 
 
-def _found(optimizer: torch.optim.Optimizer, rule: Rule, lists: list[list[torch.Tensor]]) -> _Found:
-    """What was found for the parameters of ``lists`` (the groups' params
+@dataclass(frozen=True)
+class _Kept:
+    """A plain step's rows but their state words, kept for the next step:
+    they hold while the same parameters have gradients, and the
+    parameters' facts and their gradients' kinds (element count, dtype,
+    device, contiguity) are as they were. Kept only where every parameter
+    is contiguous, so a gradient of its parameter's kind starts at its
+    data pointer."""
+
+    have: np.ndarray  # the positions of the parameters with a gradient
+    param_facts: np.ndarray  # theirs
+    rows: np.ndarray
+    params: list
+    buckets: list  # the rows' positions by device and dtype (_buckets)
+
+    def fits(self, have: np.ndarray, all_facts: np.ndarray | None, grad_facts: np.ndarray | None) -> bool:
+        return (all_facts is not None and grad_facts is not None and np.array_equal(have, self.have)
+                and np.array_equal(all_facts[have], self.param_facts)
+                and np.array_equal(grad_facts[:, 1:], self.param_facts[:, 1:]))
+
+
+def _found(optimizer: torch.optim.Optimizer, rule: Rule,
+           lists: list[list[torch.Tensor]]) -> tuple[_Found, tuple[list, np.ndarray | None, np.ndarray | None]]:
+    """(what was found for the parameters of ``lists`` (the groups' params
     lists): found again where they hold the same parameters, else found
-    anew, each parameter found before keeping what was read of its state.
-    A group whose flags change which state it needs has its parameters'
-    state checked again."""
+    anew, each parameter found before keeping what was read of its state;
+    their gradients and facts, ``tensor_facts.of_step``). A group whose
+    flags change which state it needs has its parameters' state checked
+    again."""
     found = optimizer.__dict__.get("_gpuflat_found")
-    if found is None or len(found.lists) != len(lists) or not tensor_facts.same_items(lists, found.everything):
+    facts = None if found is None or len(found.lists) != len(lists) else tensor_facts.of_step(lists, found.everything)
+    if found is None or facts is None:
         found = _relist(optimizer, rule, found, lists)
+        facts = tensor_facts.of_step(lists, found.everything)
+        assert facts is not None  # the lists hold what was just found in them
     needs = tuple(needed(rule, g) for g in optimizer.param_groups)
     if needs != found.needs_key:
         found.needs_key = needs
         found.needs = np.array(needs, bool).reshape(-1, len(_STATE_FIELDS))
         _derive(found)
-    return found
+    return found, facts
 
 
 def _relist(optimizer: torch.optim.Optimizer, rule: Rule, kept: _Found | None,
@@ -471,7 +509,7 @@ def tables_of(rule: Rule, params: list[torch.Tensor], grads: list[torch.Tensor],
                          lambda i: name_of(kept[i]), "state")
         rows[kept, field] = _nonzero(_starts(tensors, facts, lambda i: name_of(kept[i]), "state"), tensors) * \
             mask[kept, w]
-    return _split(rows, param_facts, params)
+    return _split(rows, _buckets(param_facts), params)
 
 
 def _param_rows(params: Sequence[torch.Tensor], param_facts: np.ndarray, grads: Sequence[torch.Tensor], grad_facts: np.ndarray, groups: np.ndarray,
@@ -496,8 +534,7 @@ def _nonzero(starts: np.ndarray, tensors: Sequence[torch.Tensor]) -> np.ndarray:
     return starts
 
 
-def _split(rows: np.ndarray, param_facts: np.ndarray, params: Sequence[torch.Tensor]) -> list[DeviceRows]:
-    buckets = _buckets(param_facts)
+def _split(rows: np.ndarray, buckets: list[np.ndarray], params: Sequence[torch.Tensor]) -> list[DeviceRows]:
     if len(buckets) == 1:
         return [DeviceRows(rows, params[0])]
     return [DeviceRows(rows[members], params[int(members[0])]) for members in buckets]

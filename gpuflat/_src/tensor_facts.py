@@ -41,7 +41,8 @@ from ..errors import BuildError
 from .kernel_loader import kernel_dir
 
 __all__ = ["CONTIGUOUS", "DTYPES", "LAZY_VIEW", "NAME", "PLAIN", "available", "device_keys", "dtype_codes",
-           "gradients", "in_python", "is_plain_type", "of_tensors", "same_items", "state_words", "unavailable_reason"]
+           "gradients", "in_python", "is_plain_type", "of_step", "of_tensors", "same_items", "state_words",
+           "unavailable_reason"]
 
 # Every torch dtype, in a fixed order: a dtype's code is its position here.
 DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
@@ -80,6 +81,23 @@ def gradients(parameters: list) -> tuple[list, np.ndarray | None]:
             return present, rows[:n]
     grads = [g for g in map(_grad_of, parameters) if g is not None]
     return grads, of_tensors(grads)
+
+
+def of_step(lists: list, parameters: list) -> tuple[list, np.ndarray | None, np.ndarray | None] | None:
+    """What an optimizer's step reads of its parameters in one call: None
+    where ``lists`` (the groups' params lists) no longer hold exactly
+    ``parameters`` (:func:`same_items`), else (their gradients, the
+    gradients' facts, as :func:`gradients` gives them; the parameters'
+    facts, :func:`of_tensors`).
+
+    >>> w = torch.nn.Parameter(torch.zeros(3)); w.grad = torch.ones(3)
+    >>> grads, grad_facts, facts = of_step([[w]], [w])
+    >>> grads[0] is w.grad, facts[0, 1], of_step([[w], [w]], [w])
+    (True, np.int64(3), None)
+    """
+    if not same_items(lists, parameters):
+        return None
+    return (*gradients(parameters), of_tensors(parameters))
 
 
 def same_items(lists: list, flat: list) -> bool:
