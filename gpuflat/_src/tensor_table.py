@@ -25,9 +25,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import threading
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -146,13 +147,9 @@ class Table:
 _tables = caches.Recent("tensor tables", TABLES_KEPT)
 _plans = caches.LRU("tensor-list plans", TABLES_KEPT)  # by (numels, dtypes)
 _templates = caches.LRU("tensor-list rows", TABLES_KEPT)  # rows but their addresses, by (numels, dtypes, layout)
-_places = caches.LRU("tensor-list devices", TABLES_KEPT)  # a tensor of no elements per device (_placed_on)
 # What an optimizer step's gradients decide but their addresses (of_gradients), by
 # their facts but the addresses and the backend put in place.
 _gradient_layouts = caches.LRU("optimizer gradient layouts", TABLES_KEPT)
-# The tables of_gradients made, found again by their facts, addresses included
-# (apart from read's: a step's gradients count per parameter, never as ties).
-_gradient_tables = caches.Recent("optimizer gradient tables", TABLES_KEPT)
 
 
 @contextlib.contextmanager
@@ -219,25 +216,44 @@ def of_gradients(grads: list[torch.Tensor], starts: np.ndarray, facts: np.ndarra
     5.0
     """
     reading = Reading(facts, True, _override.get())
-    # The same gradients as a recent step's (their memory reused): its table,
-    # whose rows a device holds already.
-    table = _gradient_tables.find(lambda kept: kept.reading.same(reading))
-    if table is not None:
-        return table
     layout = _gradient_layouts.get((facts[:, 1:].tobytes(), reading.override), lambda: _gradient_layout(grads, facts))
-    if layout is None:
-        return None
-    members, plan, template, returned, device, backend = layout
-    words = template.copy()
-    words[:, 0] = starts
-    table = Table([Group(members, plan, backend, LeafRows(words), device)], returned, reading, None)
-    _gradient_tables.add(table)
-    return table
+    return None if layout is None else layout.table(reading, starts)
 
 
-def _gradient_layout(grads: list[torch.Tensor], facts: np.ndarray) -> tuple[Any, ...] | None:
-    """What :func:`of_gradients` keeps: (members, plan, rows but the
-    addresses, the returned dtype, device, backend), or None."""
+class _GradientLayout:
+    """What an optimizer step's gradients decide but their addresses, and
+    the last tables made from it (apart from :func:`read`'s: a step's
+    gradients count per parameter, never as ties), found again by their
+    facts, addresses included: the same gradients as a recent step's (their
+    memory reused) get its table, whose rows a device holds already."""
+
+    RECENT = 4  # tables kept: a loop alternating a few sets of gradient memory finds each
+
+    def __init__(self, plan: FlatPlan, template: np.ndarray, returned: torch.dtype, device: torch.device,
+                 backend: Backend) -> None:
+        self.plan, self.template, self.returned, self.device, self.backend = plan, template, returned, device, backend
+        self.members = tuple(range(len(template)))
+        self.recent: list[Table] = []
+        self.lock = threading.Lock()
+
+    def table(self, reading: Reading, starts: np.ndarray) -> Table:
+        """The table of gradients read as ``reading``, starting at ``starts``."""
+        with self.lock:
+            for k, kept in enumerate(self.recent):
+                if cast(Reading, kept.reading).same(reading):
+                    self.recent.append(self.recent.pop(k))
+                    return kept
+        words = self.template.copy()
+        words[:, 0] = starts
+        table = Table([Group(self.members, self.plan, self.backend, LeafRows(words), self.device)], self.returned,
+                      reading, None)
+        with self.lock:
+            self.recent = [*self.recent[1 - self.RECENT:], table]
+        return table
+
+
+def _gradient_layout(grads: list[torch.Tensor], facts: np.ndarray) -> _GradientLayout | None:
+    """What :func:`of_gradients` keeps, or None (several devices, or a backend reading arrays)."""
     keys = tensor_facts.device_keys(facts)
     if not len(grads) or (keys != keys[0]).any():
         return None
@@ -248,7 +264,8 @@ def _gradient_layout(grads: list[torch.Tensor], facts: np.ndarray) -> tuple[Any,
     numels = tuple(facts[:, 1].tolist())
     dtypes = tuple(map(tensor_facts.DTYPES.__getitem__, tensor_facts.dtype_codes(facts).tolist()))
     template = _template(numels, dtypes, True)
-    return tuple(range(len(grads))), _plan(numels, dtypes), template, returned_dtype(dtypes), device, backend
+    assert template is not None  # 1-D leaves fit a row
+    return _GradientLayout(_plan(numels, dtypes), template, returned_dtype(dtypes), device, backend)
 
 
 def _reading(tensors: list[torch.Tensor], facts: np.ndarray | None) -> Reading | None:
@@ -379,10 +396,11 @@ def _combined_in_torch(bound: Bound, results: Sequence[NormResult], p: float) ->
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in totals]), p), None
 
 
+@caches.function(maxsize=TABLES_KEPT)
 def _placed_on(device: torch.device) -> torch.Tensor:
     """A tensor of no elements on ``device``, kept: where work for tensors
     there runs (the device, its current stream) and what kind its results take."""
-    return _places.get(device, lambda: torch.empty(0, device=device))
+    return torch.empty(0, device=device)
 
 
 def _total_for(part: Part, total: Any) -> Any:
