@@ -85,6 +85,8 @@ def adopt(x: object) -> Any:
         return x
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
+        if type(x) is torch.Tensor:  # no DTensor, no wrapper: the common case, checked first
+            return _adopt_torch(x, torch)
         if dtensor.is_dtensor(x):
             return _adopt_torch(dtensor.local(x), torch)
         return _adopt_torch(plain_tensor(x), torch)
@@ -279,7 +281,7 @@ def _to_torch(result: Any, like: torch.Tensor, torch: ModuleType) -> torch.Tenso
         result = np.asarray(result)
         if not result.flags.writeable:
             result = result.copy()  # torch tensors are writable; a read-only view is not
-        if is_bfloat16(result.dtype):
+        if result.dtype.name == "bfloat16" and is_bfloat16(result.dtype):  # the name first: no call for the rest
             tensor = torch.from_numpy(result.view(np.int16)).view(torch.bfloat16)
         else:
             tensor = torch.from_numpy(result)
@@ -386,8 +388,7 @@ def external_stream(cupy: Any, ptr: int, device_id: int = -1) -> Any:
     return stream
 
 
-@contextlib.contextmanager
-def device_scope(backend: Any, like: object) -> Iterator[None]:
+def device_scope(backend: Any, like: object) -> contextlib.AbstractContextManager[Any]:
     """The context a call's device work runs in: ``backend``'s device and, when
     ``like`` is a PyTorch CUDA tensor, its device, PyTorch's current stream
     there (:func:`launch_stream`) and PyTorch's caching allocator for every
@@ -402,10 +403,16 @@ def device_scope(backend: Any, like: object) -> Iterator[None]:
     >>> with device_scope(get_backend("numpy"), np.ones(2)):
     ...     pass
     """
+    # A plain function, not a generator: host work enters the backend's own
+    # context directly, and leaving it runs no code of this module.
     if not _is_torch_cuda(like):
-        with backend.on_device() if backend is not None else contextlib.nullcontext():
-            yield
-        return
+        return backend.on_device() if backend is not None else contextlib.nullcontext()
+    return _torch_cuda_scope(like)
+
+
+@contextlib.contextmanager
+def _torch_cuda_scope(like: torch.Tensor) -> Iterator[None]:
+    """:func:`device_scope` for a PyTorch CUDA tensor ``like``."""
     cupy = sys.modules["cupy"]
     stream = launch_stream(like)
     allocator = _torch_allocator(cupy, stream.ptr)

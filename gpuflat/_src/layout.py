@@ -17,6 +17,7 @@ sources and fails when one drifts from this module.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from collections.abc import Callable, Sequence
@@ -100,6 +101,7 @@ ROW_STEP, ROW_NUMEL, ROW_GROUP = (PARAM_ROW_FIELDS.index(f) for f in ("step", "n
 OPTIM_DTYPES = ("f16", "bf16", "float", "double")
 
 
+@caches.function(maxsize=64)  # a pure function of the order, asked at every norm
 def norm_kind(p: float) -> str:
     """The kind of ``NORM_KINDS`` that computes the ``p``-norm (a checked order).
 
@@ -225,7 +227,7 @@ class Rule:
         takes GENERIC_STATES, the others their states and flag states."""
         return GENERIC_STATES if self.kernel is not None else len(self.state_names) + len(self.flag_states)
 
-    @property
+    @functools.cached_property
     def counted_field(self) -> int:
         """The index of ``counted_when`` in ``hyper``, -1 for None: the
         kernels' and host library's argument to the step-counting pass."""

@@ -57,6 +57,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import clipping, dtensor, param_rows, ranks, tensor_table, torch_optim_ops
@@ -64,7 +65,7 @@ from ..errors import CaptureError
 from .arrays import launch_stream
 from .checks import clip_arguments, optimizer_options, torch_norm_type
 from .residency import Resident
-from .layout import RULES
+from .layout import HYPER, RULES
 from .torch_optim_ops import CLIP_EPS, name_of, unscale_factor, update
 
 __all__ = ["AdamW", "FlatOptimizer", "GradScaler", "SGD"]
@@ -167,7 +168,7 @@ class FlatOptimizer(torch.optim.Optimizer):
     def _update(self) -> None:
         if torch.compiler.is_compiling():
             return self._traced_update()
-        self._check_options(compiling=False)
+        hyper = self._check_options(compiling=False)
         scale, found = self._amp()
         self.last_grad_norm = None
         # Everything is read and checked before anything is written.
@@ -181,10 +182,11 @@ class FlatOptimizer(torch.optim.Optimizer):
             self.last_grad_norm = total
             if step is not None:
                 update(self._rule, step.tables, self.param_groups, total, self.max_norm, scale, found_now,
-                       lambda: self._read_by_address(step.params))
+                       lambda: self._read_by_address(step.params), hyper)
 
         clipping.step_(lambda: self._norm(step, detect), update_tables,
-                       reads_norm=self.max_norm is not None or detect, unscale=_unscaler(scale))
+                       reads_norm=self.max_norm is not None or detect,
+                       unscale=None if scale is None else _unscaler(scale))
 
     def _made_state(self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any]) -> None:
         """``_lazy_state``, refused inside a CUDA-graph capture: every replay
@@ -250,26 +252,34 @@ class FlatOptimizer(torch.optim.Optimizer):
 
         clipping.step_(norm, update_lists, reads_norm=self.max_norm is not None or detect, unscale=_unscaler(scale))
 
-    def _check_options(self, compiling: bool) -> None:
+    def _check_options(self, compiling: bool) -> np.ndarray | None:
         """PyTorch's checks of each group's options, at every step too: a
         loop may change them. An eager step checks the groups whose options
         differ from those it last checked (a host tensor ``lr`` compared by
-        its value), the usual step none."""
+        its value), the usual step none, and returns the groups'
+        hyperparameter rows (``Rule.hyper_rows``), each made again with its
+        check."""
         if compiling:  # TorchDynamo traces the checks themselves, and keeps no record between graphs
             for i, group in enumerate(self.param_groups):
                 self._check_group(i, group, True)
-            return
+            return None
+        groups = self.param_groups
         checked = self.__dict__.setdefault("_checked_options", [])
-        del checked[len(self.param_groups):]
-        for i, group in enumerate(self.param_groups):
+        hyper = self.__dict__.get("_hyper_rows")
+        if hyper is None or len(hyper) != HYPER * len(groups):
+            hyper = self.__dict__["_hyper_rows"] = np.zeros(HYPER * len(groups))
+            checked.clear()
+        for i, group in enumerate(groups):
             options = tuple((k, _option_value(v)) for k, v in group.items() if k != "params")
             if i < len(checked) and checked[i] == options:
                 continue
             self._check_group(i, group, False)
+            hyper[i * HYPER:(i + 1) * HYPER] = RULES[self._rule].hyper_row(group)
             if i < len(checked):
                 checked[i] = options
             else:
                 checked.append(options)
+        return hyper
 
     def _check_group(self, i: int, group: dict[str, Any], compiling: bool) -> None:
         """PyTorch's checks of group ``i``'s options; inside a compiled step a

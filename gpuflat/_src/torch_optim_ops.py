@@ -47,7 +47,7 @@ __all__ = ["CLIP_EPS", "name_of", "norm_and_nonfinite", "unscale_factor", "updat
 
 def update(rule: str, tables: Sequence[param_rows.DeviceRows], groups: Sequence[dict[str, Any]],
            total: torch.Tensor | None, max_norm: float | torch.Tensor | None, scale: torch.Tensor | None,
-           found: torch.Tensor | None, read: Any = ()) -> None:
+           found: torch.Tensor | None, read: Any = (), hyper: np.ndarray | None = None) -> None:
     """One update by the rule named ``rule`` (``layout.RULES``) of the parameters of
     ``tables`` (``gpuflat._src.param_rows``), each group's hyperparameters and
     flags read from ``groups`` (dicts as ``param_groups`` holds them), the
@@ -57,7 +57,8 @@ def update(rule: str, tables: Sequence[param_rows.DeviceRows], groups: Sequence[
     capture, everything the launches read by address (``read``: the
     tensors of the rows, or a function giving them; the (unscale, skip) flags, the norm, a tensor
     ``lr``) is kept as long as the process: the graph may be replayed at any
-    time, whatever ``gpuflat.cache_clear()`` drops.
+    time, whatever ``gpuflat.cache_clear()`` drops. ``hyper``: the groups'
+    rows (``Rule.hyper_rows``), where the caller holds them already.
 
     >>> w, g = torch.ones(2), torch.full((2,), 4.0)
     >>> sgd = param_rows.RULES["sgd"]
@@ -67,20 +68,22 @@ def update(rule: str, tables: Sequence[param_rows.DeviceRows], groups: Sequence[
     >>> w  # 1 - 0.5 * 4 * 2 / 8
     tensor([0.5000, 0.5000])
     """
-    hyper = RULES[rule].hyper_rows(groups)
+    if hyper is None:
+        hyper = RULES[rule].hyper_rows(groups)
     for table in tables:
         like = table.like
         backend = tensor_table.backend_for(like.device)
         row_hyper, lr_at = _learning_rates(groups, like.device, hyper)
+        # PyTorch's own work (it runs on PyTorch's current stream), before the launch's scope.
+        amp = _amp_tensor(scale, found, like.device)
+        # ``total`` is given wherever ``max_norm`` is.
+        norm = None if max_norm is None else cast(torch.Tensor, total).to(like.device).reshape(())
         with device_scope(backend, like):
-            amp = _amp_tensor(scale, found, like.device)
-            # ``total`` is given wherever ``max_norm`` is.
-            norm = None if max_norm is None else cast(torch.Tensor, total).to(like.device).reshape(())
             if backend.name == "cuda" and launch_stream(like).is_capturing():
                 _READ_BY_GRAPHS.append((amp, norm, [g["lr"] for g in groups], read() if callable(read) else read))
-            amp, clip = adopt(amp), None if norm is None else adopt(norm)
             backend.step_rows(rule, TAG_OF_NAME[str(like.dtype).removeprefix("torch.")], table.rows, row_hyper,
-                              lr_at, clip, 0.0 if max_norm is None else float(max_norm), CLIP_EPS, amp)
+                              lr_at, None if norm is None else adopt(norm),
+                              0.0 if max_norm is None else float(max_norm), CLIP_EPS, adopt(amp))
 
 
 # What captured CUDA graphs' launches read by address, kept for good (as the
@@ -124,19 +127,22 @@ def _learning_rates(groups: Sequence[dict[str, Any]], device: torch.device,
     return hyper, at
 
 
-_PLAIN_AMP = caches.LRU("plain amp flags", 8)  # by device
+# Per device, the flags of a step without a loss scaler: made once, as they never change.
+_PLAIN_AMP: dict[torch.device, torch.Tensor] = {}
+caches.register("plain amp flags", _PLAIN_AMP.__len__, _PLAIN_AMP.clear)
 
 
 def _amp_tensor(scale: torch.Tensor | None, found: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """(the unscale factor, the skip flag) as a float64 tensor on ``device``."""
     if scale is None and found is None:
-        amp = _PLAIN_AMP.get(device, lambda: torch.tensor([1.0, 0.0], dtype=torch.float64, device=device))
-    else:
-        one, zero = (torch.full((), v, dtype=torch.float64, device=device) for v in (1.0, 0.0))
-        inv = one if scale is None else unscale_factor(scale).reshape(()).to(device)
-        flag = zero if found is None else found.double().reshape(()).to(device)
-        amp = torch.stack((inv, flag))
-    return amp
+        amp = _PLAIN_AMP.get(device)
+        if amp is None:
+            amp = _PLAIN_AMP[device] = torch.tensor([1.0, 0.0], dtype=torch.float64, device=device)
+        return amp
+    one, zero = (torch.full((), v, dtype=torch.float64, device=device) for v in (1.0, 0.0))
+    inv = one if scale is None else unscale_factor(scale).reshape(()).to(device)
+    flag = zero if found is None else found.double().reshape(()).to(device)
+    return torch.stack((inv, flag))
 
 
 def name_of(groups: Sequence[int], indices: Sequence[int]) -> Callable[[int], str]:

@@ -125,10 +125,10 @@ class HostBackend(HostMemory):
         # totals[0] the norm, totals[1] the unrooted total it is the root of.
         per, totals, first = np.empty(len(plan.leaves)), np.empty(2), np.empty((), np.int64)
         args = (plan.offsets, NORM_KINDS[norm_kind(p)], p, self.threads, per, totals, first)
-        if isinstance(leaves, LeafRows):
-            _check(plan, leaves, lib.gf_host_norms_rows(leaves.words, *args))
-        else:
-            _check(plan, leaves, lib.gf_host_norms(leaves, *args, _token(leaves)))
+        bad = lib.gf_host_norms_rows(leaves.words, *args) if isinstance(leaves, LeafRows) \
+            else lib.gf_host_norms(leaves, *args, _token(leaves))
+        if bad >= 0:
+            _refuse(plan, bad, leaves[bad])
         return NormResult(totals[:1].reshape(()), per, first, totals[1:].reshape(()))
 
     def clip_(self, plan: FlatPlan, leaves: Sequence[Any] | LeafRows, total: Any, max_norm: Any, eps: float,
@@ -156,13 +156,9 @@ class HostBackend(HostMemory):
             return
         _check(plan, leaves, lib.gf_host_clip(leaves, plan.offsets, *args, self.threads, _token(leaves)))
 
-    def on_device(self) -> contextlib.nullcontext[None]:
-        """Host memory needs no device context.
-
-        >>> with HostBackend().on_device():
-        ...     pass
-        """
-        return contextlib.nullcontext()
+    # Host memory needs no device context: the protocol's on_device() makes
+    # an empty one, directly (no call of this backend's per step).
+    on_device = staticmethod(contextlib.nullcontext)
 
     def to_host(self, x: Any) -> np.ndarray:
         """``x`` as a NumPy array (it already is one).
@@ -219,13 +215,13 @@ class HostBackend(HostMemory):
         lib = native.optim_library()[0]
         if lib is None:
             return NumpyBackend().step_rows(rule, tag, rows, hyper, lr_at, total, max_norm, eps, amp)
-        ptr = _address
         rows = np.ascontiguousarray(rows, np.int64)
         rule_of = RULES[rule]
+        # The addresses taken here, not through _address: a step's host work is a few calls, kept few.
+        at = [None if a is None else np.asarray(a).ctypes.data for a in (rows, hyper, lr_at, total, amp)]
         rule_of.check_rows(rows, hyper)
-        code = lib.gf_host_optim_rows(rule_of.number, tag, ptr(rows), len(rows), ptr(hyper), ptr(lr_at),
-                                      rule_of.counted_field, None if total is None else ptr(total), float(max_norm),
-                                      float(eps), ptr(amp), self.threads)
+        code = lib.gf_host_optim_rows(rule_of.number, tag, at[0], len(rows), at[1], at[2], rule_of.counted_field,
+                                      at[3], float(max_norm), float(eps), at[4], self.threads)
         if code != 0:
             raise TypeError(f"the host backend's optimizer step: expected parameters of a real floating dtype "
                             f"({_OPTIM_NAMES}), found dtype tag {tag}")

@@ -1,6 +1,7 @@
 """Which backend serves a call: by name, and by the arrays' kind and device."""
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from operator import attrgetter
@@ -119,6 +120,7 @@ def _first_of_each_kind(arrays: Sequence[Any]) -> tuple[int | None, int | None]:
     return on_gpu.index(False), on_gpu.index(True)
 
 
+@functools.cache  # the host library is built or refused once per process (native.host_library)
 def host_default() -> str:
     """The backend NumPy arrays get by default: "host" where its native library builds, else "numpy".
 
