@@ -31,16 +31,11 @@
 // Neither the grid of kernel 1 nor the run changes a bit. No atomics anywhere.
 #include "gpuflat_math.cuh"
 
-// Vectors in flight per lane (gf_item_loop's U; the order of the sum is the
-// same for any). pow makes the p-norm compute-bound: one vector in flight
-// is enough, and the registers go to pow. The 1- and inf-norms of complex
-// leaves take a hypot per element, which needs registers too: with four
-// vectors in flight CUDA 13's ptxas spilled for sm_90, with two it does not.
+// Vectors in flight per lane (gf_item_loop's U): the kind's choice
+// (gf_norm in gpuflat_math.cuh) for real or complex leaves.
 template <int K, class S>
 constexpr int gf_norm_unroll() {
-    if constexpr (K == GF_NORM_P) return 1;
-    else if constexpr (gf_is_complex<S>::value && K != GF_NORM_L2) return 2;
-    else return GF_UNROLL;
+    return gf_is_complex<S>::value ? gf_norm<K>::unroll_complex() : gf_norm<K>::unroll();
 }
 
 // A lane's share of one item: its sum (or max) of terms, and whether it met
@@ -51,16 +46,13 @@ struct gf_lane_sum {
 };
 
 // Whether a lane's accumulated value alone tells that it met a NaN or inf:
-// for the 1- and 2-norms of elements no wider than float, every finite
-// element's term is finite and any sum of them stays far inside double's
-// range (each term at most (3.5e38)^2 = 1.2e77, at most 2^63 of them), while
-// a NaN or inf term makes the sum non-finite. A double's square can
-// overflow, and so can any p-th power: those check every element, as the
-// inf-norm does (its NaN-preferring max would allow the same, but the check
-// per element keeps that kernel within its registers).
+// where the kind allows it (gf_norm's bad_from_sum: every finite element's
+// term is finite, any sum of them far inside double's range, while a NaN or
+// inf term makes the sum non-finite) for elements no wider than float. A
+// double's square can overflow: its elements are checked one by one.
 template <int K, class S>
 constexpr bool gf_bad_from_sum() {
-    return (K == GF_NORM_L1 || K == GF_NORM_L2) && !gf_same<S, double>::value && !gf_same<S, c128>::value;
+    return gf_norm<K>::bad_from_sum() && !gf_same<S, double>::value && !gf_same<S, c128>::value;
 }
 
 template <int K, class S>
@@ -99,9 +91,9 @@ gpuflat_norm_partial(const Item* __restrict__ items, long long n_items, const Le
                      double p, double* __restrict__ partial) {
     gf_for_items(items, n_items, [&](long long it, const Item& item, int lane) {
         gf_lane_sum sum = {0.0, 0};
-        // The leaf's fields are loaded early except for the inf-norm, which
-        // CUDA 13's ptxas then spills (for sm_90 too).
-        gf_on_leaf<K != GF_NORM_INF>(leaves[item.slot], [&](const auto& L, auto z) {
+        // The leaf's fields are loaded early where the kind allows it
+        // (gf_norm's early_leaf).
+        gf_on_leaf<gf_norm<K>::early_leaf()>(leaves[item.slot], [&](const auto& L, auto z) {
             sum = gf_item_terms<K, decltype(z)>(L, item, lane, p);
         });
         double acc = sum.acc;

@@ -85,10 +85,32 @@ def test_the_host_libraries_work_item_is_the_layouts():
     assert layout.ITEM % (32 * 8) == 0
 
 
-def test_the_norm_kinds_are_the_kernels():
-    defines = _defines("gpuflat_math.cuh")
+def test_the_written_header_lists_the_norm_kinds():
+    # The C++ reads the kinds' numbers and their list only through
+    # gpuflat_rules.h, which the layout writes from its records.
+    kinds = layout.NORMS.values()
+    defines = _defines(layout.RULES_HEADER)
     assert {k.removeprefix("GF_NORM_").lower(): v for k, v in defines.items() if k.startswith("GF_NORM_")} \
-        == layout.NORM_KINDS
+        == {kind.name: kind.number for kind in kinds} == layout.NORM_KINDS
+    listed = re.search(r"^#define GF_NORM_KINDS\(X\) (.*)$", SOURCES[layout.RULES_HEADER], re.M).group(1)
+    assert listed == " ".join(f"X({kind.number})" for kind in kinds)
+    assert len({kind.number for kind in kinds}) == len(layout.NORMS)
+    # Each kind's arithmetic and traits are its gf_norm specialization; no
+    # other source spells out a kind's number or branches on one.
+    for kind in kinds:
+        assert f"struct gf_norm<GF_NORM_{kind.name.upper()}> : gf_norm_defaults {{" in SOURCES["gpuflat_math.cuh"]
+    for name, text in SOURCES.items():
+        assert name == layout.RULES_HEADER or not re.search(r"#define GF_NORM_\w+ \d", text), name
+        assert not re.search(r"K [!=]= GF_NORM_|case GF_NORM_", text), name
+    assert "GF_NORM_KINDS(GF_NORM_CASE)" in SOURCES["host/host_backend.cpp"]
+
+
+def test_every_order_has_one_norm_kind():
+    # The named orders take their kinds; every other order the one kind that names none.
+    kinds = layout.NORMS.values()
+    assert sum(not kind.orders for kind in kinds) == 1
+    assert all(layout.norm_kind(order) == kind.name for kind in kinds for order in kind.orders)
+    assert layout.norm_kind(0.5) == next(kind.name for kind in kinds if not kind.orders)
 
 
 def test_the_optimizer_rows_and_rules_are_the_kernels():

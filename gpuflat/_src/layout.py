@@ -73,9 +73,6 @@ SMALL_SLOT_ITEMS = 16
 # the same tree that one warp plays for the other large slots.
 BLOCK_SLOT_ITEMS = 4096
 
-# Norm kinds, the template argument of the norm kernels and the kind the host
-# library takes (GF_NORM_* in kernels/gpuflat_math.cuh).
-NORM_KINDS = {"l1": 0, "l2": 1, "inf": 2, "p": 3}
 # The clip's default eps, PyTorch's clip_grad_norm_'s: the factor is
 # min(1, max_norm / (norm + CLIP_EPS)). The kernels take it by value.
 CLIP_EPS = 1e-6
@@ -99,16 +96,6 @@ ROW_STEP, ROW_NUMEL, ROW_GROUP = (PARAM_ROW_FIELDS.index(f) for f in ("step", "n
 # The buffer dtypes the optimizer kernels are instantiated for: every real
 # floating one (complex parameters are refused).
 OPTIM_DTYPES = ("f16", "bf16", "float", "double")
-
-
-@caches.function(maxsize=64)  # a pure function of the order, asked at every norm
-def norm_kind(p: float) -> str:
-    """The kind of ``NORM_KINDS`` that computes the ``p``-norm (a checked order).
-
-    >>> norm_kind(1.0), norm_kind(2.0), norm_kind(float("inf")), norm_kind(3.0)
-    ('l1', 'l2', 'inf', 'p')
-    """
-    return {1.0: "l1", 2.0: "l2", float("inf"): "inf"}.get(p, "p")
 
 
 @dataclass(frozen=True)
@@ -444,6 +431,117 @@ RULES = {rule.name: rule for rule in (
 )}
 
 
+# ---------------------------------------------------------------- the norm kinds
+
+
+def _magnitudes(values: np.ndarray, p: float) -> np.ndarray:
+    """|x| (a real chunk's in place). A complex magnitude is np.abs (a
+    hypot): finite wherever |z| is, and inf when one part is inf even if the
+    other is NaN, as C99 cabs defines."""
+    return np.abs(values) if values.dtype.kind == "c" else np.abs(values, out=values)
+
+
+def _squares(values: np.ndarray, p: float) -> np.ndarray:
+    """|x|**2 (a real chunk's in place). A complex one is re**2 + im**2,
+    which rounds once where |z|**2 rounds twice; it is only wrong (NaN) for
+    an infinite part beside a NaN one, whose |z|**2 is inf."""
+    if values.dtype.kind != "c":
+        return np.square(values, out=values)
+    squares = np.square(values.real)
+    squares += np.square(values.imag)
+    if np.isnan(squares).any():
+        squares[np.isinf(values)] = math.inf
+    return squares
+
+
+def _powers(values: np.ndarray, p: float) -> np.ndarray:
+    """|x|**p."""
+    magnitudes = _magnitudes(values, p)
+    return np.power(magnitudes, p, out=magnitudes)
+
+
+def _no_root(x: Any, p: float, xp: Any = np) -> Any:
+    return x
+
+
+def _sqrt(x: Any, p: float, xp: Any = np) -> Any:
+    # IEEE's square root, correctly rounded: math.sqrt's, np.sqrt's and C's bits alike.
+    return xp.sqrt(x)
+
+
+def _numpy_pth_root(x: Any, p: float) -> Any:
+    # np.power, not **: a float root past float64 is inf, where Python raises OverflowError.
+    return np.power(x, 1.0 / p)
+
+
+def _c_pth_root(x: Any, p: float, xp: Any) -> Any:
+    # A NumPy scalar's ** is C's pow, the kernels' (np.power has a vector
+    # pow of its own, with other bits); a CuPy array's is CUDA's.
+    return x ** (1.0 / p)
+
+
+@dataclass(frozen=True)
+class NormKind:
+    """A norm kind: one record of what Python knows of it; its C++ (term,
+    combine, root and traits) is ``gf_norm<number>`` in
+    ``kernels/gpuflat_math.cuh``.
+
+    ``number`` is the norm kernels' template argument and the host library's
+    kind (``GF_NORM_<NAME>`` in the written header); ``orders`` the orders p
+    it computes, () for the kind of every order no other kind takes. The
+    rest is its arithmetic in NumPy, the NumPy backend's (and, in float64,
+    the reference): ``terms`` gives each element's term of a float64 or
+    complex128 chunk (in place where it can), ``combine`` is the ufunc that
+    combines two terms or partials and ``fold`` the array method (NumPy's
+    and CuPy's) that combines all of an array's, the ranks' partials too;
+    ``root`` takes the norm of a combined value, NumPy's way, and
+    ``kernel_root`` the kernels' way (gf_root: C's sqrt and pow) on a NumPy
+    or CuPy scalar of array module ``xp``, as ``gpuflat._src.ranks`` roots
+    the ranks' total. ``sum_of_squares`` marks terms that are squares,
+    summed: a real chunk's partial is then a dot product.
+
+    >>> l2 = NORMS["l2"]
+    >>> l2.number, float(l2.root(9.0, 2.0)), l2.fold, float(l2.combine.reduce(l2.terms(np.array([3.0, 4.0]), 2.0)))
+    (1, 3.0, 'sum', 25.0)
+    >>> NORMS["inf"].fold, NORMS["p"].orders
+    ('max', ())
+    """
+
+    name: str
+    number: int
+    orders: tuple[float, ...]
+    terms: Callable[[np.ndarray, float], np.ndarray]
+    combine: np.ufunc
+    fold: str
+    root: Callable[[Any, float], Any]
+    kernel_root: Callable[[Any, float, Any], Any]
+    sum_of_squares: bool = False
+
+
+# The norm kinds by name.
+NORMS = {kind.name: kind for kind in (
+    NormKind("l1", 0, (1.0,), _magnitudes, np.add, "sum", _no_root, _no_root),
+    NormKind("l2", 1, (2.0,), _squares, np.add, "sum", _sqrt, _sqrt, sum_of_squares=True),
+    # np.maximum, not max(): a NaN wins.
+    NormKind("inf", 2, (math.inf,), _magnitudes, np.maximum, "max", _no_root, _no_root),
+    NormKind("p", 3, (), _powers, np.add, "sum", _numpy_pth_root, _c_pth_root),
+)}
+# Each kind's number, by name.
+NORM_KINDS = {name: kind.number for name, kind in NORMS.items()}
+_KIND_OF_ORDER = {order: kind.name for kind in NORMS.values() for order in kind.orders}
+_OTHER_ORDERS = next(kind.name for kind in NORMS.values() if not kind.orders)
+
+
+@caches.function(maxsize=64)  # a pure function of the order, asked at every norm
+def norm_kind(p: float) -> str:
+    """The name of the kind of ``NORMS`` that computes the ``p``-norm (a checked order).
+
+    >>> norm_kind(1.0), norm_kind(2.0), norm_kind(float("inf")), norm_kind(3.0)
+    ('l1', 'l2', 'inf', 'p')
+    """
+    return _KIND_OF_ORDER.get(p, _OTHER_ORDERS)
+
+
 # The generated header's name: C++ includes it to read the facts below.
 RULES_HEADER = "gpuflat_rules.h"
 
@@ -453,12 +551,16 @@ def rules_header() -> str:
     kernel loader hands it to every build beside the sources; it is never
     on disk): the elements of a work item, each dtype's tag
     (``GF_TAG_<C++ name>``), their count and item sizes in tag order
-    (``GF_N_TAGS``, ``GF_ITEMSIZES``), each rule's number (``GF_RULE_<NAME>``), and
+    (``GF_N_TAGS``, ``GF_ITEMSIZES``), each rule's number (``GF_RULE_<NAME>``),
     the rules with a ``kernel`` struct: their headers included and
     ``GF_GENERIC_RULES(X)`` calling ``X(number, struct)`` for each, which the
-    host library's dispatch expands.
+    host library's dispatch expands; and each norm kind's number
+    (``GF_NORM_<NAME>``) and ``GF_NORM_KINDS(X)`` calling ``X(number)`` for
+    each, which the host library's switch over kinds expands.
 
     >>> "#define GF_RULE_SGD 1" in rules_header().splitlines()
+    True
+    >>> "#define GF_NORM_KINDS(X) X(0) X(1) X(2) X(3)" in rules_header().splitlines()
     True
     """
     generic = [rule for rule in RULES.values() if rule.kernel is not None]
@@ -467,6 +569,8 @@ def rules_header() -> str:
     lines += [f"#define GF_TAG_{c_name} {tag}" for tag, _, c_name, _ in DTYPES]
     lines += [f"#define GF_N_TAGS {len(DTYPES)}", f"#define GF_ITEMSIZES {', '.join(map(str, ITEMSIZES))}"]
     lines += [f"#define GF_RULE_{rule.name.upper()} {rule.number}" for rule in RULES.values()]
+    lines += [f"#define GF_NORM_{kind.name.upper()} {kind.number}" for kind in NORMS.values()]
+    lines.append("#define GF_NORM_KINDS(X) " + " ".join(f"X({kind.number})" for kind in NORMS.values()))
     lines += [f'#include "{header}"' for header in dict.fromkeys(rule.header for rule in generic)]
     lines.append("#define GF_GENERIC_RULES(X) " + " ".join(f"X({rule.number}, {rule.kernel})" for rule in generic))
     return "\n".join(lines) + "\n"

@@ -15,7 +15,6 @@ import abc
 import ast
 import contextlib
 import inspect
-import math
 import re
 import sys
 import threading
@@ -29,7 +28,7 @@ from . import caches, checks, clipping, dtensor
 from .arrays import adopt, device_scope, external_stream, is_module, module_parameters
 from .backends import get_backend
 from .dtypes import is_bfloat16
-from .layout import CLIP_EPS
+from .layout import CLIP_EPS, NORMS, norm_kind
 from .binding import Call
 from ..errors import CollectiveError
 
@@ -348,7 +347,7 @@ def _reduce_norm(local: _Local, p: float, per_leaf: bool) -> tuple[Any, Any, lis
     share it after the next, so every rank still gets the same bits. A norm
     over one rank is that rank's own pass, root and all.
     """
-    xp = local.be.xp
+    xp, kind = local.be.xp, NORMS[norm_kind(p)]
     partial, first_bad = xp.zeros((), np.float64), xp.zeros((), np.float64)
     per = xp.zeros(0, np.float64)
     own_total = None
@@ -371,14 +370,12 @@ def _reduce_norm(local: _Local, p: float, per_leaf: bool) -> tuple[Any, Any, lis
         packet[comm.rank, 0] = partial
         packet[comm.rank, 1] = first_bad
         comm.all_reduce(packet.reshape(-1), "global_norm")
-        partial = packet[:, 0].max() if p == math.inf else packet[:, 0].sum()
+        partial = getattr(packet[:, 0], kind.fold)()
         first_bad = packet[:, 1].max()
         packets.append(packet)
     if local.ranks == 1 and own_total is not None:
         return own_total, per, packets
-    if p == math.inf:
-        return partial, per, packets
-    return (xp.sqrt(partial) if p == 2 else partial if p == 1 else partial ** (1.0 / p)), per, packets
+    return kind.kernel_root(partial, p, xp), per, packets
 
 
 # Plans of the leaves a rank counts, remembered per plan and ownership.

@@ -684,12 +684,13 @@ bool holds_nonfinite(const S* x, long long len) {
     return false;
 }
 
-// One item's partial: a 2-norm in SIMD where the machine has it, the rest
-// (and any item whose SIMD partial is NaN) by the generic loop.
+// One item's partial: a sum of squares (the 2-norm's, gf_norm's
+// sum_of_squares) in SIMD where the machine has it, the rest (and any item
+// whose SIMD partial is NaN) by the generic loop.
 template <int K, class S>
 double partial_of(const S* x, long long len, double p) {
 #ifdef GF_HOST_L2_SIMD
-    if constexpr (K == GF_NORM_L2) {
+    if constexpr (gf_norm<K>::sum_of_squares()) {
         const double fast = l2_partial(x, len);
         if (fast == fast) return fast;
     }
@@ -996,11 +997,11 @@ long long run_norms(const LeafSet& set, const std::vector<Item>& items, int kind
     double* tot = data_of<double>(total);
     long long* first = data_of<long long>(first_bad);
     Py_BEGIN_ALLOW_THREADS
-    switch (kind) {
-        case GF_NORM_L1: norms<GF_NORM_L1>(set, items, partial, n_slots, p, threads, per, tot, first); break;
-        case GF_NORM_L2: norms<GF_NORM_L2>(set, items, partial, n_slots, p, threads, per, tot, first); break;
-        case GF_NORM_INF: norms<GF_NORM_INF>(set, items, partial, n_slots, p, threads, per, tot, first); break;
-        default: norms<GF_NORM_P>(set, items, partial, n_slots, p, threads, per, tot, first); break;
+    switch (kind) {  // every kind of the layout (its NORM_KINDS, the only numbers Python passes)
+#define GF_NORM_CASE(K) \
+        case K: norms<K>(set, items, partial, n_slots, p, threads, per, tot, first); break;
+        GF_NORM_KINDS(GF_NORM_CASE)
+#undef GF_NORM_CASE
     }
     Py_END_ALLOW_THREADS
     return -1;

@@ -48,6 +48,7 @@ import numpy as np
 
 from gpuflat._src import caches
 from gpuflat._src import kernel_loader as kl
+from gpuflat._src.checks import check_ord
 from gpuflat._src.dtypes import c_name, dtype_of_tag
 from gpuflat._src.identity import Layout, SameArrays, equal_facts
 from gpuflat._src.layout import (BLOCK_THREADS, C_NAMES, FINISH_THREADS, ITEM, ITEM_WORDS, LEAF_ROW_WORDS, MAX_DIMS,
@@ -306,9 +307,7 @@ def _row_items(numels: bytes) -> np.ndarray:
 
 
 def _norm_kind(ord: float) -> tuple[str, float]:
-    p = float(ord)
-    if not p > 0:  # NaN too
-        raise ValueError(f"ord: expected 1, 2, inf or a number p > 0, got {ord!r}")
+    p = check_ord(ord)
     return kl.norm_kind(p), p
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from gpuflat._src import caches
 from gpuflat._src.dtypes import cast_copy, dtype_of_tag
-from gpuflat._src.layout import HYPER, RULES
+from gpuflat._src.layout import HYPER, NORMS, RULES, NormKind, norm_kind
 from gpuflat._src.memory_order import in_memory_order
 
 from .protocol import NormResult
@@ -69,33 +69,6 @@ def _layout(plan: FlatPlan) -> tuple[tuple[int, int, int, bool], ...]:
         pieces.append((start, len(plan.leaves), count, kind))
     _layouts[plan] = layout = tuple(pieces)
     return layout
-
-
-def _contributions(values: np.ndarray, p: float) -> np.ndarray:
-    """Per element |x|**p as float64 (|x| for p = inf), computed in place where possible.
-
-    A complex magnitude is np.abs (a hypot): finite wherever |z| is, and inf
-    when one part is inf even if the other is NaN, as C99 cabs defines.
-    """
-    if values.dtype.kind == "c":
-        if p == 2:
-            return _squared_magnitudes(values)
-        magnitudes = np.abs(values)
-        return magnitudes if p in (1, math.inf) else np.power(magnitudes, p, out=magnitudes)
-    if p == 2:
-        return np.square(values, out=values)
-    np.abs(values, out=values)
-    return values if p in (1, math.inf) else np.power(values, p, out=values)
-
-
-def _squared_magnitudes(z: np.ndarray) -> np.ndarray:
-    # re**2 + im**2 rounds once where |z|**2 rounds twice; it is only wrong
-    # (NaN) for an infinite part beside a NaN one, whose |z|**2 is inf.
-    squares = np.square(z.real)
-    squares += np.square(z.imag)
-    if np.isnan(squares).any():
-        squares[np.isinf(z)] = math.inf
-    return squares
 
 
 class HostMemory:
@@ -161,6 +134,7 @@ class NumpyBackend(HostMemory):
             return self._norms(plan, list(map(in_memory_order, leaves)), float(ord), per_leaf)
 
     def _norms(self, plan: FlatPlan, leaves: list[np.ndarray], p: float, per_leaf: bool) -> NormResult:
+        kind = NORMS[norm_kind(p)]
         sums = np.zeros(len(plan.leaves))
         partials = []
         for first, end, count, is_complex in _layout(plan):
@@ -169,16 +143,16 @@ class NumpyBackend(HostMemory):
             for values in _chunks(leaves, first, end, count, acc_dtype):
                 # The total always comes from the chunk partials, so per_leaf=True
                 # and False (global_norm and clip_grad_norm_) give the same bits.
-                part, contrib = _partial(values, p, keep=packed)
+                part, contrib = _partial(values, kind, p, keep=packed)
                 partials.append(part)
                 if packed:
                     assert contrib is not None  # kept: _partial gives it with keep
-                    _per_slot(plan, first, end, contrib, p, sums)
+                    _per_slot(plan, first, end, contrib, kind, sums)
                 elif per_leaf:
-                    sums[first] = _reduce(sums[first], part, p)
-        raw = _combine(np.asarray(partials, np.float64), p)
-        total = raw if p == math.inf else math.sqrt(raw) if p == 2 else _root(raw, p)
-        per = (sums if p in (1, math.inf) else _root(sums, p)) if per_leaf else None
+                    sums[first] = kind.combine(sums[first], part)
+        raw = _combine(np.asarray(partials, np.float64), kind)
+        total = kind.root(raw, p)
+        per = kind.root(sums, p) if per_leaf else None
         bad = -1 if math.isfinite(total) else _first_nonfinite(leaves)
         return NormResult(np.asarray(total), per, np.asarray(bad, np.int64), np.asarray(raw))
 
@@ -321,45 +295,34 @@ def _chunks(leaves: list[np.ndarray], first: int, end: int, count: int, acc_dtyp
         yield out
 
 
-def _partial(values: np.ndarray, p: float, keep: bool = False) -> tuple[float, np.ndarray | None]:
-    """(reduction of one chunk: sum of |x|**p, or max |x| for p = inf; its
-    per-element contributions if ``keep``, else possibly None). May overwrite ``values``."""
-    if p == 2 and values.dtype.kind == "f":
+def _partial(values: np.ndarray, kind: NormKind, p: float, keep: bool = False) -> tuple[float, np.ndarray | None]:
+    """(one chunk's terms combined: sum of |x|**p, or max |x| for p = inf;
+    its terms if ``keep``, else possibly None). May overwrite ``values``."""
+    if kind.sum_of_squares and values.dtype.kind == "f":
         part = math.fsum(np.dot(values[i : i + DOT], values[i : i + DOT])
                          for i in range(0, values.size, DOT))
-        return part, (np.square(values, out=values) if keep else None)
-    contrib = _contributions(values, p)
+        return part, (kind.terms(values, p) if keep else None)
+    contrib = kind.terms(values, p)
     if not contrib.size:
         return 0.0, contrib
-    return (float(contrib.max()) if p == math.inf else float(contrib.sum())), contrib
+    return float(getattr(contrib, kind.fold)()), contrib
 
 
-def _per_slot(plan: FlatPlan, first: int, end: int, contrib: np.ndarray, p: float, sums: np.ndarray) -> None:
-    """Add a packed piece's contributions into each of its slots' sums."""
+def _per_slot(plan: FlatPlan, first: int, end: int, contrib: np.ndarray, kind: NormKind, sums: np.ndarray) -> None:
+    """Combine a packed piece's terms into each of its slots' sums."""
     sizes = [leaf.size for leaf in plan.leaves[first:end]]
     starts = np.cumsum([0] + sizes[:-1])
     nonempty = np.flatnonzero(sizes)
     if len(nonempty):
-        reduce = np.maximum if p == math.inf else np.add
-        sums[first + nonempty] = reduce.reduceat(contrib, starts[nonempty])
+        sums[first + nonempty] = kind.combine.reduceat(contrib, starts[nonempty])
 
 
-def _reduce(acc: float, value: float, p: float) -> float:
-    # np.maximum, not max(): a NaN must win.
-    return float(np.maximum(acc, value)) if p == math.inf else acc + value
-
-
-def _combine(sums: np.ndarray, p: float) -> float:
-    # The unrooted total: sum |x|**p, or the max for ord inf.
-    if p == math.inf:
-        return float(sums.max()) if len(sums) else 0.0
-    # math.fsum: the slot sums are combined exactly, in any order.
-    return math.fsum(sums) if np.isfinite(sums).all() else float(sums.sum())
-
-
-def _root(x: Any, p: float) -> Any:
-    # np.power, not **: a float root past float64 is inf, where Python raises OverflowError.
-    return x if p == 1 else np.power(x, 1.0 / p)
+def _combine(partials: np.ndarray, kind: NormKind) -> float:
+    """The unrooted total: sum |x|**p, or the max for ord inf. math.fsum
+    adds finite partials exactly, in any order (a max is exact in any order)."""
+    if kind.combine is np.add and np.isfinite(partials).all():
+        return math.fsum(partials)
+    return float(getattr(partials, kind.fold)()) if len(partials) else 0.0
 
 
 def _first_nonfinite(leaves: Sequence[np.ndarray]) -> int:
