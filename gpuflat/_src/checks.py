@@ -19,7 +19,7 @@ from . import tree as _tree
 from .dtypes import admit
 from ..errors import OverlapError, TreeMismatchError, UnsupportedLeafError
 from .identity import CONTIGUOUS, Layout, SameArrays, flag_bits
-from .layout import RULES
+from .layout import ORDERS_TAKEN, RULES, takes_order
 from .overlap import find_overlap
 from .seen import trees
 
@@ -309,7 +309,7 @@ def check_ord(ord: Any, name: str = "ord") -> float:
     >>> check_ord(2), check_ord(float("inf"))
     (2.0, inf)
     """
-    return _real(name, ord, "1, 2, inf or a number p > 0", lambda v: v > 0)
+    return _real(name, ord, ORDERS_TAKEN, takes_order)
 
 
 def torch_norm_type(norm_type: Any, name: str = "norm_type") -> float:

@@ -532,6 +532,19 @@ _KIND_OF_ORDER = {order: kind.name for kind in NORMS.values() for order in kind.
 _OTHER_ORDERS = next(kind.name for kind in NORMS.values() if not kind.orders)
 
 
+# The orders some kind computes, as an error states them, and the test of one.
+ORDERS_TAKEN = "1, 2, inf or a number p > 0"
+
+
+def takes_order(p: float) -> bool:
+    """Whether some norm kind computes the ``p``-norm (NaN: none).
+
+    >>> takes_order(0.5), takes_order(0.0), takes_order(float("nan"))
+    (True, False, False)
+    """
+    return p > 0
+
+
 @caches.function(maxsize=64)  # a pure function of the order, asked at every norm
 def norm_kind(p: float) -> str:
     """The name of the kind of ``NORMS`` that computes the ``p``-norm (a checked order).

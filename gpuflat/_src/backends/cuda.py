@@ -48,11 +48,11 @@ import numpy as np
 
 from gpuflat._src import caches
 from gpuflat._src import kernel_loader as kl
-from gpuflat._src.checks import check_ord
 from gpuflat._src.dtypes import c_name, dtype_of_tag
 from gpuflat._src.identity import Layout, SameArrays, equal_facts
 from gpuflat._src.layout import (BLOCK_THREADS, C_NAMES, FINISH_THREADS, ITEM, ITEM_WORDS, LEAF_ROW_WORDS, MAX_DIMS,
-                                 ROW_NUMEL, RULES, SMALL_SLOT_ITEMS, WARP, dense_row, leaf_row, work_items)
+                                 ORDERS_TAKEN, ROW_NUMEL, RULES, SMALL_SLOT_ITEMS, WARP, dense_row, leaf_row,
+                                 takes_order, work_items)
 from gpuflat._src.memory_order import dense_start
 from gpuflat._src.native import array_facts
 
@@ -307,7 +307,9 @@ def _row_items(numels: bytes) -> np.ndarray:
 
 
 def _norm_kind(ord: float) -> tuple[str, float]:
-    p = check_ord(ord)
+    p = float(ord)
+    if not takes_order(p):
+        raise ValueError(f"ord: expected {ORDERS_TAKEN}, got {ord!r}")
     return kl.norm_kind(p), p
 
 
