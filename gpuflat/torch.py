@@ -234,15 +234,23 @@ def _any_dtensor(tensors: Iterable[torch.Tensor | None]) -> bool:
 def _compiled_clip(parameters: list[torch.Tensor], max_norm: Any, p: float,
                    error_if_nonfinite: bool) -> torch.Tensor:
     """clip_grad_norm_ as TorchDynamo traces it: the gradients listed in
-    Python, then the one clip (``gpuflat._src.clipping``) over gpuflat's
-    operators, so the clip's bits are the eager call's."""
+    Python, then the eager clip (``gpuflat._src.clipping``) as one of
+    gpuflat's operators, so its bits are the eager call's; with
+    ``error_if_nonfinite``, the norm and the scale as two, the host check
+    of the norm between them (the graph breaks there, as at PyTorch's own
+    check)."""
     given = [(k, q.grad) for k, q in enumerate(parameters) if q.grad is not None]
     grads = [g for _, g in given]
-    _compiled_max_norm(max_norm)
+    limit = _compiled_max_norm(max_norm)
     if not grads:
         return torch.tensor(0.0)
-    traced = _Traced(grads, [f"parameters[{k}].grad" for k, _ in given])
-    total = _clipping.clip_(traced, max_norm, p, _EPS, error_if_nonfinite, kind=NonFiniteNormError)
+    if error_if_nonfinite:
+        traced = _Traced(grads, [f"parameters[{k}].grad" for k, _ in given])
+        total = _clipping.clip_(traced, max_norm, p, _EPS, True, kind=NonFiniteNormError)
+    elif isinstance(limit, torch.Tensor):
+        total = _torch_ops.clip_(grads, 0.0, limit, p, _EPS)
+    else:
+        total = _torch_ops.clip_(grads, limit, None, p, _EPS)
     return total.to(_tensor_table.returned_dtype([g.dtype for g in grads]))
 
 

@@ -45,6 +45,22 @@ def test_the_drop_ins_compile_in_one_graph_with_the_eager_bits(fn):
         assert torch.equal(p.grad, q.grad)
 
 
+def test_the_compiled_clip_is_one_operator_call():
+    # The eager clip reads the gradients' table once, for the norm and the
+    # scale; compiled, that is one operator, not a norm and a scale each
+    # finding the table.
+    model, _ = model_and_twin(4)
+    backward(model, torch.randn(3, 8))
+    called = []
+
+    def recording(gm, example_inputs):
+        called.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "gpuflat" in str(n.target))
+        return gm
+
+    torch.compile(clip, fullgraph=True, backend=recording)(list(model.parameters()))
+    assert called == ["gpuflat.clip_.default"]
+
+
 def test_new_gradient_tensors_each_step_recompile_nothing():
     # torch._dynamo.config.patch, not monkeypatch: undoing a monkeypatch of
     # torch's config module leaves the option missing for the next tests.

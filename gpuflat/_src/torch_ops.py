@@ -21,14 +21,18 @@ milliseconds on lists of 10,000 tensors, more than the whole eager clip.
 >>> torch.ops.gpuflat.scale_by_norm_(ts, 1.0, total, 1e-6)
 >>> [round(float(t), 4) for t in ts]
 [0.6, 0.8]
+>>> round(float(torch.ops.gpuflat.clip_(ts, 0.5, None, 2.0, 0.0)), 4), [round(float(t), 4) for t in ts]
+(1.0, [0.3, 0.4])
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from . import clipping, tensor_table
 
-__all__ = ["scale_by_norm_", "scale_by_tensor_norm_", "total_norm"]
+__all__ = ["clip_", "scale_by_norm_", "scale_by_tensor_norm_", "total_norm"]
 
 
 @torch.library.custom_op("gpuflat::total_norm", mutates_args=())
@@ -74,3 +78,23 @@ def scale_by_tensor_norm_(tensors: list[torch.Tensor], max_norm: torch.Tensor, t
 @scale_by_tensor_norm_.register_fake
 def _(tensors: list[torch.Tensor], max_norm: torch.Tensor, total: torch.Tensor, eps: float) -> None:
     return None
+
+
+@torch.library.custom_op("gpuflat::clip_", mutates_args=("tensors",))
+def clip_(tensors: list[torch.Tensor], max_norm: float, max_norm_tensor: Optional[torch.Tensor], norm_type: float,
+          eps: float) -> torch.Tensor:
+    """The eager clip in one operator: every tensor scaled in place by
+    min(1, max_norm / (total + eps)), ``total`` the float64 norm of order
+    ``norm_type`` of all of them as one vector, which it returns; their
+    table is read once, for the norm and the scale. ``max_norm_tensor``,
+    where given, is ``max_norm`` as a 0-d tensor read where it lies."""
+    table = tensor_table.read(tensors, "tensors[{}]".format, in_place=True)
+    assert table is not None, "the operators take plain tensors: read gives None only for DTensors"
+    limit = max_norm if max_norm_tensor is None else max_norm_tensor
+    return clipping.clip_(table.bound, limit, norm_type, eps, False).clone()
+
+
+@clip_.register_fake
+def _(tensors: list[torch.Tensor], max_norm: float, max_norm_tensor: Optional[torch.Tensor], norm_type: float,
+      eps: float) -> torch.Tensor:
+    return tensors[0].new_empty((), dtype=torch.float64)
