@@ -147,31 +147,31 @@ class Layout:
         return same_flags and all(arrays[i].strides == strides for i, strides in self._strided)
 
 
-_data_ptr, _shape, _strides, _dtype = attrgetter("data.ptr"), attrgetter("shape"), attrgetter("strides"), attrgetter("dtype")
+_shape, _strides = attrgetter("shape"), attrgetter("strides")
 
 
-def device_array_facts(arrays: Sequence[Any]) -> tuple[list[int], list[int], list[tuple[int, ...]],
-                                                      list[tuple[int, ...]], list[np.dtype[Any]]]:
-    """The identity, data address, shape, strides and dtype of each of
-    ``arrays`` (CuPy's: a Cython class, whose struct no native reader can
-    read as it reads NumPy's), as five lists, each read in one ``map``: a C
-    loop over the arrays' own attributes, with no Python of gpuflat's per
-    array. CuPy arrays have no flags of their own to read: writable always,
-    their contiguity follows from shape and strides. Two equal results of
-    living arrays mean the same arrays, unchanged.
+def device_array_facts(arrays: Sequence[Any]) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """What a live CuPy array can change of itself: its shape and strides
+    (``a.shape = ...`` reshapes it in place), as two lists, each read in
+    one ``map``: a C loop over the arrays' own attributes, with no Python of
+    gpuflat's per array. The rest is fixed for the array's life: ``data``
+    (so its address and device) and ``dtype`` are read-only attributes of
+    ``cupy.ndarray``
+    (https://github.com/cupy/cupy/blob/main/cupy/_core/core.pxd), so the
+    same living arrays with equal results are the same arrays, unchanged.
+    CuPy arrays have no flags of their own to read: writable always, their
+    contiguity follows from shape and strides.
 
-    >>> import numpy as np
     >>> from types import SimpleNamespace
-    >>> a = SimpleNamespace(data=SimpleNamespace(ptr=64), shape=(2,), strides=(4,), dtype=np.dtype("f4"))
+    >>> a = SimpleNamespace(shape=(2,), strides=(4,))
     >>> facts = device_array_facts([a])
-    >>> facts[1:]
-    ([64], [(2,)], [(4,)], [dtype('float32')])
-    >>> a.strides = (8,)
+    >>> facts
+    ([(2,)], [(4,)])
+    >>> a.shape, a.strides = (1, 2), (8, 4)
     >>> facts == device_array_facts([a])
     False
     """
-    return (list(map(id, arrays)), list(map(_data_ptr, arrays)), list(map(_shape, arrays)),
-            list(map(_strides, arrays)), list(map(_dtype, arrays)))
+    return list(map(_shape, arrays)), list(map(_strides, arrays))
 
 
 _flags_num = attrgetter("flags.num")

@@ -7,8 +7,9 @@ dtypes; what the checks found (fit for an in-place write, apart from a flat
 buffer) as long as, besides, the arrays' layout (``identity.Layout``: flags
 and the strides that matter) is the one they were found in. All of that is
 read again at C speed instead of walking the tree in Python: NumPy arrays'
-facts in one native pass (``native.array_facts``), CuPy arrays' in one
-``map`` per fact over all the leaves (``identity.device_array_facts``). Nothing of the caller's is kept alive: arrays
+facts in one native pass (``native.array_facts``), CuPy arrays' shapes and
+strides in one ``map`` each over all the leaves
+(``identity.device_array_facts``). Nothing of the caller's is kept alive: arrays
 are weakly referenced, and only small immutable statics (numbers, strings,
 None) are held.
 """
@@ -124,7 +125,9 @@ class SeenTree:
         # Identities, addresses, shapes, dtypes, flags and strides: of NumPy
         # arrays in one native read, where the host library is built (None:
         # identities, shapes and dtypes compared in Python, the layout by the
-        # verdicts); of CuPy arrays one map per fact.
+        # verdicts); of CuPy arrays the shapes and strides, one map each
+        # (the identities are compared first, and the rest of a live CuPy
+        # array never changes: identity.device_array_facts).
         self.kind = kind
         self.facts = (array_facts(arrays, 4 * len(arrays) + 2 * sum(map(len, self.shapes))) if kind is np.ndarray
                       else device_array_facts(arrays))
