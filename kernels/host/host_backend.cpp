@@ -541,7 +541,7 @@ template <> struct Wide2<f16> : Wide2Defaults {
         return _mm512_mul_pd(w, w);
     }
 };
-template <> struct Wide2<bf16> {
+template <> struct Wide2<bf16> : Wide2Defaults {
     using Unit = short;
     static constexpr int AT = 2;  // element i in the high half of 32-bit slot i: a float's top half
     static __m512d terms(__m512 a, __m512 b, __m512i idx) {
