@@ -39,6 +39,17 @@
 #define __launch_bounds__(...)
 #endif
 
+// The dtypes' tags and their list (GF_TAG_<type>, GF_DTYPES, GF_OPTIM_DTYPES),
+// written from gpuflat._src.layout.DTYPES.
+#include "gpuflat_rules.h"
+
+// ---------------------------------------------------------------- element types
+// Each C++ type of GF_DTYPES. A new one defines its type, gf_widen and
+// gf_narrow (its conversions, through gf_wide), and, where it differs from
+// their defaults, the traits below: gf_is_complex, gf_in_float (with
+// gf_to_float and gf_from_float), gf_compute and gf_pair. Everything else
+// (gf_dispatch, the vectors, the clip's scale, the optimizers' loops, the
+// host libraries' loops) follows from those.
 struct f16 { unsigned short bits; };
 struct bf16 { unsigned short bits; };
 struct c64 { float re, im; };
@@ -72,9 +83,18 @@ struct Item {
     long long flat;
 };
 
+// Complex types have members re and im; their norms' terms are of both.
 template <class T> struct gf_is_complex { static constexpr bool value = false; };
 template <> struct gf_is_complex<c64> { static constexpr bool value = true; };
 template <> struct gf_is_complex<c128> { static constexpr bool value = true; };
+
+// The real type a T's arithmetic runs in: a clip's product (gf_scale) and
+// the optimizers' updates (gpuflat_optim.cuh). PyTorch's: float for 16- and
+// 32-bit floats and complex64, double for the 64-bit ones. Float also tells
+// that T's values lie within float's range (gf_bad_from_sum in norms.cu).
+template <class T> struct gf_compute { using type = float; };
+template <> struct gf_compute<double> { using type = double; };
+template <> struct gf_compute<c128> { using type = double; };
 
 __device__ __forceinline__ double gf_inf() { return __longlong_as_double(0x7ff0000000000000LL); }
 __device__ __forceinline__ double gf_nan() { return __longlong_as_double(0x7ff8000000000000LL); }
@@ -208,21 +228,56 @@ __device__ __forceinline__ T gf_convert(S x) {
     else return gf_narrow<T>(gf_widen(x));
 }
 
-// Calls f(S{}) with S the element type named by a dtype tag. The tag is
-// uniform over a work item (one leaf), so the switch never diverges a warp and
-// a mixed-dtype tree is still one launch.
+// Two elements of a 32-bit word at a time, for the optimizers' vectors
+// (optim.cu): lo and hi widen the word's low and high element to float, and
+// join narrows two floats into a word, each rounded once as gf_from_float
+// rounds it. By default a type has none: one element at a time.
+template <class T> struct gf_pair { static constexpr bool value = false; };
+template <> struct gf_pair<f16> {
+    static constexpr bool value = true;
+    static __device__ __forceinline__ float lo(unsigned w) { return gf_f16_to_float((unsigned short)(w & 0xffffu)); }
+    static __device__ __forceinline__ float hi(unsigned w) { return gf_f16_to_float((unsigned short)(w >> 16)); }
+    // One instruction for the pair on sm_80 and later.
+    static __device__ __forceinline__ unsigned join(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+        unsigned w;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+        return w;
+#else
+        return (unsigned)gf_float_to_f16(lo) | (unsigned)gf_float_to_f16(hi) << 16;
+#endif
+    }
+};
+// A bfloat16 is the top half of a float, so a word's high element is the
+// word with its low half cleared and its low one the word shifted up: one
+// instruction each, where extracting the 16 bits first took two.
+template <> struct gf_pair<bf16> {
+    static constexpr bool value = true;
+    static __device__ __forceinline__ float lo(unsigned w) { return __uint_as_float(w << 16); }
+    static __device__ __forceinline__ float hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+    static __device__ __forceinline__ unsigned join(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+        unsigned w;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+        return w;
+#else
+        return (unsigned)gf_float_to_bf16(lo) | (unsigned)gf_float_to_bf16(hi) << 16;
+#endif
+    }
+};
+
+// Calls f(S{}) with S the element type named by a dtype tag (GF_DTYPES). The
+// tag is uniform over a work item (one leaf), so the switch never diverges a
+// warp and a mixed-dtype tree is still one launch.
+#define GF_DISPATCH_CASE(tag, T) case tag: f(T{}); break;
 template <class F>
 __device__ __forceinline__ void gf_dispatch(long long tag, F f) {
     switch (tag) {
-        case 0: f(f16{}); break;
-        case 1: f(bf16{}); break;
-        case 2: f(0.0f); break;
-        case 3: f(0.0); break;
-        case 4: f(c64{}); break;
-        case 5: f(c128{}); break;
+        GF_DTYPES(GF_DISPATCH_CASE)
         default: break;
     }
 }
+#undef GF_DISPATCH_CASE
 
 // ---------------------------------------------------------------- addressing
 __device__ __forceinline__ long long gf_min(long long a, long long b) { return a < b ? a : b; }

@@ -114,20 +114,17 @@ __device__ __forceinline__ double gf_root(double v, double p) {
 }
 
 // The clip product in PyTorch's precision: the factor is cast to the leaf's
-// compute type (float for 16- and 32-bit leaves, double for 64-bit ones) and
-// multiplied there, so the result is rounded once, as torch's mul_ does.
-__device__ __forceinline__ void gf_scale(float& x, double c) { x = x * (float)c; }
-__device__ __forceinline__ void gf_scale(double& x, double c) { x = x * c; }
-__device__ __forceinline__ void gf_scale(c64& x, double c) {
-    const float f = (float)c;
-    x.re = x.re * f;
-    x.im = x.im * f;
-}
-__device__ __forceinline__ void gf_scale(c128& x, double c) {
-    x.re = x.re * c;
-    x.im = x.im * c;
-}
-template <class S>  // f16 and bf16: float arithmetic, one rounding back to 16 bits
+// compute type (gf_compute: float for 16- and 32-bit leaves, double for
+// 64-bit ones) and multiplied there, so the result is rounded once, as
+// torch's mul_ does; a complex leaf's parts each so.
+template <class S>
 __device__ __forceinline__ void gf_scale(S& x, double c) {
-    x = gf_convert<S>((float)gf_widen(x).re * (float)c);
+    using C = typename gf_compute<S>::type;
+    if constexpr (gf_is_complex<S>::value) {
+        const C f = (C)c;
+        x.re = x.re * f;
+        x.im = x.im * f;
+    } else {
+        x = gf_convert<S>(gf_convert<C>(x) * (C)c);
+    }
 }

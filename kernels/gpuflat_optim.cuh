@@ -62,11 +62,8 @@ __device__ __forceinline__ C gf_group_factor(const double* h, C factor) {
 __device__ __forceinline__ double gf_group_lr(const double* h, const long long* lr_at, long long group) {
     const long long at = lr_at[2 * group];
     if (at == 0) return h[0];
-    return lr_at[2 * group + 1] == 3 ? *(const double*)at : (double)*(const float*)at;
+    return lr_at[2 * group + 1] == GF_TAG_double ? *(const double*)at : (double)*(const float*)at;
 }
-
-template <class S> struct gf_compute { using type = float; };
-template <> struct gf_compute<double> { using type = double; };
 
 // An element in the compute type and back. A 16-bit float and float convert
 // directly (one instruction each way on the GPU: the widening is exact and
@@ -330,7 +327,7 @@ __device__ __forceinline__ bool gf_counts(const ParamRow& r, const double* hyper
 // A rule of gpuflat._src.layout.RULES with a `kernel` struct R is updated by
 // the generic kernels (gpuflat_rule, gpuflat_rule_rows in optim.cu) and the
 // host library's generic loops, whatever it computes. Its header (the
-// rule's `header`, included through the written gpuflat_rules.h) defines R:
+// rule's `header`, included through the written gpuflat_rule_includes.h) defines R:
 //   static constexpr int STATES;  // its state tensors (1 to GF_GENERIC_STATES),
 //                                 // a row's state0... in Rule.state_names order
 //   template <class C> struct coefs;  // a group's scalars in the compute type

@@ -48,11 +48,12 @@ struct gf_lane_sum {
 // Whether a lane's accumulated value alone tells that it met a NaN or inf:
 // where the kind allows it (gf_norm's bad_from_sum: every finite element's
 // term is finite, any sum of them far inside double's range, while a NaN or
-// inf term makes the sum non-finite) for elements no wider than float. A
-// double's square can overflow: its elements are checked one by one.
+// inf term makes the sum non-finite) for elements no wider than float (those
+// that compute in float, gf_compute). A double's square can overflow: its
+// elements are checked one by one.
 template <int K, class S>
 constexpr bool gf_bad_from_sum() {
-    return gf_norm<K>::bad_from_sum() && !gf_same<S, double>::value && !gf_same<S, c128>::value;
+    return gf_norm<K>::bad_from_sum() && gf_same<typename gf_compute<S>::type, float>::value;
 }
 
 template <int K, class S>

@@ -12,8 +12,9 @@
 // (max_exp_avg_sq) is read only for the groups with amsgrad: null where
 // none has it.
 #include "gpuflat_optim.cuh"
-// The rules with a kernel struct, their headers included (written from
-// gpuflat._src.layout.RULES).
+// The rules with a kernel struct, their headers included, and their list
+// GF_GENERIC_RULES (written from gpuflat._src.layout.RULES).
+#include "gpuflat_rule_includes.h"
 #include "gpuflat_rules.h"
 
 // fn(h, step, first, n) for every item of a parameter (padding is skipped):
@@ -104,16 +105,9 @@ __device__ __forceinline__ void gf_for_row_items(const Item* __restrict__ items,
 }
 
 // A 16-byte vector's elements in the compute type, a group of GROUP at a
-// time (a 32-bit word of two 16-bit floats, else one element), and back,
-// each rounded once as gf_store rounds it. A bfloat16 is the top half of a
-// float, so a word's high element is the word with its low half cleared and
-// its low one the word shifted up: one instruction each, where extracting
-// the 16 bits first took two. A pair narrows in one instruction on sm_80
-// and later (cvt.rn.bf16x2.f32, cvt.rn.f16x2.f32: each half rounded as one
-// conversion rounds it).
-template <class S> struct gf_group { static constexpr int GROUP = 1; };
-template <> struct gf_group<bf16> { static constexpr int GROUP = 2; };
-template <> struct gf_group<f16> { static constexpr int GROUP = 2; };
+// time (a 32-bit word of two elements where the type has gf_pair, else one
+// element), and back, each rounded once as gf_store rounds it.
+template <class S> struct gf_group { static constexpr int GROUP = gf_pair<S>::value ? 2 : 1; };
 
 __device__ __forceinline__ unsigned& gf_word(int4& r, int i) {
     return reinterpret_cast<unsigned&>(i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w);
@@ -123,31 +117,17 @@ template <class S, class C>
 __device__ __forceinline__ void gf_unpack(gf_vec<S>& x, int group, C (&c)[gf_group<S>::GROUP]) {
     if constexpr (gf_group<S>::GROUP == 1) {
         c[0] = gf_load<C>(x.v[group]);
-    } else if constexpr (gf_same<S, bf16>::value) {
-        const unsigned w = gf_word(x.raw, group);
-        c[0] = __uint_as_float(w << 16);
-        c[1] = __uint_as_float(w & 0xffff0000u);
     } else {
         const unsigned w = gf_word(x.raw, group);
-        c[0] = gf_f16_to_float((unsigned short)(w & 0xffffu));
-        c[1] = gf_f16_to_float((unsigned short)(w >> 16));
+        c[0] = gf_pair<S>::lo(w);
+        c[1] = gf_pair<S>::hi(w);
     }
 }
 
 template <class S, class C>
 __device__ __forceinline__ void gf_pack(gf_vec<S>& x, int group, const C (&c)[gf_group<S>::GROUP]) {
-    if constexpr (gf_group<S>::GROUP == 1) {
-        gf_store(x.v[group], c[0]);
-    } else {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-        unsigned w;
-        if constexpr (gf_same<S, bf16>::value) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(c[1]), "f"(c[0]));
-        else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(c[1]), "f"(c[0]));
-        gf_word(x.raw, group) = w;
-#else
-        gf_word(x.raw, group) = (unsigned)gf_from_float<S>(c[0]).bits | (unsigned)gf_from_float<S>(c[1]).bits << 16;
-#endif
-    }
+    if constexpr (gf_group<S>::GROUP == 1) gf_store(x.v[group], c[0]);
+    else gf_word(x.raw, group) = gf_pair<S>::join(c[0], c[1]);
 }
 
 // x, as a value the compiler cannot see through: what is computed from it

@@ -129,7 +129,7 @@ def test_unviewable_tensors_raise_saying_what_was_expected(tensor, expected):
 
 
 def test_bfloat16_without_ml_dtypes_raises(monkeypatch):
-    monkeypatch.setattr(arrays, "bfloat16", lambda: None)
+    monkeypatch.setattr(arrays, "imported", lambda name: None)
     with pytest.raises(UnsupportedLeafError, match="ml_dtypes"):
         adopt(torch.ones(2, dtype=torch.bfloat16))
 

@@ -61,14 +61,14 @@ def test_the_pytorch_dtypes_are_the_tables():
     torch = pytest.importorskip("torch")
     from gpuflat._src import dtypes, layout, param_rows, tensor_table
 
-    for tag, name, c_name, size in layout.DTYPES:
-        assert dtypes.torch_dtype(name) is dtypes.torch_dtype(c_name) is getattr(torch, name)
-        assert dtypes.torch_dtype(name).itemsize == size
+    for row in layout.DTYPES:
+        assert dtypes.torch_dtype(row.name) is dtypes.torch_dtype(row.c_name) is getattr(torch, row.name)
+        assert dtypes.torch_dtype(row.name).itemsize == row.itemsize
     with pytest.raises(ValueError, match="got 'int8'"):
         dtypes.torch_dtype("int8")
     # The tensor front ends hold every dtype of the table, and step the optimizer's.
     assert {d: n.name for d, n in tensor_table._NUMPY_DTYPES.items()} == {
-        getattr(torch, name): name for _, name, _, _ in layout.DTYPES}
+        getattr(torch, row.name): row.name for row in layout.DTYPES}
     assert param_rows.STEPPED == tuple(dtypes.torch_dtype(c) for c in layout.OPTIM_DTYPES)
     assert set(param_rows.STEPPED) == {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 

@@ -14,8 +14,6 @@ from gpuflat._src import dtypes, layout
 from gpuflat._src import kernel_loader as kl
 
 SOURCES = {**kl.sources(), **{f"host/{p.name}": p.read_text() for p in (kl.kernel_dir() / "host").glob("*.[ch]*")}}
-# The value literal each kernel dispatch case passes for a C++ type.
-_LITERAL_TYPE = {"0.0f": "float", "0.0": "double"}
 
 
 def _defines(name: str) -> dict:
@@ -51,16 +49,30 @@ def test_the_table_rows_are_the_kernels_structs():
     assert len(row) == layout.LEAF_ROW_WORDS - 1  # all but the address
 
 
-def test_the_kernels_dispatch_each_tag_to_its_type():
-    cases = re.findall(r"case (\d+): f\(([\w.]+?)(?:\{\})?\); break;", SOURCES["gpuflat_common.cuh"])
-    found = {int(tag): _LITERAL_TYPE.get(value, value) for tag, value in cases}
-    assert found == {tag: c_name for tag, _, c_name, _ in layout.DTYPES}
+def _listed(macro: str) -> str:
+    return re.search(rf"^#define {macro}\(X\) (.*)$", SOURCES[layout.RULES_HEADER], re.M).group(1).strip()
+
+
+def test_the_written_header_lists_the_dtypes():
+    # The C++ reads the dtypes' tags and their list only through
+    # gpuflat_rules.h, which the layout writes from its rows.
+    assert _listed("GF_DTYPES") == " ".join(f"X({row.tag}, {row.c_name})" for row in layout.DTYPES)
+    assert _listed("GF_OPTIM_DTYPES") == " ".join(f"X({row.tag}, {row.c_name})" for row in layout.DTYPES if row.optim)
+    assert layout.OPTIM_DTYPES == tuple(row.c_name for row in layout.DTYPES if row.optim)
+    # Every C++ type of the list is the kernels' own, and every switch over
+    # tags expands a list: no source spells out a tag.
+    for row in layout.DTYPES:
+        assert row.c_name in ("float", "double") or f"struct {row.c_name} {{" in SOURCES["gpuflat_common.cuh"]
+    assert "GF_DTYPES(GF_DISPATCH_CASE)" in SOURCES["gpuflat_common.cuh"]
+    assert "GF_OPTIM_DTYPES(GF_OPTIM_CASE)" in SOURCES["host/host_optim.cpp"]
+    for name, text in SOURCES.items():
+        assert not re.search(r"case (\d+|GF_TAG_\w+):|tag \+ 1\] == \d", text), name
 
 
 def test_the_host_library_reads_each_tag():
     # Python gives the library each tag's NumPy type number (gpuflat._src.native, from the dtype table).
     # The count and item sizes come from the written header, indexed by tag.
-    assert [tag for tag, _, _, _ in layout.DTYPES] == list(range(len(layout.DTYPES)))
+    assert [row.tag for row in layout.DTYPES] == list(range(len(layout.DTYPES)))
     source = SOURCES["host/host_backend.cpp"]
     assert "constexpr int N_TAGS = GF_N_TAGS;" in source and "sizes[] = {GF_ITEMSIZES};" in source
     assert _defines(layout.RULES_HEADER)["GF_N_TAGS"] == len(layout.DTYPES)
@@ -92,8 +104,7 @@ def test_the_written_header_lists_the_norm_kinds():
     defines = _defines(layout.RULES_HEADER)
     assert {k.removeprefix("GF_NORM_").lower(): v for k, v in defines.items() if k.startswith("GF_NORM_")} \
         == {kind.name: kind.number for kind in kinds} == layout.NORM_KINDS
-    listed = re.search(r"^#define GF_NORM_KINDS\(X\) (.*)$", SOURCES[layout.RULES_HEADER], re.M).group(1)
-    assert listed == " ".join(f"X({kind.number})" for kind in kinds)
+    assert _listed("GF_NORM_KINDS") == " ".join(f"X({kind.number})" for kind in kinds)
     assert len({kind.number for kind in kinds}) == len(layout.NORMS)
     # Each kind's arithmetic and traits are its gf_norm specialization; no
     # other source spells out a kind's number or branches on one.
@@ -131,23 +142,28 @@ def test_the_written_header_holds_the_rules_and_tags():
     assert {k.removeprefix("GF_RULE_").lower(): v for k, v in defines.items() if k.startswith("GF_RULE_")} \
         == {name: rule.number for name, rule in layout.RULES.items()}
     assert {k.removeprefix("GF_TAG_"): v for k, v in defines.items() if k.startswith("GF_TAG_")} \
-        == {c_name: tag for tag, _, c_name, _ in layout.DTYPES}
+        == {row.c_name: row.tag for row in layout.DTYPES}
     assert len({rule.number for rule in layout.RULES.values()}) == len(layout.RULES)
     host = SOURCES["host/host_optim.cpp"]
     assert not re.search(r"case \d+:", host) and "GF_GENERIC_RULES(GF_RULE_CASE)" in host
     generic = [rule for rule in layout.RULES.values() if rule.kernel is not None]
-    listed = re.search(r"#define GF_GENERIC_RULES\(X\) (.*)", SOURCES[layout.RULES_HEADER]).group(1)
-    assert listed.strip() == " ".join(f"X({rule.number}, {rule.kernel})" for rule in generic)
+    assert _listed("GF_GENERIC_RULES") == " ".join(f"X({rule.number}, {rule.kernel})" for rule in generic)
+    # gpuflat_rules.h includes nothing (gpuflat_common.cuh includes it before any rule's code);
+    # the rules' headers come through gpuflat_rule_includes.h.
+    assert "#include" not in SOURCES[layout.RULES_HEADER]
     for rule in generic:
-        assert f'#include "{rule.header}"' in SOURCES[layout.RULES_HEADER]
+        assert f'#include "{rule.header}"' in SOURCES[layout.RULE_INCLUDES]
         assert f"struct {rule.kernel} " in SOURCES[rule.header]
         assert len(rule.state_names) <= layout.GENERIC_STATES and not rule.flag_states
 
 
 def test_the_numpy_dtypes_follow_the_rows():
-    for tag, name, c_name, size in layout.DTYPES:
-        dtype = dtypes.dtype_of_tag(tag)
-        assert (dtype.name, dtype.itemsize, dtypes.TAGS[dtype], dtypes.c_name(dtype)) == (name, size, tag, c_name)
+    for row in layout.DTYPES:
+        dtype = dtypes.dtype_of_tag(row.tag)
+        assert (dtype.name, dtype.itemsize, dtypes.TAGS[dtype], dtypes.c_name(dtype)) \
+            == (row.name, row.itemsize, row.tag, row.c_name)
+        assert dtypes.wider(dtype) == (None if row.wider is None else np.dtype(row.wider))
+        assert dtypes.is_imported(dtype) == (row.module is not None)
 
 
 def test_fast_division_is_exact_for_every_index_below_two_to_the_63():

@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import array as _array
 import contextlib
+import functools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import dtensor
-from .dtypes import bfloat16, is_bfloat16
+from .dtypes import FROM_PACKAGE, bits_dtype, imported, is_imported
 from ..errors import Float32OverflowError, UnsupportedLeafError
 
 if TYPE_CHECKING:
@@ -141,11 +142,12 @@ def _adopt_torch(x: torch.Tensor, torch: ModuleType) -> Any:
     t = x.detach() if x.requires_grad else x
     if t.is_cuda:
         return _adopt_torch_cuda(t, torch, _cupy())
-    if t.dtype is torch.bfloat16:
+    name = _torch_from_package(torch).get(t.dtype)
+    if name is not None:  # numpy() knows no such dtype: its bits, viewed
         refusal = tensor_refusal(t)
         if refusal:
             raise UnsupportedLeafError(refusal)
-        return t.view(torch.int16).numpy().view(_bfloat16_for("PyTorch"))
+        return _bits_tensor(t, torch).numpy().view(_imported_for(name, "PyTorch"))
     try:
         return t.numpy()
     except (TypeError, RuntimeError):
@@ -163,10 +165,11 @@ def _adopt_torch_cuda(t: torch.Tensor, torch: ModuleType, cupy: ModuleType) -> A
     # graph being captured must not get from outside it), and when they are
     # the same there is nothing to wait for.
     with _torch_stream(t.device, torch, cupy):
-        if t.dtype is torch.bfloat16:
+        name = _torch_from_package(torch).get(t.dtype)
+        if name is not None:
             # CuPy 13 crashes importing a bfloat16 DLPack tensor (cupy issue 8801,
-            # https://github.com/cupy/cupy/issues/8801): pass the bits as int16.
-            return _as_bfloat16(cupy, cupy.from_dlpack(t.view(torch.int16)))
+            # https://github.com/cupy/cupy/issues/8801): pass the bits as an integer.
+            return _as_imported(cupy, cupy.from_dlpack(_bits_tensor(t, torch)), name)
         return cupy.from_dlpack(t)
 
 
@@ -214,11 +217,11 @@ def _adopt_jax_gpu(x: jax.Array, jax: ModuleType, cupy: ModuleType) -> Any:
     # Written through, a JAX buffer breaks JAX's immutability (jax issue 19123,
     # https://github.com/jax-ml/jax/issues/19123); CuPy arrays have no
     # read-only flag, so gpuflat's in-place operations must not be given them.
-    if is_bfloat16(x.dtype):
-        # As for PyTorch, bfloat16 crosses DLPack as int16 bits; JAX cannot
-        # reinterpret without a copy, so this one dtype costs a device copy.
-        bits = jax.lax.bitcast_convert_type(x, np.int16)
-        return _as_bfloat16(cupy, cupy.from_dlpack(bits))
+    if is_imported(x.dtype):
+        # As for PyTorch, bfloat16 crosses DLPack as integer bits; JAX cannot
+        # reinterpret without a copy, so such a dtype costs a device copy.
+        bits = jax.lax.bitcast_convert_type(x, bits_dtype(x.dtype.itemsize))
+        return _as_imported(cupy, cupy.from_dlpack(bits), x.dtype.name)
     return cupy.from_dlpack(x)
 
 
@@ -234,23 +237,33 @@ def _cupy() -> ModuleType:
     return cupy
 
 
-def _bfloat16_for(library: str) -> np.dtype:
-    dtype = bfloat16()
+@functools.cache
+def _torch_from_package(torch: ModuleType) -> dict:
+    """{PyTorch's dtype: name} of the dtypes of FROM_PACKAGE (bfloat16)."""
+    return {getattr(torch, name): name for name in FROM_PACKAGE}
+
+
+def _bits_tensor(t: torch.Tensor, torch: ModuleType) -> torch.Tensor:
+    return t.view(getattr(torch, bits_dtype(t.element_size()).name))
+
+
+def _imported_for(name: str, library: str) -> np.dtype:
+    dtype = imported(name)
     if dtype is None:
+        module = FROM_PACKAGE[name].module
         raise UnsupportedLeafError(
-            f"expected ml_dtypes to be installed for bfloat16 {library} arrays, found none "
-            f"(pip install ml_dtypes)"
+            f"expected {module} to be installed for {name} {library} arrays, found none (pip install {module})"
         )
     return dtype
 
 
-def _as_bfloat16(cupy: ModuleType, bits: Any) -> Any:
-    dtype = _bfloat16_for("device")
+def _as_imported(cupy: ModuleType, bits: Any, name: str) -> Any:
+    dtype = _imported_for(name, "device")
     try:
         return bits.view(dtype)
     except Exception:  # CuPy before 14 knows no bfloat16 and refuses the dtype
         raise UnsupportedLeafError(
-            f"expected a CuPy with bfloat16 support, found CuPy {cupy.__version__} "
+            f"expected a CuPy with {name} support, found CuPy {cupy.__version__} "
             f"(install CuPy >= 14, e.g. pip install 'cupy-cuda12x>=14')"
         ) from None
 
@@ -281,23 +294,28 @@ def _to_torch(result: Any, like: torch.Tensor, torch: ModuleType) -> torch.Tenso
         result = np.asarray(result)
         if not result.flags.writeable:
             result = result.copy()  # torch tensors are writable; a read-only view is not
-        if result.dtype.name == "bfloat16" and is_bfloat16(result.dtype):  # the name first: no call for the rest
-            tensor = torch.from_numpy(result.view(np.int16)).view(torch.bfloat16)
+        if result.dtype.name in FROM_PACKAGE and is_imported(result.dtype):  # the name first: no call for the rest
+            tensor = _from_bits(result, torch, torch.from_numpy)
         else:
             tensor = torch.from_numpy(result)
-    elif is_bfloat16(result.dtype):
-        tensor = torch.from_dlpack(result.view(np.int16)).view(torch.bfloat16)
+    elif is_imported(result.dtype):
+        tensor = _from_bits(result, torch, torch.from_dlpack)
     else:
         tensor = torch.from_dlpack(result)
     return tensor if tensor.device == like.device else tensor.to(like.device)
+
+
+def _from_bits(result: Any, torch: ModuleType, wrap: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+    # A dtype of FROM_PACKAGE crosses as its bits, viewed as PyTorch's dtype of its name.
+    return wrap(result.view(bits_dtype(result.dtype.itemsize))).view(getattr(torch, result.dtype.name))
 
 
 def _to_jax(result: Any, like: jax.Array, jax: ModuleType) -> jax.Array:
     result = _in_jax_precision(result, jax)
     if isinstance(result, (np.ndarray, np.generic)):
         return jax.device_put(result, like.device)
-    if is_bfloat16(result.dtype):
-        bits = jax.dlpack.from_dlpack(result.view(np.int16))
+    if is_imported(result.dtype):
+        bits = jax.dlpack.from_dlpack(result.view(bits_dtype(result.dtype.itemsize)))
         return jax.device_put(jax.lax.bitcast_convert_type(bits, result.dtype), like.device)
     return jax.device_put(jax.dlpack.from_dlpack(result), like.device)
 

@@ -3,19 +3,20 @@
 Every module that needs to know which dtypes are trainable, how a dtype is
 called in the CUDA sources, or which integer tag marks it in a device table,
 reads it from here; the rows themselves are gpuflat._src.layout's DTYPES, so
-adding a dtype is a one-line change there (and its kernel conversions).
+adding a dtype is a row there (and its C++ type in the kernels).
 
-bfloat16 comes from ml_dtypes, whose import takes most of a second; it is
-imported when a bfloat16 value is first met or made, not with gpuflat. An
-array can only hold ml_dtypes' bfloat16 once ml_dtypes is imported, so
-:func:`admit` registers it at the moment the first such array is seen.
+A dtype NumPy lacks comes from the package its row names (``DType.module``:
+bfloat16 from ml_dtypes, whose import takes most of a second); it is
+imported when such a value is first met or made, not with gpuflat. An array
+can only hold such a dtype once its package is imported, so :func:`admit`
+registers it at the moment the first such array is seen.
 
 >>> admit(np.dtype(np.float32)), admit(np.dtype(np.int32))
 (True, False)
 """
 from __future__ import annotations
 
-import functools
+import importlib
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -25,52 +26,72 @@ if TYPE_CHECKING:
     import numpy.typing as npt
     import torch
 
-from .layout import C_NAMES, DTYPES, TAG_OF_NAME
+from .layout import DTYPES, DType
 
-_BFLOAT16_TAG = TAG_OF_NAME["bfloat16"]
+# The rows whose dtype a package defines, by name.
+FROM_PACKAGE = {row.name: row for row in DTYPES if row.module is not None}
 
-# dtype -> tag and dtype -> C++ name, of the dtypes NumPy knows now: bfloat16
-# joins them when registered (see bfloat16).
-TAGS = {np.dtype(name): tag for tag, name, _, _ in DTYPES if tag != _BFLOAT16_TAG}
-CUDA_NAMES = {dtype: C_NAMES[tag] for dtype, tag in TAGS.items()}
+# dtype -> tag and dtype -> C++ name, of the dtypes NumPy knows now: those
+# of FROM_PACKAGE join them when registered (see imported).
+TAGS = {np.dtype(row.name): row.tag for row in DTYPES if row.name not in FROM_PACKAGE}
+CUDA_NAMES = {dtype: DTYPES[tag].c_name for dtype, tag in TAGS.items()}
 _DTYPE_OF_TAG = {tag: dtype for dtype, tag in TAGS.items()}
+# The dtype each row is summed in across ranks (DType.wider), by tag.
+_WIDER = {row.tag: np.dtype(row.wider) for row in DTYPES if row.wider is not None}
+# FROM_PACKAGE's dtypes imported so far, by name (None: the package is not installed).
+_imported: dict[str, np.dtype | None] = {}
 _when_registered: list[Callable[[np.dtype], object]] = []
 # The table's dtypes as a message lists them.
-_LISTED = " or ".join((", ".join(name for _, name, _, _ in DTYPES[:-1]), DTYPES[-1][1]))
+_LISTED = " or ".join((", ".join(row.name for row in DTYPES[:-1]), DTYPES[-1].name))
 # Each row's NumPy name, by that name and by its C++ name.
-_NUMPY_NAME = {**{c: name for _, name, c, _ in DTYPES}, **{name: name for _, name, _, _ in DTYPES}}
+_NUMPY_NAME = {**{row.c_name: row.name for row in DTYPES}, **{row.name: row.name for row in DTYPES}}
 
 
-@functools.cache
+def imported(name: str) -> np.dtype | None:
+    """The dtype of the row of :data:`FROM_PACKAGE` called ``name``, its
+    package imported now and the dtype registered in :data:`TAGS`; None
+    where the package is not installed.
+
+    >>> imported("bfloat16") in TAGS
+    True
+    """
+    if name not in _imported:
+        _imported[name] = _register(FROM_PACKAGE[name])
+    return _imported[name]
+
+
+def _register(row: DType) -> np.dtype | None:
+    try:
+        scalar = getattr(importlib.import_module(str(row.module)), row.name)
+    except ImportError:
+        return None
+    dtype = np.dtype(scalar)
+    TAGS[dtype] = row.tag
+    CUDA_NAMES[dtype] = row.c_name
+    _DTYPE_OF_TAG[row.tag] = dtype
+    for callback in _when_registered:
+        callback(dtype)
+    return dtype
+
+
 def bfloat16() -> np.dtype | None:
     """ml_dtypes' bfloat16 (imported now, and registered in :data:`TAGS`), or
     None where ml_dtypes is not installed.
 
     >>> bfloat16().name
     'bfloat16'
-    >>> bfloat16() in TAGS
-    True
     """
-    try:
-        from ml_dtypes import bfloat16 as scalar
-    except ImportError:
-        return None
-    dtype = np.dtype(scalar)
-    TAGS[dtype] = _BFLOAT16_TAG
-    CUDA_NAMES[dtype] = C_NAMES[_BFLOAT16_TAG]
-    _DTYPE_OF_TAG[_BFLOAT16_TAG] = dtype
-    for callback in _when_registered:
-        callback(dtype)
-    return dtype
+    return imported("bfloat16")
 
 
-def when_bfloat16(callback: Callable[[np.dtype], object]) -> None:
-    """Call ``callback(dtype)`` once bfloat16 is registered: now if it is,
-    else when it is (a native library that must know its type number)."""
+def when_registered(callback: Callable[[np.dtype], object]) -> None:
+    """Call ``callback(dtype)`` for each dtype of :data:`FROM_PACKAGE` once
+    it is registered: now for those that are, later for the others (a
+    native library that must know their type numbers)."""
     _when_registered.append(callback)
-    registered = bfloat16() if bfloat16.cache_info().currsize else None
-    if registered is not None:
-        callback(registered)
+    for dtype in list(_imported.values()):
+        if dtype is not None:
+            callback(dtype)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -88,21 +109,32 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, _NUMPY_NAME[name])
 
 
+def is_imported(dtype: npt.DTypeLike) -> bool:
+    """Whether ``dtype`` is one of :data:`FROM_PACKAGE` (ml_dtypes'
+    bfloat16), without importing its package.
+
+    >>> is_imported(np.dtype(np.float16))
+    False
+    """
+    row = FROM_PACKAGE.get(getattr(dtype, "name", ""))
+    return row is not None and row.module in sys.modules and np.dtype(dtype) == imported(row.name)
+
+
 def is_bfloat16(dtype: npt.DTypeLike) -> bool:
     """Whether ``dtype`` is ml_dtypes' bfloat16, without importing ml_dtypes.
 
     >>> is_bfloat16(np.dtype(np.float16))
     False
     """
-    return getattr(dtype, "name", None) == "bfloat16" and "ml_dtypes" in sys.modules \
-        and np.dtype(dtype) == bfloat16()
+    return getattr(dtype, "name", None) == "bfloat16" and is_imported(dtype)
 
 
 def admit(dtype: npt.DTypeLike) -> bool:
-    """Whether gpuflat computes on arrays of ``dtype``; bfloat16 is registered
-    the first time it is asked about. Callers test ``dtype in TAGS`` first,
-    the fast path, and this where that misses."""
-    return dtype in TAGS or is_bfloat16(dtype)
+    """Whether gpuflat computes on arrays of ``dtype``; one of
+    :data:`FROM_PACKAGE` is registered the first time it is asked about.
+    Callers test ``dtype in TAGS`` first, the fast path, and this where that
+    misses."""
+    return dtype in TAGS or is_imported(dtype)
 
 
 def dtype_of_tag(tag: int) -> np.dtype:
@@ -111,9 +143,31 @@ def dtype_of_tag(tag: int) -> np.dtype:
     >>> dtype_of_tag(2)
     dtype('float32')
     """
-    if tag == _BFLOAT16_TAG:
-        bfloat16()
+    if DTYPES[tag].name in FROM_PACKAGE:
+        imported(DTYPES[tag].name)
     return _DTYPE_OF_TAG[tag]
+
+
+def wider(dtype: npt.DTypeLike) -> np.dtype | None:
+    """The dtype that sums of ``dtype`` are computed in across ranks (its
+    row's ``wider``), or None: ``dtype`` itself.
+
+    >>> wider(np.float16), wider(np.float32)
+    (dtype('float32'), None)
+    """
+    dtype = np.dtype(dtype)
+    return _WIDER.get(TAGS[dtype]) if admit(dtype) else None
+
+
+def bits_dtype(itemsize: int) -> np.dtype:
+    """The signed integer dtype of ``itemsize`` bytes: what a dtype of
+    :data:`FROM_PACKAGE` crosses DLPack and PyTorch's ``numpy()`` as, which
+    know it not.
+
+    >>> bits_dtype(bfloat16().itemsize)
+    dtype('int16')
+    """
+    return np.dtype(f"int{8 * itemsize}")
 
 
 def c_name(dtype: npt.DTypeLike) -> str:
@@ -131,9 +185,10 @@ def c_name(dtype: npt.DTypeLike) -> str:
 def flat_dtype(dtypes: Iterable[npt.DTypeLike]) -> np.dtype:
     """The dtype of a flat buffer holding leaves of these dtypes.
 
-    NumPy promotion, as JAX's ravel_pytree does; bfloat16 promotes with any
-    other dtype as float32 would, since NumPy knows no common type for it and
-    float16. An empty tree gives float32.
+    NumPy promotion, as JAX's ravel_pytree does; a dtype of
+    :data:`FROM_PACKAGE` promotes with any other dtype as its row's
+    ``wider`` would (bfloat16 as float32), since NumPy knows no common type
+    for it and the others (bfloat16 and float16). An empty tree gives float32.
 
     >>> flat_dtype([np.float16, np.float32])
     dtype('float32')
@@ -145,8 +200,14 @@ def flat_dtype(dtypes: Iterable[npt.DTypeLike]) -> np.dtype:
         return np.dtype(np.float32)
     if len(unique) == 1:
         return unique.pop()
-    widened = [np.dtype(np.float32) if is_bfloat16(d) else d for d in unique]
+    widened = [_promoted_as(d) for d in unique]
     return np.result_type(*widened)
+
+
+def _promoted_as(dtype: np.dtype) -> np.dtype:
+    # A dtype with no wider row promotes as itself, as NumPy may know it.
+    wide = wider(dtype) if is_imported(dtype) else None
+    return dtype if wide is None else wide
 
 
 def unsupported_float(dtype: npt.DTypeLike) -> str | None:

@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 
 from gpuflat._src import host_compiler
-from gpuflat._src.dtypes import C_NAMES, c_name
-from gpuflat._src.layout import NORM_KINDS, RULES, RULES_HEADER, norm_kind, rules_header
+from gpuflat._src.dtypes import c_name
+from gpuflat._src.layout import C_NAMES, NORM_KINDS, RULES, RULES_HEADER, norm_kind, written_headers
 
 # NVRTC's options, for the compile checks and the GPU alike. No fast-math,
 # and flush-to-zero off (NVRTC's default): NaN, inf and subnormals must
@@ -50,7 +50,7 @@ from gpuflat._src.layout import NORM_KINDS, RULES, RULES_HEADER, norm_kind, rule
 # code under NVRTC.
 OPTIONS = ("-std=c++17", "-default-device", "--fmad=false")
 
-# The kernels templated on a dtype, by its C++ name (gpuflat._src.dtypes.C_NAMES).
+# The kernels templated on a dtype, by its C++ name (gpuflat._src.layout.C_NAMES).
 GATHER = "gpuflat_gather<{}>"
 SCATTER = "gpuflat_scatter<{}>"
 SCALE_NAME = "gpuflat_scale"
@@ -155,26 +155,26 @@ def emulator_header(directory: Path | None = None) -> Path:
 
 def sources(directory: Path | None = None) -> dict[str, str]:
     """File name -> text of every ``*.cu`` and ``*.cuh`` in the kernel
-    directory, and of the header written from the layout (``gpuflat_rules.h``,
-    :func:`gpuflat._src.layout.rules_header`).
+    directory, and of the headers written from the layout (``gpuflat_rules.h``
+    and ``gpuflat_rule_includes.h``, :func:`gpuflat._src.layout.written_headers`).
 
     >>> sorted(n for n in sources() if n.endswith(".cu")), RULES_HEADER in sources()
     (['gather_scatter.cu', 'norms.cu', 'optim.cu'], True)
     """
     d = Path(directory) if directory is not None else kernel_dir()
     files = sorted(list(d.glob("*.cu")) + list(d.glob("*.cuh")))
-    return {**{f.name: f.read_text() for f in files}, RULES_HEADER: rules_header()}
+    return {**{f.name: f.read_text() for f in files}, **written_headers()}
 
 
 def cache_key(directory: Path | None = None) -> str:
     """SHA-256 over every file under the kernel directory, emulator header too,
-    the header written from the layout, and the NVRTC options.
+    the headers written from the layout, and the NVRTC options.
 
     Hashing the files themselves, not just the top-level source text, means an
     edited header always yields a new compiled module.
     """
     d = Path(directory) if directory is not None else kernel_dir()
-    return host_compiler.digest([*OPTIONS, host_compiler.tree_digest(d), rules_header()])
+    return host_compiler.digest([*OPTIONS, host_compiler.tree_digest(d), *written_headers().values()])
 
 
 def assembled_source(directory: Path | None = None) -> str:

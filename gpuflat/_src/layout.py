@@ -27,20 +27,54 @@ import numpy as np
 
 from . import caches
 
-# The dtypes of the kernel tables: (tag, NumPy name, C++ type in kernels/,
-# bytes). The kernels' gf_dispatch and the host libraries switch on the tag;
-# gpuflat._src.dtypes maps NumPy's dtypes onto these rows.
+@dataclass(frozen=True)
+class DType:
+    """A dtype of the kernel tables: one record of what Python knows of it;
+    its C++ (the type named ``c_name``, its conversions and traits) is in
+    ``kernels/gpuflat_common.cuh``.
+
+    ``tag`` marks it in the leaf tables (``GF_TAG_<c_name>``; the kernels'
+    gf_dispatch and the host libraries switch on it through the written
+    header's ``GF_DTYPES``); ``name`` is NumPy's and PyTorch's name of it.
+    ``optim``: the optimizers take it (``OPTIM_DTYPES``). ``module``: where
+    NumPy lacks it, the package whose attribute ``name`` is its scalar type,
+    imported when it is first needed (``gpuflat._src.dtypes``); such a dtype
+    crosses DLPack as the bits of an integer of its size
+    (``gpuflat._src.arrays``). ``wider``: the dtype its sums across ranks
+    are computed in (``gpuflat._src.ranks``), which a dtype from ``module``
+    also promotes as (NumPy knows no promotion for it); None where it is
+    summed in itself.
+
+    >>> DTYPES[1].c_name, DTYPES[1].module, DTYPES[1].wider
+    ('bf16', 'ml_dtypes', 'float32')
+    """
+
+    tag: int
+    name: str
+    c_name: str
+    itemsize: int
+    optim: bool = False
+    module: str | None = None
+    wider: str | None = None
+
+
+# The dtypes of the kernel tables, in tag order; gpuflat._src.dtypes maps
+# NumPy's dtypes onto these rows.
 DTYPES = (
-    (0, "float16", "f16", 2),
-    (1, "bfloat16", "bf16", 2),
-    (2, "float32", "float", 4),
-    (3, "float64", "double", 8),
-    (4, "complex64", "c64", 8),
-    (5, "complex128", "c128", 16),
+    # float16 sums overflow past 65504 and round at every addition in 16
+    # bits; float32 holds float16's range many times over, and gives
+    # bfloat16 (whose range it shares) 16 more bits.
+    DType(0, "float16", "f16", 2, optim=True, wider="float32"),
+    DType(1, "bfloat16", "bf16", 2, optim=True, module="ml_dtypes", wider="float32"),
+    DType(2, "float32", "float", 4, optim=True),
+    DType(3, "float64", "double", 8, optim=True),
+    # Complex parameters are refused by the optimizers.
+    DType(4, "complex64", "c64", 8),
+    DType(5, "complex128", "c128", 16),
 )
-TAG_OF_NAME = {name: tag for tag, name, _, _ in DTYPES}
-C_NAMES = tuple(c_name for _, _, c_name, _ in DTYPES)
-ITEMSIZES = tuple(size for _, _, _, size in DTYPES)
+TAG_OF_NAME = {row.name: row.tag for row in DTYPES}
+C_NAMES = tuple(row.c_name for row in DTYPES)
+ITEMSIZES = tuple(row.itemsize for row in DTYPES)
 
 # Elements per work item. A multiple of 32 lanes * 8 elements per 16-byte
 # vector, so every item of a leaf starts as aligned as the leaf itself. The
@@ -93,9 +127,9 @@ MAXIMIZE_FIELD = 5
 PARAM_ROW_FIELDS = ("param", "grad", "state0", "state1", "state2", "step", "numel", "group")
 PARAM_ROW_WORDS = len(PARAM_ROW_FIELDS)
 ROW_STEP, ROW_NUMEL, ROW_GROUP = (PARAM_ROW_FIELDS.index(f) for f in ("step", "numel", "group"))
-# The buffer dtypes the optimizer kernels are instantiated for: every real
-# floating one (complex parameters are refused).
-OPTIM_DTYPES = ("f16", "bf16", "float", "double")
+# The C++ names of the buffer dtypes the optimizer kernels are instantiated
+# for (the rows with ``optim``).
+OPTIM_DTYPES = tuple(row.c_name for row in DTYPES if row.optim)
 
 
 @dataclass(frozen=True)
@@ -555,8 +589,13 @@ def norm_kind(p: float) -> str:
     return _KIND_OF_ORDER.get(p, _OTHER_ORDERS)
 
 
-# The generated header's name: C++ includes it to read the facts below.
+# The generated headers' names: C++ includes them to read the facts below.
 RULES_HEADER = "gpuflat_rules.h"
+RULE_INCLUDES = "gpuflat_rule_includes.h"
+
+
+def _x_macro(name: str, entries: Sequence[str]) -> str:
+    return f"#define {name}(X) " + " ".join(f"X({entry})" for entry in entries)
 
 
 def rules_header() -> str:
@@ -564,29 +603,63 @@ def rules_header() -> str:
     kernel loader hands it to every build beside the sources; it is never
     on disk): the elements of a work item, each dtype's tag
     (``GF_TAG_<C++ name>``), their count and item sizes in tag order
-    (``GF_N_TAGS``, ``GF_ITEMSIZES``), each rule's number (``GF_RULE_<NAME>``),
-    the rules with a ``kernel`` struct: their headers included and
-    ``GF_GENERIC_RULES(X)`` calling ``X(number, struct)`` for each, which the
-    host library's dispatch expands; and each norm kind's number
+    (``GF_N_TAGS``, ``GF_ITEMSIZES``), ``GF_DTYPES(X)`` calling
+    ``X(tag, C++ type)`` for each dtype and ``GF_OPTIM_DTYPES(X)`` for the
+    optimizers' (the switches over tags in the kernels and host libraries
+    expand them), each rule's number (``GF_RULE_<NAME>``),
+    ``GF_GENERIC_RULES(X)`` calling ``X(number, struct)`` for each rule with
+    a ``kernel`` struct, which the host library's dispatch expands (their
+    headers come from ``rule_includes``); and each norm kind's number
     (``GF_NORM_<NAME>``) and ``GF_NORM_KINDS(X)`` calling ``X(number)`` for
-    each, which the host library's switch over kinds expands.
+    each, which the host library's switch over kinds expands. It includes
+    nothing: gpuflat_common.cuh includes it before any other kernel code.
 
     >>> "#define GF_RULE_SGD 1" in rules_header().splitlines()
     True
     >>> "#define GF_NORM_KINDS(X) X(0) X(1) X(2) X(3)" in rules_header().splitlines()
     True
+    >>> "#define GF_OPTIM_DTYPES(X) X(0, f16) X(1, bf16) X(2, float) X(3, double)" in rules_header().splitlines()
+    True
     """
-    generic = [rule for rule in RULES.values() if rule.kernel is not None]
     lines = ["// Written by gpuflat._src.layout.rules_header(): the layout's facts the C++ reads.", "#pragma once",
              f"#define GF_ITEM {ITEM}", f"#define GF_GENERIC_STATES {GENERIC_STATES}"]
-    lines += [f"#define GF_TAG_{c_name} {tag}" for tag, _, c_name, _ in DTYPES]
+    lines += [f"#define GF_TAG_{row.c_name} {row.tag}" for row in DTYPES]
     lines += [f"#define GF_N_TAGS {len(DTYPES)}", f"#define GF_ITEMSIZES {', '.join(map(str, ITEMSIZES))}"]
+    lines.append(_x_macro("GF_DTYPES", [f"{row.tag}, {row.c_name}" for row in DTYPES]))
+    lines.append(_x_macro("GF_OPTIM_DTYPES", [f"{row.tag}, {row.c_name}" for row in DTYPES if row.optim]))
     lines += [f"#define GF_RULE_{rule.name.upper()} {rule.number}" for rule in RULES.values()]
+    lines.append(_x_macro("GF_GENERIC_RULES", [f"{rule.number}, {rule.kernel}" for rule in _generic_rules()]))
     lines += [f"#define GF_NORM_{kind.name.upper()} {kind.number}" for kind in NORMS.values()]
-    lines.append("#define GF_NORM_KINDS(X) " + " ".join(f"X({kind.number})" for kind in NORMS.values()))
-    lines += [f'#include "{header}"' for header in dict.fromkeys(rule.header for rule in generic)]
-    lines.append("#define GF_GENERIC_RULES(X) " + " ".join(f"X({rule.number}, {rule.kernel})" for rule in generic))
+    lines.append(_x_macro("GF_NORM_KINDS", [str(kind.number) for kind in NORMS.values()]))
     return "\n".join(lines) + "\n"
+
+
+def rule_includes() -> str:
+    """The C++ header ``gpuflat_rule_includes.h``, written from this module
+    as ``rules_header`` is: the headers of the rules with a ``kernel``
+    struct, included, for the code that expands ``GF_GENERIC_RULES``. Apart
+    from gpuflat_rules.h because a rule's header includes the kernels'
+    common code, which includes gpuflat_rules.h first.
+
+    >>> rule_includes().splitlines()[-1]
+    '#include "gpuflat_lion.cuh"'
+    """
+    includes = [f'#include "{header}"' for header in dict.fromkeys(rule.header for rule in _generic_rules())]
+    return "\n".join(["// Written by gpuflat._src.layout.rule_includes(): the generic rules' headers.", "#pragma once",
+                      *includes]) + "\n"
+
+
+def written_headers() -> dict[str, str]:
+    """Name -> text of the headers written from this module.
+
+    >>> sorted(written_headers())
+    ['gpuflat_rule_includes.h', 'gpuflat_rules.h']
+    """
+    return {RULES_HEADER: rules_header(), RULE_INCLUDES: rule_includes()}
+
+
+def _generic_rules() -> list[Rule]:
+    return [rule for rule in RULES.values() if rule.kernel is not None]
 
 
 @caches.function(maxsize=4096)

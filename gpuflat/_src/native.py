@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 import numpy as np
 
 from gpuflat._src import host_compiler
-from gpuflat._src.dtypes import TAGS, when_bfloat16
+from gpuflat._src.dtypes import TAGS, when_registered
 from gpuflat.errors import BuildError
 from gpuflat._src.kernel_loader import kernel_dir, sources
 from gpuflat._src.layout import DTYPES
@@ -143,9 +143,9 @@ def host_library() -> tuple[ctypes.PyDLL, None] | tuple[None, str]:
     for fn in (lib.gf_host_norms, lib.gf_host_gather, lib.gf_host_scatter, lib.gf_host_clip,
                lib.gf_host_clip_flat, lib.gf_host_norms_rows, lib.gf_host_clip_rows, lib.gf_host_facts):
         fn.restype = i64
-    # bfloat16 is ml_dtypes' type, known by its number once it is imported.
+    # A dtype from a package (ml_dtypes' bfloat16) is known by its number once it is imported.
     lib.gf_host_init(np.ndarray, _type_numbers())
-    when_bfloat16(lambda _: lib.gf_host_init(np.ndarray, _type_numbers()))
+    when_registered(lambda _: lib.gf_host_init(np.ndarray, _type_numbers()))
     return lib, None
 
 

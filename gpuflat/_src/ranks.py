@@ -27,7 +27,7 @@ import numpy as np
 from . import caches, checks, clipping, dtensor
 from .arrays import adopt, device_scope, external_stream, is_module, module_parameters
 from .backends import get_backend
-from .dtypes import is_bfloat16
+from .dtypes import wider
 from .layout import CLIP_EPS, NORMS, norm_kind
 from .binding import Call
 from ..errors import CollectiveError
@@ -453,14 +453,6 @@ class _RankBound(clipping.Bound):
 
 # ---------------------------------------------------------------- all-reduce
 
-# 16-bit gradients are summed and divided in float32 and rounded back once:
-# float16 sums overflow past 65504 (two ranks of 60000 would give inf), and
-# every addition in 16 bits rounds again. float32 holds float16's range many
-# times over, and gives bfloat16 (whose range it shares) 16 more bits.
-def _wider(dtype: Any) -> np.dtype | None:
-    return np.dtype(np.float32) if dtype == np.float16 or is_bfloat16(dtype) else None
-
-
 def _check_reduce_arguments(op: str, bucket_bytes: int | None) -> None:
     if op not in ("sum", "mean"):
         raise ValueError(f"op: expected 'sum' or 'mean', got {op!r}")
@@ -511,8 +503,10 @@ class _Reduction:
                 flat = self.backend.empty(call.plan.size, call.plan.dtype)
                 self.backend.gather(call.plan, [[a] for a in call.unique], flat)
             self.targets = [flat]
+        # A small float is summed and divided in its row's wider dtype
+        # (float32 for 16-bit ones: see layout.DTYPES) and rounded back once.
         with device_scope(None, self.like):
-            self.moving = [b.astype(wide) if (wide := _wider(b.dtype)) is not None else b for b in self.targets]
+            self.moving = [b.astype(wide) if (wide := wider(b.dtype)) is not None else b for b in self.targets]
 
     def signature(self) -> tuple:
         """(elements, bytes, resident parameters) moved: every rank must move the same."""

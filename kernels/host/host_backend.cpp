@@ -508,37 +508,52 @@ double item_partial(const S* x, long long len, double p) {
 // may come out of the hardware conversions with other payload bits than
 // gf_widen gives, so an item whose partial is NaN is summed again by the
 // generic loop (item_partial).
-template <class S> struct Wide2;  // terms of lanes 8g .. 8g + 7 at position k, from rows a, b
+//
+// A dtype's lane is Wide2<S>: terms(a, b, idx) gives the terms of lanes
+// 8g .. 8g + 7 at position k from rows a and b, with idx from lane_index,
+// which picks elements in the permute's units (Unit: 16-, 32- or 64-bit
+// integers) at unit AT * i + AT - 1 for lane i. A dtype without one (the
+// primary template) takes the generic loop.
+template <class S> struct Wide2 {};
+struct Wide2Defaults {
+    static constexpr int AT = 1;
+};
 
-template <> struct Wide2<float> {
+template <> struct Wide2<float> : Wide2Defaults {
+    using Unit = int;
     static __m512d terms(__m512 a, __m512 b, __m512i idx) {
         const __m512d w = _mm512_cvtps_pd(_mm512_castps512_ps256(_mm512_permutex2var_ps(a, idx, b)));
         return _mm512_mul_pd(w, w);
     }
 };
-template <> struct Wide2<double> {
+template <> struct Wide2<double> : Wide2Defaults {
+    using Unit = long long;
     static __m512d terms(__m512 a, __m512 b, __m512i idx) {
         const __m512d w = _mm512_permutex2var_pd(_mm512_castps_pd(a), idx, _mm512_castps_pd(b));
         return _mm512_mul_pd(w, w);
     }
 };
-template <> struct Wide2<f16> {
+template <> struct Wide2<f16> : Wide2Defaults {
+    using Unit = short;
     static __m512d terms(__m512 a, __m512 b, __m512i idx) {
         const __m512i h = _mm512_permutex2var_epi16(_mm512_castps_si512(a), idx, _mm512_castps_si512(b));
         const __m512d w = _mm512_cvtps_pd(_mm256_cvtph_ps(_mm512_castsi512_si128(h)));
         return _mm512_mul_pd(w, w);
     }
 };
-template <> struct Wide2<bf16> {
+template <> struct Wide2<bf16> : Wide2Defaults {
+    using Unit = short;
+    static constexpr int AT = 2;  // element i in the high half of 32-bit slot i: a float's top half
     static __m512d terms(__m512 a, __m512 b, __m512i idx) {
-        // idx puts element i in the high half of 32-bit slot i; the mask zeroes the low halves.
+        // The mask zeroes the low halves.
         const __m512i f = _mm512_maskz_permutex2var_epi16(0xaaaaaaaau, _mm512_castps_si512(a), idx,
                                                            _mm512_castps_si512(b));
         const __m512d w = _mm512_cvtps_pd(_mm512_castps512_ps256(_mm512_castsi512_ps(f)));
         return _mm512_mul_pd(w, w);
     }
 };
-template <> struct Wide2<c64> {  // idx picks the real parts; idx + 1 the imaginary ones
+template <> struct Wide2<c64> : Wide2Defaults {  // idx picks the real parts; idx + 1 the imaginary ones
+    using Unit = int;
     static __m512d terms(__m512 a, __m512 b, __m512i idx) {
         const __m512i one = _mm512_set1_epi32(1);
         const __m512d re = _mm512_cvtps_pd(_mm512_castps512_ps256(_mm512_permutex2var_ps(a, idx, b)));
@@ -547,7 +562,8 @@ template <> struct Wide2<c64> {  // idx picks the real parts; idx + 1 the imagin
         return _mm512_add_pd(_mm512_mul_pd(re, re), _mm512_mul_pd(im, im));
     }
 };
-template <> struct Wide2<c128> {
+template <> struct Wide2<c128> : Wide2Defaults {
+    using Unit = long long;
     static __m512d terms(__m512 a, __m512 b, __m512i idx) {
         const __m512i one = _mm512_set1_epi64(1);
         const __m512d re = _mm512_permutex2var_pd(_mm512_castps_pd(a), idx, _mm512_castps_pd(b));
@@ -557,26 +573,14 @@ template <> struct Wide2<c128> {
 };
 
 // Index vector k: lane i of a group takes element i * V + k of its 128 bytes,
-// counted in the permute's units (16-, 32- or 64-bit).
+// counted in the permute's units (Wide2<S>::Unit), at unit AT * i + AT - 1.
 template <class S>
 __m512i lane_index(int k) {
-    constexpr int V = 16 / (int)sizeof(S);
-    if constexpr (sizeof(S) == 2) {  // float16: slot i; bfloat16: the high half of 32-bit slot i
-        constexpr int at = std::is_same_v<S, bf16> ? 2 : 1;
-        alignas(64) short idx[32] = {};
-        for (int i = 0; i < 8; ++i) idx[at * i + at - 1] = (short)(i * V + k);
-        return _mm512_load_si512(idx);
-    } else if constexpr (std::is_same_v<S, float> || std::is_same_v<S, c64>) {
-        constexpr int per = (int)sizeof(S) / 4;  // 32-bit units per element
-        alignas(64) int idx[16] = {};
-        for (int i = 0; i < 8; ++i) idx[i] = (i * V + k) * per;
-        return _mm512_load_si512(idx);
-    } else {
-        constexpr int per = (int)sizeof(S) / 8;
-        alignas(64) long long idx[8] = {};
-        for (int i = 0; i < 8; ++i) idx[i] = (i * V + k) * per;
-        return _mm512_load_si512(idx);
-    }
+    using Unit = typename Wide2<S>::Unit;
+    constexpr int V = 16 / (int)sizeof(S), PER = (int)(sizeof(S) / sizeof(Unit)), AT = Wide2<S>::AT;
+    alignas(64) Unit idx[64 / sizeof(Unit)] = {};
+    for (int i = 0; i < 8; ++i) idx[AT * i + AT - 1] = (Unit)((i * V + k) * PER);
+    return _mm512_load_si512(idx);
 }
 
 // The V index vectors of a dtype, built once.
@@ -633,40 +637,45 @@ double l2_partial(const S* x, long long len) {
 }
 #define GF_HOST_L2_SIMD 1
 
-// gf_scale on 16 float16 or bfloat16 values at once: widened exactly, one
-// float multiply, rounded once to nearest-even (vcvtps2ph for float16; for
-// bfloat16 the integer form of the same rounding). Only a NaN product leaves
-// the two roundings apart (payload bits), so a group holding one is left to
-// gf_scale itself; returns false for it.
-template <class S>
-bool scale16(S* x, float c) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-    __m512 w;
-    if constexpr (std::is_same_v<S, f16>) w = _mm512_cvtph_ps(h);
-    else w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    const __m512 y = _mm512_mul_ps(w, _mm512_set1_ps(c));
-    if (_mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q)) return false;
-    __m256i out;
-    if constexpr (std::is_same_v<S, f16>) {
-        out = _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    } else {
+// A 16-bit float's 16 values at once, to float and back (Scale16<S>):
+// widened exactly, and rounded once to nearest-even (vcvtps2ph for float16;
+// for bfloat16 the integer form of the same rounding). A dtype without one
+// (the primary template) is scaled one element at a time.
+template <class S> struct Scale16 {};
+template <> struct Scale16<f16> {
+    static __m512 widen(__m256i h) { return _mm512_cvtph_ps(h); }
+    static __m256i narrow(__m512 y) { return _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+};
+template <> struct Scale16<bf16> {
+    static __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+    static __m256i narrow(__m512 y) {
         const __m512i u = _mm512_castps_si512(y);
         const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
         const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-        out = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+        return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
     }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), out);
+};
+
+// gf_scale on 16 values at once: widened, one float multiply, narrowed. Only
+// a NaN product leaves the two roundings apart (payload bits), so a group
+// holding one is left to gf_scale itself; returns false for it.
+template <class S>
+bool scale16(S* x, float c) {
+    const __m512 y = _mm512_mul_ps(Scale16<S>::widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+                                   _mm512_set1_ps(c));
+    if (_mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q)) return false;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), Scale16<S>::narrow(y));
     return true;
 }
 #define GF_HOST_SCALE16 1
 #endif
 
-// x[0 .. n) scaled by gf_scale, 16-bit floats 16 at a time where the machine can.
+// x[0 .. n) scaled by gf_scale, 16 at a time where the machine and the dtype can (Scale16).
 template <class S>
 void scale_run(S* x, long long n, double coef) {
     long long i = 0;
 #ifdef GF_HOST_SCALE16
-    if constexpr (sizeof(S) == 2) {
+    if constexpr (requires { Scale16<S>::widen; }) {
         for (; i + 16 <= n; i += 16)
             if (!scale16(x + i, (float)coef))
                 for (long long k = i; k < i + 16; ++k) gf_scale(x[k], coef);
@@ -685,12 +694,13 @@ bool holds_nonfinite(const S* x, long long len) {
 }
 
 // One item's partial: a sum of squares (the 2-norm's, gf_norm's
-// sum_of_squares) in SIMD where the machine has it, the rest (and any item
-// whose SIMD partial is NaN) by the generic loop.
+// sum_of_squares) in SIMD where the machine and the dtype have a lane
+// (Wide2), the rest (and any item whose SIMD partial is NaN) by the generic
+// loop.
 template <int K, class S>
 double partial_of(const S* x, long long len, double p) {
 #ifdef GF_HOST_L2_SIMD
-    if constexpr (gf_norm<K>::sum_of_squares()) {
+    if constexpr (gf_norm<K>::sum_of_squares() && requires { Wide2<S>::terms; }) {
         const double fast = l2_partial(x, len);
         if (fast == fast) return fast;
     }

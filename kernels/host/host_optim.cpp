@@ -13,8 +13,9 @@
 
 #include "host_prelude.h"
 #include "gpuflat_optim.cuh"
-// The layout's rule numbers, dtype tags and item size, and the rules with a
-// kernel struct (written from gpuflat._src.layout.RULES).
+// The layout's rule numbers, dtypes and item size, and the rules with a
+// kernel struct (written from gpuflat._src.layout).
+#include "gpuflat_rule_includes.h"
 #include "gpuflat_rules.h"
 #include "host_items.h"
 
@@ -156,17 +157,16 @@ bool rows_step(int rule, const ParamRow* rows, long long n_rows, const double* h
     return true;
 }
 
-// f(S{}) for the dtype tags of gpuflat._src.dtypes.TAGS the optimizers take.
+// f(S{}) for the dtype tags the optimizers take (GF_OPTIM_DTYPES).
+#define GF_OPTIM_CASE(tag, T) case tag: f(T{}); return true;
 template <class F>
 bool dispatch(int tag, F f) {
     switch (tag) {
-        case GF_TAG_f16: f(f16{}); return true;
-        case GF_TAG_bf16: f(bf16{}); return true;
-        case GF_TAG_float: f(0.0f); return true;
-        case GF_TAG_double: f(0.0); return true;
+        GF_OPTIM_DTYPES(GF_OPTIM_CASE)
         default: return false;
     }
 }
+#undef GF_OPTIM_CASE
 
 }  // namespace
 

@@ -44,7 +44,7 @@ import numpy as np
 from gpuflat._src import native
 from gpuflat._src.dtypes import TAGS
 from gpuflat._src.identity import Recorded
-from gpuflat._src.layout import DTYPES, NORM_KINDS, OPTIM_DTYPES, RULES, norm_kind
+from gpuflat._src.layout import DTYPES, NORM_KINDS, RULES, norm_kind
 
 from .numpy_backend import HostMemory, NumpyBackend
 from .protocol import LeafRows, NormResult, OneSourcePerSlot
@@ -228,7 +228,7 @@ class HostBackend(HostMemory):
 
 
 # The NumPy names of the dtypes the native update is built for.
-_OPTIM_NAMES = ", ".join(name for _, name, c_name, _ in DTYPES if c_name in OPTIM_DTYPES)
+_OPTIM_NAMES = ", ".join(row.name for row in DTYPES if row.optim)
 
 
 def _address(a: Any) -> int:
