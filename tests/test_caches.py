@@ -15,7 +15,7 @@ PACKAGE = Path(gf.__file__).parent
 # dropping them would load the same build again.
 NOT_CACHES = {("native.py", "host_library"), ("native.py", "optim_library"),
               ("host_compiler.py", "_compiler_identity"), ("kernel_loader.py", "nvrtc_library"),
-              ("kernel_loader.py", "_device_cubin"), ("tensor_facts.py", "_load"), ("dtypes.py", "bfloat16"),
+              ("kernel_loader.py", "_device_cubin"), ("tensor_facts.py", "_load"), ("arrays.py", "_torch_from_package"),
               ("selection.py", "host_default")}
 
 

@@ -40,7 +40,7 @@ from .backends.protocol import LeafRows
 from .backends.selection import get_backend, host_default
 from .clipping import Bound, Part
 from .checks import check_in_place, may_overlap_itself, overlapping_itself, sharing_memory
-from .dtypes import TAGS, bfloat16, torch_dtype
+from .dtypes import FROM_PACKAGE, TAGS, imported, torch_dtype
 from ..errors import NonFloatingTensorError, UnsupportedLeafError
 from .flatplan import FlatPlan, cached
 from .overlap import first_pair, really_overlap
@@ -57,7 +57,8 @@ if TYPE_CHECKING:
     LayoutKey: TypeAlias = "Literal[True] | tuple[tuple[Any, ...], tuple[Any, ...]]"
 
 TABLES_KEPT = 8  # calls remembered: a few clips and norms over different tensor lists
-bfloat16()  # in TAGS from now on where ml_dtypes is installed
+for _name in FROM_PACKAGE:  # each in TAGS from now on where its package is installed
+    imported(_name)
 _NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {torch_dtype(d.name): d for d in TAGS}
 _ITEMSIZE_BY_TAG = np.array(ITEMSIZES, np.int64)
 # Whether gpuflat holds each dtype of tensor_facts.DTYPES, by its code.
