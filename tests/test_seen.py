@@ -343,16 +343,20 @@ def cp(monkeypatch):
 
 
 class _Counted:
-    """Calls into the tree walk, the plan signature and the per-leaf device read."""
+    """Calls into the tree walk, the plan signature, the per-leaf device read
+    and the per-leaf identity compares of the device found and the tables
+    kept (a recorded tree's token stands for them)."""
 
     def __init__(self, monkeypatch):
         from gpuflat._src import flatplan, tree
         from gpuflat._src.backends import selection
+        from gpuflat._src.identity import SameArrays
 
-        self.calls = {"walk": 0, "signature": 0, "device": 0}
-        for module, name, key in ((tree, "_walk", "walk"), (flatplan, "signature", "signature"),
-                                  (selection, "_device_id", "device")):
-            monkeypatch.setattr(module, name, self._counting(getattr(module, name), key))
+        self.calls = {"walk": 0, "signature": 0, "device": 0, "identities": 0}
+        for owner, name, key in ((tree, "_walk", "walk"), (flatplan, "signature", "signature"),
+                                 (selection, "_device_id", "device"), (SameArrays, "holds", "identities"),
+                                 (SameArrays, "shared_start", "identities")):
+            monkeypatch.setattr(owner, name, self._counting(getattr(owner, name), key))
 
     def _counting(self, fn, key):
         def counted(*args, **kwargs):
@@ -385,7 +389,7 @@ def test_a_repeated_cupy_tree_is_read_without_a_walk_a_signature_or_a_device_rea
     assert type(_seen.trees._entries.find(id(tree))) is _seen.SeenTree
     counted.reset()
     result = call()
-    assert counted.calls == {"walk": 0, "signature": 0, "device": 0}
+    assert counted.calls == {"walk": 0, "signature": 0, "device": 0, "identities": 0}
     leaves = _host(cp, [tree["a"], tree["b"][0], tree["c"][0]])
     if op == "flatten":
         assert cp.asnumpy(result).tolist() == np.concatenate([x.ravel() for x in leaves]).tolist()

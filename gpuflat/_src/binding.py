@@ -154,8 +154,8 @@ def norm_inputs(call: Call, grads: Any, model: Any, backend: str | None) -> tupl
     >>> plan.size, arrays
     (2, [array([2., 2.])])
     """
-    if model is None:
-        return call.plan, list(call.unique)
+    if model is None:  # the walk's own list: a recorded tree's carries its token (identity.Recorded)
+        return call.plan, call.unique
     plan = Call(model).plan
     sources, _, _ = slot_sources(plan, grads, call.walked, call.seen)
     if all(len(s) == 1 for s in sources):
@@ -198,7 +198,7 @@ def clip_bound(call: Call, grads: Any, model: Any, backend: str | None) -> Bound
     """
     norm_plan, norm_leaves = norm_inputs(call, grads, model, backend)
     # The grads' own walk holds each distinct gradient array once.
-    scale_plan, scale_leaves, scale_paths = call.plan, list(call.unique), call.paths()
+    scale_plan, scale_leaves, scale_paths = call.plan, call.unique, call.paths()
     # Without a model the norm reads the very arrays it scales: one list chooses the backend.
     chosen_by = scale_leaves if model is None else norm_leaves + scale_leaves
     be = select(backend, chosen_by,

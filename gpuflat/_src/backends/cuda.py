@@ -56,7 +56,7 @@ from gpuflat._src.layout import (BLOCK_THREADS, C_NAMES, FINISH_THREADS, ITEM, I
 from gpuflat._src.memory_order import dense_start
 from gpuflat._src.native import array_facts
 
-from .protocol import LeafRows, NormResult
+from .protocol import LeafRows, NormResult, OneSourcePerSlot
 
 if TYPE_CHECKING:
     from gpuflat._src.flatplan import FlatPlan
@@ -126,8 +126,10 @@ class CudaBackend:
         """out[offset:offset+size] = sum of each slot's sources, cast to out's dtype
         (any of gpuflat._src.dtypes.TAGS: the kernel is instantiated for each) (1 launch)."""
         st = _static_tables(plan, self.runtime)
-        counts = [len(s) for s in sources]
-        arrays = [a for s in sources for a in s]
+        if isinstance(sources, OneSourcePerSlot):  # the arrays themselves: a recorded tree's keep their token
+            counts, arrays = [1] * len(sources), sources.arrays
+        else:
+            counts, arrays = [len(s) for s in sources], [a for s in sources for a in s]
         if all(c == 1 for c in counts):
             uploaded = st.table(arrays, None, lambda: _leaf_rows(st, plan, arrays, range(len(arrays)), self.runtime))
             table, csr = uploaded.array, st.identity_csr
@@ -338,9 +340,12 @@ class _TableEntry:
     by their layout too. Where the host library reads NumPy arrays' facts
     (identity, address, dtype, flags, dims, strides: all a table row holds,
     and more), those alone decide, in one native pass: equal facts mean
-    equal rows."""
+    equal rows. Arrays a recorded tree found unchanged carry its token
+    (``identity.Recorded``): the same token, the same arrays as they were,
+    with nothing to compare."""
 
     def __init__(self, arrays: Sequence[Any], key: Hashable, host: np.ndarray, uploaded: DeviceTable) -> None:
+        self.token = getattr(arrays, "token", 0)
         numpy = bool(arrays) and isinstance(arrays[0], np.ndarray)
         words = 4 * len(arrays) + 2 * sum(a.ndim for a in arrays) if numpy else 0
         self.facts = array_facts(arrays, words) if numpy else None
@@ -355,10 +360,17 @@ class _TableEntry:
         :func:`_current_facts` read them once for every entry)."""
         if self.key != key:
             return False
+        token = getattr(arrays, "token", 0)
+        if token and token == self.token:
+            return True
         if self.facts is not None:
-            return facts is not None and equal_facts(facts, self.facts)
-        assert self.arrays is not None  # kept exactly where the facts are not
-        return self.arrays.holds(arrays) and (self.layout is None or self.layout.holds(arrays))
+            held = facts is not None and equal_facts(facts, self.facts)
+        else:
+            assert self.arrays is not None  # kept exactly where the facts are not
+            held = self.arrays.holds(arrays) and (self.layout is None or self.layout.holds(arrays))
+        if held and token:  # these arrays, as the table was built for them: their token names them from now on
+            self.token = token
+        return held
 
 
 def _current_facts(arrays: Sequence[Any], entries: Iterable[_TableEntry]) -> np.ndarray | None:

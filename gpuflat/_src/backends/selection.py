@@ -154,12 +154,17 @@ def _one_device(arrays: Sequence[Any], path_of: Callable[[int], str]) -> int | N
     if not arrays:
         return None
     known, start = None, 0
-    for held, device in _devices_found.entries()[::-1]:
+    token = getattr(arrays, "token", 0)  # a recorded tree's arrays, unchanged (identity.Recorded)
+    for held, device, held_token in _devices_found.entries()[::-1]:
+        if token and token == held_token:
+            return device
         start = held.shared_start(arrays)
         if start:
             known = device
             break
     if start == len(arrays):
+        if token:  # found by their identities: their token finds them from now on
+            _devices_found.add((SameArrays(arrays), known, token))
         return known
     rest = arrays[start:]
     devices = set(map(_device_id, rest))
@@ -168,7 +173,7 @@ def _one_device(arrays: Sequence[Any], path_of: Callable[[int], str]) -> int | N
     if len(devices) > 1:
         _raise_two_devices(arrays, path_of)
     device = devices.pop()
-    _devices_found.add((SameArrays(arrays), device))
+    _devices_found.add((SameArrays(arrays), device, token))
     return device
 
 
