@@ -601,6 +601,24 @@ def test_parameters_replaced_by_an_assigning_load_are_not_followed_as_in_torch(n
         assert_tensors_close(a, b, "the optimizer's parameter", LOOP_STEPS)
 
 
+@pytest.mark.parametrize("move", ["cloned", "transposed"])
+@pytest.mark.parametrize("name", LOOP_OPTIMIZERS)
+def test_parameters_moved_in_memory_mid_training_are_followed(name, move):
+    # After warm steps (the step's rows kept for the next), each parameter's
+    # memory is replaced under the optimizer (p.data = ...: new addresses,
+    # and for "transposed" a layout that is no longer C-contiguous, which
+    # autograd's gradients then take too): the next steps read it there.
+    def moved(net, opt, k, is_torch):
+        if k == 4:
+            for p in net.parameters():
+                p.data = p.data.clone() if move == "cloned" or p.dim() != 2 else p.data.t().contiguous().t()
+
+    net_t, opt_t, net_f, opt_f = side_by_side(name, lambda n: n.parameters(), moved)
+    assert_close(net_t, opt_t, net_f, opt_f, LOOP_STEPS)
+    if move == "transposed":
+        assert not next(p for p in net_f.parameters() if p.dim() == 2).grad.is_contiguous()
+
+
 @pytest.mark.parametrize("name", LOOP_OPTIMIZERS)
 def test_a_model_moved_to_float64_before_the_first_step(name):
     def to_double(net, opt, k, is_torch):

@@ -460,6 +460,14 @@ def _conformed(s: Any, name: str, t: Any, p: torch.Tensor, parameter: Callable[[
         # its state follows it, as a module's buffers follow the module.
         t = s[name] = t.to(p.dtype)
         local = _local(t)
+    if t is local and local.shape == p.shape and local.stride() != p.stride() and \
+            not (local.is_contiguous() and p.is_contiguous()) and \
+            (local.numel(), local.dtype, local.device) == (p.numel(), p.dtype, p.device):
+        # The parameter's layout changed under the optimizer (``p.data =`` a
+        # transposed copy): its state follows it, element for element, as
+        # torch.optim's element-wise updates follow it.
+        t = s[name] = torch.empty_like(p, memory_format=torch.preserve_format).copy_(local)
+        local = t
     if (local.numel(), local.dtype, local.device) != (p.numel(), p.dtype, p.device) or \
             (not (local.is_contiguous() and p.is_contiguous()) and
              (local.stride() != p.stride() or local.shape != p.shape)):
