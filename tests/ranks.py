@@ -40,12 +40,15 @@ class Launches:
 
 
 def check_case(reports, output, case) -> None:
-    """AssertionError unless every rank reported ``case`` ok (a rank's
-    traceback, or the processes' output where a rank reported nothing)."""
+    """AssertionError unless every rank reported ``case`` ok: with every
+    failing rank's traceback and the processes' output (one rank's error in
+    a collective, a connection reset, is often another rank's failure seen
+    from outside), or the output alone where a rank reported nothing."""
     for rank, results in enumerate(reports):
         if case not in results:
             raise AssertionError(f"rank {rank} did not report {case!r}; the processes printed:\n{output[-3000:]}")
-        assert results[case] == "ok", f"rank {rank}:\n{results[case]}"
+    failed = [f"rank {rank}:\n{results[case]}" for rank, results in enumerate(reports) if results[case] != "ok"]
+    assert not failed, "\n".join(failed) + f"\nthe processes printed:\n{output[-3000:]}"
 
 
 def free_port() -> int:
@@ -83,6 +86,6 @@ def run_cases(cases, ctx, out_dir):
             run(ctx)
             results[name] = "ok"
         except Exception:
-            results[name] = traceback.format_exc(limit=4)
+            results[name] = traceback.format_exc()  # whole: an error inside a collective is frames deep
         with open(os.path.join(out_dir, f"rank{ctx.rank}.json"), "w") as f:
             json.dump(results, f)
