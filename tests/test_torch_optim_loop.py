@@ -538,13 +538,7 @@ def test_the_fuzz_fails_where_a_step_ignores_an_edit(monkeypatch):
         dict.__setitem__(self, key, value)
 
     monkeypatch.setattr(param_rows.WatchedState, "__setitem__", uncounted)
-    failures = 0
-    for seed in range(40):
-        try:
-            run_loop(seed)
-        except AssertionError as exc:
-            failures += "replace" in str(exc)
-    assert failures > 0
+    assert _failing_loops("replace") > 0
 
 
 def test_the_fuzz_fails_where_a_step_keeps_rows_of_moved_parameters(monkeypatch):
@@ -562,13 +556,18 @@ def test_the_fuzz_fails_where_a_step_keeps_rows_of_moved_parameters(monkeypatch)
         return fits(self, have, np.column_stack([self.param_facts[:, 0], all_facts[:, 1:]]), grad_facts)
 
     monkeypatch.setattr(param_rows._Kept, "fits", blind_to_addresses)
+    assert _failing_loops("move") > 0
+
+
+def _failing_loops(action: str) -> int:
+    """How many of 40 seeds' loops fail with ``action`` among what they did."""
     failures = 0
     for seed in range(40):
         try:
             run_loop(seed)
         except AssertionError as exc:
-            failures += "move" in str(exc)
-    assert failures > 0
+            failures += action in str(exc)
+    return failures
 
 
 def test_the_loop_trains_as_torch_where_the_native_reader_is_not_built(monkeypatch):
