@@ -601,6 +601,20 @@ def test_parameters_replaced_by_an_assigning_load_are_not_followed_as_in_torch(n
         assert_tensors_close(a, b, "the optimizer's parameter", LOOP_STEPS)
 
 
+@pytest.mark.parametrize("name", ["adamw", "lion"])
+def test_betas_given_as_a_list_and_edited_in_place_are_followed(name):
+    # The step keeps its hyperparameter rows while the groups' options
+    # compare equal: a list edited in place must not compare equal to itself.
+    def edit(net, opt, k, is_torch):
+        if k == 0:
+            opt.param_groups[0]["betas"] = list(opt.param_groups[0]["betas"])
+        if k == 4:
+            opt.param_groups[0]["betas"][0] = 0.5
+
+    net_t, opt_t, net_f, opt_f = side_by_side(name, lambda n: n.parameters(), edit)
+    assert_close(net_t, opt_t, net_f, opt_f, LOOP_STEPS)
+
+
 @pytest.mark.parametrize("move", ["cloned", "transposed"])
 @pytest.mark.parametrize("name", LOOP_OPTIMIZERS)
 def test_parameters_moved_in_memory_mid_training_are_followed(name, move):

@@ -435,9 +435,19 @@ _FROM_NORM = object()
 def _option_value(value: Any) -> Any:
     """An option as a step's checks compare it: a tensor on the host by its
     value (a scheduler writes it in place), one elsewhere by its identity
-    (never read: that would wait for its device), anything else itself."""
+    (never read: that would wait for its device), a list or tuple by its
+    items' values (``betas`` as a list may be edited in place), anything
+    else itself.
+
+    >>> betas = [0.9, torch.tensor(0.99)]
+    >>> before = _option_value(betas); betas[0] = 0.5
+    >>> before == _option_value(betas), before
+    (False, (0.9, 0.9900000095367432))
+    """
     if isinstance(value, torch.Tensor):
         return float(value) if value.device.type == "cpu" and value.numel() == 1 else id(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(map(_option_value, value))
     return value
 
 
