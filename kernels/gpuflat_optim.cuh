@@ -43,6 +43,12 @@ struct ParamRow {
     long long step;
     long long numel;
     long long group;  // its parameter group: the row of the hyperparameter table
+    // What the row keeps beside its parameter (GF_KEEP_*: a float32 master
+    // copy or a compensation buffer; 0 for none), and its precision word:
+    // each state's dtype tag + 1 in GF_PRECISION_TAG_BITS (0: the
+    // parameter's), then the keep at GF_KEEP_SHIFT; 0 for a plain row.
+    long long extra;
+    long long precision;
 };
 
 // The factor a group's gradients are multiplied by: `factor` (the clip and

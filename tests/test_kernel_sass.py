@@ -166,7 +166,7 @@ TENSORS = {("adamw", None): (4, 3), ("adamw", "amsgrad"): (5, 4), ("sgd", None):
            # A generic rule's kernel reads the parameter, the gradient and its
            # states, and writes all but the gradient.
            **{(rule.name, None): (2 + len(rule.state_names), 1 + len(rule.state_names))
-              for rule in RULES.values() if rule.kernel is not None}}
+              for rule in RULES.values() if not rule.tuned}}
 # A 16-bit element costs what a float32 one does besides its conversions,
 # which no float32 element has, and those take one instruction each: one
 # per element read (a shift or a mask for bfloat16, HADD2.F32 for float16)

@@ -123,13 +123,53 @@ MAXIMIZE_FIELD = 5
 # rule's order (``Rule.state_names``, then its ``flag_states`` kept where
 # their group's flag is set; 0 where the parameter keeps none) and of its
 # float32 step count (0 where it keeps none: see ``Rule.counted_when``), its
-# element count and its group (the row of the hyperparameter table).
-PARAM_ROW_FIELDS = ("param", "grad", "state0", "state1", "state2", "step", "numel", "group")
+# element count, its group (the row of the hyperparameter table), the
+# address of what ``KEEPS`` says it keeps beside the parameter (0 for none)
+# and its precision word (``precision_word``; 0: every tensor of the
+# parameter's dtype, the parameter updated in place).
+PARAM_ROW_FIELDS = ("param", "grad", "state0", "state1", "state2", "step", "numel", "group", "extra", "precision")
 PARAM_ROW_WORDS = len(PARAM_ROW_FIELDS)
-ROW_STEP, ROW_NUMEL, ROW_GROUP = (PARAM_ROW_FIELDS.index(f) for f in ("step", "numel", "group"))
+ROW_STEP, ROW_NUMEL, ROW_GROUP, ROW_EXTRA, ROW_PRECISION = (
+    PARAM_ROW_FIELDS.index(f) for f in ("step", "numel", "group", "extra", "precision"))
+# How a row keeps its parameter, by number (GF_KEEP_<NAME>):
+# - "plain": the update reads the parameter and writes it, rounded once;
+# - "master": ``extra`` is a float32 copy of a 16-bit parameter, which the
+#   update reads and writes; the parameter gets its value rounded once;
+# - "kahan": ``extra`` is a compensation buffer of the parameter's dtype.
+#   The update reads parameter + compensation in the compute type, writes
+#   the parameter rounded, and the compensation as what that rounding lost,
+#   rounded (Kahan's compensated sum, https://doi.org/10.1145/363707.363723).
+KEEPS = ("plain", "master", "kahan")
+# A precision word's bits: PRECISION_TAG_BITS per state (state0 lowest)
+# holding its dtype tag + 1 (0: the parameter's dtype), then the keep.
+PRECISION_TAG_BITS = 4
+_KEEP_SHIFT = PRECISION_TAG_BITS * 3
 # The C++ names of the buffer dtypes the optimizer kernels are instantiated
 # for (the rows with ``optim``).
 OPTIM_DTYPES = tuple(row.c_name for row in DTYPES if row.optim)
+
+
+def precision_word(state_dtypes: Sequence[str | None] = (), keep: str = "plain") -> int:
+    """A row's precision word: the dtype name of each state in the row's
+    order (None: the parameter's) and how it keeps its parameter (``KEEPS``).
+
+    >>> precision_word(), precision_word(["float32", None, "float32"], "master")
+    (0, 4867)
+    >>> precision_of(4867)
+    (('float32', None, 'float32'), 'master')
+    """
+    word = KEEPS.index(keep) << _KEEP_SHIFT
+    for k, name in enumerate(state_dtypes):
+        word |= 0 if name is None else (TAG_OF_NAME[name] + 1) << (PRECISION_TAG_BITS * k)
+    return word
+
+
+def precision_of(word: int) -> tuple[tuple[str | None, ...], str]:
+    """The state dtype names (None: the parameter's) and the keep of a
+    precision word: ``precision_word`` read back."""
+    mask = (1 << PRECISION_TAG_BITS) - 1
+    tags = [(word >> (PRECISION_TAG_BITS * k)) & mask for k in range(3)]
+    return tuple(None if t == 0 else DTYPES[t - 1].name for t in tags), KEEPS[word >> _KEEP_SHIFT]
 
 
 @dataclass(frozen=True)
@@ -181,11 +221,12 @@ class Rule:
     PyTorch's SGD keeps no ``step``; ``torch.optim.SGD.load_state_dict``
     keeps one it finds, unread.
 
-    ``kernel`` is the C++ struct that the generic kernels (``kernels/optim.cu``)
-    and the host library's generic loop take, defined in ``header`` (its
-    one element's arithmetic: see the rule protocol in
-    ``kernels/gpuflat_optim.cuh``); None for AdamW and SGD, which have
-    kernels of their own. ``numpy`` is the same arithmetic in NumPy: the
+    ``kernel`` is the C++ struct of its one element's arithmetic (the rule
+    protocol in ``kernels/gpuflat_optim.cuh``), defined in ``header``: the
+    generic kernels (``kernels/optim.cu``) and the host library's generic
+    loops take it. Every rule's rows whose precision word is not 0 go
+    through it (``mixed_rows_kernel``). ``tuned`` rules (AdamW, SGD) have
+    kernels of their own for flat buffers and for plain rows. ``numpy`` is the same arithmetic in NumPy: the
     NumPy backend's update, and in float64 the reference. ``checks`` are
     its options' checks beyond ``lr`` and ``weight_decay``, which every
     rule has.
@@ -206,7 +247,8 @@ class Rule:
     torch_name: str = ""
     numpy: Callable | None = None
     checks: tuple = ()
-    kernel: str | None = None
+    kernel: str = ""
+    tuned: bool = False
     header: str = "gpuflat_optim.cuh"
 
     def rows_kernel(self, c_name: str, flag: str | None = None) -> str:
@@ -218,9 +260,19 @@ class Rule:
         >>> RULES["sgd"].rows_kernel("bf16"), RULES["adamw"].rows_kernel("f16", "amsgrad")
         ('gpuflat_sgd_rows<bf16>', 'gpuflat_adamw_amsgrad_rows<f16>')
         """
-        if self.kernel is not None:
+        if not self.tuned:
             return f"gpuflat_rule_rows<{self.kernel}, {c_name}>"
         return f"gpuflat_{self.name}{'_' + flag if flag else ''}_rows<{c_name}>"
+
+    def mixed_rows_kernel(self, c_name: str) -> str:
+        """Name expression of the update over a table of rows of parameters
+        of C++ type ``c_name`` whose precision words are not all 0: each
+        state of its own dtype, the parameter kept as ``KEEPS`` says.
+
+        >>> RULES["adamw"].mixed_rows_kernel("bf16")
+        'gpuflat_rule_mixed_rows<gf_adamw, bf16>'
+        """
+        return f"gpuflat_rule_mixed_rows<{self.kernel}, {c_name}>"
 
     def flat_kernel(self, c_name: str) -> str:
         """Name expression of the update over a flat buffer of C++ type ``c_name``.
@@ -228,25 +280,26 @@ class Rule:
         >>> RULES["adamw"].flat_kernel("float")
         'gpuflat_adamw<float>'
         """
-        if self.kernel is not None:
+        if not self.tuned:
             return f"gpuflat_rule<{self.kernel}, {c_name}>"
         return f"gpuflat_{self.name}<{c_name}>"
 
     def kernel_names(self) -> list[str]:
         """Every instantiation of this rule's updates the backends may launch.
 
-        >>> len(RULES["adamw"].kernel_names()) == 3 * len(OPTIM_DTYPES)
+        >>> len(RULES["adamw"].kernel_names()) == 4 * len(OPTIM_DTYPES)
         True
         """
-        flags = (None,) if self.kernel is not None else (None, *(f for f, _ in self.flag_states))
+        flags = (None,) if not self.tuned else (None, *(f for f, _ in self.flag_states))
         return ([self.flat_kernel(d) for d in OPTIM_DTYPES]
-                + [self.rows_kernel(d, flag) for flag in flags for d in OPTIM_DTYPES])
+                + [self.rows_kernel(d, flag) for flag in flags for d in OPTIM_DTYPES]
+                + [self.mixed_rows_kernel(d) for d in OPTIM_DTYPES])
 
     @property
     def flat_states(self) -> int:
         """The state buffers its flat-buffer kernel takes: the generic one
         takes GENERIC_STATES, the others their states and flag states."""
-        return GENERIC_STATES if self.kernel is not None else len(self.state_names) + len(self.flag_states)
+        return GENERIC_STATES if not self.tuned else len(self.state_names) + len(self.flag_states)
 
     @functools.cached_property
     def counted_field(self) -> int:
@@ -313,7 +366,7 @@ class Rule:
         only with momentum), and each of ``flag_states`` where its group
         sets the flag.
 
-        >>> RULES["sgd"].check_rows(np.array([[8, 8, 0, 0, 0, 0, 2, 0]]), [0.1, 0, 0.9, 0, 0, 0, 0])
+        >>> RULES["sgd"].check_rows(np.array([[8, 8, 0, 0, 0, 0, 2, 0, 0, 0]]), [0.1, 0, 0.9, 0, 0, 0, 0])
         Traceback (most recent call last):
         ...
         ValueError: parameter row 0 (group 0): expected the address of its momentum_buffer, found 0
@@ -327,6 +380,11 @@ class Rule:
                   for k, (flag, name) in enumerate(self.flag_states)]
         needs = [need for need in needs if need[2] is None or table[:, need[2]].any()]
         absent = rows[:, [word for _, word, _ in needs]] == 0
+        kept_beside = (rows[:, ROW_PRECISION] >> _KEEP_SHIFT != 0) & (rows[:, ROW_EXTRA] == 0)
+        if kept_beside.any():
+            bad = np.flatnonzero(kept_beside)[0]
+            raise ValueError(f"parameter row {bad} (group {rows[bad, ROW_GROUP]}): expected the address of its "
+                             f"{KEEPS[rows[bad, ROW_PRECISION] >> _KEEP_SHIFT]} buffer, found 0")
         if not absent.any():  # the common case, in one pass
             return
         group = rows[:, ROW_GROUP]
@@ -452,13 +510,14 @@ GENERIC_STATES = 3
 RULES = {rule.name: rule for rule in (
     Rule("adamw", number=0, hyper=("lr", "weight_decay", "beta1", "beta2", "eps", "maximize", "amsgrad"),
          state_names=("exp_avg", "exp_avg_sq"), flag_states=(("amsgrad", "max_exp_avg_sq"),),
-         torch_name="AdamW", numpy=_adamw, checks=(_betas_in_unit(), _at_least_zero("eps"))),
+         torch_name="AdamW", numpy=_adamw, checks=(_betas_in_unit(), _at_least_zero("eps")), kernel="gf_adamw",
+         tuned=True),
     Rule("sgd", number=1, hyper=("lr", "weight_decay", "momentum", "dampening", "nesterov", "maximize"),
          state_names=("momentum_buffer",), counted_when="momentum", torch_name="SGD", numpy=_sgd,
          checks=(_at_least_zero("momentum"),
                  Check("nesterov only with momentum > 0 and dampening 0",
                        lambda g: not g["nesterov"] or (float(g["momentum"]) > 0.0 and float(g["dampening"]) == 0.0),
-                       lambda g: (float(g["momentum"]), float(g["dampening"]))))),
+                       lambda g: (float(g["momentum"]), float(g["dampening"])))), kernel="gf_sgd", tuned=True),
     Rule("lion", number=2, hyper=("lr", "weight_decay", "beta1", "beta2", None, "maximize"),
          state_names=("exp_avg",), torch_name="Lion", numpy=_lion, checks=(_betas_in_unit(),),
          kernel="gf_lion", header="gpuflat_lion.cuh"),
@@ -607,9 +666,11 @@ def rules_header() -> str:
     ``X(tag, C++ type)`` for each dtype and ``GF_OPTIM_DTYPES(X)`` for the
     optimizers' (the switches over tags in the kernels and host libraries
     expand them), each rule's number (``GF_RULE_<NAME>``),
-    ``GF_GENERIC_RULES(X)`` calling ``X(number, struct)`` for each rule with
-    a ``kernel`` struct, which the host library's dispatch expands (their
-    headers come from ``rule_includes``); and each norm kind's number
+    ``GF_RULES(X)`` calling ``X(number, struct)`` for each rule and
+    ``GF_GENERIC_RULES(X)`` for each rule not ``tuned``, which the host
+    library's dispatch expands (their headers come from ``rule_includes``);
+    the precision word's fields (``GF_PRECISION_TAG_BITS``,
+    ``GF_KEEP_<NAME>``, ``GF_KEEP_SHIFT``); and each norm kind's number
     (``GF_NORM_<NAME>``) and ``GF_NORM_KINDS(X)`` calling ``X(number)`` for
     each, which the host library's switch over kinds expands. It includes
     nothing: gpuflat_common.cuh includes it before any other kernel code.
@@ -628,7 +689,10 @@ def rules_header() -> str:
     lines.append(_x_macro("GF_DTYPES", [f"{row.tag}, {row.c_name}" for row in DTYPES]))
     lines.append(_x_macro("GF_OPTIM_DTYPES", [f"{row.tag}, {row.c_name}" for row in DTYPES if row.optim]))
     lines += [f"#define GF_RULE_{rule.name.upper()} {rule.number}" for rule in RULES.values()]
+    lines.append(_x_macro("GF_RULES", [f"{rule.number}, {rule.kernel}" for rule in RULES.values()]))
     lines.append(_x_macro("GF_GENERIC_RULES", [f"{rule.number}, {rule.kernel}" for rule in _generic_rules()]))
+    lines += [f"#define GF_PRECISION_TAG_BITS {PRECISION_TAG_BITS}", f"#define GF_KEEP_SHIFT {_KEEP_SHIFT}"]
+    lines += [f"#define GF_KEEP_{keep.upper()} {number}" for number, keep in enumerate(KEEPS)]
     lines += [f"#define GF_NORM_{kind.name.upper()} {kind.number}" for kind in NORMS.values()]
     lines.append(_x_macro("GF_NORM_KINDS", [str(kind.number) for kind in NORMS.values()]))
     return "\n".join(lines) + "\n"
@@ -636,15 +700,15 @@ def rules_header() -> str:
 
 def rule_includes() -> str:
     """The C++ header ``gpuflat_rule_includes.h``, written from this module
-    as ``rules_header`` is: the headers of the rules with a ``kernel``
-    struct, included, for the code that expands ``GF_GENERIC_RULES``. Apart
+    as ``rules_header`` is: the headers of the rules' ``kernel`` structs,
+    included, for the code that expands ``GF_RULES``. Apart
     from gpuflat_rules.h because a rule's header includes the kernels'
     common code, which includes gpuflat_rules.h first.
 
     >>> rule_includes().splitlines()[-1]
     '#include "gpuflat_lion.cuh"'
     """
-    includes = [f'#include "{header}"' for header in dict.fromkeys(rule.header for rule in _generic_rules())]
+    includes = [f'#include "{header}"' for header in dict.fromkeys(rule.header for rule in RULES.values())]
     return "\n".join(["// Written by gpuflat._src.layout.rule_includes(): the generic rules' headers.", "#pragma once",
                       *includes]) + "\n"
 
@@ -659,7 +723,7 @@ def written_headers() -> dict[str, str]:
 
 
 def _generic_rules() -> list[Rule]:
-    return [rule for rule in RULES.values() if rule.kernel is not None]
+    return [rule for rule in RULES.values() if not rule.tuned]
 
 
 @caches.function(maxsize=4096)

@@ -26,7 +26,7 @@ import numpy as np
 
 from gpuflat._src import caches
 from gpuflat._src.dtypes import cast_copy, dtype_of_tag
-from gpuflat._src.layout import HYPER, NORMS, RULES, NormKind, norm_kind
+from gpuflat._src.layout import HYPER, NORMS, RULES, TAG_OF_NAME, NormKind, norm_kind, precision_of, store
 from gpuflat._src.memory_order import in_memory_order
 
 from .protocol import NormResult
@@ -210,7 +210,7 @@ class NumpyBackend(HostMemory):
 
         >>> p, g, buf = np.ones(2, np.float32), np.full(2, 4.0, np.float32), np.zeros(2, np.float32)
         >>> count = np.zeros(1, np.float32)   # the buffer's updates: 0, so it is new
-        >>> rows = np.array([[p.ctypes.data, g.ctypes.data, buf.ctypes.data, 0, 0, count.ctypes.data, 2, 0]])
+        >>> rows = np.array([[p.ctypes.data, g.ctypes.data, buf.ctypes.data, 0, 0, count.ctypes.data, 2, 0, 0, 0]])
         >>> NumpyBackend().step_rows("sgd", 2, rows, np.array([0.5, 0.0, 0.9, 0.0, 0.0, 0.0, 0.0]),
         ...                          np.zeros(2, np.int64), None, 0.0, 0.0, np.array([0.25, 0.0]))
         >>> p, buf, count
@@ -232,14 +232,14 @@ def _at(address: int, dtype: Any, n: int) -> np.ndarray:
 
 def _rows_step(rule: str, dtype: np.dtype, rows: np.ndarray, hyper: np.ndarray, lr_at: np.ndarray, factor: float) -> None:
     """The reference of the kernels' update over a parameter table (gpuflat_adamw_rows /
-    gpuflat_sgd_rows, then gpuflat_count_steps), one row at a time."""
+    gpuflat_sgd_rows / gpuflat_rule_mixed_rows, then gpuflat_count_steps), one row at a time."""
     rule_of = RULES[rule]
     update = rule_of.numpy
     assert update is not None, f"every rule has a NumPy reference; {rule!r} has none"
     compute = np.float64 if dtype == np.float64 else np.float32
     counted = []
     with np.errstate(all="ignore"):  # NaN and inf follow IEEE rules, as in the kernels
-        for param, grad, s0, s1, s2, step_at, numel, group in rows.tolist():
+        for param, grad, s0, s1, s2, step_at, numel, group, extra, precision in rows.tolist():
             h = [float(x) for x in hyper[group * HYPER : (group + 1) * HYPER]]
             if lr_at[2 * group]:
                 h[0] = float(_at(int(lr_at[2 * group]), dtype_of_tag(int(lr_at[2 * group + 1])), 1)[0])
@@ -247,12 +247,34 @@ def _rows_step(rule: str, dtype: np.dtype, rows: np.ndarray, hyper: np.ndarray, 
             # The count after this step; a row that does not count takes 1 (SGD
             # without momentum reads none).
             step = float(_at(step_at, np.float32, 1)[0]) + 1.0 if counts else 1.0
-            states = [_at(s, dtype, numel) if s else None for s in (s0, s1, s2)]
-            update(_at(param, dtype, numel), _at(grad, dtype, numel), states, h, step, factor, compute)
+            state_dtypes, keep = precision_of(precision)
+            states = [_at(s, dtype if name is None else dtype_of_tag(TAG_OF_NAME[name]), numel) if s else None
+                      for s, name in zip((s0, s1, s2), state_dtypes)]
+            _kept_update(update, keep, _at(param, dtype, numel), _at(extra, np.float32 if keep == "master" else dtype,
+                         numel) if extra else None, _at(grad, dtype, numel), states, h, step, factor, compute)
             if counts:
                 counted.append(step_at)
     for step_at in counted:
         _at(step_at, np.float32, 1)[0] += np.float32(1.0)
+
+
+def _kept_update(update: Any, keep: str, p: np.ndarray, extra: np.ndarray | None, g: np.ndarray,
+                 states: list[Any], h: list[float], step: float, factor: float, compute: Any) -> None:
+    """A rule's ``update`` of one row, its parameter kept as ``keep`` says
+    (gpuflat._src.layout.KEEPS): updated in place, through its float32
+    master copy ``extra``, or through parameter + compensation ``extra``."""
+    if keep == "plain":
+        update(p, g, states, h, step, factor, compute)
+        return
+    assert extra is not None, "Rule.check_rows refuses a row kept beside its parameter without the address"
+    if keep == "master":
+        update(extra, g, states, h, step, factor, compute)
+        store(p, extra)
+        return
+    value = p.astype(compute) + extra.astype(compute)
+    update(value, g, states, h, step, factor, compute)
+    store(p, value)
+    store(extra, value - p.astype(compute))
 
 
 def _scale(target: np.ndarray, coef: Any) -> None:
