@@ -380,6 +380,7 @@ def _torch_nonfinite_error() -> Iterator[None]:
 
 from ._src.torch_optim import SGD, AdamW, GradScaler
 from ._src.torch_optim import FlatOptimizer as _FlatOptimizer
+from ._src.torch_optim import precision_defaults as _precision_defaults
 
 
 class Lion(_FlatOptimizer):
@@ -390,7 +391,9 @@ class Lion(_FlatOptimizer):
     - lr * u``, ``m = beta2 * m + (1 - beta2) * g``, as lion-pytorch computes it
     (https://github.com/lucidrains/lion-pytorch). Everything else is
     :class:`AdamW`'s: ``max_norm``, both GradScalers, ``pp_mesh``/``tied``,
-    DTensors, ``torch.compile(opt.step)``, CUDA-graph capture, state dicts.
+    DTensors, ``torch.compile(opt.step)``, CUDA-graph capture, state dicts,
+    and the precision options (``master_weights``, ``kahan_sum``,
+    ``exp_avg_dtype``).
 
     >>> import torch, gpuflat.torch as gft
     >>> w = torch.nn.Parameter(torch.tensor([1.0, -1.0, 0.5]))
@@ -406,7 +409,9 @@ class Lion(_FlatOptimizer):
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, *, maximize: bool = False, foreach: bool | None = None,
                  differentiable: bool = False, max_norm: float | None = None, norm_type: float | str = 2.0,
-                 pp_mesh: Any = None, tied: Iterable | None = None):
+                 pp_mesh: Any = None, tied: Iterable | None = None, master_weights: bool = False,
+                 kahan_sum: bool = False, exp_avg_dtype: torch.dtype | None = None):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, foreach=foreach,
-                        differentiable=differentiable)
+                        differentiable=differentiable,
+                        **_precision_defaults("lion", master_weights, kahan_sum, exp_avg_dtype=exp_avg_dtype))
         super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied)

@@ -38,16 +38,16 @@ struct ParamRow {
     // AdamW: exp_avg, exp_avg_sq, max_exp_avg_sq (0 unless its group has
     // amsgrad); SGD: momentum_buffer (0 without momentum), 0, 0.
     long long param, grad, state0, state1, state2;
+    // What the row keeps beside its parameter (GF_KEEP_* of its precision
+    // word: a float32 master copy or a compensation buffer; 0 for none).
+    long long extra;
     // The address of its float32 step count: AdamW's steps; SGD's updates
     // of its momentum buffer (0 where it keeps none), 0 when it is new.
     long long step;
     long long numel;
     long long group;  // its parameter group: the row of the hyperparameter table
-    // What the row keeps beside its parameter (GF_KEEP_*: a float32 master
-    // copy or a compensation buffer; 0 for none), and its precision word:
-    // each state's dtype tag + 1 in GF_PRECISION_TAG_BITS (0: the
+    // Each state's dtype tag + 1 in GF_PRECISION_TAG_BITS (0: the
     // parameter's), then the keep at GF_KEEP_SHIFT; 0 for a plain row.
-    long long extra;
     long long precision;
 };
 

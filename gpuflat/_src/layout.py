@@ -122,12 +122,12 @@ MAXIMIZE_FIELD = 5
 # the addresses of the parameter, its gradient, its state tensors in the
 # rule's order (``Rule.state_names``, then its ``flag_states`` kept where
 # their group's flag is set; 0 where the parameter keeps none) and of its
-# float32 step count (0 where it keeps none: see ``Rule.counted_when``), its
-# element count, its group (the row of the hyperparameter table), the
-# address of what ``KEEPS`` says it keeps beside the parameter (0 for none)
-# and its precision word (``precision_word``; 0: every tensor of the
-# parameter's dtype, the parameter updated in place).
-PARAM_ROW_FIELDS = ("param", "grad", "state0", "state1", "state2", "step", "numel", "group", "extra", "precision")
+# address of what ``KEEPS`` says it keeps beside the parameter (0 for
+# none), of its float32 step count (0 where it keeps none: see
+# ``Rule.counted_when``), its element count, its group (the row of the
+# hyperparameter table) and its precision word (``precision_word``; 0: every
+# tensor of the parameter's dtype, the parameter updated in place).
+PARAM_ROW_FIELDS = ("param", "grad", "state0", "state1", "state2", "extra", "step", "numel", "group", "precision")
 PARAM_ROW_WORDS = len(PARAM_ROW_FIELDS)
 ROW_STEP, ROW_NUMEL, ROW_GROUP, ROW_EXTRA, ROW_PRECISION = (
     PARAM_ROW_FIELDS.index(f) for f in ("step", "numel", "group", "extra", "precision"))
@@ -143,7 +143,7 @@ KEEPS = ("plain", "master", "kahan")
 # A precision word's bits: PRECISION_TAG_BITS per state (state0 lowest)
 # holding its dtype tag + 1 (0: the parameter's dtype), then the keep.
 PRECISION_TAG_BITS = 4
-_KEEP_SHIFT = PRECISION_TAG_BITS * 3
+KEEP_SHIFT = PRECISION_TAG_BITS * 3
 # The C++ names of the buffer dtypes the optimizer kernels are instantiated
 # for (the rows with ``optim``).
 OPTIM_DTYPES = tuple(row.c_name for row in DTYPES if row.optim)
@@ -158,7 +158,7 @@ def precision_word(state_dtypes: Sequence[str | None] = (), keep: str = "plain")
     >>> precision_of(4867)
     (('float32', None, 'float32'), 'master')
     """
-    word = KEEPS.index(keep) << _KEEP_SHIFT
+    word = KEEPS.index(keep) << KEEP_SHIFT
     for k, name in enumerate(state_dtypes):
         word |= 0 if name is None else (TAG_OF_NAME[name] + 1) << (PRECISION_TAG_BITS * k)
     return word
@@ -169,7 +169,7 @@ def precision_of(word: int) -> tuple[tuple[str | None, ...], str]:
     precision word: ``precision_word`` read back."""
     mask = (1 << PRECISION_TAG_BITS) - 1
     tags = [(word >> (PRECISION_TAG_BITS * k)) & mask for k in range(3)]
-    return tuple(None if t == 0 else DTYPES[t - 1].name for t in tags), KEEPS[word >> _KEEP_SHIFT]
+    return tuple(None if t == 0 else DTYPES[t - 1].name for t in tags), KEEPS[word >> KEEP_SHIFT]
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,9 @@ class Rule:
     generic kernels (``kernels/optim.cu``) and the host library's generic
     loops take it. Every rule's rows whose precision word is not 0 go
     through it (``mixed_rows_kernel``). ``tuned`` rules (AdamW, SGD) have
-    kernels of their own for flat buffers and for plain rows. ``numpy`` is the same arithmetic in NumPy: the
+    kernels of their own for flat buffers and for plain rows. ``follows``
+    pairs a flag's state with the state whose dtype it takes
+    (``dtype_option``). ``numpy`` is the same arithmetic in NumPy: the
     NumPy backend's update, and in float64 the reference. ``checks`` are
     its options' checks beyond ``lr`` and ``weight_decay``, which every
     rule has.
@@ -249,6 +251,7 @@ class Rule:
     checks: tuple = ()
     kernel: str = ""
     tuned: bool = False
+    follows: tuple = ()
     header: str = "gpuflat_optim.cuh"
 
     def rows_kernel(self, c_name: str, flag: str | None = None) -> str:
@@ -273,6 +276,17 @@ class Rule:
         'gpuflat_rule_mixed_rows<gf_adamw, bf16>'
         """
         return f"gpuflat_rule_mixed_rows<{self.kernel}, {c_name}>"
+
+    def dtype_option(self, name: str) -> str | None:
+        """The parameter group's option choosing the dtype of state ``name``
+        (``<state>_dtype``; a flag's state takes the dtype of the state it
+        ``follows``), None for a name that is not its state.
+
+        >>> RULES["adamw"].dtype_option("max_exp_avg_sq"), RULES["sgd"].dtype_option("step")
+        ('exp_avg_sq_dtype', None)
+        """
+        name = dict(self.follows).get(name, name)
+        return f"{name}_dtype" if name in self.state_names else None
 
     def flat_kernel(self, c_name: str) -> str:
         """Name expression of the update over a flat buffer of C++ type ``c_name``.
@@ -366,7 +380,7 @@ class Rule:
         only with momentum), and each of ``flag_states`` where its group
         sets the flag.
 
-        >>> RULES["sgd"].check_rows(np.array([[8, 8, 0, 0, 0, 0, 2, 0, 0, 0]]), [0.1, 0, 0.9, 0, 0, 0, 0])
+        >>> RULES["sgd"].check_rows(np.array([[8, 8, 0, 0, 0, 0, 0, 2, 0, 0]]), [0.1, 0, 0.9, 0, 0, 0, 0])
         Traceback (most recent call last):
         ...
         ValueError: parameter row 0 (group 0): expected the address of its momentum_buffer, found 0
@@ -380,11 +394,11 @@ class Rule:
                   for k, (flag, name) in enumerate(self.flag_states)]
         needs = [need for need in needs if need[2] is None or table[:, need[2]].any()]
         absent = rows[:, [word for _, word, _ in needs]] == 0
-        kept_beside = (rows[:, ROW_PRECISION] >> _KEEP_SHIFT != 0) & (rows[:, ROW_EXTRA] == 0)
+        kept_beside = (rows[:, ROW_PRECISION] >> KEEP_SHIFT != 0) & (rows[:, ROW_EXTRA] == 0)
         if kept_beside.any():
             bad = np.flatnonzero(kept_beside)[0]
             raise ValueError(f"parameter row {bad} (group {rows[bad, ROW_GROUP]}): expected the address of its "
-                             f"{KEEPS[rows[bad, ROW_PRECISION] >> _KEEP_SHIFT]} buffer, found 0")
+                             f"{KEEPS[rows[bad, ROW_PRECISION] >> KEEP_SHIFT]} buffer, found 0")
         if not absent.any():  # the common case, in one pass
             return
         group = rows[:, ROW_GROUP]
@@ -511,7 +525,7 @@ RULES = {rule.name: rule for rule in (
     Rule("adamw", number=0, hyper=("lr", "weight_decay", "beta1", "beta2", "eps", "maximize", "amsgrad"),
          state_names=("exp_avg", "exp_avg_sq"), flag_states=(("amsgrad", "max_exp_avg_sq"),),
          torch_name="AdamW", numpy=_adamw, checks=(_betas_in_unit(), _at_least_zero("eps")), kernel="gf_adamw",
-         tuned=True),
+         tuned=True, follows=(("max_exp_avg_sq", "exp_avg_sq"),)),
     Rule("sgd", number=1, hyper=("lr", "weight_decay", "momentum", "dampening", "nesterov", "maximize"),
          state_names=("momentum_buffer",), counted_when="momentum", torch_name="SGD", numpy=_sgd,
          checks=(_at_least_zero("momentum"),
@@ -670,7 +684,7 @@ def rules_header() -> str:
     ``GF_GENERIC_RULES(X)`` for each rule not ``tuned``, which the host
     library's dispatch expands (their headers come from ``rule_includes``);
     the precision word's fields (``GF_PRECISION_TAG_BITS``,
-    ``GF_KEEP_<NAME>``, ``GF_KEEP_SHIFT``); and each norm kind's number
+    ``GF_KEEP_<NAME>``, ``GFKEEP_SHIFT``); and each norm kind's number
     (``GF_NORM_<NAME>``) and ``GF_NORM_KINDS(X)`` calling ``X(number)`` for
     each, which the host library's switch over kinds expands. It includes
     nothing: gpuflat_common.cuh includes it before any other kernel code.
@@ -691,7 +705,7 @@ def rules_header() -> str:
     lines += [f"#define GF_RULE_{rule.name.upper()} {rule.number}" for rule in RULES.values()]
     lines.append(_x_macro("GF_RULES", [f"{rule.number}, {rule.kernel}" for rule in RULES.values()]))
     lines.append(_x_macro("GF_GENERIC_RULES", [f"{rule.number}, {rule.kernel}" for rule in _generic_rules()]))
-    lines += [f"#define GF_PRECISION_TAG_BITS {PRECISION_TAG_BITS}", f"#define GF_KEEP_SHIFT {_KEEP_SHIFT}"]
+    lines += [f"#define GF_PRECISION_TAG_BITS {PRECISION_TAG_BITS}", f"#define GFKEEP_SHIFT {KEEP_SHIFT}"]
     lines += [f"#define GF_KEEP_{keep.upper()} {number}" for number, keep in enumerate(KEEPS)]
     lines += [f"#define GF_NORM_{kind.name.upper()} {kind.number}" for kind in NORMS.values()]
     lines.append(_x_macro("GF_NORM_KINDS", [str(kind.number) for kind in NORMS.values()]))

@@ -52,15 +52,16 @@ import torch
 
 from . import caches, dtensor, tensor_facts
 from .dtypes import torch_dtype
-from .layout import OPTIM_DTYPES, PARAM_ROW_FIELDS, PARAM_ROW_WORDS, ROW_GROUP, ROW_NUMEL, RULES, Rule
+from .layout import (KEEP_SHIFT, KEEPS, OPTIM_DTYPES, PARAM_ROW_FIELDS, PARAM_ROW_WORDS, PRECISION_TAG_BITS,
+                     ROW_GROUP, ROW_NUMEL, ROW_PRECISION, RULES, TAG_OF_NAME, Rule)
 from .memory_order import dense_start
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
     from typing_extensions import Self
 
-__all__ = ["DeviceRows", "Step", "WatchedState", "WatchedStates", "forget", "needed", "plain", "read", "state_names",
-           "tables_of", "watch"]
+__all__ = ["KEPT_STATE", "DeviceRows", "Step", "WatchedState", "WatchedStates", "expected_dtype", "forget", "keep_of",
+           "needed", "needs_of", "plain", "read", "state_names", "tables_of", "takes_keep", "watch"]
 
 # The dtypes the update kernels take, by their tensor_facts codes.
 STEPPED = tuple(map(torch_dtype, OPTIM_DTYPES))
@@ -68,37 +69,98 @@ STEPPED = tuple(map(torch_dtype, OPTIM_DTYPES))
 _STEPPED_NAMES = " or ".join([", ".join(str(d).removeprefix("torch.") for d in STEPPED[:-1]),
                               str(STEPPED[-1]).removeprefix("torch.")])
 _STEPPED_CODES = np.array([d in STEPPED for d in tensor_facts.DTYPES])
-# The rows' words of the state, in the order of state_names(rule): state0, state1, state2, then the step count.
-_STATE_FIELDS = [PARAM_ROW_FIELDS.index(f) for f in ("state0", "state1", "state2", "step")]
+# The 16-bit dtypes, whose parameters a group's master weights or Kahan sum
+# keep beside them (a float32 or float64 parameter is its own master).
+_NARROW = (torch.float16, torch.bfloat16)
+_NARROW_CODES = np.array([d in _NARROW for d in tensor_facts.DTYPES])
+# The state a 16-bit parameter keeps beside it, by keep (gpuflat._src.layout.KEEPS),
+# under Transformer Engine's and optimi's names.
+KEPT_STATE = {"master": "master_param", "kahan": "kahan_comp"}
+# The rows' words of the state, in the order of state_names(rule): state0,
+# state1, state2, what the parameter keeps beside it, then the step count.
+_STATE_FIELDS = [PARAM_ROW_FIELDS.index(f) for f in ("state0", "state1", "state2", "extra", "step")]
+_EXTRA = _STATE_FIELDS.index(PARAM_ROW_FIELDS.index("extra"))
+# The layout's dtype tag of each tensor_facts code (-1: none).
+_TAG_OF_CODE = np.array([TAG_OF_NAME.get(str(d).removeprefix("torch."), -1) for d in tensor_facts.DTYPES], np.int64)
 _ROW_PARAM, _ROW_GRAD = PARAM_ROW_FIELDS.index("param"), PARAM_ROW_FIELDS.index("grad")
 # Those words as a slice where they are adjacent (a view: no gather per step).
 _STATE_WORDS = slice(_STATE_FIELDS[0], _STATE_FIELDS[-1] + 1) \
     if _STATE_FIELDS == list(range(_STATE_FIELDS[0], _STATE_FIELDS[-1] + 1)) else _STATE_FIELDS
 
 
-def state_names(rule: Rule) -> tuple:
+def state_names(rule: Rule, keep: str = "plain") -> tuple:
     """The state a rule's rows address, in the rows' order: its tensors
-    (``state0`` to ``state2``, None where unused), then ``"step"``.
+    (``state0`` to ``state2``, None where unused), what a 16-bit parameter
+    kept as ``keep`` keeps beside it (``KEPT_STATE``; None for "plain"),
+    then ``"step"``.
 
-    >>> state_names(RULES["adamw"]), state_names(RULES["sgd"])
-    (('exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'step'), ('momentum_buffer', None, None, 'step'))
+    >>> state_names(RULES["adamw"]), state_names(RULES["sgd"], "master")
+    (('exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', None, 'step'), ('momentum_buffer', None, None, 'master_param', 'step'))
     """
     tensors = rule.state_names + tuple(name for _, name in rule.flag_states)
-    return tensors + (None,) * (len(_STATE_FIELDS) - 1 - len(tensors)) + ("step",)
+    return tensors + (None,) * (_EXTRA - len(tensors)) + (KEPT_STATE.get(keep), "step")
+
+
+def keep_of(group: dict) -> str:
+    """How ``group`` keeps its 16-bit parameters (gpuflat._src.layout.KEEPS):
+    through a float32 master copy (``master_weights``), with a Kahan
+    compensation (``kahan_sum``), else plain.
+
+    >>> keep_of({"master_weights": True}), keep_of({"lr": 0.1})
+    ('master', 'plain')
+    """
+    return "master" if group.get("master_weights") else "kahan" if group.get("kahan_sum") else "plain"
+
+
+def takes_keep(p: torch.Tensor) -> bool:
+    """Whether a group's keep applies to ``p``: a 16-bit parameter."""
+    return p.dtype in _NARROW
+
+
+def expected_dtype(rule: Rule, name: str, p: torch.Tensor, group: dict) -> torch.dtype:
+    """The dtype of ``p``'s state ``name`` in ``group``: a moment's is the
+    group's option for it (``Rule.dtype_option``; None: the parameter's),
+    a master copy's float32, anything else the parameter's.
+
+    >>> w = torch.zeros(2, dtype=torch.bfloat16)
+    >>> expected_dtype(RULES["adamw"], "max_exp_avg_sq", w, {"exp_avg_sq_dtype": torch.float32})
+    torch.float32
+    """
+    if name == KEPT_STATE["master"]:
+        return torch.float32
+    option = rule.dtype_option(name)
+    chosen = None if option is None else group.get(option)
+    return p.dtype if chosen is None else chosen
 
 
 def needed(rule: Rule, group: dict) -> tuple:
     """Per name of :func:`state_names`, whether ``group``'s steps read it: a
     rule's state and count where its steps count (SGD's only with momentum),
-    a flag's state where the group sets the flag.
+    a flag's state where the group sets the flag, what a 16-bit parameter
+    keeps beside it where the group keeps one (``keep_of``; of the 16-bit
+    parameters only, which the callers see).
 
-    >>> needed(RULES["sgd"], {"momentum": 0.0}), needed(RULES["adamw"], {"amsgrad": True})
-    ((False, False, False, False), (True, True, True, True))
+    >>> needed(RULES["sgd"], {"momentum": 0.0}), needed(RULES["adamw"], {"amsgrad": True, "kahan_sum": True})
+    ((False, False, False, False, False), (True, True, True, True, True))
     """
     counted = rule.counted_when is None or float(group[rule.counted_when]) != 0.0
     flags = tuple(bool(group.get(flag, False)) and counted for flag, _ in rule.flag_states)
     base = (counted,) * len(rule.state_names) + flags
-    return base + (False,) * (len(_STATE_FIELDS) - 1 - len(base)) + (counted,)
+    return base + (False,) * (_EXTRA - len(base)) + (keep_of(group) != "plain", counted)
+
+
+def needs_of(rule: Rule, p: torch.Tensor, group: dict) -> tuple[str, tuple]:
+    """(how parameter ``p`` of ``group`` is kept: ``keep_of(group)`` for a
+    16-bit one, else "plain"; :func:`needed` for it, per name of
+    ``state_names(rule, keep)``).
+
+    >>> needs_of(RULES["sgd"], torch.zeros(1), {"momentum": 0.0, "master_weights": True})
+    ('plain', (False, False, False, False, False))
+    """
+    needs = needed(rule, group)
+    if takes_keep(_local(p)):
+        return keep_of(group), needs
+    return "plain", needs[:_EXTRA] + (False,) + needs[_EXTRA + 1:]
 
 
 # ---------------------------------------------------------------- watched state
@@ -244,23 +306,29 @@ class _Found:
     plain: bool  # no DTensor or other tensor subclass among the parameters
     checked: np.ndarray  # per parameter, the (element count, code) its state was checked against
     present: np.ndarray  # per parameter, per name of state_names: whether its state holds it
+    narrow: np.ndarray  # per parameter, whether it is 16-bit (takes_keep)
+    precision: np.ndarray  # per parameter, its precision word as its state was read (precision_word)
     # Derived by _derive: per parameter, whether its state lacks what its
-    # group's steps read, and its rows' state words (0 where not read).
+    # group's steps read, its rows' state words (0 where not read) and
+    # precision word (no keep where nothing is kept beside it).
     lacking: np.ndarray | None = None
     masked: np.ndarray | None = None
+    row_precision: np.ndarray | None = None
     kept: _Kept | None = None  # the last step's rows, while they hold
 
 
 def _derive(found: _Found, ks: np.ndarray | None = None) -> None:
     """``found.lacking`` and ``found.masked`` for the parameters at ``ks`` (all for None)."""
-    if ks is None or found.lacking is None or found.masked is None:  # the last two are derived together
-        need = found.needs[found.group_of]
-        found.lacking = (need & ~found.present).any(axis=1)
-        found.masked = found.words * need
-        return
+    if ks is None or found.lacking is None or found.masked is None or found.row_precision is None:
+        ks = slice(None)  # all: the three are derived together
+        found.lacking, found.masked = np.zeros(len(found.everything), bool), np.zeros_like(found.words)
+        found.row_precision = np.zeros_like(found.precision)
     need = found.needs[found.group_of[ks]]
+    need[:, _EXTRA] &= found.narrow[ks]
     found.lacking[ks] = (need & ~found.present[ks]).any(axis=1)
-    found.masked[ks] = found.words[ks] * need
+    found.masked[ks] = masked = found.words[ks] * need
+    keep = (found.precision[ks] >> KEEP_SHIFT) << KEEP_SHIFT
+    found.row_precision[ks] = found.precision[ks] - keep * (masked[:, _EXTRA] == 0)
 
 
 def read(optimizer: torch.optim.Optimizer, rule: Rule,
@@ -312,6 +380,8 @@ def read(optimizer: torch.optim.Optimizer, rule: Rule,
     if not np.array_equal(checked.T, param_facts.T[1:]):  # a parameter moved or changed: its state is checked again
         _reread(optimizer, rule, found, have[(checked != param_facts[:, 1:]).any(axis=1)], names.of_all)
     rows[:, _STATE_WORDS] = found.masked if whole else found.masked[have]
+    assert found.row_precision is not None  # derived with found.masked
+    rows[:, ROW_PRECISION] = found.row_precision if whole else found.row_precision[have]
     return Step(_split(rows, buckets, params), params, grads, grad_facts, rows[:, _ROW_GRAD],
                 lambda i: f"{names.parameter(i)}.grad", all_plain)
 
@@ -362,11 +432,17 @@ def _found(optimizer: torch.optim.Optimizer, rule: Rule,
         found = _relist(optimizer, rule, found, lists)
         facts = tensor_facts.of_step(lists, found.everything)
         assert facts is not None  # the lists hold what was just found in them
-    needs = tuple(needed(rule, g) for g in optimizer.param_groups)
+    needs = tuple((needed(rule, g), keep_of(g)) for g in optimizer.param_groups)
     if needs != found.needs_key:
+        keeps_before = [keep for _, keep in found.needs_key]
         found.needs_key = needs
-        found.needs = np.array(needs, bool).reshape(-1, len(_STATE_FIELDS))
+        found.needs = np.array([need for need, _ in needs], bool).reshape(-1, len(_STATE_FIELDS))
         _derive(found)
+        if keeps_before and keeps_before != [keep for _, keep in needs]:
+            # A group's keep changed: its parameters' words name another state.
+            changed = [g for g, (keep, (_, now)) in enumerate(zip(keeps_before, needs)) if keep != now]
+            _reread(optimizer, rule, found, np.flatnonzero(np.isin(found.group_of, changed)),
+                    _Names(found, np.arange(len(found.everything))).of_all)
     return found, facts
 
 
@@ -377,12 +453,13 @@ def _relist(optimizer: torch.optim.Optimizer, rule: Rule, kept: _Found | None,
     n, width = len(everything), len(_STATE_FIELDS)
     found = _Found(list(lists), everything, group_of, np.zeros((0, width), bool), (), None, -1,
                    np.zeros((n, width), np.int64), np.zeros((n, 1 + 2 * len(_tensor_names(rule))), np.int64),
-                   plain(everything), np.full((n, 2), -1, np.int64), np.zeros((n, width), bool))
+                   plain(everything), np.full((n, 2), -1, np.int64), np.zeros((n, width), bool),
+                   np.array([takes_keep(p) for p in everything], bool), np.zeros(n, np.int64))
     if kept is not None:
         before = {id(p): k for k, p in enumerate(kept.everything)}
         at = np.array([before.get(id(p), -1) for p in everything], np.int64)
         old = np.flatnonzero(at >= 0)
-        for name in ("words", "seen", "checked", "present"):
+        for name in ("words", "seen", "checked", "present", "precision"):
             getattr(found, name)[old] = getattr(kept, name)[at[old]]
         found.state, found.edits = kept.state, kept.edits
     optimizer.__dict__["_gpuflat_found"] = found  # where _found and forget look for it
@@ -411,7 +488,8 @@ def _follow_state(optimizer: torch.optim.Optimizer, rule: Rule, found: _Found, o
 
 
 def _tensor_names(rule: Rule) -> tuple:
-    return tuple(n for n in state_names(rule) if n is not None)
+    """Every name of a rule's state, whatever the groups keep: the words a step watches."""
+    return tuple(n for n in state_names(rule) if n is not None) + tuple(KEPT_STATE.values())
 
 
 def _reread(optimizer: torch.optim.Optimizer, rule: Rule, found: _Found, ks: ArrayLike, of_all: Callable[[int], str]) -> None:
@@ -421,22 +499,31 @@ def _reread(optimizer: torch.optim.Optimizer, rule: Rule, found: _Found, ks: Arr
     as by ``model.double()``) replaced by its value in the parameter's
     dtype, a step count made the kind PyTorch's fused optimizers keep (0-d
     float32 on the parameter's device)."""
-    names, state = state_names(rule), optimizer.state
+    state, groups = optimizer.state, optimizer.param_groups
     ks = np.asarray(ks, np.int64)
     for k in ks.tolist():
-        p = found.everything[k]
+        p, group = found.everything[k], groups[int(found.group_of[k])]
+        local_p = _local(p)
+        keep = keep_of(group) if takes_keep(local_p) else "plain"
+        names = state_names(rule, keep)
         s = state.get(p) if isinstance(state, dict) else None
         words, present = np.zeros(len(names), np.int64), np.zeros(len(names), bool)
+        codes = np.full(len(names), -1, np.int64)
         for w, name in enumerate(names):
             t = None if name is None or not isinstance(s, dict) else s.get(name)
             if t is None:
                 continue
-            local = _local(_conformed(s, name, t, _local(p), lambda: of_all(k)))
-            words[w] = _nonzero(_starts([local], _facts([local]), lambda j: of_all(k), "state"), [local])[0]
-            present[w] = True
+            local = _local(_conformed(s, name, t, local_p, expected_dtype(rule, name, local_p, group),
+                                      lambda: of_all(k)))
+            facts = _facts([local])
+            words[w] = _nonzero(_starts([local], facts, lambda j: of_all(k), "state"), [local])[0]
+            present[w], codes[w] = True, tensor_facts.dtype_codes(facts)[0]
         found.words[k], found.present[k] = words, present
-        local_p = _local(p)
-        found.checked[k] = (local_p.numel(), int(_facts([local_p])[0, 2]))
+        param_facts = _facts([local_p])
+        found.narrow[k] = takes_keep(local_p)
+        found.precision[k] = _precision_words(tensor_facts.dtype_codes(param_facts), codes[:_EXTRA],
+                                              [KEEPS.index(keep) if present[_EXTRA] else 0])[0]
+        found.checked[k] = (local_p.numel(), int(param_facts[0, 2]))
     _, fresh = tensor_facts.state_words({found.everything[k]: state.get(found.everything[k], {})
                                          for k in ks.tolist()}, _tensor_names(rule))
     found.seen[ks] = fresh
@@ -445,8 +532,23 @@ def _reread(optimizer: torch.optim.Optimizer, rule: Rule, found: _Found, ks: Arr
         found.edits = _EDITS[0]
 
 
-def _conformed(s: Any, name: str, t: Any, p: torch.Tensor, parameter: Callable[[], str]) -> torch.Tensor:
-    """``s[name]`` (``t``) as the step reads it for parameter ``p`` (local)."""
+def _precision_words(param_codes: np.ndarray, state_codes: np.ndarray, keeps: np.ndarray) -> np.ndarray:
+    """Each row's precision word (``gpuflat._src.layout.precision_word``):
+    from its parameter's and its states' dtypes by tensor_facts code
+    (``state_codes``: one column per state word, -1 where absent), each
+    state's tag set where its dtype is not the parameter's, and ``keeps``
+    (a number of ``KEEPS`` per row)."""
+    words = np.asarray(keeps, np.int64) << KEEP_SHIFT
+    for k, codes in enumerate(np.asarray(state_codes, np.int64).reshape(len(words), -1).T):
+        other = (codes >= 0) & (codes != param_codes)
+        words |= np.where(other, _TAG_OF_CODE[codes] + 1, 0) << (PRECISION_TAG_BITS * k)
+    return words
+
+
+def _conformed(s: Any, name: str, t: Any, p: torch.Tensor, dtype: torch.dtype,
+               parameter: Callable[[], str]) -> torch.Tensor:
+    """``s[name]`` (``t``) as the step reads it for parameter ``p`` (local),
+    of ``dtype`` (``expected_dtype``)."""
     if name == "step":
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 0 or t.device != p.device:
             t = s[name] = torch.tensor(float(t), dtype=torch.float32, device=p.device)
@@ -454,25 +556,26 @@ def _conformed(s: Any, name: str, t: Any, p: torch.Tensor, parameter: Callable[[
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{parameter()}: expected its state {name!r} to be a tensor, got {type(t).__name__}")
     local = _local(t)
-    if local.dtype != p.dtype and local.dtype in STEPPED and p.dtype in STEPPED and \
+    if local.dtype != dtype and local.dtype in STEPPED and p.dtype in STEPPED and \
             (local.numel(), local.device) == (p.numel(), p.device):
-        # The parameter's dtype changed under the optimizer (``model.double()``):
-        # its state follows it, as a module's buffers follow the module.
-        t = s[name] = t.to(p.dtype)
+        # The parameter's dtype changed under the optimizer (``model.double()``),
+        # or the group's choice of the state's: the state follows, as a
+        # module's buffers follow the module.
+        t = s[name] = t.to(dtype)
         local = _local(t)
     if t is local and local.shape == p.shape and local.stride() != p.stride() and \
             not (local.is_contiguous() and p.is_contiguous()) and \
-            (local.numel(), local.dtype, local.device) == (p.numel(), p.dtype, p.device):
+            (local.numel(), local.dtype, local.device) == (p.numel(), dtype, p.device):
         # The parameter's layout changed under the optimizer (``p.data =`` a
         # transposed copy): its state follows it, element for element, as
         # torch.optim's element-wise updates follow it.
-        t = s[name] = torch.empty_like(p, memory_format=torch.preserve_format).copy_(local)
+        t = s[name] = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format).copy_(local)
         local = t
-    if (local.numel(), local.dtype, local.device) != (p.numel(), p.dtype, p.device) or \
+    if (local.numel(), local.dtype, local.device) != (p.numel(), dtype, p.device) or \
             (not (local.is_contiguous() and p.is_contiguous()) and
              (local.stride() != p.stride() or local.shape != p.shape)):
         raise ValueError(f"{parameter()}: expected its state {name!r} of shape {tuple(p.shape)}, dtype "
-                         f"{p.dtype}, device {p.device} and strides {p.stride()}, got {tuple(local.shape)}, "
+                         f"{dtype}, device {p.device} and strides {p.stride()}, got {tuple(local.shape)}, "
                          f"{local.dtype}, {local.device} and strides {local.stride()}")
     return t
 
@@ -500,17 +603,21 @@ caches.register("optimizers' parameters found", lambda: sum("_gpuflat_found" in 
 
 
 def tables_of(rule: Rule, params: list[torch.Tensor], grads: list[torch.Tensor], columns: Sequence[list[torch.Tensor | None]],
-              groups: ArrayLike, needs: Sequence[Sequence[bool]], name_of: Callable[[int], str]) -> list[DeviceRows]:
+              groups: ArrayLike, needs: Sequence[Sequence[bool]], name_of: Callable[[int], str],
+              keeps: Sequence[str] = ()) -> list[DeviceRows]:
     """The tables of a step given as lists of plain tensors, checked as
     :func:`read` checks an optimizer's: a compiled step's operator, which
     holds no optimizer to keep what it found on. ``columns``: per name of
     :func:`state_names`, each parameter's tensor or None; ``groups``: each
     parameter's group; ``needs``: per group, per name, whether its steps
-    read it (:func:`needed`); ``name_of(i)`` names the i-th parameter.
+    read it (:func:`needed`); ``name_of(i)`` names the i-th parameter;
+    ``keeps``: per group, how it keeps its 16-bit parameters (``keep_of``;
+    none given: plain).
 
     >>> w, g, buf, count = torch.ones(3), torch.ones(3), torch.zeros(3), torch.zeros(())
     >>> sgd = RULES["sgd"]
-    >>> tables = tables_of(sgd, [w], [g], [[buf], [None], [None], [count]], [0], [needed(sgd, {"momentum": 0.9})], str)
+    >>> tables = tables_of(sgd, [w], [g], [[buf], [None], [None], [None], [count]], [0],
+    ...                    [needed(sgd, {"momentum": 0.9})], str)
     >>> [t.rows[:, ROW_NUMEL].tolist() for t in tables]
     [[3]]
     """
@@ -519,7 +626,9 @@ def tables_of(rule: Rule, params: list[torch.Tensor], grads: list[torch.Tensor],
     groups = np.asarray(groups, np.int64)
     rows = _param_rows(params, param_facts, grads, grad_facts, groups, name_of)
     mask = np.asarray(needs, bool).reshape(-1, len(_STATE_FIELDS))[groups]
-    for w, (field, name, column) in enumerate(zip(_STATE_FIELDS, state_names(rule), columns)):
+    mask[:, _EXTRA] &= _NARROW_CODES[tensor_facts.dtype_codes(param_facts)]
+    codes = np.full((len(params), len(_STATE_FIELDS)), -1, np.int64)
+    for w, (field, name, column) in enumerate(zip(_STATE_FIELDS, state_names(rule, "master"), columns)):
         kept = np.flatnonzero([t is not None for t in column])
         if name is None or not len(kept):
             continue
@@ -527,9 +636,13 @@ def tables_of(rule: Rule, params: list[torch.Tensor], grads: list[torch.Tensor],
         facts = _facts(tensors)
         if name != "step":
             _check_alike([params[j] for j in kept], param_facts[kept], tensors, facts,
-                         lambda i: name_of(kept[i]), "state")
+                         lambda i: name_of(kept[i]), "state", any_dtype=True)
+            codes[kept, w] = tensor_facts.dtype_codes(facts)
         rows[kept, field] = _nonzero(_starts(tensors, facts, lambda i: name_of(kept[i]), "state"), tensors) * \
             mask[kept, w]
+    keep_numbers = np.array([KEEPS.index(keep) for keep in keeps] or [0], np.int64)[groups if keeps else 0]
+    rows[:, ROW_PRECISION] = _precision_words(tensor_facts.dtype_codes(param_facts), codes[:, :_EXTRA],
+                                              keep_numbers * (rows[:, _STATE_FIELDS[_EXTRA]] != 0))
     return _split(rows, _buckets(param_facts), params)
 
 
@@ -622,17 +735,20 @@ def _starts(tensors: Sequence[torch.Tensor], facts: np.ndarray, name_of: Callabl
 
 
 def _check_alike(params: Sequence[torch.Tensor], param_facts: np.ndarray, tensors: Sequence[torch.Tensor], facts: np.ndarray, name_of: Callable[[int], str],
-                 what: str) -> None:
-    """Each tensor of its parameter's element count, dtype, device and
-    memory layout (shape and strides, read where either is not contiguous)."""
-    same = (facts[:, 1] == param_facts[:, 1]) & (facts[:, 2] == param_facts[:, 2])
+                 what: str, any_dtype: bool = False) -> None:
+    """Each tensor of its parameter's element count, dtype (any the update
+    takes, with ``any_dtype``), device and memory layout (shape and strides,
+    read where either is not contiguous)."""
+    ignored = tensor_facts.CONTIGUOUS - 1 if any_dtype else 0  # the code word's dtype bits
+    same = (facts[:, 1] == param_facts[:, 1]) & ((facts[:, 2] | ignored) == (param_facts[:, 2] | ignored))
     strided = np.flatnonzero((param_facts[:, 2] & tensor_facts.CONTIGUOUS) == 0).tolist()
     bad = np.flatnonzero(~same).tolist() + [j for j in strided if tensors[j].stride() != params[j].stride()
                                            or tensors[j].shape != params[j].shape]
     if bad:
         j = min(bad)
         p, t = params[j], tensors[j]
-        raise ValueError(f"{name_of(j)}: expected its {what} of shape {tuple(p.shape)}, dtype {p.dtype}, "
+        dtype = "a dtype the update takes" if any_dtype else p.dtype
+        raise ValueError(f"{name_of(j)}: expected its {what} of shape {tuple(p.shape)}, dtype {dtype}, "
                          f"device {p.device} and strides {p.stride()}, got {tuple(t.shape)}, {t.dtype}, "
                          f"{t.device} and strides {t.stride()}")
 

@@ -65,10 +65,10 @@ from ..errors import CaptureError
 from .arrays import launch_stream
 from .checks import clip_arguments, optimizer_options, torch_norm_type
 from .residency import Resident
-from .layout import HYPER, RULES
+from .layout import HYPER, KEEPS, RULES, Rule
 from .torch_optim_ops import CLIP_EPS, name_of, unscale_factor, update
 
-__all__ = ["AdamW", "FlatOptimizer", "GradScaler", "SGD"]
+__all__ = ["AdamW", "FlatOptimizer", "GradScaler", "SGD", "precision_defaults"]
 
 
 class FlatOptimizer(torch.optim.Optimizer):
@@ -138,21 +138,21 @@ class FlatOptimizer(torch.optim.Optimizer):
         self._update()
         return loss
 
-    def _init_group(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor], state0: list[torch.Tensor], state1: list[torch.Tensor],
-                    state2: list[torch.Tensor], steps: list[torch.Tensor], indices: list[int]) -> None:
+    def _init_group(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+                    state0: list[torch.Tensor], state1: list[torch.Tensor], state2: list[torch.Tensor],
+                    extra: list[torch.Tensor], steps: list[torch.Tensor], indices: list[int]) -> None:
         """The lists of ``group``'s parameters that have a gradient: the
         parameters, their gradients, per name of the rows' state
-        (``param_rows.state_names``: ``state0`` to ``state2``, then the step
-        counts) the tensors the group's steps read, and the parameters'
+        (``param_rows.state_names``: ``state0`` to ``state2``, what a 16-bit
+        parameter keeps beside it, then the step counts) the tensors the
+        group's steps read, and the parameters'
         indices in the group (flat lists: TorchDynamo finds the tensors an
         eager ``_init_group`` adds to them in the state); each parameter's state made first where it
         lacks what the group needs, as PyTorch's optimizers make theirs at a
         parameter's first gradient. PyTorch's name and way: a compiled step
         runs it as it is, while TorchDynamo traces, never in the graph."""
         rule = RULES[self._rule]
-        needs = param_rows.needed(rule, group)
-        names = param_rows.state_names(rule)
-        columns = (state0, state1, state2, steps)
+        columns = (state0, state1, state2, extra, steps)
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
@@ -161,7 +161,8 @@ class FlatOptimizer(torch.optim.Optimizer):
             params.append(p)
             grads.append(p.grad)
             indices.append(i)
-            for column, name, need in zip(columns, names, needs):
+            keep, needs = param_rows.needs_of(rule, p, group)
+            for column, name, need in zip(columns, param_rows.state_names(rule, keep), needs):
                 if need:
                     column.append(state[name])
 
@@ -291,6 +292,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         if compiling and isinstance(group["lr"], torch.Tensor):
             group = dict(group, lr=0.0)
         optimizer_options(self._rule, group, i)
+        _check_precision(RULES[self._rule], group, i)
 
     def _found_from(self, nonfinite: torch.Tensor | None) -> torch.Tensor:
         """gpuflat.torch.GradScaler's found_inf, written from the norm pass's finding."""
@@ -347,18 +349,23 @@ class FlatOptimizer(torch.optim.Optimizer):
         makes SGD's buffer the gradient itself, is the one that finds 0: a
         step a GradScaler skips leaves it new, as ``torch.optim``, which
         never ran that step, has none yet), 1 for state found without a
-        count (loaded, or set by the loop)."""
+        count (loaded, or set by the loop). A moment's dtype is its group's
+        choice (``exp_avg_dtype``...; the parameter's by default); a 16-bit
+        parameter of a group with ``master_weights`` gets its float32 copy
+        ``master_param``, with ``kahan_sum`` a compensation ``kahan_comp`` at 0."""
         rule = RULES[self._rule]
-        needs = param_rows.needed(rule, group)
-        if not needs[-1]:
-            return
+        keep, needs = param_rows.needs_of(rule, p, group)
         made = False
-        for name, need in zip(param_rows.state_names(rule), needs):
-            if need and name != "step" and state.get(name) is None:
-                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                made = True
+        for name, need in zip(param_rows.state_names(rule, keep), needs):
+            if not need or name == "step" or state.get(name) is not None:
+                continue
+            dtype = param_rows.expected_dtype(rule, name, p, group)
+            state[name] = made_state = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            if name == param_rows.KEPT_STATE["master"]:
+                made_state.copy_(p.detach())
+            made = made or name not in param_rows.KEPT_STATE.values()
         counted_by_state = rule.counted_when is not None
-        if "step" not in state or (made and counted_by_state):
+        if needs[-1] and ("step" not in state or (made and counted_by_state)):
             new = made or not counted_by_state
             state["step"] = torch.full((), 0.0 if new else 1.0, dtype=torch.float32, device=_local(p).device)
 
@@ -375,7 +382,8 @@ class FlatOptimizer(torch.optim.Optimizer):
         hyper = [x for g, group in enumerate(self.param_groups)
                  for x in RULES[self._rule].hyper_row(dict(group, lr=lr[g]))]
         torch_optim_ops.update_(self._rule, params, grads, [t for column in columns[:-1] for t in column],
-                                columns[-1], hyper=hyper, lr_tensor=lr_tensor, **common)
+                                columns[-1], hyper=hyper, lr_tensor=lr_tensor,
+                                keeps=[KEEPS.index(param_rows.keep_of(group)) for group in self.param_groups], **common)
 
     def _order(self) -> float:
         """``norm_type`` as the norm's order p, read again where the loop changed it."""
@@ -407,12 +415,37 @@ class FlatOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """PyTorch's, then each state as this optimizer reads it (its dicts
         watched, a ``step`` made a 0-d float32 tensor on its parameter's
-        device where the step reads it)."""
+        device where the step reads it). PyTorch casts every floating state
+        to its parameter's dtype; here a state keeps the dtype it was saved
+        in (a float32 ``master_param`` or moment of a bfloat16 parameter
+        comes back float32), and the next step takes it to the dtype its
+        group chooses. A group saved without a precision option
+        (``master_weights``...) takes this optimizer's."""
         super().load_state_dict(state_dict)
+        self._keep_saved_dtypes(state_dict)
+        chosen = {k: v for k, v in self.defaults.items() if k in _precision_options(RULES[self._rule])}
+        for group in self.param_groups:
+            for key, value in chosen.items():
+                group.setdefault(key, value)
         param_rows.forget(self)
         param_rows.watch(self)
         for p, state in self.state.items():
             self._loaded(state, p)
+
+    def _keep_saved_dtypes(self, state_dict: dict) -> None:
+        """Each floating state that ``torch.optim.Optimizer.load_state_dict``
+        cast to its parameter's dtype, put back in the dtype it was saved in
+        (matched to the parameters as PyTorch matches them: the saved groups'
+        indices in order)."""
+        saved_ids = [k for group in state_dict["param_groups"] for k in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for k, p in zip(saved_ids, params):
+            loaded = self.state.get(p)
+            for name, value in state_dict["state"].get(k, {}).items():
+                now = None if loaded is None else loaded.get(name)
+                if name != "step" and isinstance(value, torch.Tensor) and isinstance(now, torch.Tensor) and \
+                        value.is_floating_point() and value.dtype != now.dtype:
+                    loaded[name] = value.to(device=now.device)
 
     def _loaded(self, state: dict[str, Any], p: torch.Tensor) -> None:
         """A loaded ``step`` as the update reads it: a 0-d float32 tensor on
@@ -430,6 +463,46 @@ class FlatOptimizer(torch.optim.Optimizer):
 
 
 _FROM_NORM = object()
+
+
+def _check_precision(rule: Rule, group: dict[str, Any], i: int) -> None:
+    """Group ``i``'s precision options: a moment's dtype (``exp_avg_dtype``...)
+    None or one the update takes, and at most one of ``master_weights`` and
+    ``kahan_sum`` (each keeps something beside a 16-bit parameter).
+
+    >>> _check_precision(RULES["adamw"], {"exp_avg_dtype": torch.int8}, 1)
+    Traceback (most recent call last):
+    ...
+    TypeError: parameter group 1: expected exp_avg_dtype None or torch.float16, torch.bfloat16, torch.float32 or torch.float64, got torch.int8
+    """
+    if group.get("master_weights") and group.get("kahan_sum"):
+        raise ValueError(f"parameter group {i}: expected master_weights or kahan_sum, got both: each keeps "
+                         f"something beside a 16-bit parameter (a float32 copy, a compensation)")
+    for name in rule.state_names:
+        option = rule.dtype_option(name)
+        dtype = group.get(option) if option is not None else None
+        if dtype is not None and dtype not in param_rows.STEPPED:
+            expected = ", ".join(map(str, param_rows.STEPPED[:-1])) + f" or {param_rows.STEPPED[-1]}"
+            raise TypeError(f"parameter group {i}: expected {option} None or {expected}, got {dtype!r}")
+
+
+def _precision_options(rule: Rule) -> tuple[str, ...]:
+    """The names of a rule's precision options, as a group holds them."""
+    dtypes = (rule.dtype_option(name) for name in rule.state_names)
+    return ("master_weights", "kahan_sum", *(d for d in dtypes if d is not None))
+
+
+def precision_defaults(rule: str, master_weights: bool, kahan_sum: bool, **dtypes: torch.dtype | None) -> dict:
+    """The precision options of an optimizer's constructor that differ from
+    the plain ones, for its ``defaults``: a state dict then says which
+    options made its state, and one made without any is ``torch.optim``'s.
+
+    >>> precision_defaults("adamw", True, False, exp_avg_dtype=None, exp_avg_sq_dtype=torch.float32)
+    {'master_weights': True, 'exp_avg_sq_dtype': torch.float32}
+    """
+    assert set(dtypes) <= {RULES[rule].dtype_option(name) for name in RULES[rule].state_names}
+    chosen = dict(master_weights=master_weights, kahan_sum=kahan_sum, **dtypes)
+    return {k: v for k, v in chosen.items() if v not in (False, None)}
 
 
 def _option_value(value: Any) -> Any:
@@ -522,10 +595,14 @@ class AdamW(FlatOptimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, max_norm: float | None = None, norm_type: float | str = 2.0,
-                 pp_mesh: Any = None, tied: Iterable | None = None):
+                 pp_mesh: Any = None, tied: Iterable | None = None, master_weights: bool = False,
+                 kahan_sum: bool = False, exp_avg_dtype: torch.dtype | None = None,
+                 exp_avg_sq_dtype: torch.dtype | None = None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
-                        differentiable=differentiable, fused=fused, decoupled_weight_decay=True)
+                        differentiable=differentiable, fused=fused, decoupled_weight_decay=True,
+                        **precision_defaults("adamw", master_weights, kahan_sum, exp_avg_dtype=exp_avg_dtype,
+                                             exp_avg_sq_dtype=exp_avg_sq_dtype))
         super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied)
 
 
@@ -547,10 +624,12 @@ class SGD(FlatOptimizer):
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None,
                  max_norm: float | None = None, norm_type: float | str = 2.0, pp_mesh: Any = None,
-                 tied: Iterable | None = None):
+                 tied: Iterable | None = None, master_weights: bool = False, kahan_sum: bool = False,
+                 momentum_buffer_dtype: torch.dtype | None = None):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
-                        fused=fused)
+                        fused=fused, **precision_defaults("sgd", master_weights, kahan_sum,
+                                                          momentum_buffer_dtype=momentum_buffer_dtype))
         super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied)
 
 

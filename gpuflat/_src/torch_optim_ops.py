@@ -40,7 +40,7 @@ import torch
 
 from . import caches, param_rows, tensor_table
 from .arrays import adopt, device_scope, launch_stream
-from .layout import CLIP_EPS, HYPER, RULES, TAG_OF_NAME
+from .layout import CLIP_EPS, HYPER, KEEPS, RULES, TAG_OF_NAME
 
 __all__ = ["CLIP_EPS", "name_of", "norm_and_nonfinite", "unscale_factor", "update", "update_"]
 
@@ -180,20 +180,23 @@ def update_(rule: str, params: list[torch.Tensor], grads: list[torch.Tensor], st
             state_steps: list[torch.Tensor], groups: list[int], indices: list[int], hyper: list[float],
             lr_tensor: list[Optional[torch.Tensor]], total: Optional[torch.Tensor] = None,
             max_norm: Optional[float] = None, grad_scale: Optional[torch.Tensor] = None,
-            found_inf: Optional[torch.Tensor] = None) -> None:
+            found_inf: Optional[torch.Tensor] = None, keeps: Optional[list[int]] = None) -> None:
     """One update of ``params`` by the rule named ``rule``
     (``gpuflat._src.layout.RULES``), parameter j in group ``groups[j]`` at
     ``indices[j]`` of it. ``hyper`` holds each group's hyperparameter row
     (HYPER floats; its lr is read from ``lr_tensor[group]`` where that is a
     tensor). ``states`` holds, state after state in the rows' order
     (``param_rows.state_names``), the tensors of the parameters whose group
-    needs that state (``param_rows.needed``), and ``state_steps`` their
-    step counts likewise; the counts move unless the step is skipped."""
+    needs that state (``param_rows.needs_of``), and ``state_steps`` their
+    step counts likewise; the counts move unless the step is skipped.
+    ``keeps``: per group, how it keeps its 16-bit parameters (a number of
+    ``gpuflat._src.layout.KEEPS``; None: plain)."""
     rule_of = RULES[rule]
     rows = np.asarray(hyper, np.float64).reshape(-1, HYPER)
-    named = [{**dict(zip(rule_of.hyper, row.tolist())), "lr": float(row[0]) if t is None else t}
-             for row, t in zip(rows, lr_tensor)]
-    needs = [param_rows.needed(rule_of, named[g]) for g in groups]
+    named = [{**dict(zip(rule_of.hyper, row.tolist())), "lr": float(row[0]) if t is None else t,
+              **_keep_options(KEEPS[keeps[g]] if keeps else "plain")}
+             for g, (row, t) in enumerate(zip(rows, lr_tensor))]
+    needs = [param_rows.needs_of(rule_of, p, named[g])[1] for p, g in zip(params, groups)]
     kept = iter(states)
     columns = [[next(kept) if need[c] else None for need in needs] for c in range(len(needs[0]) - 1)] if needs else []
     columns.append(_spread(state_steps, [need[-1] for need in needs]))
@@ -204,6 +207,15 @@ def update_(rule: str, params: list[torch.Tensor], grads: list[torch.Tensor], st
 def _(rule: str, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[torch.Tensor],
       state_steps: list[torch.Tensor], *_: Any) -> None:
     return None
+
+
+def _keep_options(keep: str) -> dict[str, bool]:
+    """A group's options that keep its 16-bit parameters as ``keep`` (``param_rows.keep_of`` read back).
+
+    >>> param_rows.keep_of(_keep_options("kahan"))
+    'kahan'
+    """
+    return {"master_weights": keep == "master", "kahan_sum": keep == "kahan"}
 
 
 def _spread(tensors: Sequence[torch.Tensor], kept: Sequence[bool]) -> list[torch.Tensor | None]:
@@ -217,6 +229,7 @@ def _update_lists(rule: str, hyper: Sequence[dict[str, Any]], params: list[torch
                   total: torch.Tensor | None, max_norm: float | None, scale: torch.Tensor | None,
                   found: torch.Tensor | None) -> None:
     needs = [param_rows.needed(RULES[rule], h) for h in hyper]
-    tables = param_rows.tables_of(RULES[rule], params, grads, columns, groups, needs, name_of(groups, indices))
+    tables = param_rows.tables_of(RULES[rule], params, grads, columns, groups, needs, name_of(groups, indices),
+                                  [param_rows.keep_of(h) for h in hyper])
     read = [*params, *grads, *(t for column in columns for t in column if t is not None)]
     update(rule, tables, hyper, total, max_norm, scale, found, read)

@@ -205,7 +205,7 @@ class HostBackend(HostMemory):
         >>> import numpy as np
         >>> p, g, buf = np.ones(2, np.float32), np.full(2, 4.0, np.float32), np.zeros(2, np.float32)
         >>> count = np.zeros(1, np.float32)   # the buffer's updates: 0, so it is new
-        >>> rows = np.array([[p.ctypes.data, g.ctypes.data, buf.ctypes.data, 0, 0, count.ctypes.data, 2, 0, 0, 0]])
+        >>> rows = np.array([[p.ctypes.data, g.ctypes.data, buf.ctypes.data, 0, 0, 0, count.ctypes.data, 2, 0, 0]])
         >>> hyper = np.array([0.5, 0.0, 0.9, 0.0, 0.0, 0.0, 0.0])
         >>> HostBackend().step_rows("sgd", 2, rows, hyper, np.zeros(2, np.int64), None, 0.0, 0.0,
         ...                         np.array([0.25, 0.0]))

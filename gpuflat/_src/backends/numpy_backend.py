@@ -210,7 +210,7 @@ class NumpyBackend(HostMemory):
 
         >>> p, g, buf = np.ones(2, np.float32), np.full(2, 4.0, np.float32), np.zeros(2, np.float32)
         >>> count = np.zeros(1, np.float32)   # the buffer's updates: 0, so it is new
-        >>> rows = np.array([[p.ctypes.data, g.ctypes.data, buf.ctypes.data, 0, 0, count.ctypes.data, 2, 0, 0, 0]])
+        >>> rows = np.array([[p.ctypes.data, g.ctypes.data, buf.ctypes.data, 0, 0, 0, count.ctypes.data, 2, 0, 0]])
         >>> NumpyBackend().step_rows("sgd", 2, rows, np.array([0.5, 0.0, 0.9, 0.0, 0.0, 0.0, 0.0]),
         ...                          np.zeros(2, np.int64), None, 0.0, 0.0, np.array([0.25, 0.0]))
         >>> p, buf, count
@@ -239,7 +239,7 @@ def _rows_step(rule: str, dtype: np.dtype, rows: np.ndarray, hyper: np.ndarray, 
     compute = np.float64 if dtype == np.float64 else np.float32
     counted = []
     with np.errstate(all="ignore"):  # NaN and inf follow IEEE rules, as in the kernels
-        for param, grad, s0, s1, s2, step_at, numel, group, extra, precision in rows.tolist():
+        for param, grad, s0, s1, s2, extra, step_at, numel, group, precision in rows.tolist():
             h = [float(x) for x in hyper[group * HYPER : (group + 1) * HYPER]]
             if lr_at[2 * group]:
                 h[0] = float(_at(int(lr_at[2 * group]), dtype_of_tag(int(lr_at[2 * group + 1])), 1)[0])
