@@ -326,3 +326,32 @@ def test_aot_eager_hands_the_operator_copies_which_the_peak_memory_shows():
         o.step()
     copied = sum(p.numel() * p.element_size() * 3 for p in model.parameters())  # parameter, exp_avg, exp_avg_sq
     assert peak_bytes(opt.step) >= peak_bytes(twin_opt.step) + copied
+
+
+# The precision options on a bfloat16 model: what each 16-bit parameter keeps
+# beside it goes into the operator's state lists, and is written in place.
+PRECISION = {
+    "adamw-master": (gft.AdamW, dict(lr=1e-2, master_weights=True, exp_avg_dtype=torch.float32)),
+    "sgd-kahan": (gft.SGD, dict(lr=0.05, momentum=0.9, kahan_sum=True)),
+    "lion-master": (gft.Lion, dict(lr=1e-3, master_weights=True, exp_avg_dtype=torch.float32)),
+}
+
+
+@pytest.mark.parametrize("name", list(PRECISION))
+def test_precision_options_compile_with_the_eager_bits(name):
+    model, twin = (m.to(torch.bfloat16) for m in model_and_twin(4))
+    cls, kw = PRECISION[name]
+    opt, twin_opt = cls(model.parameters(), max_norm=1.0, **kw), cls(twin.parameters(), max_norm=1.0, **kw)
+    opt.step = torch.compile(opt.step, backend="aot_eager")
+
+    def both(k):
+        x = torch.randn(4, 8, dtype=torch.bfloat16)
+        train_step(model, opt, None, x, k)
+        train_step(twin, twin_opt, None, x, k)
+
+    without_recompiling(4, both)
+    assert_same_bits(model, opt, twin, twin_opt)
+    kept = "kahan_comp" if kw.get("kahan_sum") else "master_param"
+    # Each holds what its bfloat16 parameter could not.
+    lost = [opt.state[p][kept].float() - (0 if kept == "kahan_comp" else p.float()) for p in model.parameters()]
+    assert all(bool(d.abs().max() > 0) for d in lost)
