@@ -587,6 +587,18 @@ class AdamW(FlatOptimizer):
     >>> opt.step()
     >>> sorted(opt.state[net.weight]), opt.state[net.weight]["step"], opt.last_grad_norm.dtype
     (['exp_avg', 'exp_avg_sq', 'step'], tensor(1.), torch.float64)
+
+    A 16-bit parameter keeps the updates that rounding to its dtype would
+    lose in a float32 copy (``master_weights=True``) or a compensation
+    (``kahan_sum=True``); ``exp_avg_dtype`` and ``exp_avg_sq_dtype`` choose
+    the moments' dtypes (None: the parameter's):
+
+    >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    >>> opt = gft.AdamW([w], lr=1e-4, master_weights=True, exp_avg_dtype=torch.float32)
+    >>> w.grad = torch.ones(2, dtype=torch.bfloat16)
+    >>> opt.step()
+    >>> w.detach(), opt.state[w]["master_param"], opt.state[w]["exp_avg"].dtype
+    (tensor([1., 1.], dtype=torch.bfloat16), tensor([0.9999, 0.9999]), torch.float32)
     """
 
     _rule = "adamw"
@@ -616,6 +628,9 @@ class SGD(FlatOptimizer):
     >>> opt.step()
     >>> w.detach(), opt.state[w]["momentum_buffer"]
     (tensor([0.5000, 0.5000]), tensor([1., 1.]))
+
+    ``master_weights``, ``kahan_sum`` and ``momentum_buffer_dtype`` are
+    :class:`AdamW`'s precision options.
     """
 
     _rule = "sgd"
