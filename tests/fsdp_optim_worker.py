@@ -218,11 +218,11 @@ def save(ctx, net, opt, tag):
     return path
 
 
-def load(ctx, opt_cls, kw, path, lr=None):
+def load(ctx, opt_cls, kw, path, lr=None, dtype=torch.float64):
     """A model initialised otherwise and a new optimizer (a tensor lr: DCP
     sets it to a CPU tensor 0 for the step that makes the state), both
     loaded from ``path``."""
-    net = model(ctx, seed=1)
+    net = model(ctx, dtype, seed=1)
     opt = opt_cls(groups(net, lr), **kw)
     before = [full(p.detach()).clone() for p in net.parameters()]
     state = {"model": get_model_state_dict(net), "optim": get_optimizer_state_dict(net, opt)}
@@ -286,6 +286,53 @@ def lion_resumes_from_dcp(ctx):
 @case
 def lion_with_a_tensor_lr_resumes_from_dcp(ctx):
     resumed(ctx, "lion", 5e-3)
+
+
+def precision_resumed(ctx, name, **options):
+    """A bfloat16 model trained 4 steps straight, against the same saved
+    after 2 and resumed by a new optimizer: what each parameter keeps beside
+    it and its moments are DTensors laid out as the parameter, in the dtypes
+    their options chose, and come back in them from the checkpoint
+    (torch.optim's load_state_dict casts floating state to the parameter's
+    dtype); the resumed run ends with the straight one's bits."""
+    _, flat_cls, kw = OPTIMIZERS[name]
+    options = dict(kw, max_norm=MAX_NORM, **options)
+    straight, ours = model(ctx, torch.bfloat16), model(ctx, torch.bfloat16)
+    opt_straight, opt_ours = flat_cls(groups(straight), **options), flat_cls(groups(ours), **options)
+    train(ctx, straight, opt_straight, range(4), clip=False)
+    train(ctx, ours, opt_ours, range(2), clip=False)
+    path = save(ctx, ours, opt_ours, f"{name}-precision")
+    net, opt = load(ctx, flat_cls, options, path, dtype=torch.bfloat16)
+    kept = "master_param" if options.get("master_weights") else "kahan_comp"
+    for (label, p), q in zip(net.named_parameters(), ours.parameters()):
+        if p not in opt.state:
+            continue
+        for key, value in opt.state[p].items():
+            saved = opt_ours.state[q][key]
+            if key != "step" and not (isinstance(value, DTensor) and value.placements == p.placements):
+                raise AssertionError(f"{label}: {key} is not a DTensor laid out as its parameter")
+            if value.dtype != saved.dtype or not torch.equal(full(value), full(saved)):
+                raise AssertionError(f"{label}: {key} came back {value.dtype}, saved {saved.dtype}, or otherwise")
+        if kept not in opt.state[p]:
+            raise AssertionError(f"{label}: no {kept} in its state {sorted(opt.state[p])}")
+    train(ctx, net, opt, range(2, 4), clip=False)
+    for (label, p), q in zip(net.named_parameters(), straight.parameters()):
+        if not torch.equal(full(p.detach()), full(q.detach())):
+            raise AssertionError(f"{label}: the resumed run ends apart from the straight one")
+        for key, value in opt.state.get(p, {}).items():
+            if not torch.equal(full(value), full(opt_straight.state[q][key])):
+                raise AssertionError(f"{label}: {key}: the resumed run ends apart from the straight one")
+
+
+@case
+def adamw_master_weights_resume_from_dcp_in_float32(ctx):
+    precision_resumed(ctx, "adamw", master_weights=True, exp_avg_dtype=torch.float32,
+                      exp_avg_sq_dtype=torch.float32)
+
+
+@case
+def lion_kahan_sums_resume_from_dcp(ctx):
+    precision_resumed(ctx, "lion", kahan_sum=True)
 
 
 # ---------------------------------------------------------------- running
