@@ -27,12 +27,16 @@ import numpy as np
 from . import host_cost, machine, timing, workloads
 
 WORKLOADS = ("gpt2-small", "tiny-10k")
+# The workloads that also get the bfloat16 rows, one per precision option.
+BF16_WORKLOADS = ("gpt2-small",)
 MAX_NORM = 1.0
 LR = 1e-4  # small, so thousands of repeats keep the parameters in range
 
 
 def cases(torch):
-    """(op, name, parameter-sized arrays moved per step, make(params) -> step function)."""
+    """(op, name, parameters' dtype, bytes moved per parameter per step,
+    make(params) -> step function): the float32 rows on every workload, then
+    the bfloat16 rows (``BF16_WORKLOADS``), one per precision option."""
     import gpuflat.torch as gft
 
     def scaler(cls):
@@ -58,9 +62,9 @@ def cases(torch):
             return step
         return make
 
-    def flat_step(scaler_cls=None):
+    def flat_step(scaler_cls=None, **options):
         def make(params):
-            opt = gft.AdamW(params, lr=LR, max_norm=MAX_NORM)
+            opt = gft.AdamW(params, lr=LR, max_norm=MAX_NORM, **options)
             if scaler_cls is None:
                 return opt.step
             sc = scaler(scaler_cls)
@@ -71,8 +75,10 @@ def cases(torch):
             return step
         return make
 
-    plain, scaled = "clip+adamw step", "scaled clip+adamw step"
-    return [(plain, "torch foreach", 10, torch_step(False, foreach=True)),
+    plain, scaled, bf16 = "clip+adamw step", "scaled clip+adamw step", "clip+adamw step, bfloat16"
+    f32 = torch.float32
+    # Float32 rows: parameter-sized arrays moved, 4 bytes each.
+    rows = [(plain, "torch foreach", 10, torch_step(False, foreach=True)),
             (plain, "torch fused", 10, torch_step(False, fused=True)),
             (plain, "gpuflat", 8, flat_step()),
             # unscale 2, clip 3, AdamW 7
@@ -82,15 +88,27 @@ def cases(torch):
             (scaled, "gpuflat + torch.amp.GradScaler", 10, flat_step(torch.amp.GradScaler)),
             # the norm (and the non-finite flag) 1, update 7
             (scaled, "gpuflat + gpuflat GradScaler", 8, flat_step(gft.GradScaler))]
+    # Bfloat16 rows, bytes per parameter: the norm reads the 2-byte gradient;
+    # PyTorch's clip reads and writes it again (6 in all); a plain update
+    # reads p, g, m, v and writes p, m, v (14); a master copy is read instead
+    # of the parameter and written beside it (+6, float32 moments +8 more);
+    # a compensation is read and written (+4).
+    return [(op, impl, "float32", 4 * arrays, make) for op, impl, arrays, make in rows] + [
+        (bf16, "torch fused", "bfloat16", 6 + 14, torch_step(False, fused=True)),
+        (bf16, "gpuflat", "bfloat16", 2 + 14, flat_step()),
+        (bf16, "gpuflat master_weights", "bfloat16", 2 + 20, flat_step(master_weights=True)),
+        (bf16, "gpuflat master_weights, float32 moments", "bfloat16", 2 + 28,
+         flat_step(master_weights=True, exp_avg_dtype=f32, exp_avg_sq_dtype=f32)),
+        (bf16, "gpuflat kahan_sum", "bfloat16", 2 + 18, flat_step(kahan_sum=True))]
 
 
-def _params(torch, leaves, device):
-    """Fresh parameters with fixed random gradients, one per leaf."""
+def _params(torch, leaves, device, dtype):
+    """Fresh parameters of ``dtype`` (a name) with fixed random gradients, one per leaf."""
     rng = np.random.default_rng(1)
     out = []
     for leaf in leaves:
-        p = torch.nn.Parameter(torch.from_numpy(np.array(leaf, np.float32)).to(device))
-        p.grad = torch.from_numpy(rng.standard_normal(leaf.shape, np.float32)).to(device)
+        p = torch.nn.Parameter(torch.from_numpy(np.array(leaf, np.float32)).to(device, getattr(torch, dtype)))
+        p.grad = torch.from_numpy(rng.standard_normal(leaf.shape, np.float32)).to(device, p.dtype)
         out.append(p)
     return out
 
@@ -106,16 +124,18 @@ def run(settings, workload_names=WORKLOADS) -> dict:
     rows = []
     for name in workload_names:
         w = workloads.build(name, spec[name], "float32")
-        n_bytes = sum(leaf.nbytes for leaf in w.leaves)
-        for op, impl, arrays, make in cases(torch):
-            row = {"workload": name, "dtype": "float32", "op": op, "impl": impl,
-                   "leaves": len(w.leaves), "bytes": arrays * n_bytes}
-            params = _params(torch, w.leaves, device)
+        n = sum(leaf.size for leaf in w.leaves)
+        for op, impl, dtype, per_parameter, make in cases(torch):
+            if dtype != "float32" and name not in BF16_WORKLOADS:
+                continue
+            row = {"workload": name, "dtype": dtype, "op": op, "impl": impl,
+                   "leaves": len(w.leaves), "bytes": per_parameter * n}
+            params = _params(torch, w.leaves, device, dtype)
             try:
                 step = make(params)
                 t, _ = timing.measure(lambda: (step(), sync()), timer, settings)
                 rows.append({**row, "status": "ok", "median_ms": t.median_s * 1e3, "reps": t.reps,
-                             "gb_s": arrays * n_bytes / t.median_s / 1e9})
+                             "gb_s": row["bytes"] / t.median_s / 1e9})
             except Exception as exc:  # e.g. a fused kernel this device lacks: a row, not a crash
                 rows.append({**row, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:300]})
             del params
