@@ -343,7 +343,17 @@ __device__ __forceinline__ bool gf_counts(const ParamRow& r, const double* hyper
 // step, the clip and unscale factor (gf_group_factor applies maximize) and
 // the group's learning rate; math updates one element in the compute type,
 // every operation rounded. The loads, stores, vectors and rows are the
-// kernels' own, so a rule is only its arithmetic.
+// kernels' own, so a rule is only its arithmetic. A rule whose rows may hold
+// a state their group's update leaves alone overloads gf_rule_uses for its
+// coefs (below; by default a row's update reads and writes every state),
+// so that the rows whose states are of other dtypes than the parameter
+// (gpuflat_rule_mixed_rows) neither read nor round-trip it.
+//
+// Every rule, AdamW and SGD too (gf_adamw, gf_sgd below), has a struct: the
+// rows with a nonzero precision word (a state of another dtype, or the
+// parameter kept through a master copy or a compensation) go through the
+// generic mixed update (gf_rule_mixed_one) whatever the rule. AdamW and SGD
+// keep their own kernels for flat buffers and plain rows.
 
 // A row's state tensor t (0: state0).
 __device__ __forceinline__ long long gf_row_state(const ParamRow& r, int t) {
@@ -375,4 +385,146 @@ template <class R, int STRIDE, class S, class K>
 __device__ __forceinline__ void gf_rule_range(S* __restrict__ p, const S* __restrict__ g, S* const* s,
                                               long long first, long long n, const K& k) {
     for (long long j = 0; j < n; ++j) gf_rule_one<R>(p, g, s, first + j * STRIDE, k);
+}
+
+
+// ---------------------------------------------------------------- AdamW and SGD as rules
+// Whether a row's update reads and writes its state t (every state unless
+// a rule's overload for its coefs says otherwise): AdamW's max_exp_avg_sq
+// only where the group has amsgrad, SGD's buffer only with momentum, as
+// their own kernels and the NumPy reference read and write them.
+template <class K>
+__device__ __forceinline__ bool gf_rule_uses(const K&, int) { return true; }
+template <class C>
+__device__ __forceinline__ bool gf_rule_uses(const gf_adamw_coefs<C>& k, int t) { return t < 2 || k.amsgrad; }
+template <class C>
+__device__ __forceinline__ bool gf_rule_uses(const gf_sgd_coefs<C>& k, int) { return k.has_momentum != 0; }
+
+// AdamW as a rule (the protocol above): exp_avg, exp_avg_sq and
+// max_exp_avg_sq, the last used where the group has amsgrad. The element
+// is gf_adamw_one's (the division, not the reciprocal's product, which only
+// the vector loops of float rows take; both give the same bits).
+struct gf_adamw {
+    static constexpr int STATES = 3;
+
+    template <class C>
+    using coefs = gf_adamw_coefs<C>;
+
+    template <class C>
+    static __device__ __forceinline__ coefs<C> setup(const double* h, double step, double factor, double lr) {
+        return gf_adamw_setup<C>(h, step, factor, lr);
+    }
+
+    template <class C>
+    static __device__ __forceinline__ void math(C& p, C g, C (&s)[STATES], const coefs<C>& k) {
+        if (k.amsgrad) gf_amsgrad_math<false>(p, g, s[0], s[1], s[2], k);
+        else gf_adamw_math<false>(p, g, s[0], s[1], k);
+    }
+};
+
+// SGD as a rule: momentum_buffer, used with momentum. Its `step` is the
+// count of the buffer's updates with this one: gf_rule_row_step's stored
+// count + 1 where the row keeps a count (it does with momentum: the
+// layout's check), else 1, which only a row without momentum has, whose
+// update reads no count.
+struct gf_sgd {
+    static constexpr int STATES = 1;
+
+    template <class C>
+    using coefs = gf_sgd_coefs<C>;
+
+    template <class C>
+    static __device__ __forceinline__ coefs<C> setup(const double* h, double step, double factor, double lr) {
+        return gf_sgd_setup<C>(h, step, factor, lr);
+    }
+
+    template <class C>
+    static __device__ __forceinline__ void math(C& p, C g, C (&s)[STATES], const coefs<C>& k) {
+        gf_sgd_math(p, g, s[0], k);
+    }
+};
+
+// ---------------------------------------------------------------- rows of mixed precision
+// A row's precision word (gpuflat._src.layout.precision_word): state t's
+// field (its dtype tag + 1; 0: the parameter's dtype) and the keep
+// (GF_KEEP_*).
+__device__ __forceinline__ int gf_state_field(long long precision, int t) {
+    return (int)((precision >> (GF_PRECISION_TAG_BITS * t)) & ((1LL << GF_PRECISION_TAG_BITS) - 1));
+}
+__device__ __forceinline__ int gf_row_keep(long long precision) { return (int)(precision >> GF_KEEP_SHIFT); }
+
+// Element i of the tensor at `at` whose dtype is given by a precision
+// word's `field`, in the compute type C, and back (rounded once, as
+// gf_load and gf_store): field 0 (or one that names no optimizer dtype,
+// which the layout's words never hold) is the parameter's type P.
+template <class P, class C>
+__device__ __forceinline__ C gf_load_field(long long at, int field, long long i) {
+    switch (field) {
+#define GF_FIELD_LOAD(tag, T) \
+        case tag + 1: return gf_load<C>(((const T*)at)[i]);
+        GF_OPTIM_DTYPES(GF_FIELD_LOAD)
+#undef GF_FIELD_LOAD
+        default: return gf_load<C>(((const P*)at)[i]);
+    }
+}
+template <class P, class C>
+__device__ __forceinline__ void gf_store_field(long long at, int field, long long i, C c) {
+    switch (field) {
+#define GF_FIELD_STORE(tag, T) \
+        case tag + 1: gf_store(((T*)at)[i], c); return;
+        GF_OPTIM_DTYPES(GF_FIELD_STORE)
+#undef GF_FIELD_STORE
+        default: gf_store(((P*)at)[i], c);
+    }
+}
+
+// Element i of a row of parameters of type P whose precision word may be
+// nonzero, for a rule R, in place: each state read from its own dtype in
+// the compute type C (an absent one, address 0, or one the row's update
+// does not use, gf_rule_uses, reads as 0 and is never written), and the
+// parameter kept as the word says:
+// - GF_KEEP_PLAIN: R::math on the parameter;
+// - GF_KEEP_MASTER: on the float32 master copy at `extra`, which takes the
+//   new value rounded to float32; the parameter takes that, rounded once
+//   into P (from C = double, the master's float32 value, as the NumPy
+//   reference copies the master);
+// - GF_KEEP_KAHAN: on value = (C)param + (C)comp (comp at `extra`, of type
+//   P); the parameter takes value rounded into P, comp what that rounding
+//   lost, value - (C)param, rounded into P.
+// The operations and their order are gpuflat._src.backends.numpy_backend's
+// _kept_update. The word's fields are the same for every element of a row,
+// so each switch takes one way in a warp.
+template <class R, class P, class K>
+__device__ __forceinline__ void gf_rule_mixed_one(const ParamRow& r, long long i, const K& k) {
+    using C = typename gf_compute<P>::type;
+    const int keep = gf_row_keep(r.precision);
+    P* const p = (P*)r.param;
+    C pc;
+    if (keep == GF_KEEP_MASTER) pc = gf_load<C>(((const float*)r.extra)[i]);
+    else if (keep == GF_KEEP_KAHAN) pc = gf_load<C>(p[i]) + gf_load<C>(((const P*)r.extra)[i]);
+    else pc = gf_load<C>(p[i]);
+    C sc[R::STATES];
+#pragma unroll
+    for (int t = 0; t < R::STATES; ++t) {
+        const long long at = gf_row_state(r, t);
+        sc[t] = at != 0 && gf_rule_uses(k, t) ? gf_load_field<P, C>(at, gf_state_field(r.precision, t), i) : (C)0;
+    }
+    R::math(pc, gf_load<C>(((const P*)r.grad)[i]), sc, k);
+#pragma unroll
+    for (int t = 0; t < R::STATES; ++t) {
+        const long long at = gf_row_state(r, t);
+        if (at != 0 && gf_rule_uses(k, t)) gf_store_field<P>(at, gf_state_field(r.precision, t), i, sc[t]);
+    }
+    if (keep == GF_KEEP_MASTER) {
+        float& master = ((float*)r.extra)[i];
+        gf_store(master, pc);
+        gf_store(p[i], gf_load<C>(master));
+    } else if (keep == GF_KEEP_KAHAN) {
+        P q;
+        gf_store(q, pc);
+        p[i] = q;
+        gf_store(((P*)r.extra)[i], pc - gf_load<C>(q));
+    } else {
+        gf_store(p[i], pc);
+    }
 }

@@ -12,8 +12,8 @@
 // (max_exp_avg_sq) is read only for the groups with amsgrad: null where
 // none has it.
 #include "gpuflat_optim.cuh"
-// The rules with a kernel struct, their headers included, and their list
-// GF_GENERIC_RULES (written from gpuflat._src.layout.RULES).
+// The rules' kernel structs, their headers included, and their lists
+// GF_RULES and GF_GENERIC_RULES (written from gpuflat._src.layout.RULES).
 #include "gpuflat_rule_includes.h"
 #include "gpuflat_rules.h"
 
@@ -365,6 +365,32 @@ gpuflat_rule_rows(const Item* __restrict__ items, long long n_items, const Param
                 });
             },
             [&](long long i) { gf_rule_one<R>(t[0], t[1], s, i, k); });
+    });
+}
+
+// A rule R (gpuflat_optim.cuh; AdamW and SGD as gf_adamw and gf_sgd) over a
+// table of rows of parameters of type P whose precision words are not all
+// 0: each state of its own dtype, the parameter kept plain, through a
+// float32 master copy or with a compensation (gf_rule_mixed_one). Element by
+// element per lane, with no 16-byte vector path: a row's tensors have
+// different widths (a bfloat16 parameter's float32 master and states), so
+// an item's elements span vectors of different counts, and a vector body
+// would need one instantiation per combination of dtypes and keep. A plain
+// row (word 0) in the same table gives the tuned kernels' bits.
+template <class R, class P>
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_rule_mixed_rows(const Item* __restrict__ items, long long n_items, const ParamRow* __restrict__ rows,
+                        const double* __restrict__ hyper, const long long* __restrict__ lr_at,
+                        const double* __restrict__ total, double max_norm, double eps, long long clip,
+                        const double* __restrict__ amp) {
+    static_assert(R::STATES >= 1 && R::STATES <= GF_GENERIC_STATES, "a rule keeps 1 to 3 state tensors");
+    using C = typename gf_compute<P>::type;
+    gf_for_row_items(items, n_items, rows, amp, [&](const ParamRow& r, const Item& item, int lane) {
+        const double* h = hyper + r.group * GF_HYPER;
+        const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
+        const auto k = R::template setup<C>(h, gf_rule_row_step(r), factor, gf_group_lr(h, lr_at, r.group));
+#pragma unroll 1
+        for (long long i = lane; i < item.len; i += GF_WARP) gf_rule_mixed_one<R, P>(r, item.start + i, k);
     });
 }
 

@@ -36,8 +36,13 @@ from gpuflat._src.layout import AMSGRAD_MIN_BLOCKS_PER_SM, BLOCK_THREADS, RULES
 # generic kernel's instantiations too) count for float32 and the 16-bit dtypes; float64's AdamW needs register pairs for every value and
 # spills under every gated NVRTC, a dtype no model trains in on a GPU.
 OPTIM_ROWS = [rule.rows_kernel(c) for rule in RULES.values() for c in ("float", "f16", "bf16")]
+# The update of rows whose precision word is not 0 (states of their own
+# dtypes, a master copy or a compensation), every rule's, one element per
+# lane at a time: the gated NVRTCs give it 40 to 64 registers, no spills.
+MIXED_ROWS = [rule.mixed_rows_kernel(c) for rule in RULES.values() for c in ("float", "f16", "bf16")]
 HOT = ([kl.gather_name(d) for d in CUDA_NAMES] + [kl.scatter_name(d) for d in CUDA_NAMES]
-       + [kl.norm_partial_name(k) for k in kl.NORM_KINDS] + [kl.SCALE_NAME, kl.SCALE_AT_NAME] + OPTIM_ROWS)
+       + [kl.norm_partial_name(k) for k in kl.NORM_KINDS] + [kl.SCALE_NAME, kl.SCALE_AT_NAME] + OPTIM_ROWS
+       + MIXED_ROWS)
 MAX_REGISTERS = 64
 # AMSGrad's row update (a fifth tensor, max_exp_avg_sq) runs at three blocks
 # per SM: at four, ptxas spilled 40 to 48 bytes of its 16-bit rows; three

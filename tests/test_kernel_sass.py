@@ -160,6 +160,14 @@ def test_hot_loop_instructions_per_element(what, per, limit, major):
 # about 14 instructions each, their slow-path calls (taken for subnormal,
 # huge, zero or special operands) included, since they sit in the loop.
 MAX_OPTIM = 60.0
+# These gates are the 16-byte-vector loops' of the plain row kernels
+# (Rule.rows_kernel). The kernels of rows whose precision word is not 0
+# (Rule.mixed_rows_kernel) have no such loop: a row's tensors have different
+# widths (a bfloat16 parameter's float32 master copy and states), so a lane
+# updates one element at a time, reading each state's dtype from the row,
+# and a budget per element of a vector loop does not apply to them. They
+# hold the register, spill and stack gates of test_kernel_resources (HOT)
+# and the local-memory one below.
 # Tensors read and written per element, by rule and flag state (the AMSGrad
 # instantiation's vector loop for its groups: max_exp_avg_sq too).
 TENSORS = {("adamw", None): (4, 3), ("adamw", "amsgrad"): (5, 4), ("sgd", None): (3, 2),

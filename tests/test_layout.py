@@ -146,14 +146,23 @@ def test_the_written_header_holds_the_rules_and_tags():
     assert len({rule.number for rule in layout.RULES.values()}) == len(layout.RULES)
     host = SOURCES["host/host_optim.cpp"]
     assert not re.search(r"case \d+:", host) and "GF_GENERIC_RULES(GF_RULE_CASE)" in host
+    # The mixed update (rows whose precision word is not 0) takes every rule through its struct.
+    assert "GF_RULES(GF_RULE_CASE)" in host
     generic = [rule for rule in layout.RULES.values() if not rule.tuned]
     assert _listed("GF_GENERIC_RULES") == " ".join(f"X({rule.number}, {rule.kernel})" for rule in generic)
+    assert _listed("GF_RULES") == " ".join(f"X({rule.number}, {rule.kernel})" for rule in layout.RULES.values())
+    # The precision word's fields, as layout.precision_word packs them.
+    assert [defines[f"GF_KEEP_{keep.upper()}"] for keep in layout.KEEPS] == list(range(len(layout.KEEPS)))
+    assert defines["GF_PRECISION_TAG_BITS"] == layout.PRECISION_TAG_BITS
+    assert layout.precision_word((), "master") == defines["GF_KEEP_MASTER"] << defines["GF_KEEP_SHIFT"]
+    # Every rule, tuned or not, has its element struct, in a header the written includes name.
+    for rule in layout.RULES.values():
+        assert rule.kernel and f"struct {rule.kernel} " in SOURCES[rule.header]
+        assert f'#include "{rule.header}"' in SOURCES[layout.RULE_INCLUDES]
     # gpuflat_rules.h includes nothing (gpuflat_common.cuh includes it before any rule's code);
     # the rules' headers come through gpuflat_rule_includes.h.
     assert "#include" not in SOURCES[layout.RULES_HEADER]
     for rule in generic:
-        assert f'#include "{rule.header}"' in SOURCES[layout.RULE_INCLUDES]
-        assert f"struct {rule.kernel} " in SOURCES[rule.header]
         assert len(rule.state_names) <= layout.GENERIC_STATES and not rule.flag_states
 
 

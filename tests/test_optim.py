@@ -18,8 +18,8 @@ import pytest
 import gpuflat as gf
 from gpuflat._src.backends.cuda import ITEM
 from gpuflat._src.backends.selection import get_backend
-from gpuflat._src.dtypes import TAGS
-from gpuflat._src.layout import PARAM_ROW_FIELDS, RULES
+from gpuflat._src.dtypes import TAGS, dtype_of_tag
+from gpuflat._src.layout import PARAM_ROW_FIELDS, RULES, TAG_OF_NAME, precision_word
 from gpuflat.optim import SGD, AdamW, Lion
 
 from conftest import BACKENDS, BF16, assert_bits_equal
@@ -326,14 +326,15 @@ class Rows:
         whole[offset:] = values
         return whole[offset:]
 
-    def rows(self, keeps) -> np.ndarray:
+    def rows(self, keeps, precision=0) -> np.ndarray:
         """The table: ``keeps(t)`` names the words of tensor set t's row that
-        are kept (state0, state1, state2, step); the others are 0."""
+        are kept (state0, state1, state2, step); the others are 0. Every
+        row's precision word is ``precision`` (no extra address: plain)."""
         rows = []
         for t in self.tensors:
             kept = keeps(t)
             words = [t[k].ctypes.data if k in kept else 0 for k in ("s0", "s1", "s2", "step")]
-            rows.append([t["p"].ctypes.data, t["g"].ctypes.data, *words, t["p"].size, t["group"]])
+            rows.append([t["p"].ctypes.data, t["g"].ctypes.data, *words, t["p"].size, t["group"], 0, precision])
         return np.array(rows, np.int64).reshape(-1, len(PARAM_ROW_FIELDS))
 
     def hyper(self) -> np.ndarray:
@@ -548,3 +549,245 @@ def test_amsgrad_rows_keep_nan_as_torch_maximum_does(dtype):
     for be in ("host", "emulated"):
         for name in ("p", "s0", "s1", "s2", "step"):
             assert_bits_equal(tables[be].tensors[0][name], t[name])
+
+
+# ---------------------------------------------------------------- rows of mixed precision
+# A row's precision word (gpuflat._src.layout.precision_word) gives each of
+# its states a dtype of its own and keeps its parameter in place, through a
+# float32 master copy or with a compensation buffer. Any nonzero word in a
+# table sends it through the mixed kernel (element by element), whose bits
+# must be the NumPy reference's (numpy_backend._kept_update) on the emulated
+# device and in the host library, and whose plain rows must give the tuned
+# kernels' bits.
+
+# A state's dtype: None is the word's field 0 (the parameter's dtype), "own"
+# names the parameter's dtype explicitly.
+STATE_CHOICES = (None, "own", "float32") + (("bfloat16",) if BF16 is not None else ())
+MIXED_SIZES = (0, 1, 37)  # empty, tiny, a few lanes' worth with specials
+MIXED_GROUPS = {
+    "adamw": [dict(ADAMW, betas=(0.8, 0.7)), dict(ADAMW, betas=(0.8, 0.7), maximize=True),
+              dict(ADAMW, betas=(0.8, 0.7), amsgrad=True, weight_decay=0.0),
+              dict(ADAMW, betas=(0.8, 0.7), amsgrad=True, maximize=True)],
+    "sgd": [dict(SGD_OPTIONS, dampening=0.3), dict(SGD_OPTIONS, momentum=0.0, maximize=True),
+            dict(SGD_OPTIONS, nesterov=True, dampening=0.0, maximize=True)],
+    "lion": [dict(LION, betas=(0.8, 0.7)), dict(LION, betas=(0.5, 0.9), maximize=True, weight_decay=0.0)],
+}
+
+
+def _keeps_for(dtype) -> tuple:
+    # A float32 master copy is what a 16-bit parameter keeps; wider ones keep a compensation at most.
+    return ("plain", "master", "kahan") if np.dtype(dtype).itemsize == 2 else ("plain", "kahan")
+
+
+class MixedRows:
+    """Rows of parameters of ``dtype``, one set of MIXED_SIZES rows per
+    (state dtype choice, keep, group), each tensor an array of its own in
+    host memory: states of the chosen dtype (nonzero, so every conversion
+    shows), a float32 master copy or a compensation buffer at ``extra`` (a
+    plain row has one too, never read or written), parameters holding 0."""
+
+    def __init__(self, rule, dtype, seed):
+        rng = np.random.default_rng(seed)
+        self.rule, self.dtype = RULES[rule], np.dtype(dtype)
+        self.groups = [dict(g) for g in MIXED_GROUPS[rule]]
+        n_states = len(self.rule.state_names) + len(self.rule.flag_states)
+        self.tensors = []
+        for choice in STATE_CHOICES:
+            name = None if choice is None else self.dtype.name if choice == "own" else choice
+            sdtype = self.dtype if name is None else dtype_of_tag(TAG_OF_NAME[name])
+            for keep in _keeps_for(self.dtype):
+                for group in range(len(self.groups)):
+                    for n in MIXED_SIZES:
+                        exact = rng.standard_normal(n)
+                        exact[::5] = 0.0
+                        t = {"p": exact.astype(self.dtype), "g": np.zeros(n, self.dtype),
+                             "s0": (0.1 * rng.standard_normal(n)).astype(sdtype),
+                             "s1": (0.01 * np.abs(rng.standard_normal(n))).astype(sdtype),
+                             "s2": (0.02 * np.abs(rng.standard_normal(n))).astype(sdtype),
+                             "step": np.full(1, float(group), np.float32), "group": group, "keep": keep,
+                             "index": len(self.tensors)}
+                        if keep == "master":
+                            t["extra"] = exact.astype(np.float32)
+                        else:
+                            t["extra"] = (_eps(self.dtype) * 0.3 * rng.standard_normal(n)).astype(self.dtype)
+                        t["precision"] = precision_word([name] * n_states, keep)
+                        self.tensors.append(t)
+
+    def keeps(self, t) -> set:
+        """The state and count words a row has: every state AdamW may use
+        (max_exp_avg_sq without amsgrad too: never read or written then);
+        SGD's buffer and count with momentum, and in every other row
+        without; Lion's exp_avg and count."""
+        if self.rule.name == "sgd":
+            with_buffer = self.groups[t["group"]]["momentum"] or t["index"] % 2
+            return {"s0", "step"} if with_buffer else set()
+        return {"s0", "s1", "s2", "step"} if self.rule.name == "adamw" else {"s0", "step"}
+
+    def rows(self) -> np.ndarray:
+        rows = []
+        for t in self.tensors:
+            kept = self.keeps(t)
+            words = [t[k].ctypes.data if k in kept else 0 for k in ("s0", "s1", "s2", "step")]
+            rows.append([t["p"].ctypes.data, t["g"].ctypes.data, *words, t["p"].size, t["group"],
+                         t["extra"].ctypes.data, t["precision"]])
+        return np.array(rows, np.int64).reshape(-1, len(PARAM_ROW_FIELDS))
+
+    def hyper(self) -> np.ndarray:
+        return np.array([self.rule.hyper_row(g) for g in self.groups], np.float64).reshape(-1)
+
+    def gradients(self, rng, scale, specials):
+        """Seeded normals times ``scale``; with ``specials``, NaN, inf, -inf
+        and 0 at elements 1 to 4 of every row holding them."""
+        for t in self.tensors:
+            g = rng.standard_normal(t["g"].size) * scale
+            if specials and g.size > 4:
+                g[1:5] = [np.nan, np.inf, -np.inf, 0.0]
+            t["g"][...] = g.astype(self.dtype)
+
+
+NAMES = ("p", "g", "s0", "s1", "s2", "extra", "step")
+
+
+@pytest.mark.parametrize("dtype", REAL, ids=str)
+@pytest.mark.parametrize("rule", list(MIXED_GROUPS))
+def test_mixed_rows_give_the_numpy_references_bits(rule, dtype):
+    # Every state dtype choice and keep, plain rows (word 0) among them, in
+    # one table over groups with and without amsgrad, maximize and momentum:
+    # a step, a clipped and unscaled one with NaN and inf gradients, a
+    # skipped one and a small one.
+    rng = np.random.default_rng(11)
+    tables = {be: MixedRows(rule, dtype, seed=12) for be in BACKENDS}
+    before = [{k: v.copy() for k, v in t.items() if isinstance(v, np.ndarray)} for t in tables["numpy"].tensors]
+    for scale, factor, skip, specials in [(1.0, None, 0.0, False), (3.0, (40.0, 1.0, 0.5), 0.0, True),
+                                          (1.0, None, 1.0, False), (0.1, None, 0.0, False)]:
+        seed = int(rng.integers(1 << 30))
+        for be, table in tables.items():
+            table.gradients(np.random.default_rng(seed), scale, specials)
+            total, max_norm, unscale = (None, 0.0, 1.0) if factor is None else factor
+            get_backend(be).step_rows(rule, TAGS[table.dtype], table.rows(), table.hyper(),
+                                      np.zeros(2 * len(table.groups), np.int64),
+                                      None if total is None else np.asarray(total, np.float64), max_norm, CLIP_EPS,
+                                      np.array([unscale, skip]))
+    ref = tables["numpy"]
+    for be in ("host", "emulated"):
+        for t, u in zip(tables[be].tensors, ref.tensors):
+            for name in NAMES:
+                assert_bits_equal(t[name], u[name])
+    # What a row does not use is never written: a plain row's extra, AdamW's
+    # max_exp_avg_sq without amsgrad, SGD's buffer without momentum.
+    for t, b in zip(ref.tensors, before):
+        untouched = [] if t["keep"] != "plain" else ["extra"]
+        if rule == "adamw" and not ref.groups[t["group"]].get("amsgrad"):
+            untouched.append("s2")
+        if rule == "sgd" and not ref.groups[t["group"]]["momentum"]:
+            untouched.append("s0")
+        for name in untouched:
+            assert_bits_equal(t[name], b[name])
+    # Every row of a nonempty size moved, and its specials made NaN or inf.
+    moved = [t for t in ref.tensors if t["p"].size > 4]
+    assert all(not np.isfinite(t["p"][1:4].astype(np.float64)).all() for t in moved)
+
+
+@pytest.mark.parametrize("dtype", REAL, ids=str)
+@pytest.mark.parametrize("rule", list(MIXED_GROUPS))
+def test_plain_rows_through_the_mixed_kernel_give_the_tuned_kernels_bits(rule, dtype):
+    # A word naming the parameter's own dtype for every state is a plain row
+    # that the backends send through the mixed kernel (the word is not 0);
+    # with the word 0 they take the tuned (or generic) row kernel, whose 16-byte
+    # vectors and whose division through a reciprocal (float AdamW) must not
+    # change a bit. Offset 1 puts every 16-bit tensor off its vectors.
+    groups = MIXED_GROUPS[rule]
+    n_states = len(RULES[rule].state_names) + len(RULES[rule].flag_states)
+    explicit = precision_word([np.dtype(dtype).name] * n_states)
+    sizes = (0, 1, 5, 300)
+    rng = np.random.default_rng(13)
+    for offset in (0, 1):
+        tables = {(be, word): Rows(rule, dtype, [dict(g) for g in groups], seed=14, offset=offset, sizes=sizes)
+                  for be in ("host", "emulated") for word in (0, explicit)}
+        keeps = {"adamw": _adamw_keeps, "sgd": _sgd_keeps, "lion": lambda table: lambda t: {"s0", "step"}}[rule]
+        for factor in (None, (40.0, 1.0, 0.5), None):
+            seed = int(rng.integers(1 << 30))
+            for (be, word), table in tables.items():
+                table.gradients(np.random.default_rng(seed), 1.0)
+                rows = table.rows(keeps(table), word)
+                total, max_norm, unscale = (None, 0.0, 1.0) if factor is None else factor
+                get_backend(be).step_rows(rule, TAGS[table.dtype], rows, table.hyper(),
+                                          np.zeros(2 * len(groups), np.int64),
+                                          None if total is None else np.asarray(total, np.float64), max_norm,
+                                          CLIP_EPS, np.array([unscale, 0.0]))
+        for be in ("host", "emulated"):
+            for t, u in zip(tables[be, 0].tensors, tables[be, explicit].tensors):
+                for name in ("p", "s0", "s1", "s2", "step"):
+                    assert_bits_equal(t[name], u[name])
+        assert not np.array_equal(tables["host", 0].tensors[-1]["p"], tables["host", 0].tensors[-1]["g"])
+
+
+# (rule, its options without lr): updates of about lr per step for
+# gradients of about 1 with a fixed sign per element.
+TRACKED = {"adamw": dict(ADAMW, betas=(0.9, 0.99), weight_decay=0.0),
+           "sgd": dict(SGD_OPTIONS, momentum=0.0, dampening=0.0, weight_decay=0.0),
+           "lion": dict(LION, betas=(0.9, 0.99), weight_decay=0.0)}
+
+
+def _tracked_reference(rule, p, grads, h):
+    """The float64 run of ``rule`` over ``grads`` (PyTorch's and lion-pytorch's formulas)."""
+    p, m, v = p.astype(np.float64), np.zeros(p.size), np.zeros(p.size)
+    for n, g in enumerate(grads, start=1):
+        if rule == "adamw":
+            (b1, b2) = h["betas"]
+            m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+            p = p - h["lr"] / (1 - b1**n) * m / (np.sqrt(v) / math.sqrt(1 - b2**n) + h["eps"])
+        elif rule == "lion":
+            (b1, b2) = h["betas"]
+            p = p - h["lr"] * np.sign(b1 * m + (1 - b1) * g)
+            m = b2 * m + (1 - b2) * g
+        else:
+            p = p - h["lr"] * g
+    return p
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16)] + ([BF16] if BF16 is not None else []), ids=str)
+@pytest.mark.parametrize("rule", list(TRACKED))
+def test_master_and_kahan_rows_track_float64_where_plain_16_bit_stalls(rule, dtype, backend):
+    # Steps of an eighth of a 16-bit unit in the last place on parameters in
+    # [1, 2): a plain 16-bit parameter rounds each away and stays put; the
+    # float32 master copy and the compensated sum keep them, so after 64
+    # steps (8 units) their parameter is the float64 run's rounded (within
+    # half a unit, and what a compensation buffer of 16 bits loses on the
+    # way). Every backend, the NumPy reference too, since the bits are the same.
+    ulp = _eps(dtype)
+    h = dict(TRACKED[rule], lr=ulp / 8)
+    rng = np.random.default_rng(15)
+    start = rng.uniform(1.0, 2.0, 256).astype(dtype)
+    sign = np.where(rng.uniform(size=256) < 0.5, -1.0, 1.0)
+    grads = [(sign * rng.uniform(0.75, 1.25, 256)).astype(dtype) for _ in range(64)]
+    tensors = []
+    for keep in ("plain", "master", "kahan"):
+        # float32 states, so that the parameter's keep is the only difference from the float64 run's precision.
+        t = {"p": start.copy(), "g": np.zeros(256, dtype), "s0": np.zeros(256, np.float32),
+             "s1": np.zeros(256, np.float32), "step": np.zeros(1, np.float32),
+             "extra": start.astype(np.float32) if keep == "master" else np.zeros(256, dtype)}
+        tensors.append(t)
+    n_states = len(RULES[rule].state_names)
+    states = {"adamw": ("s0", "s1"), "sgd": (), "lion": ("s0",)}[rule]
+    rows = np.array([[t["p"].ctypes.data, t["g"].ctypes.data, *[t[s].ctypes.data if s in states else 0
+                                                                 for s in ("s0", "s1", "s2")],
+                      t["step"].ctypes.data if states else 0, 256, 0, t["extra"].ctypes.data,
+                      precision_word(["float32"] * n_states, keep)]
+                     for t, keep in zip(tensors, ("plain", "master", "kahan"))], np.int64)
+    hyper = np.array(RULES[rule].hyper_row(h), np.float64)
+    for g in grads:
+        for t in tensors:
+            t["g"][...] = g
+        get_backend(backend).step_rows(rule, TAGS[np.dtype(dtype)], rows, hyper, np.zeros(2, np.int64), None, 0.0,
+                                       CLIP_EPS, np.array([1.0, 0.0]))
+    want = _tracked_reference(rule, start, [g.astype(np.float64) for g in grads], h)
+    unit = ulp * 2.0 ** np.floor(np.log2(np.abs(want)))  # the unit in the last place at each element
+    plain, master, kahan = (np.abs(t["p"].astype(np.float64) - want) / unit for t in tensors)
+    assert np.mean(plain) > 4.0, "the plain 16-bit parameter was expected to stall"
+    assert np.max(master) <= 0.5 + 1e-3 and np.max(kahan) <= 0.75
+    # The master copy is the float64 run to float32's precision; the compensated sum nearly so.
+    assert np.max(np.abs(tensors[1]["extra"] - want) / unit) <= 1e-2
+    compensated = tensors[2]["p"].astype(np.float64) + tensors[2]["extra"].astype(np.float64)
+    assert np.max(np.abs(compensated - want) / unit) <= 0.25

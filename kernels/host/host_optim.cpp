@@ -13,8 +13,8 @@
 
 #include "host_prelude.h"
 #include "gpuflat_optim.cuh"
-// The layout's rule numbers, dtypes and item size, and the rules with a
-// kernel struct (written from gpuflat._src.layout).
+// The layout's rule numbers, dtypes and item size, and the rules' kernel
+// structs (written from gpuflat._src.layout).
 #include "gpuflat_rule_includes.h"
 #include "gpuflat_rules.h"
 #include "host_items.h"
@@ -123,14 +123,40 @@ void rule_rows(const ParamRow* rows, long long n_rows, const double* hyper, cons
     });
 }
 
-// The kernels' gpuflat_adamw_rows (gpuflat_adamw_amsgrad_rows),
-// gpuflat_sgd_rows and gpuflat_rule_rows (optim.cu), then
-// gpuflat_count_steps: every update reads its count before any is moved.
-// False for a rule number it does not know.
-template <class S>
-bool rows_step(int rule, const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at,
-               double factor, long long counted_field, int threads) {
+// A rule R (gpuflat_optim.cuh: every rule has a struct) over every row's
+// items, each state of its own dtype and the parameter kept as its row's
+// precision word says, as the kernels' gpuflat_rule_mixed_rows.
+template <class R, class S>
+void mixed_rows(const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at, double factor,
+                int threads) {
     using C = typename gf_compute<S>::type;
+    for_row_items(rows, n_rows, threads, [&](const ParamRow& r, long long first, long long n) {
+        const double* h = hyper + r.group * GF_HYPER;
+        const auto k = R::template setup<C>(h, gf_rule_row_step(r), factor, gf_group_lr(h, lr_at, r.group));
+        for (long long i = first; i < first + n; ++i) gf_rule_mixed_one<R, S>(r, i, k);
+    });
+}
+
+// The update of the rows of the kernels' gpuflat_adamw_rows
+// (gpuflat_adamw_amsgrad_rows), gpuflat_sgd_rows and gpuflat_rule_rows
+// (optim.cu), or, where a row's precision word is not 0,
+// gpuflat_rule_mixed_rows for them all, as the backends launch them. False
+// for a rule number it does not know.
+template <class S>
+bool rows_update(int rule, const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at,
+                 double factor, int threads) {
+    using C = typename gf_compute<S>::type;
+    bool mixed = false;
+    for (long long i = 0; i < n_rows && !mixed; ++i) mixed = rows[i].precision != 0;
+    if (mixed) {
+        switch (rule) {
+#define GF_RULE_CASE(number, R) \
+            case number: mixed_rows<R, S>(rows, n_rows, hyper, lr_at, factor, threads); return true;
+            GF_RULES(GF_RULE_CASE)
+#undef GF_RULE_CASE
+            default: return false;
+        }
+    }
     switch (rule) {
         case GF_RULE_ADAMW:
         case GF_RULE_SGD:
@@ -152,6 +178,15 @@ bool rows_step(int rule, const ParamRow* rows, long long n_rows, const double* h
 #undef GF_RULE_CASE
         default: return false;
     }
+    return true;
+}
+
+// rows_update, then the kernels' gpuflat_count_steps: every update reads
+// its count before any is moved. False for a rule number it does not know.
+template <class S>
+bool rows_step(int rule, const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at,
+               double factor, long long counted_field, int threads) {
+    if (!rows_update<S>(rule, rows, n_rows, hyper, lr_at, factor, threads)) return false;
     for (long long i = 0; i < n_rows; ++i)
         if (gf_counts(rows[i], hyper, counted_field)) *(float*)rows[i].step += 1.0f;
     return true;
@@ -205,6 +240,9 @@ GF_EXPORT int gf_host_optim_step(int rule, int tag, const long long* offsets, lo
 // gpuflat_optim.cuh), as the kernels' row updates and gpuflat_count_steps:
 // rule numbers, total, amp and the return value as for
 // gf_host_optim_step; lr_at and counted_field as the kernels read them.
+// Where any row's precision word is not 0 (a state of another dtype, or the
+// parameter kept beside itself), every row goes through the mixed update,
+// as the backends launch gpuflat_rule_mixed_rows then.
 GF_EXPORT int gf_host_optim_rows(int rule, int tag, const long long* rows, long long n_rows, const double* hyper,
                                  const long long* lr_at, long long counted_field, const double* total,
                                  double max_norm, double eps, const double* amp, int threads) {

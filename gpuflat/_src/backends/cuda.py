@@ -51,8 +51,8 @@ from gpuflat._src import kernel_loader as kl
 from gpuflat._src.dtypes import c_name, dtype_of_tag
 from gpuflat._src.identity import Layout, SameArrays, equal_facts
 from gpuflat._src.layout import (BLOCK_THREADS, C_NAMES, FINISH_THREADS, ITEM, ITEM_WORDS, LEAF_ROW_WORDS, MAX_DIMS,
-                                 ORDERS_TAKEN, ROW_NUMEL, RULES, SMALL_SLOT_ITEMS, WARP, dense_row, leaf_row,
-                                 takes_order, work_items)
+                                 ORDERS_TAKEN, ROW_NUMEL, ROW_PRECISION, RULES, SMALL_SLOT_ITEMS, WARP, dense_row,
+                                 leaf_row, takes_order, work_items)
 from gpuflat._src.memory_order import dense_start
 from gpuflat._src.native import array_facts
 
@@ -242,18 +242,24 @@ class CudaBackend:
         step counts. The rows, the groups' hyperparameters and the items
         are uploaded with no host wait (and checked, as
         ``Rule.check_rows`` checks them, when new); the clip factor is
-        taken from ``total`` on the device."""
+        taken from ``total`` on the device. Where any row's precision word
+        is not 0 (a state of another dtype than its parameter, or the
+        parameter kept through a master copy or a compensation), the
+        update is the rule's mixed kernel (``Rule.mixed_rows_kernel``,
+        element by element) for every row of the table."""
         rt, rule_of = self.runtime, RULES[rule]
         rows = np.ascontiguousarray(rows, np.int64)
         items = _row_items(rows[:, ROW_NUMEL].tobytes())
-        tables, flag = self._step_tables.get(lambda: rule_of.checked_flag(rows, hyper), rows, items, hyper, lr_at)
+        tables, (flag, mixed) = self._step_tables.get(
+            lambda: (rule_of.checked_flag(rows, hyper), bool(rows[:, ROW_PRECISION].any())),
+            rows, items, hyper, lr_at)
         on_device = [t.array for t in tables]
         clip = total is not None
         n_items = len(items) // ITEM_WORDS
         args = [on_device[1], np.int64(n_items), on_device[0], on_device[2], on_device[3],
                 total if clip else on_device[2], np.float64(max_norm), np.float64(eps), np.int64(clip), amp]
         block = min(rt.block, BLOCK_THREADS)
-        name = rule_of.rows_kernel(C_NAMES[tag], flag)
+        name = rule_of.mixed_rows_kernel(C_NAMES[tag]) if mixed else rule_of.rows_kernel(C_NAMES[tag], flag)
         rt.launch(name, self.grid or rt.grid_for(n_items), block, args, tables)
         rt.launch(kl.COUNT_STEPS_NAME, self.grid or rt.grid_for(-(-len(rows) // WARP)), block,
                   [on_device[0], np.int64(len(rows)), on_device[2], np.int64(rule_of.counted_field), amp],

@@ -200,7 +200,8 @@ class HostBackend(HostMemory):
 
     def step_rows(self, rule: str, tag: int, rows: np.ndarray, hyper: np.ndarray, lr_at: np.ndarray, total: Any,
                   max_norm: float, eps: float, amp: np.ndarray) -> None:
-        """One optimizer update of parameters where they are, in native code (see the protocol).
+        """One optimizer update of parameters where they are, in native code (see the protocol): the
+        library runs the mixed update where any row's precision word is not 0.
 
         >>> import numpy as np
         >>> p, g, buf = np.ones(2, np.float32), np.full(2, 4.0, np.float32), np.zeros(2, np.float32)

@@ -189,13 +189,22 @@ class Backend(Protocol):
                   max_norm: float, eps: float, amp: Any) -> None:
         """One optimizer update of parameters where they are (PyTorch's, one
         table row each), in place: ``rows`` is a host int64 array of
-        gpuflat._src.layout.PARAM_ROW_FIELDS per parameter, every tensor of dtype
-        tag ``tag``, dense and laid out alike, addressed at its lowest
-        element; ``hyper`` the groups' rows (host float64) and ``lr_at`` where
-        a tensor ``lr`` is read instead (host int64, address and dtype tag per
-        group). ``total``, ``max_norm``, ``eps`` and ``amp`` as for
-        :meth:`step_`. Each row's float32 step count is read as the count
-        before this step and then incremented, unless ``amp[1]`` skips, where
+        gpuflat._src.layout.PARAM_ROW_FIELDS per parameter, the parameter and
+        its gradient of dtype tag ``tag``, every tensor dense and laid out
+        alike, addressed at its lowest element; ``hyper`` the groups' rows
+        (host float64) and ``lr_at`` where a tensor ``lr`` is read instead
+        (host int64, address and dtype tag per group). A row's precision
+        word (``layout.precision_word``) gives each state's dtype (0: the
+        parameter's; a plain row's word is 0) and how the parameter is kept
+        (``layout.KEEPS``): updated in place, through the float32 master copy
+        at the row's ``extra`` address, or with the compensation buffer of
+        the parameter's dtype there. A table with any nonzero word is
+        updated element by element (the rule's mixed kernel), to the bits of
+        the NumPy backend's ``_kept_update``. ``total``, ``max_norm``,
+        ``eps`` and ``amp`` as for :meth:`step_`. Each row's float32 step
+        count is read as the count before this step and then incremented,
+        unless ``amp[1]`` skips, where
         its group's steps count (``Rule.counted_when``: SGD's only with
         momentum, a count of 0 marking a new buffer). A row lacking a word
-        its group needs is refused (``Rule.check_rows``) before any write."""
+        its group needs, or a kept row its ``extra`` address, is refused
+        (``Rule.check_rows``) before any write."""
