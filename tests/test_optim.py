@@ -299,6 +299,16 @@ def test_cupy_arrays_give_the_emulated_bits(variant, monkeypatch):
 # library and the NumPy reference, against float64 and against each other.
 
 ROW_SIZES = (0, 1, 5, ITEM + 3, 2 * ITEM)  # empty, tiny, ragged, past an item, whole items
+# A row's state words, by the key of a test's tensor set that holds each.
+STATE_WORDS = {"state0": "s0", "state1": "s1", "state2": "s2", "step": "step"}
+
+
+def param_row(**words) -> list:
+    """A parameter row (PARAM_ROW_FIELDS) of the words given by name, 0 elsewhere."""
+    row = [0] * len(PARAM_ROW_FIELDS)
+    for field, word in words.items():
+        row[PARAM_ROW_FIELDS.index(field)] = word
+    return row
 
 
 def _eps(dtype) -> float:
@@ -333,8 +343,9 @@ class Rows:
         rows = []
         for t in self.tensors:
             kept = keeps(t)
-            words = [t[k].ctypes.data if k in kept else 0 for k in ("s0", "s1", "s2", "step")]
-            rows.append([t["p"].ctypes.data, t["g"].ctypes.data, *words, t["p"].size, t["group"], 0, precision])
+            words = {f: t[k].ctypes.data for f, k in STATE_WORDS.items() if k in kept}
+            rows.append(param_row(param=t["p"].ctypes.data, grad=t["g"].ctypes.data, numel=t["p"].size,
+                                  group=t["group"], precision=precision, **words))
         return np.array(rows, np.int64).reshape(-1, len(PARAM_ROW_FIELDS))
 
     def hyper(self) -> np.ndarray:
@@ -627,9 +638,10 @@ class MixedRows:
         rows = []
         for t in self.tensors:
             kept = self.keeps(t)
-            words = [t[k].ctypes.data if k in kept else 0 for k in ("s0", "s1", "s2", "step")]
-            rows.append([t["p"].ctypes.data, t["g"].ctypes.data, *words, t["p"].size, t["group"],
-                         t["extra"].ctypes.data, t["precision"]])
+            words = {f: t[k].ctypes.data for f, k in STATE_WORDS.items() if k in kept}
+            rows.append(param_row(param=t["p"].ctypes.data, grad=t["g"].ctypes.data, numel=t["p"].size,
+                                  group=t["group"], extra=t["extra"].ctypes.data, precision=t["precision"],
+                                  **words))
         return np.array(rows, np.int64).reshape(-1, len(PARAM_ROW_FIELDS))
 
     def hyper(self) -> np.ndarray:
@@ -771,10 +783,10 @@ def test_master_and_kahan_rows_track_float64_where_plain_16_bit_stalls(rule, dty
         tensors.append(t)
     n_states = len(RULES[rule].state_names)
     states = {"adamw": ("s0", "s1"), "sgd": (), "lion": ("s0",)}[rule]
-    rows = np.array([[t["p"].ctypes.data, t["g"].ctypes.data, *[t[s].ctypes.data if s in states else 0
-                                                                 for s in ("s0", "s1", "s2")],
-                      t["step"].ctypes.data if states else 0, 256, 0, t["extra"].ctypes.data,
-                      precision_word(["float32"] * n_states, keep)]
+    rows = np.array([param_row(param=t["p"].ctypes.data, grad=t["g"].ctypes.data, numel=256,
+                               extra=t["extra"].ctypes.data, precision=precision_word(["float32"] * n_states, keep),
+                               **{f: t[k].ctypes.data for f, k in STATE_WORDS.items() if k in (*states, "step")
+                                  and (k != "step" or states)})
                      for t, keep in zip(tensors, ("plain", "master", "kahan"))], np.int64)
     hyper = np.array(RULES[rule].hyper_row(h), np.float64)
     for g in grads:

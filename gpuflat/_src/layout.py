@@ -164,6 +164,27 @@ def precision_word(state_dtypes: Sequence[str | None] = (), keep: str = "plain")
     return word
 
 
+def _check_precision_words(rows: np.ndarray) -> None:
+    """Raise ValueError, naming the first such row, where a precision word
+    names a state dtype the optimizers do not take or a keep past ``KEEPS``.
+
+    >>> _check_precision_words(np.array([[0] * (PARAM_ROW_WORDS - 1) + [precision_word(["complex64"])]]))
+    Traceback (most recent call last):
+    ...
+    ValueError: parameter row 0: expected a precision word of optimizer dtypes and a keep of KEEPS, found 5
+    """
+    words = rows[:, ROW_PRECISION]
+    taken = np.array([True] + [row.optim for row in DTYPES] + [False] * (16 - 1 - len(DTYPES)))
+    mask = (1 << PRECISION_TAG_BITS) - 1
+    bad = (words < 0) | (words >> KEEP_SHIFT >= len(KEEPS))
+    for k in range(3):
+        bad |= ~taken[(words >> (PRECISION_TAG_BITS * k)) & mask]
+    if bad.any():
+        j = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"parameter row {j}: expected a precision word of optimizer dtypes and a keep of KEEPS, "
+                         f"found {words[j]}")
+
+
 def precision_of(word: int) -> tuple[tuple[str | None, ...], str]:
     """The state dtype names (None: the parameter's) and the keep of a
     precision word: ``precision_word`` read back."""
@@ -394,7 +415,10 @@ class Rule:
                   for k, (flag, name) in enumerate(self.flag_states)]
         needs = [need for need in needs if need[2] is None or table[:, need[2]].any()]
         absent = rows[:, [word for _, word, _ in needs]] == 0
-        kept_beside = (rows[:, ROW_PRECISION] >> KEEP_SHIFT != 0) & (rows[:, ROW_EXTRA] == 0)
+        precision = rows[:, ROW_PRECISION]
+        if precision.any():
+            _check_precision_words(rows)
+        kept_beside = (precision >> KEEP_SHIFT != 0) & (rows[:, ROW_EXTRA] == 0)
         if kept_beside.any():
             bad = np.flatnonzero(kept_beside)[0]
             raise ValueError(f"parameter row {bad} (group {rows[bad, ROW_GROUP]}): expected the address of its "
@@ -684,7 +708,7 @@ def rules_header() -> str:
     ``GF_GENERIC_RULES(X)`` for each rule not ``tuned``, which the host
     library's dispatch expands (their headers come from ``rule_includes``);
     the precision word's fields (``GF_PRECISION_TAG_BITS``,
-    ``GF_KEEP_<NAME>``, ``GFKEEP_SHIFT``); and each norm kind's number
+    ``GF_KEEP_<NAME>``, ``GF_KEEP_SHIFT``); and each norm kind's number
     (``GF_NORM_<NAME>``) and ``GF_NORM_KINDS(X)`` calling ``X(number)`` for
     each, which the host library's switch over kinds expands. It includes
     nothing: gpuflat_common.cuh includes it before any other kernel code.
@@ -705,7 +729,7 @@ def rules_header() -> str:
     lines += [f"#define GF_RULE_{rule.name.upper()} {rule.number}" for rule in RULES.values()]
     lines.append(_x_macro("GF_RULES", [f"{rule.number}, {rule.kernel}" for rule in RULES.values()]))
     lines.append(_x_macro("GF_GENERIC_RULES", [f"{rule.number}, {rule.kernel}" for rule in _generic_rules()]))
-    lines += [f"#define GF_PRECISION_TAG_BITS {PRECISION_TAG_BITS}", f"#define GFKEEP_SHIFT {KEEP_SHIFT}"]
+    lines += [f"#define GF_PRECISION_TAG_BITS {PRECISION_TAG_BITS}", f"#define GF_KEEP_SHIFT {KEEP_SHIFT}"]
     lines += [f"#define GF_KEEP_{keep.upper()} {number}" for number, keep in enumerate(KEEPS)]
     lines += [f"#define GF_NORM_{kind.name.upper()} {kind.number}" for kind in NORMS.values()]
     lines.append(_x_macro("GF_NORM_KINDS", [str(kind.number) for kind in NORMS.values()]))

@@ -318,11 +318,18 @@ class _Found:
 
 
 def _derive(found: _Found, ks: np.ndarray | None = None) -> None:
-    """``found.lacking`` and ``found.masked`` for the parameters at ``ks`` (all for None)."""
+    """``found.lacking``, ``found.masked`` and ``found.row_precision`` for
+    the parameters at ``ks`` (all for None)."""
+    at: np.ndarray | slice = slice(None) if ks is None else ks
     if ks is None or found.lacking is None or found.masked is None or found.row_precision is None:
-        ks = slice(None)  # all: the three are derived together
+        at = slice(None)  # all: the three are derived together
         found.lacking, found.masked = np.zeros(len(found.everything), bool), np.zeros_like(found.words)
         found.row_precision = np.zeros_like(found.precision)
+    _derive_at(found, at)
+
+
+def _derive_at(found: _Found, ks: np.ndarray | slice) -> None:
+    assert found.lacking is not None and found.masked is not None and found.row_precision is not None
     need = found.needs[found.group_of[ks]]
     need[:, _EXTRA] &= found.narrow[ks]
     found.lacking[ks] = (need & ~found.present[ks]).any(axis=1)
@@ -522,7 +529,7 @@ def _reread(optimizer: torch.optim.Optimizer, rule: Rule, found: _Found, ks: Arr
         param_facts = _facts([local_p])
         found.narrow[k] = takes_keep(local_p)
         found.precision[k] = _precision_words(tensor_facts.dtype_codes(param_facts), codes[:_EXTRA],
-                                              [KEEPS.index(keep) if present[_EXTRA] else 0])[0]
+                                              np.array([KEEPS.index(keep) if present[_EXTRA] else 0]))[0]
         found.checked[k] = (local_p.numel(), int(param_facts[0, 2]))
     _, fresh = tensor_facts.state_words({found.everything[k]: state.get(found.everything[k], {})
                                          for k in ks.tolist()}, _tensor_names(rule))

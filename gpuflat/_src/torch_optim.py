@@ -440,9 +440,9 @@ class FlatOptimizer(torch.optim.Optimizer):
         saved_ids = [k for group in state_dict["param_groups"] for k in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         for k, p in zip(saved_ids, params):
-            loaded = self.state.get(p)
+            loaded = self.state.get(p, {})
             for name, value in state_dict["state"].get(k, {}).items():
-                now = None if loaded is None else loaded.get(name)
+                now = loaded.get(name)
                 if name != "step" and isinstance(value, torch.Tensor) and isinstance(now, torch.Tensor) and \
                         value.is_floating_point() and value.dtype != now.dtype:
                     loaded[name] = value.to(device=now.device)
