@@ -393,7 +393,7 @@ class Lion(_FlatOptimizer):
     :class:`AdamW`'s: ``max_norm``, both GradScalers, ``pp_mesh``/``tied``,
     DTensors, ``torch.compile(opt.step)``, CUDA-graph capture, state dicts,
     and the precision options (``master_weights``, ``kahan_sum``,
-    ``exp_avg_dtype``).
+    ``bf16_stochastic_round``, ``exp_avg_dtype``).
 
     >>> import torch, gpuflat.torch as gft
     >>> w = torch.nn.Parameter(torch.tensor([1.0, -1.0, 0.5]))
@@ -410,8 +410,10 @@ class Lion(_FlatOptimizer):
                  weight_decay: float = 0.0, *, maximize: bool = False, foreach: bool | None = None,
                  differentiable: bool = False, max_norm: float | None = None, norm_type: float | str = 2.0,
                  pp_mesh: Any = None, tied: Iterable | None = None, master_weights: bool = False,
-                 kahan_sum: bool = False, exp_avg_dtype: torch.dtype | None = None):
+                 kahan_sum: bool = False, bf16_stochastic_round: bool = False, rounding_seed: int = 0,
+                 exp_avg_dtype: torch.dtype | None = None):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, foreach=foreach,
                         differentiable=differentiable,
-                        **_precision_defaults("lion", master_weights, kahan_sum, exp_avg_dtype=exp_avg_dtype))
+                        **_precision_defaults("lion", master_weights, kahan_sum, bf16_stochastic_round, rounding_seed,
+                                              exp_avg_dtype=exp_avg_dtype))
         super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied)

@@ -51,6 +51,11 @@ struct ParamRow {
     long long precision;
 };
 
+// The keep of a row's precision word (GF_KEEP_*).
+__device__ __forceinline__ int gf_row_keep(long long precision) {
+    return (int)((precision >> GF_KEEP_SHIFT) & ((1LL << GF_KEEP_BITS) - 1));
+}
+
 // The factor a group's gradients are multiplied by: `factor` (the clip and
 // unscale, in the compute type), negated where the group maximizes.
 // -(g * c) is g * (-c) bit for bit (negation is exact and rounding is
@@ -326,7 +331,9 @@ __device__ __forceinline__ double gf_sgd_row_step(const ParamRow& r, const doubl
 // hyperparameter `counted_field` is nonzero (gpuflat._src.layout.Rule.counted_field;
 // -1: every step counts).
 __device__ __forceinline__ bool gf_counts(const ParamRow& r, const double* hyper, long long counted_field) {
-    return r.step != 0 && (counted_field < 0 || hyper[r.group * GF_HYPER + counted_field] != 0.0);
+    // A stochastically rounded row counts every step: its draws are keyed by the count.
+    return r.step != 0 && (counted_field < 0 || hyper[r.group * GF_HYPER + counted_field] != 0.0 ||
+                           gf_row_keep(r.precision) == GF_KEEP_STOCHASTIC);
 }
 
 // ---------------------------------------------------------------- rules as data
@@ -451,7 +458,37 @@ struct gf_sgd {
 __device__ __forceinline__ int gf_state_field(long long precision, int t) {
     return (int)((precision >> (GF_PRECISION_TAG_BITS * t)) & ((1LL << GF_PRECISION_TAG_BITS) - 1));
 }
-__device__ __forceinline__ int gf_row_keep(long long precision) { return (int)(precision >> GF_KEEP_SHIFT); }
+// The row's key for stochastic rounding.
+__device__ __forceinline__ unsigned gf_row_key(long long precision) { return (unsigned)(precision >> GF_KEY_SHIFT); }
+
+// The 16 random bits stochastic rounding adds below element i of a row
+// with key `key` at step count `step` (gpuflat._src.layout.stochastic_bits):
+// splitmix64's output function (Steele, Lea and Flood 2014,
+// https://doi.org/10.1145/2714064.2660195) of the three, a counter-based
+// draw: the same on every backend, new at every step, as a captured step's
+// count moves at each replay.
+__device__ __forceinline__ unsigned gf_stochastic_bits(unsigned key, unsigned step, unsigned long long i) {
+    unsigned long long z = (((unsigned long long)key << 32) | step) ^ (i * 0x9E3779B97F4A7C15ULL);
+    z += 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    return (unsigned)(z & 0xFFFF);
+}
+
+// c rounded into x up or down at random: `bits` added below the 16 bits a
+// bfloat16 keeps of a float, then truncated, so that c rounds up with the
+// probability of its distance from the value below (NaN and inf round to
+// nearest). Other types round to nearest: the layout keeps bfloat16
+// parameters only this way.
+template <class P, class C>
+__device__ __forceinline__ void gf_store_stochastic(P& x, C c, unsigned) {
+    gf_store(x, c);
+}
+__device__ __forceinline__ void gf_store_stochastic(bf16& x, float c, unsigned bits) {
+    if (c - c == 0.0f) x.bits = (unsigned short)((__float_as_uint(c) + bits) >> 16);  // finite
+    else gf_store(x, c);
+}
 
 // Element i of the tensor at `at` whose dtype is given by a precision
 // word's `field`, in the compute type C, and back (rounded once, as
@@ -490,12 +527,15 @@ __device__ __forceinline__ void gf_store_field(long long at, int field, long lon
 //   reference copies the master);
 // - GF_KEEP_KAHAN: on value = (C)param + (C)comp (comp at `extra`, of type
 //   P); the parameter takes value rounded into P, comp what that rounding
-//   lost, value - (C)param, rounded into P.
+//   lost, value - (C)param, rounded into P;
+// - GF_KEEP_STOCHASTIC: on the parameter, rounded into it at random
+//   (gf_store_stochastic), with the draw of element i at `step`, the row's
+//   count after this step.
 // The operations and their order are gpuflat._src.backends.numpy_backend's
 // _kept_update. The word's fields are the same for every element of a row,
 // so each switch takes one way in a warp.
 template <class R, class P, class K>
-__device__ __forceinline__ void gf_rule_mixed_one(const ParamRow& r, long long i, const K& k) {
+__device__ __forceinline__ void gf_rule_mixed_one(const ParamRow& r, long long i, const K& k, unsigned step) {
     using C = typename gf_compute<P>::type;
     const int keep = gf_row_keep(r.precision);
     P* const p = (P*)r.param;
@@ -524,6 +564,8 @@ __device__ __forceinline__ void gf_rule_mixed_one(const ParamRow& r, long long i
         gf_store(q, pc);
         p[i] = q;
         gf_store(((P*)r.extra)[i], pc - gf_load<C>(q));
+    } else if (keep == GF_KEEP_STOCHASTIC) {
+        gf_store_stochastic(p[i], pc, gf_stochastic_bits(gf_row_key(r.precision), step, (unsigned long long)i));
     } else {
         gf_store(p[i], pc);
     }

@@ -388,9 +388,11 @@ gpuflat_rule_mixed_rows(const Item* __restrict__ items, long long n_items, const
     gf_for_row_items(items, n_items, rows, amp, [&](const ParamRow& r, const Item& item, int lane) {
         const double* h = hyper + r.group * GF_HYPER;
         const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
-        const auto k = R::template setup<C>(h, gf_rule_row_step(r), factor, gf_group_lr(h, lr_at, r.group));
+        const double step = gf_rule_row_step(r);
+        const auto k = R::template setup<C>(h, step, factor, gf_group_lr(h, lr_at, r.group));
 #pragma unroll 1
-        for (long long i = lane; i < item.len; i += GF_WARP) gf_rule_mixed_one<R, P>(r, item.start + i, k);
+        for (long long i = lane; i < item.len; i += GF_WARP)
+            gf_rule_mixed_one<R, P>(r, item.start + i, k, (unsigned)step);
     });
 }
 

@@ -586,8 +586,11 @@ MIXED_GROUPS = {
 
 
 def _keeps_for(dtype) -> tuple:
-    # A float32 master copy is what a 16-bit parameter keeps; wider ones keep a compensation at most.
-    return ("plain", "master", "kahan") if np.dtype(dtype).itemsize == 2 else ("plain", "kahan")
+    # A float32 master copy is what a 16-bit parameter keeps; wider ones keep
+    # a compensation at most; stochastic rounding is bfloat16's.
+    if np.dtype(dtype).itemsize != 2:
+        return ("plain", "kahan")
+    return ("plain", "master", "kahan") + (("stochastic",) if np.dtype(dtype).name == "bfloat16" else ())
 
 
 class MixedRows:
@@ -621,7 +624,9 @@ class MixedRows:
                             t["extra"] = exact.astype(np.float32)
                         else:
                             t["extra"] = (_eps(self.dtype) * 0.3 * rng.standard_normal(n)).astype(self.dtype)
-                        t["precision"] = precision_word([name] * n_states, keep)
+                        # Each stochastically rounded row with a key of its own.
+                        t["precision"] = precision_word([name] * n_states, keep,
+                                                        len(self.tensors) + 1 if keep == "stochastic" else 0)
                         self.tensors.append(t)
 
     def keeps(self, t) -> set:
@@ -688,7 +693,7 @@ def test_mixed_rows_give_the_numpy_references_bits(rule, dtype):
     # What a row does not use is never written: a plain row's extra, AdamW's
     # max_exp_avg_sq without amsgrad, SGD's buffer without momentum.
     for t, b in zip(ref.tensors, before):
-        untouched = [] if t["keep"] != "plain" else ["extra"]
+        untouched = ["extra"] if t["keep"] in ("plain", "stochastic") else []
         if rule == "adamw" and not ref.groups[t["group"]].get("amsgrad"):
             untouched.append("s2")
         if rule == "sgd" and not ref.groups[t["group"]]["momentum"]:

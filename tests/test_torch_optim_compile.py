@@ -334,6 +334,7 @@ PRECISION = {
     "adamw-master": (gft.AdamW, dict(lr=1e-2, master_weights=True, exp_avg_dtype=torch.float32)),
     "sgd-kahan": (gft.SGD, dict(lr=0.05, momentum=0.9, kahan_sum=True)),
     "lion-master": (gft.Lion, dict(lr=1e-3, master_weights=True, exp_avg_dtype=torch.float32)),
+    "sgd-stochastic": (gft.SGD, dict(lr=0.05, bf16_stochastic_round=True, rounding_seed=5)),
 }
 
 
@@ -351,6 +352,10 @@ def test_precision_options_compile_with_the_eager_bits(name):
 
     without_recompiling(4, both)
     assert_same_bits(model, opt, twin, twin_opt)
+    if kw.get("bf16_stochastic_round"):
+        # The draws are keyed by each parameter's count, which the compiled steps moved.
+        assert all(float(opt.state[p]["step"]) == 4 for p in model.parameters())
+        return
     kept = "kahan_comp" if kw.get("kahan_sum") else "master_param"
     # Each holds what its bfloat16 parameter could not.
     lost = [opt.state[p][kept].float() - (0 if kept == "kahan_comp" else p.float()) for p in model.parameters()]

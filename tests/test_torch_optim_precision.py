@@ -233,3 +233,64 @@ def test_precision_options_are_checked_before_anything_is_made():
         train(net, opt, steps=1)
     assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
     assert all("master_param" not in s and "kahan_comp" not in s for s in opt.state.values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stochastic_rounding_keeps_updates_in_expectation(backend):
+    # SGD without momentum moves every weight by lr * 1 = 1e-4 a step, a
+    # fortieth of the bfloat16 ulp at 1.0: rounded to nearest, nothing moves;
+    # rounded at random, each weight's expected value is the exact one, and
+    # the mean of 4096 weights lies within a few standard deviations
+    # (0.0039 / 2 * sqrt(STEPS) / sqrt(4096) about 1e-4) of it.
+    moved = {}
+    for option in ({}, {"bf16_stochastic_round": True}):
+        w = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+        opt = gft.SGD([w], lr=1e-4, **option)
+        with tensor_table.serve_with(get_backend(backend)):
+            for _ in range(50):
+                w.grad = torch.ones_like(w)
+                opt.step()
+        moved[str(option)] = w.detach().double()
+        if option:
+            # Its draws are keyed by a count, which SGD without momentum keeps for them.
+            assert float(opt.state[w]["step"]) == 50
+    plain, drawn = moved.values()
+    assert torch.equal(plain, torch.ones_like(plain))
+    assert abs(float(drawn.mean()) - (1 - 50e-4)) < 1e-3 and len(set(drawn.tolist())) > 1
+
+
+def test_stochastic_rounding_draws_anew_each_step_the_same_for_a_seed():
+    def run(seed, steps):
+        w = torch.nn.Parameter(torch.ones(512, dtype=torch.bfloat16))
+        opt = gft.AdamW([w], lr=1e-3, bf16_stochastic_round=True, rounding_seed=seed)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(steps):
+            w.grad = torch.randn(512, generator=g).to(torch.bfloat16)
+            opt.step()
+        return w.detach().clone()
+
+    assert torch.equal(run(3, 4), run(3, 4))
+    assert not torch.equal(run(3, 4), run(4, 4))
+    # One step's draws do not repeat the last's: the same gradient twice
+    # from the same value would move the same way.
+    w = torch.nn.Parameter(torch.ones(512, dtype=torch.bfloat16))
+    opt = gft.SGD([w], lr=1e-3, bf16_stochastic_round=True)
+    ups = []
+    for _ in range(2):
+        w.data.fill_(1.0)
+        w.grad = torch.full_like(w, -1.0)  # 1 + 1e-3: a quarter of the ulp above 1.0 (0.0078)
+        opt.step()
+        ups.append(w.detach() > 1)
+    assert not torch.equal(ups[0], ups[1]) and 0.05 < float(ups[0].float().mean()) < 0.3
+
+
+def test_stochastic_rounding_leaves_other_dtypes_rounded_to_nearest():
+    params = [torch.nn.Parameter(torch.ones(64, dtype=dtype)) for dtype in (torch.float16, torch.bfloat16)]
+    opt = gft.SGD(params, lr=1e-4, bf16_stochastic_round=True)
+    for _ in range(20):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    # Half of float16's ulp below 1.0 (0.00049) is more than each step's 1e-4: lost, rounded to nearest.
+    assert torch.equal(params[0].detach(), torch.ones(64, dtype=torch.float16))
+    assert len(set(params[1].detach().tolist())) > 1

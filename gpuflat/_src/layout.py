@@ -138,27 +138,39 @@ ROW_STEP, ROW_NUMEL, ROW_GROUP, ROW_EXTRA, ROW_PRECISION = (
 # - "kahan": ``extra`` is a compensation buffer of the parameter's dtype.
 #   The update reads parameter + compensation in the compute type, writes
 #   the parameter rounded, and the compensation as what that rounding lost,
-#   rounded (Kahan's compensated sum, https://doi.org/10.1145/363707.363723).
-KEEPS = ("plain", "master", "kahan")
+#   rounded (Kahan's compensated sum, https://doi.org/10.1145/363707.363723);
+# - "stochastic": a bfloat16 parameter updated in place, rounded up or down
+#   at random with the probabilities of its distances to the two
+#   (``stochastic_bits``: a counter-based draw keyed by the row's key, its
+#   step count and the element), so that its expected value is the update's.
+KEEPS = ("plain", "master", "kahan", "stochastic")
+# The keeps with a buffer at ``extra``.
+KEPT_BESIDE = ("master", "kahan")
 # A precision word's bits: PRECISION_TAG_BITS per state (state0 lowest)
-# holding its dtype tag + 1 (0: the parameter's dtype), then the keep.
+# holding its dtype tag + 1 (0: the parameter's dtype), then KEEP_BITS of
+# the keep, then from KEY_SHIFT the row's key for stochastic rounding (below
+# 2**31, so that the word is never negative).
 PRECISION_TAG_BITS = 4
 KEEP_SHIFT = PRECISION_TAG_BITS * 3
+KEEP_BITS = 4
+KEY_SHIFT = 32
 # The C++ names of the buffer dtypes the optimizer kernels are instantiated
 # for (the rows with ``optim``).
 OPTIM_DTYPES = tuple(row.c_name for row in DTYPES if row.optim)
 
 
-def precision_word(state_dtypes: Sequence[str | None] = (), keep: str = "plain") -> int:
+def precision_word(state_dtypes: Sequence[str | None] = (), keep: str = "plain", key: int = 0) -> int:
     """A row's precision word: the dtype name of each state in the row's
-    order (None: the parameter's) and how it keeps its parameter (``KEEPS``).
+    order (None: the parameter's), how it keeps its parameter (``KEEPS``)
+    and its key for stochastic rounding (below 2**31).
 
     >>> precision_word(), precision_word(["float32", None, "float32"], "master")
     (0, 4867)
-    >>> precision_of(4867)
-    (('float32', None, 'float32'), 'master')
+    >>> precision_of(4867), precision_of(precision_word(keep="stochastic", key=5))
+    ((('float32', None, 'float32'), 'master', 0), ((None, None, None), 'stochastic', 5))
     """
-    word = KEEPS.index(keep) << KEEP_SHIFT
+    assert 0 <= key < 1 << 31, "a key keeps the word non-negative"
+    word = KEEPS.index(keep) << KEEP_SHIFT | key << KEY_SHIFT
     for k, name in enumerate(state_dtypes):
         word |= 0 if name is None else (TAG_OF_NAME[name] + 1) << (PRECISION_TAG_BITS * k)
     return word
@@ -176,7 +188,8 @@ def _check_precision_words(rows: np.ndarray) -> None:
     words = rows[:, ROW_PRECISION]
     taken = np.array([True] + [row.optim for row in DTYPES] + [False] * (16 - 1 - len(DTYPES)))
     mask = (1 << PRECISION_TAG_BITS) - 1
-    bad = (words < 0) | (words >> KEEP_SHIFT >= len(KEEPS))
+    bad = (words < 0) | (keep_numbers(words) >= len(KEEPS)) | \
+        ((words >> (KEEP_SHIFT + KEEP_BITS)) & ((1 << (KEY_SHIFT - KEEP_SHIFT - KEEP_BITS)) - 1) != 0)
     for k in range(3):
         bad |= ~taken[(words >> (PRECISION_TAG_BITS * k)) & mask]
     if bad.any():
@@ -185,12 +198,46 @@ def _check_precision_words(rows: np.ndarray) -> None:
                          f"found {words[j]}")
 
 
-def precision_of(word: int) -> tuple[tuple[str | None, ...], str]:
-    """The state dtype names (None: the parameter's) and the keep of a
-    precision word: ``precision_word`` read back."""
+def precision_of(word: int) -> tuple[tuple[str | None, ...], str, int]:
+    """The state dtype names (None: the parameter's), the keep and the key
+    of a precision word: ``precision_word`` read back."""
     mask = (1 << PRECISION_TAG_BITS) - 1
     tags = [(word >> (PRECISION_TAG_BITS * k)) & mask for k in range(3)]
-    return tuple(None if t == 0 else DTYPES[t - 1].name for t in tags), KEEPS[word >> KEEP_SHIFT]
+    keep = KEEPS[(word >> KEEP_SHIFT) & ((1 << KEEP_BITS) - 1)]
+    return tuple(None if t == 0 else DTYPES[t - 1].name for t in tags), keep, word >> KEY_SHIFT
+
+
+def keep_numbers(words: np.ndarray) -> np.ndarray:
+    """The keep (a number of ``KEEPS``) of each precision word.
+
+    >>> keep_numbers(np.array([precision_word(keep="kahan", key=3)])).tolist()
+    [2]
+    """
+    return (words >> KEEP_SHIFT) & ((1 << KEEP_BITS) - 1)
+
+
+# splitmix64's constants (Steele, Lea and Flood, "Fast splittable
+# pseudorandom number generators", https://doi.org/10.1145/2714064.2660195).
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def stochastic_bits(key: int, step: int, i: np.ndarray) -> np.ndarray:
+    """The 16 random bits that stochastic rounding adds below a bfloat16
+    (gf_stochastic_bits): splitmix64's output function of (key, step) and
+    the element's index ``i``, so that a draw is a function of the row's
+    key, its step count and the element, the same on every backend and in
+    every replay of a captured step at the same count.
+
+    >>> stochastic_bits(1, 1, np.arange(3)).tolist()
+    [38255, 55011, 14248]
+    """
+    with np.errstate(over="ignore"):
+        z = np.uint64((key << 32) | (step & 0xFFFFFFFF)) ^ (np.asarray(i, np.uint64) * np.uint64(_GOLDEN))
+        z = z + np.uint64(_GOLDEN)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
+        z = z ^ (z >> np.uint64(31))
+    return (z & np.uint64(0xFFFF)).astype(np.uint32)
 
 
 @dataclass(frozen=True)
@@ -418,11 +465,12 @@ class Rule:
         precision = rows[:, ROW_PRECISION]
         if precision.any():
             _check_precision_words(rows)
-        kept_beside = (precision >> KEEP_SHIFT != 0) & (rows[:, ROW_EXTRA] == 0)
+        beside = np.isin(keep_numbers(precision), [KEEPS.index(keep) for keep in KEPT_BESIDE])
+        kept_beside = beside & (rows[:, ROW_EXTRA] == 0)
         if kept_beside.any():
             bad = np.flatnonzero(kept_beside)[0]
             raise ValueError(f"parameter row {bad} (group {rows[bad, ROW_GROUP]}): expected the address of its "
-                             f"{KEEPS[rows[bad, ROW_PRECISION] >> KEEP_SHIFT]} buffer, found 0")
+                             f"{KEEPS[keep_numbers(precision)[bad]]} buffer, found 0")
         if not absent.any():  # the common case, in one pass
             return
         group = rows[:, ROW_GROUP]
@@ -708,7 +756,8 @@ def rules_header() -> str:
     ``GF_GENERIC_RULES(X)`` for each rule not ``tuned``, which the host
     library's dispatch expands (their headers come from ``rule_includes``);
     the precision word's fields (``GF_PRECISION_TAG_BITS``,
-    ``GF_KEEP_<NAME>``, ``GF_KEEP_SHIFT``); and each norm kind's number
+    ``GF_KEEP_<NAME>``, ``GF_KEEP_SHIFT``, ``GF_KEEP_BITS``,
+    ``GF_KEY_SHIFT``); and each norm kind's number
     (``GF_NORM_<NAME>``) and ``GF_NORM_KINDS(X)`` calling ``X(number)`` for
     each, which the host library's switch over kinds expands. It includes
     nothing: gpuflat_common.cuh includes it before any other kernel code.
@@ -729,7 +778,8 @@ def rules_header() -> str:
     lines += [f"#define GF_RULE_{rule.name.upper()} {rule.number}" for rule in RULES.values()]
     lines.append(_x_macro("GF_RULES", [f"{rule.number}, {rule.kernel}" for rule in RULES.values()]))
     lines.append(_x_macro("GF_GENERIC_RULES", [f"{rule.number}, {rule.kernel}" for rule in _generic_rules()]))
-    lines += [f"#define GF_PRECISION_TAG_BITS {PRECISION_TAG_BITS}", f"#define GF_KEEP_SHIFT {KEEP_SHIFT}"]
+    lines += [f"#define GF_PRECISION_TAG_BITS {PRECISION_TAG_BITS}", f"#define GF_KEEP_SHIFT {KEEP_SHIFT}",
+              f"#define GF_KEEP_BITS {KEEP_BITS}", f"#define GF_KEY_SHIFT {KEY_SHIFT}"]
     lines += [f"#define GF_KEEP_{keep.upper()} {number}" for number, keep in enumerate(KEEPS)]
     lines += [f"#define GF_NORM_{kind.name.upper()} {kind.number}" for kind in NORMS.values()]
     lines.append(_x_macro("GF_NORM_KINDS", [str(kind.number) for kind in NORMS.values()]))

@@ -52,16 +52,17 @@ import torch
 
 from . import caches, dtensor, tensor_facts
 from .dtypes import torch_dtype
-from .layout import (KEEP_SHIFT, KEEPS, OPTIM_DTYPES, PARAM_ROW_FIELDS, PARAM_ROW_WORDS, PRECISION_TAG_BITS,
-                     ROW_GROUP, ROW_NUMEL, ROW_PRECISION, RULES, TAG_OF_NAME, Rule)
+from .layout import (KEEP_SHIFT, KEEPS, KEPT_BESIDE, KEY_SHIFT, OPTIM_DTYPES, PARAM_ROW_FIELDS, PARAM_ROW_WORDS,
+                     PRECISION_TAG_BITS, ROW_GROUP, ROW_NUMEL, ROW_PRECISION, RULES, TAG_OF_NAME, Rule, keep_numbers,
+                     stochastic_bits)
 from .memory_order import dense_start
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
     from typing_extensions import Self
 
-__all__ = ["KEPT_STATE", "DeviceRows", "Step", "WatchedState", "WatchedStates", "expected_dtype", "forget", "keep_of",
-           "needed", "needs_of", "plain", "read", "state_names", "tables_of", "takes_keep", "watch"]
+__all__ = ["KEEP_OPTIONS", "KEPT_STATE", "DeviceRows", "Step", "WatchedState", "WatchedStates", "expected_dtype", "forget", "keep_of",
+           "needed", "needs_of", "plain", "read", "state_names", "stochastic_keys", "tables_of", "takes_keep", "watch"]
 
 # The dtypes the update kernels take, by their tensor_facts codes.
 STEPPED = tuple(map(torch_dtype, OPTIM_DTYPES))
@@ -73,6 +74,7 @@ _STEPPED_CODES = np.array([d in STEPPED for d in tensor_facts.DTYPES])
 # keep beside them (a float32 or float64 parameter is its own master).
 _NARROW = (torch.float16, torch.bfloat16)
 _NARROW_CODES = np.array([d in _NARROW for d in tensor_facts.DTYPES])
+_BF16_CODE = tensor_facts.DTYPES.index(torch.bfloat16)
 # The state a 16-bit parameter keeps beside it, by keep (gpuflat._src.layout.KEEPS),
 # under Transformer Engine's and optimi's names.
 KEPT_STATE = {"master": "master_param", "kahan": "kahan_comp"}
@@ -80,6 +82,7 @@ KEPT_STATE = {"master": "master_param", "kahan": "kahan_comp"}
 # state1, state2, what the parameter keeps beside it, then the step count.
 _STATE_FIELDS = [PARAM_ROW_FIELDS.index(f) for f in ("state0", "state1", "state2", "extra", "step")]
 _EXTRA = _STATE_FIELDS.index(PARAM_ROW_FIELDS.index("extra"))
+_BESIDE = [KEEPS.index(keep) for keep in KEPT_BESIDE]
 # The layout's dtype tag of each tensor_facts code (-1: none).
 _TAG_OF_CODE = np.array([TAG_OF_NAME.get(str(d).removeprefix("torch."), -1) for d in tensor_facts.DTYPES], np.int64)
 _ROW_PARAM, _ROW_GRAD = PARAM_ROW_FIELDS.index("param"), PARAM_ROW_FIELDS.index("grad")
@@ -101,20 +104,44 @@ def state_names(rule: Rule, keep: str = "plain") -> tuple:
     return tensors + (None,) * (_EXTRA - len(tensors)) + (KEPT_STATE.get(keep), "step")
 
 
+# Each keep but "plain" by the group option that asks for it.
+KEEP_OPTIONS = {"master": "master_weights", "kahan": "kahan_sum", "stochastic": "bf16_stochastic_round"}
+
+
 def keep_of(group: dict) -> str:
     """How ``group`` keeps its 16-bit parameters (gpuflat._src.layout.KEEPS):
     through a float32 master copy (``master_weights``), with a Kahan
-    compensation (``kahan_sum``), else plain.
+    compensation (``kahan_sum``), rounded stochastically
+    (``bf16_stochastic_round``), else plain.
 
     >>> keep_of({"master_weights": True}), keep_of({"lr": 0.1})
     ('master', 'plain')
     """
-    return "master" if group.get("master_weights") else "kahan" if group.get("kahan_sum") else "plain"
+    return next((keep for keep, option in KEEP_OPTIONS.items() if group.get(option)), "plain")
 
 
-def takes_keep(p: torch.Tensor) -> bool:
-    """Whether a group's keep applies to ``p``: a 16-bit parameter."""
-    return p.dtype in _NARROW
+def takes_keep(p: torch.Tensor, keep: str) -> bool:
+    """Whether a group's ``keep`` applies to ``p``: a master copy and a
+    compensation to a 16-bit parameter, stochastic rounding to a bfloat16 one.
+
+    >>> takes_keep(torch.zeros(1, dtype=torch.float16), "stochastic")
+    False
+    """
+    return p.dtype == torch.bfloat16 if keep == "stochastic" else p.dtype in _NARROW
+
+
+def stochastic_keys(seeds: np.ndarray, groups: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """The stochastic rounding keys (below 2**31) of parameters at
+    ``indices`` in ``groups``, whose groups' seeds are ``seeds``: the same
+    parameter gets the same key in an eager and a compiled step, and each
+    parameter its own draws.
+
+    >>> stochastic_keys(np.array([0, 0]), np.array([0, 0]), np.array([0, 1])).tolist()
+    [1725399352, 855247679]
+    """
+    word = (np.asarray(seeds, np.int64) << 40) ^ (np.asarray(groups, np.int64) << 32) ^ np.asarray(indices, np.int64)
+    return (stochastic_bits(0, 0, word.astype(np.uint64)).astype(np.int64) << 15) ^ \
+        (stochastic_bits(1, 0, word.astype(np.uint64)).astype(np.int64) & 0x7FFF)
 
 
 def expected_dtype(rule: Rule, name: str, p: torch.Tensor, group: dict) -> torch.dtype:
@@ -133,34 +160,37 @@ def expected_dtype(rule: Rule, name: str, p: torch.Tensor, group: dict) -> torch
     return p.dtype if chosen is None else chosen
 
 
-def needed(rule: Rule, group: dict) -> tuple:
+def needed(rule: Rule, group: dict, keep: str | None = None) -> tuple:
     """Per name of :func:`state_names`, whether ``group``'s steps read it: a
     rule's state and count where its steps count (SGD's only with momentum),
-    a flag's state where the group sets the flag, what a 16-bit parameter
-    keeps beside it where the group keeps one (``keep_of``; of the 16-bit
-    parameters only, which the callers see).
+    a flag's state where the group sets the flag, what a parameter kept as
+    ``keep`` (None: ``keep_of(group)``) keeps beside it, and a count for
+    stochastic rounding, whose draws it keys (:func:`needs_of` gives a
+    parameter's, which takes its group's keep or not).
 
     >>> needed(RULES["sgd"], {"momentum": 0.0}), needed(RULES["adamw"], {"amsgrad": True, "kahan_sum": True})
     ((False, False, False, False, False), (True, True, True, True, True))
+    >>> needed(RULES["sgd"], {"momentum": 0.0, "bf16_stochastic_round": True})
+    (False, False, False, False, True)
     """
+    keep = keep_of(group) if keep is None else keep
     counted = rule.counted_when is None or float(group[rule.counted_when]) != 0.0
     flags = tuple(bool(group.get(flag, False)) and counted for flag, _ in rule.flag_states)
     base = (counted,) * len(rule.state_names) + flags
-    return base + (False,) * (_EXTRA - len(base)) + (keep_of(group) != "plain", counted)
+    return base + (False,) * (_EXTRA - len(base)) + (keep in KEPT_BESIDE, counted or keep == "stochastic")
 
 
 def needs_of(rule: Rule, p: torch.Tensor, group: dict) -> tuple[str, tuple]:
-    """(how parameter ``p`` of ``group`` is kept: ``keep_of(group)`` for a
-    16-bit one, else "plain"; :func:`needed` for it, per name of
+    """(how parameter ``p`` of ``group`` is kept: ``keep_of(group)`` where
+    it takes it, else "plain"; :func:`needed` for it, per name of
     ``state_names(rule, keep)``).
 
     >>> needs_of(RULES["sgd"], torch.zeros(1), {"momentum": 0.0, "master_weights": True})
     ('plain', (False, False, False, False, False))
     """
-    needs = needed(rule, group)
-    if takes_keep(_local(p)):
-        return keep_of(group), needs
-    return "plain", needs[:_EXTRA] + (False,) + needs[_EXTRA + 1:]
+    keep = keep_of(group)
+    keep = keep if takes_keep(_local(p), keep) else "plain"
+    return keep, needed(rule, group, keep)
 
 
 # ---------------------------------------------------------------- watched state
@@ -334,8 +364,10 @@ def _derive_at(found: _Found, ks: np.ndarray | slice) -> None:
     need[:, _EXTRA] &= found.narrow[ks]
     found.lacking[ks] = (need & ~found.present[ks]).any(axis=1)
     found.masked[ks] = masked = found.words[ks] * need
-    keep = (found.precision[ks] >> KEEP_SHIFT) << KEEP_SHIFT
-    found.row_precision[ks] = found.precision[ks] - keep * (masked[:, _EXTRA] == 0)
+    # A keep with a buffer beside the parameter holds where the step reads the buffer.
+    keeps = keep_numbers(found.precision[ks])
+    unread = np.isin(keeps, _BESIDE) & (masked[:, _EXTRA] == 0)
+    found.row_precision[ks] = found.precision[ks] - (keeps << KEEP_SHIFT) * unread
 
 
 def read(optimizer: torch.optim.Optimizer, rule: Rule,
@@ -439,14 +471,15 @@ def _found(optimizer: torch.optim.Optimizer, rule: Rule,
         found = _relist(optimizer, rule, found, lists)
         facts = tensor_facts.of_step(lists, found.everything)
         assert facts is not None  # the lists hold what was just found in them
-    needs = tuple((needed(rule, g), keep_of(g)) for g in optimizer.param_groups)
+    needs = tuple((needed(rule, g), (keep_of(g), g.get("rounding_seed", 0))) for g in optimizer.param_groups)
     if needs != found.needs_key:
         keeps_before = [keep for _, keep in found.needs_key]
         found.needs_key = needs
         found.needs = np.array([need for need, _ in needs], bool).reshape(-1, len(_STATE_FIELDS))
         _derive(found)
         if keeps_before and keeps_before != [keep for _, keep in needs]:
-            # A group's keep changed: its parameters' words name another state.
+            # A group's keep or seed changed: its parameters' words name
+            # another state, their precision words another keep or key.
             changed = [g for g, (keep, (_, now)) in enumerate(zip(keeps_before, needs)) if keep != now]
             _reread(optimizer, rule, found, np.flatnonzero(np.isin(found.group_of, changed)),
                     _Names(found, np.arange(len(found.everything))).of_all)
@@ -461,7 +494,7 @@ def _relist(optimizer: torch.optim.Optimizer, rule: Rule, kept: _Found | None,
     found = _Found(list(lists), everything, group_of, np.zeros((0, width), bool), (), None, -1,
                    np.zeros((n, width), np.int64), np.zeros((n, 1 + 2 * len(_tensor_names(rule))), np.int64),
                    plain(everything), np.full((n, 2), -1, np.int64), np.zeros((n, width), bool),
-                   np.array([takes_keep(p) for p in everything], bool), np.zeros(n, np.int64))
+                   np.array([takes_keep(_local(p), "master") for p in everything], bool), np.zeros(n, np.int64))
     if kept is not None:
         before = {id(p): k for k, p in enumerate(kept.everything)}
         at = np.array([before.get(id(p), -1) for p in everything], np.int64)
@@ -509,9 +542,10 @@ def _reread(optimizer: torch.optim.Optimizer, rule: Rule, found: _Found, ks: Arr
     state, groups = optimizer.state, optimizer.param_groups
     ks = np.asarray(ks, np.int64)
     for k in ks.tolist():
-        p, group = found.everything[k], groups[int(found.group_of[k])]
+        g = int(found.group_of[k])
+        p, group = found.everything[k], groups[g]
         local_p = _local(p)
-        keep = keep_of(group) if takes_keep(local_p) else "plain"
+        keep, _ = needs_of(rule, local_p, group)
         names = state_names(rule, keep)
         s = state.get(p) if isinstance(state, dict) else None
         words, present = np.zeros(len(names), np.int64), np.zeros(len(names), bool)
@@ -527,9 +561,13 @@ def _reread(optimizer: torch.optim.Optimizer, rule: Rule, found: _Found, ks: Arr
             present[w], codes[w] = True, tensor_facts.dtype_codes(facts)[0]
         found.words[k], found.present[k] = words, present
         param_facts = _facts([local_p])
-        found.narrow[k] = takes_keep(local_p)
+        found.narrow[k] = takes_keep(local_p, "master")
+        kept = keep not in KEPT_BESIDE or present[_EXTRA]
+        key = stochastic_keys(np.array([group.get("rounding_seed", 0)]), np.array([g]),
+                              np.array([k - int(np.searchsorted(found.group_of, g))]))
         found.precision[k] = _precision_words(tensor_facts.dtype_codes(param_facts), codes[:_EXTRA],
-                                              np.array([KEEPS.index(keep) if present[_EXTRA] else 0]))[0]
+                                              np.array([KEEPS.index(keep) if kept else 0]),
+                                              key * (keep == "stochastic"))[0]
         found.checked[k] = (local_p.numel(), int(param_facts[0, 2]))
     _, fresh = tensor_facts.state_words({found.everything[k]: state.get(found.everything[k], {})
                                          for k in ks.tolist()}, _tensor_names(rule))
@@ -539,13 +577,14 @@ def _reread(optimizer: torch.optim.Optimizer, rule: Rule, found: _Found, ks: Arr
         found.edits = _EDITS[0]
 
 
-def _precision_words(param_codes: np.ndarray, state_codes: np.ndarray, keeps: np.ndarray) -> np.ndarray:
+def _precision_words(param_codes: np.ndarray, state_codes: np.ndarray, keeps: np.ndarray,
+                     keys: np.ndarray) -> np.ndarray:
     """Each row's precision word (``gpuflat._src.layout.precision_word``):
     from its parameter's and its states' dtypes by tensor_facts code
     (``state_codes``: one column per state word, -1 where absent), each
-    state's tag set where its dtype is not the parameter's, and ``keeps``
-    (a number of ``KEEPS`` per row)."""
-    words = np.asarray(keeps, np.int64) << KEEP_SHIFT
+    state's tag set where its dtype is not the parameter's, ``keeps`` (a
+    number of ``KEEPS`` per row) and ``keys`` (stochastic rounding's)."""
+    words = (np.asarray(keeps, np.int64) << KEEP_SHIFT) | (np.asarray(keys, np.int64) << KEY_SHIFT)
     for k, codes in enumerate(np.asarray(state_codes, np.int64).reshape(len(words), -1).T):
         other = (codes >= 0) & (codes != param_codes)
         words |= np.where(other, _TAG_OF_CODE[codes] + 1, 0) << (PRECISION_TAG_BITS * k)
@@ -611,7 +650,7 @@ caches.register("optimizers' parameters found", lambda: sum("_gpuflat_found" in 
 
 def tables_of(rule: Rule, params: list[torch.Tensor], grads: list[torch.Tensor], columns: Sequence[list[torch.Tensor | None]],
               groups: ArrayLike, needs: Sequence[Sequence[bool]], name_of: Callable[[int], str],
-              keeps: Sequence[str] = ()) -> list[DeviceRows]:
+              keeps: Sequence[str] = (), keys: np.ndarray | None = None) -> list[DeviceRows]:
     """The tables of a step given as lists of plain tensors, checked as
     :func:`read` checks an optimizer's: a compiled step's operator, which
     holds no optimizer to keep what it found on. ``columns``: per name of
@@ -619,7 +658,8 @@ def tables_of(rule: Rule, params: list[torch.Tensor], grads: list[torch.Tensor],
     parameter's group; ``needs``: per group, per name, whether its steps
     read it (:func:`needed`); ``name_of(i)`` names the i-th parameter;
     ``keeps``: per group, how it keeps its 16-bit parameters (``keep_of``;
-    none given: plain).
+    none given: plain); ``keys``: each parameter's stochastic rounding key
+    (:func:`stochastic_keys`; None: 0).
 
     >>> w, g, buf, count = torch.ones(3), torch.ones(3), torch.zeros(3), torch.zeros(())
     >>> sgd = RULES["sgd"]
@@ -647,9 +687,14 @@ def tables_of(rule: Rule, params: list[torch.Tensor], grads: list[torch.Tensor],
             codes[kept, w] = tensor_facts.dtype_codes(facts)
         rows[kept, field] = _nonzero(_starts(tensors, facts, lambda i: name_of(kept[i]), "state"), tensors) * \
             mask[kept, w]
-    keep_numbers = np.array([KEEPS.index(keep) for keep in keeps] or [0], np.int64)[groups if keeps else 0]
-    rows[:, ROW_PRECISION] = _precision_words(tensor_facts.dtype_codes(param_facts), codes[:, :_EXTRA],
-                                              keep_numbers * (rows[:, _STATE_FIELDS[_EXTRA]] != 0))
+    param_codes = tensor_facts.dtype_codes(param_facts)
+    kept = np.array([KEEPS.index(keep) for keep in keeps] or [0], np.int64)[groups if keeps else 0]
+    # A buffer beside the parameter where the step reads one; stochastic rounding of bfloat16 ones.
+    kept = np.where(np.isin(kept, _BESIDE), kept * (rows[:, _STATE_FIELDS[_EXTRA]] != 0),
+                    kept * (param_codes == _BF16_CODE))
+    stochastic = kept == KEEPS.index("stochastic")
+    rows[:, ROW_PRECISION] = _precision_words(param_codes, codes[:, :_EXTRA], kept,
+                                              (np.zeros(len(params), np.int64) if keys is None else keys) * stochastic)
     return _split(rows, _buckets(param_facts), params)
 
 

@@ -366,7 +366,8 @@ class FlatOptimizer(torch.optim.Optimizer):
             made = made or name not in param_rows.KEPT_STATE.values()
         counted_by_state = rule.counted_when is not None
         if needs[-1] and ("step" not in state or (made and counted_by_state)):
-            new = made or not counted_by_state
+            # A count kept for stochastic rounding alone (SGD without momentum) counts steps from 0.
+            new = made or not counted_by_state or not needs[0]
             state["step"] = torch.full((), 0.0 if new else 1.0, dtype=torch.float32, device=_local(p).device)
 
     @property
@@ -383,7 +384,8 @@ class FlatOptimizer(torch.optim.Optimizer):
                  for x in RULES[self._rule].hyper_row(dict(group, lr=lr[g]))]
         torch_optim_ops.update_(self._rule, params, grads, [t for column in columns[:-1] for t in column],
                                 columns[-1], hyper=hyper, lr_tensor=lr_tensor,
-                                keeps=[KEEPS.index(param_rows.keep_of(group)) for group in self.param_groups], **common)
+                                keeps=[KEEPS.index(param_rows.keep_of(group)) for group in self.param_groups],
+                                seeds=[int(group.get("rounding_seed", 0)) for group in self.param_groups], **common)
 
     def _order(self) -> float:
         """``norm_type`` as the norm's order p, read again where the loop changed it."""
@@ -467,17 +469,20 @@ _FROM_NORM = object()
 
 def _check_precision(rule: Rule, group: dict[str, Any], i: int) -> None:
     """Group ``i``'s precision options: a moment's dtype (``exp_avg_dtype``...)
-    None or one the update takes, and at most one of ``master_weights`` and
-    ``kahan_sum`` (each keeps something beside a 16-bit parameter).
+    None or one the update takes, and at most one of ``master_weights``,
+    ``kahan_sum`` and ``bf16_stochastic_round`` (each is a way to keep a
+    16-bit parameter's updates).
 
     >>> _check_precision(RULES["adamw"], {"exp_avg_dtype": torch.int8}, 1)
     Traceback (most recent call last):
     ...
     TypeError: parameter group 1: expected exp_avg_dtype None or torch.float16, torch.bfloat16, torch.float32 or torch.float64, got torch.int8
     """
-    if group.get("master_weights") and group.get("kahan_sum"):
-        raise ValueError(f"parameter group {i}: expected master_weights or kahan_sum, got both: each keeps "
-                         f"something beside a 16-bit parameter (a float32 copy, a compensation)")
+    chosen = [option for option in param_rows.KEEP_OPTIONS.values() if group.get(option)]
+    if len(chosen) > 1:
+        raise ValueError(f"parameter group {i}: expected at most one of "
+                         f"{', '.join(param_rows.KEEP_OPTIONS.values())}, got {' and '.join(chosen)}: each is "
+                         f"a way to keep a 16-bit parameter's updates")
     for name in rule.state_names:
         option = rule.dtype_option(name)
         dtype = group.get(option) if option is not None else None
@@ -489,19 +494,23 @@ def _check_precision(rule: Rule, group: dict[str, Any], i: int) -> None:
 def _precision_options(rule: Rule) -> tuple[str, ...]:
     """The names of a rule's precision options, as a group holds them."""
     dtypes = (rule.dtype_option(name) for name in rule.state_names)
-    return ("master_weights", "kahan_sum", *(d for d in dtypes if d is not None))
+    return (*param_rows.KEEP_OPTIONS.values(), "rounding_seed", *(d for d in dtypes if d is not None))
 
 
-def precision_defaults(rule: str, master_weights: bool, kahan_sum: bool, **dtypes: torch.dtype | None) -> dict:
+def precision_defaults(rule: str, master_weights: bool, kahan_sum: bool, bf16_stochastic_round: bool,
+                       rounding_seed: int, **dtypes: torch.dtype | None) -> dict:
     """The precision options of an optimizer's constructor that differ from
     the plain ones, for its ``defaults``: a state dict then says which
     options made its state, and one made without any is ``torch.optim``'s.
 
-    >>> precision_defaults("adamw", True, False, exp_avg_dtype=None, exp_avg_sq_dtype=torch.float32)
+    >>> precision_defaults("adamw", True, False, False, 0, exp_avg_dtype=None, exp_avg_sq_dtype=torch.float32)
     {'master_weights': True, 'exp_avg_sq_dtype': torch.float32}
     """
     assert set(dtypes) <= {RULES[rule].dtype_option(name) for name in RULES[rule].state_names}
-    chosen = dict(master_weights=master_weights, kahan_sum=kahan_sum, **dtypes)
+    if not isinstance(rounding_seed, int) or not 0 <= rounding_seed < 1 << 23:
+        raise ValueError(f"rounding_seed: expected an int in [0, 2**23), got {rounding_seed!r}")
+    chosen = dict(master_weights=master_weights, kahan_sum=kahan_sum, bf16_stochastic_round=bf16_stochastic_round,
+                  rounding_seed=rounding_seed or None, **dtypes)
     return {k: v for k, v in chosen.items() if v not in (False, None)}
 
 
@@ -608,12 +617,13 @@ class AdamW(FlatOptimizer):
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, max_norm: float | None = None, norm_type: float | str = 2.0,
                  pp_mesh: Any = None, tied: Iterable | None = None, master_weights: bool = False,
-                 kahan_sum: bool = False, exp_avg_dtype: torch.dtype | None = None,
-                 exp_avg_sq_dtype: torch.dtype | None = None):
+                 kahan_sum: bool = False, bf16_stochastic_round: bool = False, rounding_seed: int = 0,
+                 exp_avg_dtype: torch.dtype | None = None, exp_avg_sq_dtype: torch.dtype | None = None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused, decoupled_weight_decay=True,
-                        **precision_defaults("adamw", master_weights, kahan_sum, exp_avg_dtype=exp_avg_dtype,
+                        **precision_defaults("adamw", master_weights, kahan_sum, bf16_stochastic_round,
+                                             rounding_seed, exp_avg_dtype=exp_avg_dtype,
                                              exp_avg_sq_dtype=exp_avg_sq_dtype))
         super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied)
 
@@ -640,11 +650,12 @@ class SGD(FlatOptimizer):
                  foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None,
                  max_norm: float | None = None, norm_type: float | str = 2.0, pp_mesh: Any = None,
                  tied: Iterable | None = None, master_weights: bool = False, kahan_sum: bool = False,
+                 bf16_stochastic_round: bool = False, rounding_seed: int = 0,
                  momentum_buffer_dtype: torch.dtype | None = None):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
-                        fused=fused, **precision_defaults("sgd", master_weights, kahan_sum,
-                                                          momentum_buffer_dtype=momentum_buffer_dtype))
+                        fused=fused, **precision_defaults("sgd", master_weights, kahan_sum, bf16_stochastic_round,
+                                                          rounding_seed, momentum_buffer_dtype=momentum_buffer_dtype))
         super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied)
 
 

@@ -180,7 +180,8 @@ def update_(rule: str, params: list[torch.Tensor], grads: list[torch.Tensor], st
             state_steps: list[torch.Tensor], groups: list[int], indices: list[int], hyper: list[float],
             lr_tensor: list[Optional[torch.Tensor]], total: Optional[torch.Tensor] = None,
             max_norm: Optional[float] = None, grad_scale: Optional[torch.Tensor] = None,
-            found_inf: Optional[torch.Tensor] = None, keeps: Optional[list[int]] = None) -> None:
+            found_inf: Optional[torch.Tensor] = None, keeps: Optional[list[int]] = None,
+            seeds: Optional[list[int]] = None) -> None:
     """One update of ``params`` by the rule named ``rule``
     (``gpuflat._src.layout.RULES``), parameter j in group ``groups[j]`` at
     ``indices[j]`` of it. ``hyper`` holds each group's hyperparameter row
@@ -190,11 +191,12 @@ def update_(rule: str, params: list[torch.Tensor], grads: list[torch.Tensor], st
     needs that state (``param_rows.needs_of``), and ``state_steps`` their
     step counts likewise; the counts move unless the step is skipped.
     ``keeps``: per group, how it keeps its 16-bit parameters (a number of
-    ``gpuflat._src.layout.KEEPS``; None: plain)."""
+    ``gpuflat._src.layout.KEEPS``; None: plain), and ``seeds`` its
+    ``rounding_seed`` (None: 0)."""
     rule_of = RULES[rule]
     rows = np.asarray(hyper, np.float64).reshape(-1, HYPER)
     named = [{**dict(zip(rule_of.hyper, row.tolist())), "lr": float(row[0]) if t is None else t,
-              **_keep_options(KEEPS[keeps[g]] if keeps else "plain")}
+              **_keep_options(KEEPS[keeps[g]] if keeps else "plain"), "rounding_seed": seeds[g] if seeds else 0}
              for g, (row, t) in enumerate(zip(rows, lr_tensor))]
     needs = [param_rows.needs_of(rule_of, p, named[g])[1] for p, g in zip(params, groups)]
     kept = iter(states)
@@ -215,7 +217,7 @@ def _keep_options(keep: str) -> dict[str, bool]:
     >>> param_rows.keep_of(_keep_options("kahan"))
     'kahan'
     """
-    return {"master_weights": keep == "master", "kahan_sum": keep == "kahan"}
+    return {option: keep == kept for kept, option in param_rows.KEEP_OPTIONS.items()}
 
 
 def _spread(tensors: Sequence[torch.Tensor], kept: Sequence[bool]) -> list[torch.Tensor | None]:
@@ -229,7 +231,9 @@ def _update_lists(rule: str, hyper: Sequence[dict[str, Any]], params: list[torch
                   total: torch.Tensor | None, max_norm: float | None, scale: torch.Tensor | None,
                   found: torch.Tensor | None) -> None:
     needs = [param_rows.needed(RULES[rule], h) for h in hyper]
+    keys = param_rows.stochastic_keys(np.array([h["rounding_seed"] for h in hyper])[groups], np.asarray(groups),
+                                      np.asarray(indices)) if groups else None
     tables = param_rows.tables_of(RULES[rule], params, grads, columns, groups, needs, name_of(groups, indices),
-                                  [param_rows.keep_of(h) for h in hyper])
+                                  [param_rows.keep_of(h) for h in hyper], keys)
     read = [*params, *grads, *(t for column in columns for t in column if t is not None)]
     update(rule, tables, hyper, total, max_norm, scale, found, read)

@@ -132,8 +132,9 @@ void mixed_rows(const ParamRow* rows, long long n_rows, const double* hyper, con
     using C = typename gf_compute<S>::type;
     for_row_items(rows, n_rows, threads, [&](const ParamRow& r, long long first, long long n) {
         const double* h = hyper + r.group * GF_HYPER;
-        const auto k = R::template setup<C>(h, gf_rule_row_step(r), factor, gf_group_lr(h, lr_at, r.group));
-        for (long long i = first; i < first + n; ++i) gf_rule_mixed_one<R, S>(r, i, k);
+        const double step = gf_rule_row_step(r);
+        const auto k = R::template setup<C>(h, step, factor, gf_group_lr(h, lr_at, r.group));
+        for (long long i = first; i < first + n; ++i) gf_rule_mixed_one<R, S>(r, i, k, (unsigned)step);
     });
 }
 

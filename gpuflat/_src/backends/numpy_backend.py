@@ -26,7 +26,8 @@ import numpy as np
 
 from gpuflat._src import caches
 from gpuflat._src.dtypes import cast_copy, dtype_of_tag
-from gpuflat._src.layout import HYPER, NORMS, RULES, TAG_OF_NAME, NormKind, norm_kind, precision_of, store
+from gpuflat._src.layout import (HYPER, NORMS, RULES, TAG_OF_NAME, NormKind, norm_kind, precision_of, stochastic_bits,
+                                 store)
 from gpuflat._src.memory_order import in_memory_order
 
 from .protocol import NormResult
@@ -243,28 +244,37 @@ def _rows_step(rule: str, dtype: np.dtype, rows: np.ndarray, hyper: np.ndarray, 
             h = [float(x) for x in hyper[group * HYPER : (group + 1) * HYPER]]
             if lr_at[2 * group]:
                 h[0] = float(_at(int(lr_at[2 * group]), dtype_of_tag(int(lr_at[2 * group + 1])), 1)[0])
-            counts = step_at != 0 and (rule_of.counted_field < 0 or h[rule_of.counted_field] != 0.0)
+            state_dtypes, keep, key = precision_of(precision)
+            # A stochastically rounded row counts every step: its draws are keyed by the count.
+            counts = step_at != 0 and (rule_of.counted_field < 0 or h[rule_of.counted_field] != 0.0
+                                       or keep == "stochastic")
             # The count after this step; a row that does not count takes 1 (SGD
             # without momentum reads none).
             step = float(_at(step_at, np.float32, 1)[0]) + 1.0 if counts else 1.0
-            state_dtypes, keep = precision_of(precision)
             states = [_at(s, dtype if name is None else dtype_of_tag(TAG_OF_NAME[name]), numel) if s else None
                       for s, name in zip((s0, s1, s2), state_dtypes)]
-            _kept_update(update, keep, _at(param, dtype, numel), _at(extra, np.float32 if keep == "master" else dtype,
-                         numel) if extra else None, _at(grad, dtype, numel), states, h, step, factor, compute)
+            _kept_update(update, keep, key, _at(param, dtype, numel),
+                         _at(extra, np.float32 if keep == "master" else dtype, numel) if extra else None,
+                         _at(grad, dtype, numel), states, h, step, factor, compute)
             if counts:
                 counted.append(step_at)
     for step_at in counted:
         _at(step_at, np.float32, 1)[0] += np.float32(1.0)
 
 
-def _kept_update(update: Any, keep: str, p: np.ndarray, extra: np.ndarray | None, g: np.ndarray,
+def _kept_update(update: Any, keep: str, key: int, p: np.ndarray, extra: np.ndarray | None, g: np.ndarray,
                  states: list[Any], h: list[float], step: float, factor: float, compute: Any) -> None:
     """A rule's ``update`` of one row, its parameter kept as ``keep`` says
     (gpuflat._src.layout.KEEPS): updated in place, through its float32
-    master copy ``extra``, or through parameter + compensation ``extra``."""
+    master copy ``extra``, through parameter + compensation ``extra``, or
+    rounded stochastically with draws keyed by ``key`` and ``step``."""
     if keep == "plain":
         update(p, g, states, h, step, factor, compute)
+        return
+    if keep == "stochastic":
+        value = p.astype(compute)
+        update(value, g, states, h, step, factor, compute)
+        _store_stochastically(p, value, key, step)
         return
     assert extra is not None, "Rule.check_rows refuses a row kept beside its parameter without the address"
     if keep == "master":
@@ -275,6 +285,27 @@ def _kept_update(update: Any, keep: str, p: np.ndarray, extra: np.ndarray | None
     update(value, g, states, h, step, factor, compute)
     store(p, value)
     store(extra, value - p.astype(compute))
+
+
+def _store_stochastically(target: np.ndarray, x: np.ndarray, key: int, step: float) -> None:
+    """Float32 ``x`` rounded into bfloat16 ``target`` up or down at random
+    (gf_store_stochastic): ``stochastic_bits`` added below the 16 bits kept,
+    then truncated, so that a value a quarter of the way to the next one up
+    rounds up a quarter of the time; NaN and inf rounded to nearest.
+
+    >>> bf16 = dtype_of_tag(TAG_OF_NAME["bfloat16"])
+    >>> out = np.zeros(4096, bf16)
+    >>> _store_stochastically(out, np.full(4096, 1.0 + 2**-9, np.float32), 7, 1)
+    >>> sorted(set(out.astype(np.float64).tolist())), 0.2 < float(np.mean(out.astype(np.float64) > 1)) < 0.3
+    ([1.0, 1.0078125], True)
+    """
+    if target.dtype.name != "bfloat16":  # the layout keeps bfloat16 parameters only this way
+        store(target, x)
+        return
+    x = np.asarray(x, np.float32)
+    drawn = ((x.view(np.uint32) + stochastic_bits(key, int(step), np.arange(x.size))) >> np.uint32(16))
+    nearest = x.astype(target.dtype).view(np.uint16)
+    target.view(np.uint16)[...] = np.where(np.isfinite(x), drawn.astype(np.uint16), nearest)
 
 
 def _scale(target: np.ndarray, coef: Any) -> None:
