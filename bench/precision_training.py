@@ -197,17 +197,23 @@ def float32_update(torch, opt, p, held_before):
 
 def check_kept(run: Run, opt, params, backend: str):
     """A backend that ignores the option leaves the master copy or the
-    compensation as it made them: its figures would be the plain run's."""
+    compensation as it made them: its figures would be the plain run's.
+    Raises a RuntimeError then."""
     key = {"master copy": "master_param", "parameter + compensation": "kahan_comp"}.get(run.held)
     if key is None:
         return
     kept = [opt.state[p][key] for p in params]
-    # After a step at this lr a master copy is no longer its bfloat16 rounding,
-    # and a compensation is no longer all 0.
-    moved = any(bool((c != (0 if key == "kahan_comp" else p.detach().float())).any()) for c, p in zip(kept, params))
+    if key == "kahan_comp":
+        moved = any(bool(c.any()) for c in kept)
+    else:
+        # The parameter is its master rounded once, and after a step at this
+        # lr the master is no longer a bfloat16 value: a backend updating the
+        # parameter alone leaves a stale master that rounds elsewhere.
+        moved = all(bool((c.to(p.dtype) == p.detach()).all()) for c, p in zip(kept, params)) and \
+            any(bool((c != p.detach().float()).any()) for c, p in zip(kept, params))
     if not moved:
-        raise RuntimeError(f"{run.name}: the {backend!r} backend left every {key} as it was made; it does not "
-                           f"implement this option yet (run with --backend numpy)")
+        raise RuntimeError(f"{run.name}: the {backend!r} backend does not keep {key} (it updates the parameter "
+                           f"alone): it does not implement this option yet (run with --backend numpy)")
 
 
 def train(torch, run: Run, size: Size, data, init, backend: str) -> dict:
