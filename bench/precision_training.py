@@ -397,13 +397,15 @@ def write(results: dict, out: Path) -> list:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.precision_training", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.precision_training", description=__doc__.splitlines()[0].split(": ", 1)[1])
     p.add_argument("--steps", type=int, default=300, help="AdamW steps per run (default: %(default)s)")
     p.add_argument("--backend", choices=BACKENDS, default="host",
                    help="the backend gpuflat's optimizers run on (default: %(default)s)")
-    p.add_argument("--size", choices=tuple(SIZES), default="default", help="model and task sizes (default: "
-                   "%(default)s: " + ", ".join(f"{k}={v.n_embd}" for k, v in SIZES.items()) + " embedding width)")
-    p.add_argument("--out", default=str(OUT), help="folder for the JSON, PNG and table (default: %(default)s)")
+    p.add_argument("--size", choices=tuple(SIZES), default="default", help="the model and the task: " + "; ".join(
+        f"{k}: n_embd {v.n_embd}, vocab {v.vocab}, context {v.context}, batch {v.batch}" for k, v in SIZES.items())
+        + " (default: %(default)s)")
+    p.add_argument("--out", default=OUT, type=Path,
+                   help="folder for the JSON, PNG and table (default: bench/results/precision-training)")
     return p
 
 
@@ -420,7 +422,7 @@ def main(argv=None) -> int:
     results["seconds"] = time.perf_counter() - start
     results["machine"] = machine_facts()
     results["notes"] = []
-    for path in write(results, Path(args.out)):
+    for path in write(results, args.out):
         print(f"wrote {path}")
     print(table(results))
     return 0
