@@ -21,16 +21,10 @@ from bench import precision_training  # noqa: E402
 STEPS = 40
 PLAIN = ("torch bfloat16", "gpuflat bfloat16")
 REMEDIES = ("gpuflat bfloat16 + master_weights", "gpuflat bfloat16 + kahan_sum")
+STOCHASTIC = "gpuflat bfloat16 + bf16_stochastic_round"
 
 
-@pytest.fixture(scope="module", params=[
-    "numpy",
-    # The native library refuses nothing yet: it runs the update without the
-    # master copy or the compensation, which the bench notices and refuses.
-    # Once it implements the precision options this passes: drop the mark.
-    pytest.param("host", marks=pytest.mark.xfail(raises=RuntimeError, strict=True,
-                                                 reason="the native host library lacks the precision options")),
-])
+@pytest.fixture(scope="module", params=["numpy", "host"])
 def results(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"precision-{request.param}")
     rc = precision_training.main(["--size", "tiny", "--steps", str(STEPS), "--backend", request.param,
@@ -41,13 +35,13 @@ def results(request, tmp_path_factory):
 
 def test_every_run_learns_and_the_outputs_are_written(results):
     out, r = results
-    assert r["settings"]["steps"] == STEPS and r["not_built"] == [precision_training.STOCHASTIC]
+    assert r["settings"]["steps"] == STEPS
     for name, s in r["summary"].items():
         assert len(r["curves"][name]["loss"]) == len(r["curves"][name]["lost_fraction"]) == STEPS
         # ln(32) = 3.47 at the start; 3.32 after 40 steps in every run.
         assert s["final_loss"] < s["first_loss"] - 0.05, name
     table = (out / "precision_training.md").read_text()
-    for name in [*r["summary"], precision_training.STOCHASTIC]:
+    for name in r["summary"]:
         assert f"| {name} |" in table
     assert (out / "precision_training.png").stat().st_size > 10_000
 
@@ -81,3 +75,13 @@ def test_the_remedies_track_float32_closer_than_plain_bfloat16(results):
             r, p = summary[remedy], summary[plain]
             assert r["mean_abs_diff_to_float32"] * 3 < p["mean_abs_diff_to_float32"], (remedy, plain)
             assert abs(r["gap_to_float32"]) * 2 < p["gap_to_float32"], (remedy, plain)
+
+
+def test_stochastic_rounding_tracks_float32_closer_than_plain_bfloat16(results):
+    # Rounded at random, a weight moves as often as plain rounding leaves it
+    # (its lost fraction is no measure), but in expectation by its update: its
+    # loss follows float32's as the remedies' do (measured 0.0003 per step
+    # against plain's 0.0014 over 40 steps; 0.0008 against 0.11 over 300).
+    summary = results[1]["summary"]
+    for plain in PLAIN:
+        assert summary[STOCHASTIC]["mean_abs_diff_to_float32"] * 3 < summary[plain]["mean_abs_diff_to_float32"]
