@@ -266,7 +266,7 @@ class _Traced(_clipping.Bound):
     def place(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()  # each operator places its own work
 
-    def norm(self, p: float) -> _clipping.Norm:
+    def norm(self, p: float, per_leaf: bool = False) -> _clipping.Norm:
         return _clipping.Norm(_torch_ops.total_norm(self.tensors, p), None, [])
 
     def finite(self, norm: _clipping.Norm) -> bool:
@@ -381,6 +381,7 @@ def _torch_nonfinite_error() -> Iterator[None]:
 from ._src.torch_optim import SGD, AdamW, GradScaler
 from ._src.torch_optim import FlatOptimizer as _FlatOptimizer
 from ._src.torch_optim import precision_defaults as _precision_defaults
+from ._src import step_stats as _step_stats
 
 
 class Lion(_FlatOptimizer):
@@ -411,9 +412,33 @@ class Lion(_FlatOptimizer):
                  differentiable: bool = False, max_norm: float | None = None, norm_type: float | str = 2.0,
                  pp_mesh: Any = None, tied: Iterable | None = None, master_weights: bool = False,
                  kahan_sum: bool = False, bf16_stochastic_round: bool = False, rounding_seed: int = 0,
-                 exp_avg_dtype: torch.dtype | None = None):
+                 exp_avg_dtype: torch.dtype | None = None, stats: bool = False):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, foreach=foreach,
                         differentiable=differentiable,
                         **_precision_defaults("lion", master_weights, kahan_sum, bf16_stochastic_round, rounding_seed,
                                               exp_avg_dtype=exp_avg_dtype))
-        super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied)
+        super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied, stats)
+
+
+__all__ += ["read_stats"]
+
+
+def read_stats(optimizer: _FlatOptimizer) -> dict[str, float]:
+    """The last step's figures of an optimizer made with ``stats=True``, as
+    one host dict for a logger, read in one copy per device (the one
+    synchronisation): ``grad_norm``, the global norm (unscaled, before the
+    clip), then per parameter ``<key>/grad_norm``, ``<key>/update_norm`` and
+    ``<key>/update_ratio`` (its update's norm over its new value's), the key
+    its name where the optimizer was given ``named_parameters()``, else its
+    index across ``param_groups``. ``opt.stats`` holds the same as device
+    tensors, rewritten by each step.
+
+    >>> import torch, gpuflat.torch as gft
+    >>> w = torch.nn.Parameter(torch.ones(4))
+    >>> opt = gft.SGD([w], lr=0.5, stats=True)
+    >>> w.grad = torch.full((4,), 2.0)
+    >>> opt.step()
+    >>> gft.read_stats(opt)
+    {'grad_norm': 4.0, '0/grad_norm': 4.0, '0/update_norm': 2.0, '0/update_ratio': 1.0}
+    """
+    return _step_stats.to_host(optimizer)

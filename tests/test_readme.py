@@ -17,7 +17,7 @@ def run(index):
 
 
 def test_every_example_is_tested():
-    assert len(BLOCKS) == 8
+    assert len(BLOCKS) == 9
 
 
 def test_tree_example():
@@ -91,10 +91,21 @@ def test_flat_optimizer_example():
     assert scope["scaler"].get_scale() > 0 and float(opt.last_grad_norm) < 1e3  # unscaled
 
 
+def test_step_stats_example():
+    torch = pytest.importorskip("torch")
+    scope = run(7)
+    logged, ratio = scope["logged"], scope["ratio"]
+    assert len(logged) == 2 and logged[0]["grad_norm"] > 0 and logged[0] != logged[1]
+    names = [n for n, _ in scope["model"].named_parameters()]
+    assert set(logged[1]) == {"grad_norm"} | {f"{n}/{c}" for n in names
+                                               for c in ("grad_norm", "update_norm", "update_ratio")}
+    assert ratio.dtype == torch.float64 and float(ratio) == logged[1]["2.weight/update_ratio"]
+
+
 def test_compiled_clip_example():
     torch = pytest.importorskip("torch")
     try:
-        scope = run(7)
+        scope = run(8)
     finally:
         torch._dynamo.reset()
     norm, net = scope["norm"], scope["net"]

@@ -116,13 +116,14 @@ class Bound:
         """Where ``part``'s work runs, inside :meth:`place`."""
         return _NOWHERE if self.one_place else part.scope()
 
-    def norm(self, p: float) -> Norm:
+    def norm(self, p: float, per_leaf: bool = False) -> Norm:
         """The float64 norm of order ``p`` of every norm part as one vector:
-        one fused pass per part, then the combine (none for one part)."""
+        one fused pass per part, then the combine (none for one part); with
+        ``per_leaf``, each part's result holds its leaves' norms too."""
         results: list[Any] = []
         for part in self.norm_parts:
             with self.within(part):
-                results.append(part.backend.norms(part.plan, part.leaves, p, False))
+                results.append(part.backend.norms(part.plan, part.leaves, p, per_leaf))
         if self.combine is None:
             total, like = results[0].total, self.norm_parts[0].like
             return Norm(total if like is None else _arrays.to_caller(total, like), total, results)

@@ -299,10 +299,13 @@ def _watched(state: object) -> bool:
 
 @dataclass(frozen=True)
 class DeviceRows:
-    """One device's and dtype's rows, and a tensor placing their work (its device, its stream)."""
+    """One device's and dtype's rows, a tensor placing their work (its
+    device, its stream), and the rows' positions in the step's parameters
+    (None: all of them, in order)."""
 
     rows: np.ndarray
     like: torch.Tensor
+    positions: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -723,7 +726,7 @@ def _nonzero(starts: np.ndarray, tensors: Sequence[torch.Tensor]) -> np.ndarray:
 def _split(rows: np.ndarray, buckets: list[np.ndarray], params: Sequence[torch.Tensor]) -> list[DeviceRows]:
     if len(buckets) == 1:
         return [DeviceRows(rows, params[0])]
-    return [DeviceRows(rows[members], params[int(members[0])]) for members in buckets]
+    return [DeviceRows(rows[members], params[int(members[0])], members) for members in buckets]
 
 
 def _check_dense(rule: Rule, params: Sequence[torch.Tensor], param_facts: np.ndarray | None, grads: Sequence[torch.Tensor],

@@ -429,7 +429,10 @@ class _RankBound(clipping.Bound):
         with device_scope(self.local.be, self.local.call.like), self.local.streams():
             yield
 
-    def norm(self, p: float) -> clipping.Norm:
+    def norm(self, p: float, per_leaf: bool = False) -> clipping.Norm:
+        """The norm over the ranks; its per-leaf norms are kept in
+        ``per_leaf`` where the bound was made wanting them (``per_leaf`` is
+        the clipping Bound's, whose parts' results this norm has none of)."""
         total, per, packets = _reduce_norm(self.local, p, self.wants_per_leaf)
         if self.wants_per_leaf:
             self.per_leaf = self.local.call.result(per)

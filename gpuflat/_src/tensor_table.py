@@ -421,17 +421,35 @@ def norm_pass(table: Table, p: float, detect: bool = False) -> tuple[torch.Tenso
     >>> total.dtype, float(nonfinite)
     (torch.float64, 1.0)
     """
+    total, nonfinite, _ = leaf_norm_pass(table, p, detect, per_leaf=False)
+    return total, nonfinite
+
+
+def leaf_norm_pass(table: Table, p: float, detect: bool = False,
+                   per_leaf: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`norm_pass`, and from the same pass, with ``per_leaf``, each
+    tensor's float64 norm in the table's order (None where the table spans
+    several devices, whose passes are apart).
+
+    >>> ts = [torch.tensor([3.0]), torch.tensor([4.0, 0.0])]  # held: a table holds their addresses only
+    >>> total, _, leaves = leaf_norm_pass(read(ts, str), 2.0)
+    >>> float(total), leaves.tolist()
+    (5.0, [3.0, 4.0])
+    """
     bound = table.bound
     with bound.place():
-        norm = bound.norm(p)
+        norm = bound.norm(p, per_leaf)
+        leaves = None
+        if per_leaf and len(bound.norm_parts) == 1:
+            leaves = bound.norm_parts[0].result(norm.results[0].per_leaf)
         if not detect:
-            return norm.total, None
+            return norm.total, None, leaves
         firsts: list[torch.Tensor] = []
         for part, result in zip(bound.norm_parts, norm.results):
             with bound.within(part):
                 firsts.append(part.result(result.first_nonfinite))
     device = norm.total.device
-    return norm.total, (torch.stack([f.to(device) for f in firsts]) >= 0).any().double()
+    return norm.total, (torch.stack([f.to(device) for f in firsts]) >= 0).any().double(), leaves
 
 
 def returned_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:

@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import clipping, dtensor, param_rows, ranks, tensor_table, torch_optim_ops
+from . import clipping, dtensor, param_rows, ranks, step_stats, tensor_table, torch_optim_ops
 from ..errors import CaptureError
 from .arrays import launch_stream
 from .checks import clip_arguments, optimizer_options, torch_norm_type
@@ -89,7 +89,7 @@ class FlatOptimizer(torch.optim.Optimizer):
     _last_grad_norm: list[torch.Tensor | None]  # made by the last_grad_norm setter
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], max_norm: float | torch.Tensor | None, norm_type: float | str,
-                 pp_mesh: Any, tied: Any) -> None:
+                 pp_mesh: Any, tied: Any, stats: bool = False) -> None:
         name = type(self).__name__
         if isinstance(params, Resident):
             raise TypeError(f"gpuflat.torch.{name}: expected parameters or param groups, as torch.optim.{name} "
@@ -103,6 +103,17 @@ class FlatOptimizer(torch.optim.Optimizer):
         self.max_norm, self.norm_type = max_norm, torch_norm_type(norm_type)
         self.pp_mesh, self.tied = pp_mesh, tied
         self.last_grad_norm = None
+        self._step_stats = step_stats.StepStats() if stats else None
+
+    @property
+    def stats(self) -> dict[Any, dict[str, torch.Tensor]] | None:
+        """With ``stats=True``, per parameter of the last step (by name where
+        the optimizer was given ``named_parameters()``, else by index across
+        ``param_groups``), 0-d float64 tensors on its device that each step
+        rewrites: ``grad_norm`` (unscaled, before the clip), ``update_norm``
+        and ``update_ratio`` (see ``gpuflat._src.step_stats``); else None.
+        ``gpuflat.torch.read_stats(opt)`` reads them all in one copy."""
+        return None if self._step_stats is None else self._step_stats.by_key
 
     def add_param_group(self, param_group: dict) -> None:
         """PyTorch's, then the group's options checked as ``torch.optim``
@@ -114,8 +125,8 @@ class FlatOptimizer(torch.optim.Optimizer):
     def last_grad_norm(self) -> torch.Tensor | None:
         """The gradients' norm at the last step, unscaled, before the clip, as
         a float64 tensor; None before a step or without ``max_norm`` (and
-        without gpuflat's GradScaler, which has the norm pass look for NaN
-        and inf)."""
+        without ``stats=True`` or gpuflat's GradScaler, which has the norm
+        pass look for NaN and inf)."""
         return self._last_grad_norm[0]
 
     @last_grad_norm.setter
@@ -177,17 +188,39 @@ class FlatOptimizer(torch.optim.Optimizer):
         if step is None and self.pp_mesh is None:  # a stage without gradients still joins the stages' norm
             return
         detect = found is _FROM_NORM
+        kept = self._step_stats
+        leaves: list[torch.Tensor | None] = [None]  # the norm pass's per gradient, for the figures
+
+        def norm() -> tuple[torch.Tensor, torch.Tensor | None]:
+            total, nonfinite, leaves[0] = self._norm(step, detect, per_leaf=kept is not None)
+            return total, nonfinite
 
         def update_tables(total: torch.Tensor | None, nonfinite: torch.Tensor | None) -> None:
             found_now = self._found_from(nonfinite) if detect else found
             self.last_grad_norm = total
-            if step is not None:
-                update(self._rule, step.tables, self.param_groups, total, self.max_norm, scale, found_now,
-                       lambda: self._read_by_address(step.params), hyper)
+            if step is None:
+                return
+            sums = None if kept is None else kept.sums_for(step.tables, step.params, lambda: self._keys(step.params))
+            update(self._rule, step.tables, self.param_groups, total, self.max_norm, scale, found_now,
+                   lambda: self._read_by_address(step.params), hyper, sums)
+            if kept is not None:
+                kept.finish(leaves[0], None if scale is None else unscale_factor(scale))
 
-        clipping.step_(lambda: self._norm(step, detect), update_tables,
-                       reads_norm=self.max_norm is not None or detect,
+        clipping.step_(norm, update_tables, reads_norm=self.max_norm is not None or detect or kept is not None,
                        unscale=None if scale is None else _unscaler(scale))
+
+    def _keys(self, params: Sequence[torch.Tensor]) -> list[Any]:
+        """Each parameter's key in ``stats``: its name where its group has
+        ``param_names`` (``named_parameters()`` given), else its index
+        across ``param_groups``."""
+        key_of: dict[int, Any] = {}
+        k = 0
+        for group in self.param_groups:
+            names = group.get("param_names")
+            for i, p in enumerate(group["params"]):
+                key_of.setdefault(id(p), names[i] if names else k)
+                k += 1
+        return [key_of[id(p)] for p in params]
 
     def _made_state(self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any]) -> None:
         """``_lazy_state``, refused inside a CUDA-graph capture: every replay
@@ -215,6 +248,10 @@ class FlatOptimizer(torch.optim.Optimizer):
         stages) is a collective, run between two graphs, outside any
         operator, where every rank reaches it in the same order."""
         self._check_options(compiling=True)
+        if self._step_stats is not None:
+            raise NotImplementedError(f"gpuflat.torch.{type(self).__name__}(stats=True): the figures come from "
+                                      f"eager steps; expected opt.step() outside torch.compile, or an optimizer "
+                                      f"made without stats=True")
         scale, found = self._amp()
         self.last_grad_norm = None
         params: list[torch.Tensor] = []
@@ -314,11 +351,14 @@ class FlatOptimizer(torch.optim.Optimizer):
                                f"optimizer: the GradScaler found no gradient in its param_groups")
         return scale, found
 
-    def _norm(self, step: param_rows.Step | None, detect: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _norm(self, step: param_rows.Step | None, detect: bool,
+              per_leaf: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(the gradients' norm as a float64 tensor, still scaled; with
         ``detect``, a 0-d tensor that is 1 where some gradient holds NaN or
-        inf). ``step`` is None on a pipeline stage without gradients, which
-        adds nothing to the norm."""
+        inf; with ``per_leaf``, each gradient's norm from the same pass,
+        where one pass on one device made the total, else None). ``step`` is
+        None on a pipeline stage without gradients, which adds nothing to
+        the norm."""
         p = self._order()
         grads = [] if step is None else step.grads
         # step is None only on a pipeline stage (pp_mesh set) without gradients.
@@ -327,6 +367,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             total = ranks.global_norm(grads, p, pp_mesh=self.pp_mesh, tied=tied)
             total = torch.as_tensor(total.to_local() if dtensor.is_dtensor(total) else total).double()
             nonfinite = (~torch.isfinite(total)).double() if detect else None
+            leaves = None
         else:
             # The table of the rows' gradients, else (several devices, a
             # backend reading arrays) one read from the gradients themselves.
@@ -334,8 +375,8 @@ class FlatOptimizer(torch.optim.Optimizer):
             table = tensor_table.of_gradients(grads, step.grad_starts, step.grad_facts) \
                 or tensor_table.read(grads, step.name_of_gradient, facts=step.grad_facts)
             assert table is not None  # plain gradients: read gives None only for DTensors
-            total, nonfinite = tensor_table.norm_pass(table, p, detect)
-        return total, nonfinite
+            total, nonfinite, leaves = tensor_table.leaf_norm_pass(table, p, detect, per_leaf)
+        return total, nonfinite, leaves
 
     def _lazy_state(self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any]) -> None:
         """The rule's state where ``p`` lacks what ``group``'s steps read
@@ -564,7 +605,8 @@ def _norm_between_graphs(optimizer: FlatOptimizer, grads: list[torch.Tensor], na
     step = None if not grads else param_rows.Step(tables=[], params=[], grads=grads, grad_facts=None, grad_starts=None,
                                                   plain=not sharded,
                                                   name_of_gradient=lambda j: f"{name_of_parameter(j)}.grad")
-    return optimizer._norm(step, detect)
+    total, nonfinite, _ = optimizer._norm(step, detect)
+    return total, nonfinite
 
 
 def _unscaler(scale: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -618,14 +660,15 @@ class AdamW(FlatOptimizer):
                  fused: bool | None = None, max_norm: float | None = None, norm_type: float | str = 2.0,
                  pp_mesh: Any = None, tied: Iterable | None = None, master_weights: bool = False,
                  kahan_sum: bool = False, bf16_stochastic_round: bool = False, rounding_seed: int = 0,
-                 exp_avg_dtype: torch.dtype | None = None, exp_avg_sq_dtype: torch.dtype | None = None):
+                 exp_avg_dtype: torch.dtype | None = None, exp_avg_sq_dtype: torch.dtype | None = None,
+                 stats: bool = False):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused, decoupled_weight_decay=True,
                         **precision_defaults("adamw", master_weights, kahan_sum, bf16_stochastic_round,
                                              rounding_seed, exp_avg_dtype=exp_avg_dtype,
                                              exp_avg_sq_dtype=exp_avg_sq_dtype))
-        super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied)
+        super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied, stats)
 
 
 class SGD(FlatOptimizer):
@@ -651,12 +694,12 @@ class SGD(FlatOptimizer):
                  max_norm: float | None = None, norm_type: float | str = 2.0, pp_mesh: Any = None,
                  tied: Iterable | None = None, master_weights: bool = False, kahan_sum: bool = False,
                  bf16_stochastic_round: bool = False, rounding_seed: int = 0,
-                 momentum_buffer_dtype: torch.dtype | None = None):
+                 momentum_buffer_dtype: torch.dtype | None = None, stats: bool = False):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
                         fused=fused, **precision_defaults("sgd", master_weights, kahan_sum, bf16_stochastic_round,
                                                           rounding_seed, momentum_buffer_dtype=momentum_buffer_dtype))
-        super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied)
+        super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied, stats)
 
 
 class GradScaler(torch.amp.GradScaler):

@@ -47,7 +47,8 @@ __all__ = ["CLIP_EPS", "name_of", "norm_and_nonfinite", "unscale_factor", "updat
 
 def update(rule: str, tables: Sequence[param_rows.DeviceRows], groups: Sequence[dict[str, Any]],
            total: torch.Tensor | None, max_norm: float | torch.Tensor | None, scale: torch.Tensor | None,
-           found: torch.Tensor | None, read: Any = (), hyper: np.ndarray | None = None) -> None:
+           found: torch.Tensor | None, read: Any = (), hyper: np.ndarray | None = None,
+           stats: Sequence[torch.Tensor] | None = None) -> None:
     """One update by the rule named ``rule`` (``layout.RULES``) of the parameters of
     ``tables`` (``gpuflat._src.param_rows``), each group's hyperparameters and
     flags read from ``groups`` (dicts as ``param_groups`` holds them), the
@@ -59,6 +60,9 @@ def update(rule: str, tables: Sequence[param_rows.DeviceRows], groups: Sequence[
     ``lr``) is kept as long as the process: the graph may be replayed at any
     time, whatever ``gpuflat.cache_clear()`` drops. ``hyper``: the groups'
     rows (``Rule.hyper_rows``), where the caller holds them already.
+    ``stats``: per table, a float64 [rows, 2] tensor on its device that the
+    update fills with each row's sums of squares of its update and of its
+    new value (``gpuflat._src.step_stats``).
 
     >>> w, g = torch.ones(2), torch.full((2,), 4.0)
     >>> sgd = param_rows.RULES["sgd"]
@@ -70,7 +74,7 @@ def update(rule: str, tables: Sequence[param_rows.DeviceRows], groups: Sequence[
     """
     if hyper is None:
         hyper = RULES[rule].hyper_rows(groups)
-    for table in tables:
+    for k, table in enumerate(tables):
         like = table.like
         backend = tensor_table.backend_for(like.device)
         row_hyper, lr_at = _learning_rates(groups, like.device, hyper)
@@ -81,9 +85,10 @@ def update(rule: str, tables: Sequence[param_rows.DeviceRows], groups: Sequence[
         with device_scope(backend, like):
             if backend.name == "cuda" and launch_stream(like).is_capturing():
                 _READ_BY_GRAPHS.append((amp, norm, [g["lr"] for g in groups], read() if callable(read) else read))
+            sums = {} if stats is None else {"stats": adopt(stats[k])}
             backend.step_rows(rule, TAG_OF_NAME[str(like.dtype).removeprefix("torch.")], table.rows, row_hyper,
                               lr_at, None if norm is None else adopt(norm),
-                              0.0 if max_norm is None else float(max_norm), CLIP_EPS, adopt(amp))
+                              0.0 if max_norm is None else float(max_norm), CLIP_EPS, adopt(amp), **sums)
 
 
 # What captured CUDA graphs' launches read by address, kept for good (as the
