@@ -72,7 +72,7 @@ __all__ = [
     "get_total_norm",
 ]
 __all__ += ["SGD", "AdamW", "GradScaler"]  # gpuflat._src.torch_optim: the flat optimizers
-__all__ += ["Lion"]
+__all__ += ["Lion", "read_stats"]
 
 __dir__ = _public.listing(__all__)
 # Names this module showed in 0.7.0 beside __all__ (what it imported), deprecated.
@@ -419,8 +419,6 @@ class Lion(_FlatOptimizer):
                                               exp_avg_dtype=exp_avg_dtype))
         super().__init__(params, defaults, max_norm, norm_type, pp_mesh, tied, stats)
 
-
-__all__ += ["read_stats"]
 
 
 def read_stats(optimizer: _FlatOptimizer) -> dict[str, float]:
