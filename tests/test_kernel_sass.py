@@ -238,6 +238,7 @@ def test_no_hot_kernels_innermost_loop_touches_local_memory(major):
     # has no STL or LDL.
     from test_kernel_resources import AMSGRAD_ROWS, HOT, STATS_AMSGRAD_ROWS, STATS_ROWS
 
+    allowed = STATS_LOOP_LOCAL.get(kl.nvrtc_version(major), {})
     for name in HOT + AMSGRAD_ROWS + STATS_ROWS + STATS_AMSGRAD_ROWS:
         instructions, _ = _sass(major)[name]
         spans = _loop_spans(major, name)
@@ -245,7 +246,17 @@ def test_no_hot_kernels_innermost_loop_touches_local_memory(major):
             if any(first <= a and b <= last and (a, b) != (first, last) for a, b in spans):
                 continue  # holds another loop: per item or row
             local = [ins for ins in instructions[first : last + 1] if ins.startswith(("STL", "LDL"))]
-            assert not local, f"{name} (CUDA {major}): {local} in an innermost loop"
+            assert len(local) <= allowed.get(name, 0), f"{name} (CUDA {major}): {local} in an innermost loop"
+
+
+# The local-memory instructions a gated NVRTC's build of an update-statistics
+# instantiation may have in one innermost loop, where it spills inside them:
+# CUDA 13.5's 16-bit AdamW rows (test_kernel_resources' STATS_SPILL_CEILINGS)
+# reload two values per pass of their 8-element vector loop, and store and
+# reload the lane's two sums per element of their element loop (AMSGrad's:
+# two more loads). No other gated NVRTC's stats loops touch local memory.
+STATS_LOOP_LOCAL = {(13, 5): {**{RULES["adamw"].rows_kernel(c, stats=True): 4 for c in ("f16", "bf16")},
+                              **{RULES["adamw"].rows_kernel(c, "amsgrad", stats=True): 6 for c in ("f16", "bf16")}}}
 
 
 def _first_block_loads(major: int, name: str) -> int:

@@ -114,23 +114,44 @@ void for_row_items(const ParamRow* rows, long long n_rows, int threads, Body bod
 // written to out[0] and out[1]; without `out`, run(first, n, gf_unseen{})
 // alone. run(first, n, seen) updates elements [first, first + n) and calls
 // seen(i, held, w) for each. The update runs over chunks of CHUNK elements,
-// keeping each element's d * d and w * w (rounded once in the compute type
-// C) in two arrays, so its loop stays one the compiler vectorises; LANES
-// double sums then take every LANES-th term in order, added in a fixed order
-// at the end: the bits depend on the item alone, never on the threads.
-template <class C, class Run>
-void item_stats(double* out, long long first, long long n, Run run) {
+// and each element's d * d and w * w (rounded once in the compute type C)
+// are kept in two arrays; LANES double sums then take every LANES-th term
+// in order, added in a fixed order at the end: the bits depend on the item
+// alone, never on the threads.
+//
+// Where the parameter p is stored in its compute type (float32 and float64
+// rows kept plain: pass p, else null), w is what the update stores, so the
+// chunk's held values are copied first and the update runs as it does
+// without statistics (gf_unseen: the loop the compiler vectorises; one with
+// a callback storing two more arrays was not, and took three times as long),
+// then d and w come from the copy and the chunk, in cache.
+template <class C, class S, class Run>
+void item_stats(double* out, S* p, long long first, long long n, Run run) {
     if (out == nullptr) return run(first, n, gf_unseen{});
     constexpr int CHUNK = 1024, LANES = 8;
     alignas(64) C d2[CHUNK], w2[CHUNK];
     double sd[LANES] = {}, sw[LANES] = {};
     for (long long c = first; c < first + n; c += CHUNK) {
         const int m = (int)std::min<long long>(CHUNK, first + n - c);
-        run(c, m, [&](long long i, C held, C w) {
-            const C d = w - held;
-            d2[i - c] = d * d;
-            w2[i - c] = w * w;
-        });
+        if constexpr (gf_same<S, C>::value) {
+            if (p != nullptr) {
+                // d2 holds the held values until the update has run.
+                for (int j = 0; j < m; ++j) d2[j] = p[c + j];
+                run(c, m, gf_unseen{});
+                for (int j = 0; j < m; ++j) {
+                    const C w = p[c + j], d = w - d2[j];
+                    d2[j] = d * d;
+                    w2[j] = w * w;
+                }
+            }
+        }
+        if (!gf_same<S, C>::value || p == nullptr) {
+            run(c, m, [&](long long i, C held, C w) {
+                const C d = w - held;
+                d2[i - c] = d * d;
+                w2[i - c] = w * w;
+            });
+        }
         const int whole = (m + LANES - 1) / LANES * LANES;
         for (int j = m; j < whole; ++j) d2[j] = w2[j] = (C)0;  // adds nothing
         for (int j = 0; j < whole; j += LANES) {
@@ -166,7 +187,7 @@ void rule_rows(const ParamRow* rows, long long n_rows, const double* hyper, cons
         S* st[R::STATES];
         for (int t = 0; t < R::STATES; ++t) st[t] = (S*)gf_row_state(r, t);
         const auto k = R::template setup<C>(h, gf_rule_row_step(r), factor, gf_group_lr(h, lr_at, r.group));
-        item_stats<C>(item_partial(partial, item), first, n, [&](long long f, long long m, auto seen) {
+        item_stats<C>(item_partial(partial, item), (S*)r.param, first, n, [&](long long f, long long m, auto seen) {
             gf_rule_range<R, 1>((S*)r.param, (const S*)r.grad, st, f, m, k, seen);
         });
     });
@@ -184,7 +205,7 @@ void mixed_rows(const ParamRow* rows, long long n_rows, const double* hyper, con
         const double* h = hyper + r.group * GF_HYPER;
         const double step = gf_rule_row_step(r);
         const auto k = R::template setup<C>(h, step, factor, gf_group_lr(h, lr_at, r.group));
-        item_stats<C>(item_partial(partial, item), first, n, [&](long long f, long long m, auto seen) {
+        item_stats<C>(item_partial(partial, item), (S*)nullptr, first, n, [&](long long f, long long m, auto seen) {
             for (long long i = f; i < f + m; ++i) gf_rule_mixed_one<R, S>(r, i, k, (unsigned)step, seen);
         });
     });
@@ -220,13 +241,15 @@ bool rows_update(int rule, const ParamRow* rows, long long n_rows, const double*
                 const double lr = gf_group_lr(h, lr_at, r.group);
                 if (rule == GF_RULE_ADAMW) {
                     const auto k = gf_adamw_setup<C>(h, gf_adamw_row_step(r), factor, lr);
-                    item_stats<C>(item_partial(partial, item), first, n, [&](long long f, long long m, auto seen) {
+                    item_stats<C>(item_partial(partial, item), (S*)r.param, first, n,
+                                  [&](long long f, long long m, auto seen) {
                         gf_adamw_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, (S*)r.state1, (S*)r.state2,
                                           f, m, k, seen);
                     });
                 } else {
                     const auto k = gf_sgd_setup<C>(h, gf_sgd_row_step(r, h), factor, lr);
-                    item_stats<C>(item_partial(partial, item), first, n, [&](long long f, long long m, auto seen) {
+                    item_stats<C>(item_partial(partial, item), (S*)r.param, first, n,
+                                  [&](long long f, long long m, auto seen) {
                         gf_sgd_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, f, m, k, seen);
                     });
                 }
