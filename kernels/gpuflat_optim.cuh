@@ -91,6 +91,17 @@ __device__ __forceinline__ void gf_store(S& x, C c) {
     else x = gf_narrow<S>(gf_wide{(double)c, 0.0});
 }
 
+// What an element's update shows of it: seen(i, held, w) with i the
+// element's index, held the value the rule's arithmetic started from and w
+// the value it produced, both in the compute type (w before it is rounded
+// into storage). The row kernels' update statistics (optim.cu) and the host
+// library's take them; gf_unseen, every other caller's, takes nothing, so
+// those compile to what they were without it.
+struct gf_unseen {
+    template <class C>
+    __device__ __forceinline__ void operator()(long long, C, C) const {}
+};
+
 // base**n for a whole n >= 0 by repeated squaring: IEEE products only, so
 // every device and the host give the same bits (a library pow may differ in
 // the last place between them).
@@ -218,25 +229,31 @@ __device__ __forceinline__ void gf_amsgrad_math(C& p, C g, C& m, C& v, C& vmax, 
     gf_adamw_apply<BY_PRODUCT>(p, m, vmax, k);
 }
 
-// One element of the four buffers, in place.
-template <class S>
+// One element of the four buffers, in place; seen(i, held, new value) (gf_unseen).
+template <class S, class Seen = gf_unseen>
 __device__ __forceinline__ void gf_adamw_one(S& p, const S& g, S& m, S& v,
-                                             const gf_adamw_coefs<typename gf_compute<S>::type>& k) {
+                                             const gf_adamw_coefs<typename gf_compute<S>::type>& k,
+                                             long long i = 0, Seen seen = {}) {
     using C = typename gf_compute<S>::type;
     C pc = gf_load<C>(p), mc = gf_load<C>(m), vc = gf_load<C>(v);
+    const C held = pc;
     gf_adamw_math<false>(pc, gf_load<C>(g), mc, vc, k);
+    seen(i, held, pc);
     gf_store(p, pc);
     gf_store(m, mc);
     gf_store(v, vc);
 }
 
-// One element of the five buffers (AMSGrad), in place.
-template <class S>
+// One element of the five buffers (AMSGrad), in place; seen as gf_adamw_one's.
+template <class S, class Seen = gf_unseen>
 __device__ __forceinline__ void gf_amsgrad_one(S& p, const S& g, S& m, S& v, S& vmax,
-                                               const gf_adamw_coefs<typename gf_compute<S>::type>& k) {
+                                               const gf_adamw_coefs<typename gf_compute<S>::type>& k,
+                                               long long i = 0, Seen seen = {}) {
     using C = typename gf_compute<S>::type;
     C pc = gf_load<C>(p), mc = gf_load<C>(m), vc = gf_load<C>(v), wc = gf_load<C>(vmax);
+    const C held = pc;
     gf_amsgrad_math<false>(pc, gf_load<C>(g), mc, vc, wc, k);
+    seen(i, held, pc);
     gf_store(p, pc);
     gf_store(m, mc);
     gf_store(v, vc);
@@ -245,19 +262,20 @@ __device__ __forceinline__ void gf_amsgrad_one(S& p, const S& g, S& m, S& v, S& 
 
 // Elements first, first + STRIDE, ... (n of them) of the buffers; vmax
 // (max_exp_avg_sq) is read and written only where the group has amsgrad.
-template <int STRIDE, class S>
+// seen(i, held, new value) for each (gf_unseen).
+template <int STRIDE, class S, class Seen = gf_unseen>
 __device__ __forceinline__ void gf_adamw_range(S* __restrict__ p, const S* __restrict__ g, S* __restrict__ m,
                                                S* __restrict__ v, S* __restrict__ vmax, long long first, long long n,
-                                               gf_adamw_coefs<typename gf_compute<S>::type> k) {
+                                               gf_adamw_coefs<typename gf_compute<S>::type> k, Seen seen = {}) {
     if (k.amsgrad) {
         for (long long j = 0; j < n; ++j) {
             const long long i = first + j * STRIDE;
-            gf_amsgrad_one(p[i], g[i], m[i], v[i], vmax[i], k);
+            gf_amsgrad_one(p[i], g[i], m[i], v[i], vmax[i], k, i, seen);
         }
     } else {
         for (long long j = 0; j < n; ++j) {
             const long long i = first + j * STRIDE;
-            gf_adamw_one(p[i], g[i], m[i], v[i], k);
+            gf_adamw_one(p[i], g[i], m[i], v[i], k, i, seen);
         }
     }
 }
@@ -296,24 +314,27 @@ __device__ __forceinline__ void gf_sgd_math(C& p, C g, C& buf, const gf_sgd_coef
 }
 
 // One element of the buffers, in place; buf is read only with momentum
-// after the first step, and written only with momentum.
-template <class S>
+// after the first step, and written only with momentum. seen as gf_adamw_one's.
+template <class S, class Seen = gf_unseen>
 __device__ __forceinline__ void gf_sgd_one(S& p, const S& g, S& buf,
-                                           const gf_sgd_coefs<typename gf_compute<S>::type>& k) {
+                                           const gf_sgd_coefs<typename gf_compute<S>::type>& k,
+                                           long long i = 0, Seen seen = {}) {
     using C = typename gf_compute<S>::type;
     C pc = gf_load<C>(p), b = k.has_momentum && !k.first ? gf_load<C>(buf) : (C)0;
+    const C held = pc;
     gf_sgd_math(pc, gf_load<C>(g), b, k);
+    seen(i, held, pc);
     if (k.has_momentum) gf_store(buf, b);
     gf_store(p, pc);
 }
 
-template <int STRIDE, class S>
+template <int STRIDE, class S, class Seen = gf_unseen>
 __device__ __forceinline__ void gf_sgd_range(S* __restrict__ p, const S* __restrict__ g, S* __restrict__ buf,
                                              long long first, long long n,
-                                             gf_sgd_coefs<typename gf_compute<S>::type> k) {
+                                             gf_sgd_coefs<typename gf_compute<S>::type> k, Seen seen = {}) {
     for (long long j = 0; j < n; ++j) {
         const long long i = first + j * STRIDE;
-        gf_sgd_one(p[i], g[i], buf[i], k);
+        gf_sgd_one(p[i], g[i], buf[i], k, i, seen);
     }
 }
 
@@ -373,25 +394,28 @@ __device__ __forceinline__ double gf_rule_row_step(const ParamRow& r) {
     return r.step != 0 ? (double)*(const float*)r.step + 1.0 : 1.0;
 }
 
-// Element i of a parameter, its gradient and a generic rule's states, in place.
-template <class R, class S, class K>
+// Element i of a parameter, its gradient and a generic rule's states, in
+// place; seen as gf_adamw_one's.
+template <class R, class S, class K, class Seen = gf_unseen>
 __device__ __forceinline__ void gf_rule_one(S* __restrict__ p, const S* __restrict__ g, S* const* s,
-                                            long long i, const K& k) {
+                                            long long i, const K& k, Seen seen = {}) {
     using C = typename gf_compute<S>::type;
     C pc = gf_load<C>(p[i]), sc[R::STATES];
 #pragma unroll
     for (int t = 0; t < R::STATES; ++t) sc[t] = gf_load<C>(s[t][i]);
+    const C held = pc;
     R::math(pc, gf_load<C>(g[i]), sc, k);
+    seen(i, held, pc);
     gf_store(p[i], pc);
 #pragma unroll
     for (int t = 0; t < R::STATES; ++t) gf_store(s[t][i], sc[t]);
 }
 
 // Elements first, first + STRIDE, ... (n of them) of a generic rule's tensors.
-template <class R, int STRIDE, class S, class K>
+template <class R, int STRIDE, class S, class K, class Seen = gf_unseen>
 __device__ __forceinline__ void gf_rule_range(S* __restrict__ p, const S* __restrict__ g, S* const* s,
-                                              long long first, long long n, const K& k) {
-    for (long long j = 0; j < n; ++j) gf_rule_one<R>(p, g, s, first + j * STRIDE, k);
+                                              long long first, long long n, const K& k, Seen seen = {}) {
+    for (long long j = 0; j < n; ++j) gf_rule_one<R>(p, g, s, first + j * STRIDE, k, seen);
 }
 
 
@@ -533,9 +557,12 @@ __device__ __forceinline__ void gf_store_field(long long at, int field, long lon
 //   count after this step.
 // The operations and their order are gpuflat._src.backends.numpy_backend's
 // _kept_update. The word's fields are the same for every element of a row,
-// so each switch takes one way in a warp.
-template <class R, class P, class K>
-__device__ __forceinline__ void gf_rule_mixed_one(const ParamRow& r, long long i, const K& k, unsigned step) {
+// so each switch takes one way in a warp. seen(i, held, new value) with
+// held the value R::math started from (the parameter, its master copy, or
+// parameter + compensation) and the new value before it is kept.
+template <class R, class P, class K, class Seen = gf_unseen>
+__device__ __forceinline__ void gf_rule_mixed_one(const ParamRow& r, long long i, const K& k, unsigned step,
+                                                  Seen seen = {}) {
     using C = typename gf_compute<P>::type;
     const int keep = gf_row_keep(r.precision);
     P* const p = (P*)r.param;
@@ -549,7 +576,9 @@ __device__ __forceinline__ void gf_rule_mixed_one(const ParamRow& r, long long i
         const long long at = gf_row_state(r, t);
         sc[t] = at != 0 && gf_rule_uses(k, t) ? gf_load_field<P, C>(at, gf_state_field(r.precision, t), i) : (C)0;
     }
+    const C held = pc;
     R::math(pc, gf_load<C>(((const P*)r.grad)[i]), sc, k);
+    seen(i, held, pc);
 #pragma unroll
     for (int t = 0; t < R::STATES; ++t) {
         const long long at = gf_row_state(r, t);

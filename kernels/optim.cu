@@ -94,14 +94,127 @@ gpuflat_rule(const Item* __restrict__ items, long long n_items, const long long*
 // plus 1, as PyTorch adds before it updates) and written by
 // gpuflat_count_steps afterwards, so no item reads a count another has
 // already moved.
-// fn(row, item) for every item of a row, one warp each, grid-stride;
-// nothing runs when amp says to skip the step.
+// fn(row, item, lane, it) for every item `it` of a row, one warp each,
+// grid-stride; nothing runs when amp says to skip the step.
 template <class Fn>
 __device__ __forceinline__ void gf_for_row_items(const Item* __restrict__ items, long long n_items,
                                                  const ParamRow* __restrict__ rows, const double* __restrict__ amp,
                                                  Fn fn) {
     if (amp[1] != 0.0) return;
-    gf_for_items(items, n_items, [&](long long, const Item& item, int lane) { fn(rows[item.slot], item, lane); });
+    gf_for_items(items, n_items, [&](long long it, const Item& item, int lane) {
+        fn(rows[item.slot], item, lane, it);
+    });
+}
+
+// ---------------------------------------------------------------- update statistics
+// The row kernels' instantiations with STATS (the *_stats kernels below)
+// also sum, over each work item, d^2 and w^2 of its elements (w: the value
+// the rule produced, in the compute type before it is rounded into storage;
+// d = w - held, held: the value it started from, gf_unseen's), and write
+// the two sums to partial[2 * it] and partial[2 * it + 1]; gpuflat_row_stats
+// then adds each row's items. Nothing else is read or written: the sums
+// come from values the update holds anyway.
+//
+// A lane adds a 16-byte vector's terms (at most 8) in the compute type C,
+// each d * d and w * w rounded once, then that sum to its own sums, also in
+// C; an element outside the vectors alone. A lane's sums over an item are
+// thus two levels of at most 8 and 32 terms, all positive: within about 40
+// roundings of C (2.4e-6 relative for float at worst, a few 1e-7 in
+// practice) of the exact sums; 128 roundings at worst where an item takes
+// no vectors (a tensor off its 16-byte alignment). The lanes' sums meet in double, in a fixed
+// tree of shuffles, so an item's sums are the same bits on every run and
+// grid. Double sums per lane would be closer, but their two more registers
+// make the 16-bit AdamW rows spill under every gated NVRTC
+// (tests/test_kernel_resources.py); float ones spill under none of
+// CUDA 12.6, 12.9 and 13.0 for sm_90. Without STATS every member does
+// nothing, and the kernels compile to what they were.
+template <bool STATS, class L>
+struct gf_lane_stats {
+    // A vector's sums, in the compute type C (L, the lane's sums' type, too).
+    template <class C>
+    struct part {
+        __device__ __forceinline__ void element(C, C) {}
+    };
+    template <class C>
+    __device__ __forceinline__ void add(const part<C>&) {}
+    template <class C>
+    __device__ __forceinline__ void element(C, C) {}
+    __device__ __forceinline__ void write(double* __restrict__, long long) {}
+};
+
+template <class L>
+struct gf_lane_stats<true, L> {
+    L d2 = (L)0, w2 = (L)0;
+
+    template <class C>
+    struct part {
+        C d2 = (C)0, w2 = (C)0;
+        __device__ __forceinline__ void element(C held, C w) {
+            const C d = w - held;
+            d2 = d2 + d * d;
+            w2 = w2 + w * w;
+        }
+    };
+    template <class C>
+    __device__ __forceinline__ void add(const part<C>& s) {
+        d2 = d2 + (L)s.d2;
+        w2 = w2 + (L)s.w2;
+    }
+    template <class C>
+    __device__ __forceinline__ void element(C held, C w) {
+        part<C> s;
+        s.element(held, w);
+        add(s);
+    }
+    // The warp's sums (every lane calls it), written by lane 0: lane 0 ends
+    // with ((l0 + l16) + (l8 + l24)) + ..., whatever the grid.
+    __device__ __forceinline__ void write(double* __restrict__ partial, long long it) {
+        double a = (double)d2, b = (double)w2;
+#pragma unroll
+        for (int off = GF_WARP / 2; off > 0; off >>= 1) {
+            a += __shfl_down_sync(GF_FULL_MASK, a, off);
+            b += __shfl_down_sync(GF_FULL_MASK, b, off);
+        }
+        if (gf_lane() == 0) {
+            partial[2 * it] = a;
+            partial[2 * it + 1] = b;
+        }
+    }
+};
+
+
+// Each row's statistics: stats[2 * row] and stats[2 * row + 1] the sums of
+// d^2 and w^2 over its items' partials (the row kernels'), its items
+// row_items[row] to row_items[row + 1] (a row's items are consecutive),
+// one warp per row: lane l adds items l, l + 32, ... in order, and the
+// lanes meet in a fixed tree, so the bits depend on neither the grid nor the
+// run. A row without elements gets zeros, and so does every row of a step
+// that amp skips (its row kernel wrote no partial).
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_row_stats(const long long* __restrict__ row_items, long long n_rows, const double* __restrict__ partial,
+                  const double* __restrict__ amp, double* __restrict__ stats) {
+    const bool skip = amp[1] != 0.0;
+    const long long nwarps = gf_warp_count();
+    for (long long row = gf_global_warp(); row < n_rows; row += nwarps) {
+        double a = 0.0, b = 0.0;
+        if (!skip) {
+            const long long end = row_items[row + 1];
+#pragma unroll 1
+            for (long long k = row_items[row] + gf_lane(); k < end; k += GF_WARP) {
+                a += partial[2 * k];
+                b += partial[2 * k + 1];
+            }
+        }
+#pragma unroll
+        for (int off = GF_WARP / 2; off > 0; off >>= 1) {
+            a += __shfl_down_sync(GF_FULL_MASK, a, off);
+            b += __shfl_down_sync(GF_FULL_MASK, b, off);
+        }
+        if (gf_lane() == 0) {
+            stats[2 * row] = a;
+            stats[2 * row + 1] = b;
+        }
+    }
 }
 
 // A 16-byte vector's elements in the compute type, a group of GROUP at a
@@ -205,9 +318,10 @@ __device__ __forceinline__ void gf_vectors(Load load, Store store, Element eleme
 // An AdamW row's item over its N tensors (4: param, grad, exp_avg,
 // exp_avg_sq; 5: and max_exp_avg_sq, for amsgrad), whole vectors where all
 // start 16-byte aligned and a float row may divide through the reciprocal.
-template <int N, bool BY_PRODUCT, class S>
+template <int N, bool BY_PRODUCT, class S, class Stats>
 __device__ __forceinline__ void gf_adamw_row_item(const ParamRow& r, const Item& item, int lane,
-                                                  const gf_adamw_coefs<typename gf_compute<S>::type>& k) {
+                                                  const gf_adamw_coefs<typename gf_compute<S>::type>& k,
+                                                  Stats& stats) {
     using C = typename gf_compute<S>::type;
     constexpr int E = gf_group<S>::GROUP;
     S* t[N];
@@ -221,33 +335,39 @@ __device__ __forceinline__ void gf_adamw_row_item(const ParamRow& r, const Item&
     if constexpr (N == 5) aligned = aligned && gf_all_aligned(r.state2 + at);
     gf_row_item(t, item, lane, (!BY_PRODUCT || k.unbias_by_product) && aligned,
         [&](auto load, auto store) {
+            typename Stats::template part<C> sums;
             // c: param, grad, exp_avg, exp_avg_sq(, max_exp_avg_sq)
             gf_vectors<S, N>(load, store, [&](C (&c)[N][E], int e) {
+                const C held = c[0][e];
                 if constexpr (N == 5) gf_amsgrad_math<BY_PRODUCT>(c[0][e], c[1][e], c[2][e], c[3][e], c[4][e], k);
                 else gf_adamw_math<BY_PRODUCT>(c[0][e], c[1][e], c[2][e], c[3][e], k);
+                sums.element(held, c[0][e]);
             });
+            stats.add(sums);
         },
         [&](long long i) {
-            if constexpr (N == 5) gf_amsgrad_one(t[0][i], t[1][i], t[2][i], t[3][i], t[4][i], k);
-            else gf_adamw_one(t[0][i], t[1][i], t[2][i], t[3][i], k);
+            const auto seen = [&](long long, C held, C w) { stats.element(held, w); };
+            if constexpr (N == 5) gf_amsgrad_one(t[0][i], t[1][i], t[2][i], t[3][i], t[4][i], k, i, seen);
+            else gf_adamw_one(t[0][i], t[1][i], t[2][i], t[3][i], k, i, seen);
         });
 }
 
 // AdamW over a table of rows. AMSGRAD: the instantiation for a step where
 // some group has amsgrad, which takes max_exp_avg_sq in those groups' rows;
 // the other keeps the rows of every step without amsgrad within the
-// resource gates of a hot kernel.
-template <class S, bool AMSGRAD>
+// resource gates of a hot kernel. STATS: with the update statistics
+// (gf_lane_stats) written to `partial`.
+template <class S, bool AMSGRAD, bool STATS>
 __device__ __forceinline__ void gf_adamw_rows(const Item* __restrict__ items, long long n_items,
                                               const ParamRow* __restrict__ rows, const double* __restrict__ hyper,
                                               const long long* __restrict__ lr_at, const double* __restrict__ total,
                                               double max_norm, double eps, long long clip,
-                                              const double* __restrict__ amp) {
+                                              const double* __restrict__ amp, double* __restrict__ partial) {
     using C = typename gf_compute<S>::type;
     // Float vectors divide by bc2_sqrt through its reciprocal (gf_unbias); a
     // float row that may not goes one element at a time, dividing.
     constexpr bool BY_PRODUCT = gf_same<C, float>::value;
-    gf_for_row_items(items, n_items, rows, amp, [&](const ParamRow& r, const Item& item, int lane) {
+    gf_for_row_items(items, n_items, rows, amp, [&](const ParamRow& r, const Item& item, int lane, long long it) {
         const double* h = hyper + r.group * GF_HYPER;
         // The factor is computed again for each item, from the kernel's
         // arguments, rather than held across items: a group's maximize makes
@@ -255,10 +375,15 @@ __device__ __forceinline__ void gf_adamw_rows(const Item* __restrict__ items, lo
         // 16-bit rows a register (a spill under CUDA 13.5).
         const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
         const auto k = gf_adamw_setup<C>(h, gf_adamw_row_step(r), factor, gf_group_lr(h, lr_at, r.group));
+        gf_lane_stats<STATS, C> stats;
         if constexpr (AMSGRAD) {
-            if (k.amsgrad) return gf_adamw_row_item<5, BY_PRODUCT, S>(r, item, lane, k);
+            if (k.amsgrad) {
+                gf_adamw_row_item<5, BY_PRODUCT, S>(r, item, lane, k, stats);
+                return stats.write(partial, it);
+            }
         }
-        gf_adamw_row_item<4, BY_PRODUCT, S>(r, item, lane, k);
+        gf_adamw_row_item<4, BY_PRODUCT, S>(r, item, lane, k, stats);
+        stats.write(partial, it);
     });
 }
 
@@ -268,7 +393,18 @@ gpuflat_adamw_rows(const Item* __restrict__ items, long long n_items, const Para
                    const double* __restrict__ hyper, const long long* __restrict__ lr_at,
                    const double* __restrict__ total, double max_norm, double eps, long long clip,
                    const double* __restrict__ amp) {
-    gf_adamw_rows<S, false>(items, n_items, rows, hyper, lr_at, total, max_norm, eps, clip, amp);
+    gf_adamw_rows<S, false, false>(items, n_items, rows, hyper, lr_at, total, max_norm, eps, clip, amp, nullptr);
+}
+
+// The same with the update statistics (gf_lane_stats): each item's sums in
+// partial (2 doubles per item), every other word as gpuflat_adamw_rows.
+template <class S>
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_adamw_rows_stats(const Item* __restrict__ items, long long n_items, const ParamRow* __restrict__ rows,
+                         const double* __restrict__ hyper, const long long* __restrict__ lr_at,
+                         const double* __restrict__ total, double max_norm, double eps, long long clip,
+                         const double* __restrict__ amp, double* __restrict__ partial) {
+    gf_adamw_rows<S, false, true>(items, n_items, rows, hyper, lr_at, total, max_norm, eps, clip, amp, partial);
 }
 
 // Five 16-byte vectors per lane and five row addresses do not fit the 64
@@ -281,27 +417,40 @@ gpuflat_adamw_amsgrad_rows(const Item* __restrict__ items, long long n_items, co
                            const double* __restrict__ hyper, const long long* __restrict__ lr_at,
                            const double* __restrict__ total, double max_norm, double eps, long long clip,
                            const double* __restrict__ amp) {
-    gf_adamw_rows<S, true>(items, n_items, rows, hyper, lr_at, total, max_norm, eps, clip, amp);
+    gf_adamw_rows<S, true, false>(items, n_items, rows, hyper, lr_at, total, max_norm, eps, clip, amp, nullptr);
 }
 
 template <class S>
-__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
-gpuflat_sgd_rows(const Item* __restrict__ items, long long n_items, const ParamRow* __restrict__ rows,
-                 const double* __restrict__ hyper, const long long* __restrict__ lr_at,
-                 const double* __restrict__ total, double max_norm, double eps, long long clip,
-                 const double* __restrict__ amp) {
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_AMSGRAD_MIN_BLOCKS_PER_SM)
+gpuflat_adamw_amsgrad_rows_stats(const Item* __restrict__ items, long long n_items,
+                                 const ParamRow* __restrict__ rows, const double* __restrict__ hyper,
+                                 const long long* __restrict__ lr_at, const double* __restrict__ total,
+                                 double max_norm, double eps, long long clip, const double* __restrict__ amp,
+                                 double* __restrict__ partial) {
+    gf_adamw_rows<S, true, true>(items, n_items, rows, hyper, lr_at, total, max_norm, eps, clip, amp, partial);
+}
+
+// SGD over a table of rows; STATS as gf_adamw_rows'.
+template <class S, bool STATS>
+__device__ __forceinline__ void gf_sgd_rows(const Item* __restrict__ items, long long n_items,
+                                            const ParamRow* __restrict__ rows, const double* __restrict__ hyper,
+                                            const long long* __restrict__ lr_at, const double* __restrict__ total,
+                                            double max_norm, double eps, long long clip,
+                                            const double* __restrict__ amp, double* __restrict__ partial) {
     using C = typename gf_compute<S>::type;
     constexpr int E = gf_group<S>::GROUP;
     const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
-    gf_for_row_items(items, n_items, rows, amp, [&](const ParamRow& r, const Item& item, int lane) {
+    gf_for_row_items(items, n_items, rows, amp, [&](const ParamRow& r, const Item& item, int lane, long long it) {
         const double* h = hyper + r.group * GF_HYPER;
         const auto k = gf_sgd_setup<C>(h, gf_sgd_row_step(r, h), factor, gf_group_lr(h, lr_at, r.group));
         // Without momentum there is no buffer: address 0, aligned, never read
         // or written.
         S* const t[3] = {(S*)r.param, (S*)r.grad, (S*)r.state0};
         const long long at = item.start * (long long)sizeof(S);
+        gf_lane_stats<STATS, C> stats;
         gf_row_item(t, item, lane, gf_all_aligned(r.param + at, r.grad + at, k.has_momentum ? r.state0 + at : 0, 0),
             [&](auto load, auto store) {
+                typename gf_lane_stats<STATS, C>::template part<C> sums;
                 gf_vec<S> P, G, B;
                 P.raw = *load(0);
                 G.raw = *load(1);
@@ -313,29 +462,56 @@ gpuflat_sgd_rows(const Item* __restrict__ items, long long n_items, const ParamR
                     gf_unpack(G, i, g);
                     gf_unpack(B, i, b);
 #pragma unroll
-                    for (int e = 0; e < E; ++e) gf_sgd_math(p[e], g[e], b[e], k);
+                    for (int e = 0; e < E; ++e) {
+                        const C held = p[e];
+                        gf_sgd_math(p[e], g[e], b[e], k);
+                        sums.element(held, p[e]);
+                    }
                     gf_pack(P, i, p);
                     gf_pack(B, i, b);
                 }
                 *store(0) = P.raw;
                 if (k.has_momentum) *store(2) = B.raw;
+                stats.add(sums);
             },
-            [&](long long i) { gf_sgd_one(t[0][i], t[1][i], t[2][i], k); });
+            [&](long long i) {
+                gf_sgd_one(t[0][i], t[1][i], t[2][i], k, i, [&](long long, C held, C w) { stats.element(held, w); });
+            });
+        stats.write(partial, it);
     });
 }
 
-// A generic rule R (gpuflat_optim.cuh) over a table of rows: whole 16-byte
-// vectors where every tensor's item starts aligned, as the AdamW rows.
-template <class R, class S>
+template <class S>
 __global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
-gpuflat_rule_rows(const Item* __restrict__ items, long long n_items, const ParamRow* __restrict__ rows,
-                  const double* __restrict__ hyper, const long long* __restrict__ lr_at,
-                  const double* __restrict__ total, double max_norm, double eps, long long clip,
-                  const double* __restrict__ amp) {
+gpuflat_sgd_rows(const Item* __restrict__ items, long long n_items, const ParamRow* __restrict__ rows,
+                 const double* __restrict__ hyper, const long long* __restrict__ lr_at,
+                 const double* __restrict__ total, double max_norm, double eps, long long clip,
+                 const double* __restrict__ amp) {
+    gf_sgd_rows<S, false>(items, n_items, rows, hyper, lr_at, total, max_norm, eps, clip, amp, nullptr);
+}
+
+template <class S>
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_sgd_rows_stats(const Item* __restrict__ items, long long n_items, const ParamRow* __restrict__ rows,
+                       const double* __restrict__ hyper, const long long* __restrict__ lr_at,
+                       const double* __restrict__ total, double max_norm, double eps, long long clip,
+                       const double* __restrict__ amp, double* __restrict__ partial) {
+    gf_sgd_rows<S, true>(items, n_items, rows, hyper, lr_at, total, max_norm, eps, clip, amp, partial);
+}
+
+// A generic rule R (gpuflat_optim.cuh) over a table of rows: whole 16-byte
+// vectors where every tensor's item starts aligned, as the AdamW rows;
+// STATS as gf_adamw_rows'.
+template <class R, class S, bool STATS>
+__device__ __forceinline__ void gf_rule_rows(const Item* __restrict__ items, long long n_items,
+                                             const ParamRow* __restrict__ rows, const double* __restrict__ hyper,
+                                             const long long* __restrict__ lr_at, const double* __restrict__ total,
+                                             double max_norm, double eps, long long clip,
+                                             const double* __restrict__ amp, double* __restrict__ partial) {
     static_assert(R::STATES >= 1 && R::STATES <= GF_GENERIC_STATES, "a generic rule keeps 1 to 3 state tensors");
     using C = typename gf_compute<S>::type;
     constexpr int N = 2 + R::STATES, E = gf_group<S>::GROUP;
-    gf_for_row_items(items, n_items, rows, amp, [&](const ParamRow& r, const Item& item, int lane) {
+    gf_for_row_items(items, n_items, rows, amp, [&](const ParamRow& r, const Item& item, int lane, long long it) {
         const double* h = hyper + r.group * GF_HYPER;
         const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
         const auto k = R::template setup<C>(h, gf_rule_row_step(r), factor, gf_group_lr(h, lr_at, r.group));
@@ -352,20 +528,46 @@ gpuflat_rule_rows(const Item* __restrict__ items, long long n_items, const Param
         S* s[R::STATES];
 #pragma unroll
         for (int u = 0; u < R::STATES; ++u) s[u] = t[2 + u];
+        gf_lane_stats<STATS, C> stats;
         gf_row_item(t, item, lane, (addresses & 15) == 0,
             [&](auto load, auto store) {
+                typename gf_lane_stats<STATS, C>::template part<C> sums;
                 // c: param, grad, the states
                 gf_vectors<S, N>(load, store, [&](C (&c)[N][E], int e) {
                     C st[R::STATES];
 #pragma unroll
                     for (int u = 0; u < R::STATES; ++u) st[u] = c[2 + u][e];
+                    const C held = c[0][e];
                     R::math(c[0][e], c[1][e], st, k);
+                    sums.element(held, c[0][e]);
 #pragma unroll
                     for (int u = 0; u < R::STATES; ++u) c[2 + u][e] = st[u];
                 });
+                stats.add(sums);
             },
-            [&](long long i) { gf_rule_one<R>(t[0], t[1], s, i, k); });
+            [&](long long i) {
+                gf_rule_one<R>(t[0], t[1], s, i, k, [&](long long, C held, C w) { stats.element(held, w); });
+            });
+        stats.write(partial, it);
     });
+}
+
+template <class R, class S>
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_rule_rows(const Item* __restrict__ items, long long n_items, const ParamRow* __restrict__ rows,
+                  const double* __restrict__ hyper, const long long* __restrict__ lr_at,
+                  const double* __restrict__ total, double max_norm, double eps, long long clip,
+                  const double* __restrict__ amp) {
+    gf_rule_rows<R, S, false>(items, n_items, rows, hyper, lr_at, total, max_norm, eps, clip, amp, nullptr);
+}
+
+template <class R, class S>
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_rule_rows_stats(const Item* __restrict__ items, long long n_items, const ParamRow* __restrict__ rows,
+                        const double* __restrict__ hyper, const long long* __restrict__ lr_at,
+                        const double* __restrict__ total, double max_norm, double eps, long long clip,
+                        const double* __restrict__ amp, double* __restrict__ partial) {
+    gf_rule_rows<R, S, true>(items, n_items, rows, hyper, lr_at, total, max_norm, eps, clip, amp, partial);
 }
 
 // A rule R (gpuflat_optim.cuh; AdamW and SGD as gf_adamw and gf_sgd) over a
@@ -376,24 +578,48 @@ gpuflat_rule_rows(const Item* __restrict__ items, long long n_items, const Param
 // different widths (a bfloat16 parameter's float32 master and states), so
 // an item's elements span vectors of different counts, and a vector body
 // would need one instantiation per combination of dtypes and keep. A plain
-// row (word 0) in the same table gives the tuned kernels' bits.
+// row (word 0) in the same table gives the tuned kernels' bits. STATS as
+// gf_adamw_rows'.
+template <class R, class P, bool STATS>
+__device__ __forceinline__ void gf_rule_mixed_rows(const Item* __restrict__ items, long long n_items,
+                                                   const ParamRow* __restrict__ rows,
+                                                   const double* __restrict__ hyper,
+                                                   const long long* __restrict__ lr_at,
+                                                   const double* __restrict__ total, double max_norm, double eps,
+                                                   long long clip, const double* __restrict__ amp,
+                                                   double* __restrict__ partial) {
+    static_assert(R::STATES >= 1 && R::STATES <= GF_GENERIC_STATES, "a rule keeps 1 to 3 state tensors");
+    using C = typename gf_compute<P>::type;
+    gf_for_row_items(items, n_items, rows, amp, [&](const ParamRow& r, const Item& item, int lane, long long it) {
+        const double* h = hyper + r.group * GF_HYPER;
+        const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
+        const double step = gf_rule_row_step(r);
+        const auto k = R::template setup<C>(h, step, factor, gf_group_lr(h, lr_at, r.group));
+        gf_lane_stats<STATS, C> stats;
+#pragma unroll 1
+        for (long long i = lane; i < item.len; i += GF_WARP)
+            gf_rule_mixed_one<R, P>(r, item.start + i, k, (unsigned)step,
+                                    [&](long long, C held, C w) { stats.element(held, w); });
+        stats.write(partial, it);
+    });
+}
+
 template <class R, class P>
 __global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
 gpuflat_rule_mixed_rows(const Item* __restrict__ items, long long n_items, const ParamRow* __restrict__ rows,
                         const double* __restrict__ hyper, const long long* __restrict__ lr_at,
                         const double* __restrict__ total, double max_norm, double eps, long long clip,
                         const double* __restrict__ amp) {
-    static_assert(R::STATES >= 1 && R::STATES <= GF_GENERIC_STATES, "a rule keeps 1 to 3 state tensors");
-    using C = typename gf_compute<P>::type;
-    gf_for_row_items(items, n_items, rows, amp, [&](const ParamRow& r, const Item& item, int lane) {
-        const double* h = hyper + r.group * GF_HYPER;
-        const double factor = gf_grad_factor(total, max_norm, eps, clip, amp);
-        const double step = gf_rule_row_step(r);
-        const auto k = R::template setup<C>(h, step, factor, gf_group_lr(h, lr_at, r.group));
-#pragma unroll 1
-        for (long long i = lane; i < item.len; i += GF_WARP)
-            gf_rule_mixed_one<R, P>(r, item.start + i, k, (unsigned)step);
-    });
+    gf_rule_mixed_rows<R, P, false>(items, n_items, rows, hyper, lr_at, total, max_norm, eps, clip, amp, nullptr);
+}
+
+template <class R, class P>
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_rule_mixed_rows_stats(const Item* __restrict__ items, long long n_items, const ParamRow* __restrict__ rows,
+                              const double* __restrict__ hyper, const long long* __restrict__ lr_at,
+                              const double* __restrict__ total, double max_norm, double eps, long long clip,
+                              const double* __restrict__ amp, double* __restrict__ partial) {
+    gf_rule_mixed_rows<R, P, true>(items, n_items, rows, hyper, lr_at, total, max_norm, eps, clip, amp, partial);
 }
 
 // Each counted row's step count plus one (gf_counts), unless the step is

@@ -642,3 +642,41 @@ def test_per_call_tables_keep_no_array_alive_and_follow_new_arrays():
         fresh = [np.full(5, fill, np.float32), np.full(3, fill)]
         got = float(be.norms(plan, fresh, 2.0, per_leaf=False).total)
         assert got == pytest.approx(fill * math.sqrt(8))
+
+
+def test_row_stats_reuse_their_scratch_with_the_step_tables():
+    # A step with stats: the update, the finisher and the step counts (3
+    # launches, no synchronisation); its scratch is uploaded once with the
+    # step's tables, so a repeated step uploads nothing and gives the same
+    # stats, whatever the grid.
+    from gpuflat._src.layout import PARAM_ROW_FIELDS, RULES
+
+    def table():
+        rng = np.random.default_rng(0)
+        tensors = [{k: rng.standard_normal(n).astype(np.float32) if k != "step" else np.zeros(1, np.float32)
+                    for k in ("p", "g", "m", "v", "step")} for n in (ITEM + 5, 0, 7)]
+        for t in tensors:
+            t["m"][...], t["v"][...] = 0.0, 0.0
+        rows = np.zeros((len(tensors), len(PARAM_ROW_FIELDS)), np.int64)
+        for i, t in enumerate(tensors):
+            for field, k in (("param", "p"), ("grad", "g"), ("state0", "m"), ("state1", "v"), ("step", "step")):
+                rows[i, PARAM_ROW_FIELDS.index(field)] = t[k].ctypes.data
+            rows[i, PARAM_ROW_FIELDS.index("numel")] = t["p"].size
+        return tensors, rows
+
+    hyper = RULES["adamw"].hyper_rows([{"lr": 0.01, "weight_decay": 0.1, "betas": (0.9, 0.99), "eps": 1e-8}])
+    found = []
+    for grid in (None, 1):
+        be = CudaBackend(EmulatedRuntime(), grid=grid)
+        tensors, rows = table()
+        stats = np.full((3, 2), np.nan)
+        be.step_rows("adamw", 2, rows, hyper, np.zeros(2, np.int64), None, 0.0, 0.0, np.array([1.0, 0.0]), stats)
+        launches, uploads = be.stats.launches, be.stats.uploads
+        found.append(stats.copy())
+        for t, b in zip(tensors, table()[0]):  # back to the values before, in place
+            for k in t:
+                t[k][...] = b[k]
+        be.step_rows("adamw", 2, rows, hyper, np.zeros(2, np.int64), None, 0.0, 0.0, np.array([1.0, 0.0]), stats)
+        assert (be.stats.launches - launches, be.stats.uploads - uploads, be.stats.syncs) == (3, 0, 0)
+        assert stats.tobytes() == found[-1].tobytes() and stats[1].tolist() == [0.0, 0.0] and (stats[[0, 2]] > 0).all()
+    assert found[0].tobytes() == found[1].tobytes()

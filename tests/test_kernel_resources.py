@@ -70,6 +70,31 @@ SPILL_CEILINGS = {
     ((13, 0), "sm_100"): {"gpuflat_norm_partial<3>": (8, 8, 8)},
     ((13, 5), "sm_100"): {"gpuflat_norm_partial<3>": (24, 28, 28)},
 }
+# The instantiations with the update statistics (Rule.rows_kernel and
+# Rule.mixed_rows_kernel with stats=True: kernels/optim.cu's gf_lane_stats)
+# hold two float sums per lane and, through each rule's arithmetic, the
+# value it started from: a few registers more than their twins, which keep
+# the gates above untouched. They are gated as their twins are (64
+# registers, AMSGrad's 85 at three blocks per SM), with spill ceilings of
+# their own measured per NVRTC: none under CUDA 12.6, 12.9 and 13.0 for
+# sm_90; the 16-bit AdamW rows under 13.5 (whose twins spill 8 bytes
+# already), and a few of sm_100's. Double sums per lane spilled the 16-bit
+# AdamW rows under every gated NVRTC (8 to 40 bytes). The finisher adding
+# each row's items (gpuflat_row_stats) uses about 24 registers.
+STATS_ROWS = ([rule.rows_kernel(c, stats=True) for rule in RULES.values() for c in ("float", "f16", "bf16")]
+              + [rule.mixed_rows_kernel(c, stats=True) for rule in RULES.values() for c in ("float", "f16", "bf16")]
+              + [kl.ROW_STATS_NAME])
+STATS_AMSGRAD_ROWS = [RULES["adamw"].rows_kernel(c, "amsgrad", stats=True) for c in ("float", "f16", "bf16")]
+_ADAMW_16 = [RULES["adamw"].rows_kernel(c, stats=True) for c in ("f16", "bf16")]
+_AMSGRAD_16 = [RULES["adamw"].rows_kernel(c, "amsgrad", stats=True) for c in ("f16", "bf16")]
+STATS_SPILL_CEILINGS = {
+    ((12, 6), "sm_90"): {},
+    ((12, 9), "sm_90"): {},
+    ((13, 0), "sm_90"): {},
+    ((13, 5), "sm_90"): {**dict.fromkeys(_ADAMW_16, (24, 32, 32)), **dict.fromkeys(_AMSGRAD_16, (8, 16, 32))},
+    ((13, 0), "sm_100"): {RULES["adamw"].mixed_rows_kernel("bf16", stats=True): (16, 20, 20)},
+    ((13, 5), "sm_100"): dict.fromkeys(_ADAMW_16, (48, 52, 52)),
+}
 # A 16-byte load in the PTX: four 32-bit words, or two 64-bit ones (double
 # and complex128 leaves).
 VECTOR_LOAD = re.compile(r"^\s*ld(?:\.global)?(?:\.nc)?\.(?:v4\.[bfsu]32|v2\.[bfsu]64)\b", re.M)
@@ -111,6 +136,10 @@ def test_sm_90_spills_only_the_16_bit_adamw_rows_under_13_5():
     assert spilling == {((13, 5), RULES["adamw"].rows_kernel(c)) for c in ("f16", "bf16")}
 
 
+def test_the_stats_ceilings_cover_exactly_the_gated_nvrtcs():
+    assert set(STATS_SPILL_CEILINGS) == set(SPILL_CEILINGS)
+
+
 @pytest.mark.parametrize("major,arch", kernel_builds.GATED)
 def test_the_loaded_nvrtc_has_measured_ceilings(major, arch):
     _ceilings(major, arch)
@@ -144,6 +173,20 @@ def test_amsgrad_rows_fit_three_blocks_per_sm_without_spills_or_stack(name, majo
     assert regs <= AMSGRAD_MAX_REGISTERS and (stack, spill_st, spill_ld) == (0, 0, 0), \
         f"{where}: {regs} registers, stack {stack} B, spills {spill_st}/{spill_ld} B, expected at most " \
         f"{AMSGRAD_MAX_REGISTERS} registers and none"
+
+
+@pytest.mark.parametrize("major,arch", kernel_builds.GATED)
+@pytest.mark.parametrize("name", STATS_ROWS + STATS_AMSGRAD_ROWS)
+def test_stats_rows_fit_their_twins_registers_within_their_spill_ceilings(name, major, arch):
+    lowered = kernel_builds.build(major, arch).lowered[name]
+    regs, stack, spill_st, spill_ld = kernel_builds.resources(major, arch)[lowered]
+    where = f"{name} (NVRTC %d.%d, {arch})" % kl.nvrtc_version(major)
+    most = AMSGRAD_MAX_REGISTERS if name in STATS_AMSGRAD_ROWS else MAX_REGISTERS
+    _ceilings(major, arch)  # a gated NVRTC
+    ceiling = STATS_SPILL_CEILINGS[(kl.nvrtc_version(major), arch)].get(name, (0, 0, 0))
+    assert regs <= most, f"{where}: {regs} registers, expected at most {most}"
+    assert all(found <= at_most for found, at_most in zip((stack, spill_st, spill_ld), ceiling)), \
+        f"{where}: stack {stack} B, spills {spill_st}/{spill_ld} B, expected at most {ceiling}"
 
 
 @pytest.mark.parametrize("major,arch", kernel_builds.GATED)

@@ -160,6 +160,11 @@ def test_hot_loop_instructions_per_element(what, per, limit, major):
 # about 14 instructions each, their slow-path calls (taken for subnormal,
 # huge, zero or special operands) included, since they sit in the loop.
 MAX_OPTIM = 60.0
+# The instantiations with the update statistics (Rule.rows_kernel with
+# stats=True) add five operations per element (d = w - held, d * d, w * w
+# and their two sums) and two per vector: AMSGrad's 16-bit loop measured
+# 61.9 (CUDA 12) and 62.4 (CUDA 13).
+MAX_OPTIM_STATS = MAX_OPTIM + 6.0
 # These gates are the 16-byte-vector loops' of the plain row kernels
 # (Rule.rows_kernel). The kernels of rows whose precision word is not 0
 # (Rule.mixed_rows_kernel) have no such loop: a row's tensors have different
@@ -184,14 +189,15 @@ WIDENING = re.compile(r"^(HADD2\.F32|SHF\.L\.U32|IMAD\.U32|IMAD\.SHL\.U32|LOP3\.
 NARROWING = re.compile(r"^F2FP")
 
 
-def _optim_loop(major: int, rule: tuple, c_name: str, per_vector: int) -> tuple[Counter, int] | None:
+def _optim_loop(major: int, rule: tuple, c_name: str, per_vector: int,
+                stats: bool = False) -> tuple[Counter, int] | None:
     """The cheapest per element of the row update's (``rule``: a key of
-    TENSORS) loops over 16-byte vectors of C++ type ``c_name`` (one load per
-    tensor read, one store per tensor written), and the elements one pass
-    of it updates."""
+    TENSORS; ``stats``: its instantiation with the update statistics) loops
+    over 16-byte vectors of C++ type ``c_name`` (one load per tensor read,
+    one store per tensor written), and the elements one pass of it updates."""
     read, written = TENSORS[rule]
     found = []
-    for ops in _loops(major, RULES[rule[0]].rows_kernel(c_name, rule[1])):
+    for ops in _loops(major, RULES[rule[0]].rows_kernel(c_name, rule[1], stats)):
         loads, stores = _count(ops, VECTOR_LOAD), _count(ops, VECTOR_STORE)
         if loads and loads * written == stores * read:
             found.append((ops, loads // read * per_vector))
@@ -199,15 +205,19 @@ def _optim_loop(major: int, rule: tuple, c_name: str, per_vector: int) -> tuple[
 
 
 @pytest.mark.parametrize("major", MAJORS)
+@pytest.mark.parametrize("stats", [False, True], ids=["", "stats"])
 @pytest.mark.parametrize("rule", list(TENSORS), ids=lambda r: "-".join(filter(None, r)))
-def test_the_optimizer_updates_read_vectors_and_16_bit_adds_only_its_conversions(rule, major):
-    loops = {name: _optim_loop(major, rule, c, n)
+def test_the_optimizer_updates_read_vectors_and_16_bit_adds_only_its_conversions(rule, stats, major):
+    # With the update statistics (stats): the same gates, a few more
+    # instructions per element (d = w - held, d * d, w * w and their sums).
+    loops = {name: _optim_loop(major, rule, c, n, stats)
              for name, c, n in (("float32", "float", 4), ("bfloat16", "bf16", 8), ("float16", "f16", 8))}
     assert all(loops.values()), f"CUDA {major}: no 16-byte vector loop in the {rule} update: {loops}"
     per = {name: ops[""] / n for name, (ops, n) in loops.items()}
+    limit = MAX_OPTIM_STATS if stats else MAX_OPTIM
     for name, found in per.items():
-        assert found <= MAX_OPTIM, \
-            f"{rule} {name} (CUDA {major}): {found:.2f} instructions per element, expected at most {MAX_OPTIM}"
+        assert found <= limit, \
+            f"{rule} {name} (CUDA {major}): {found:.2f} instructions per element, expected at most {limit}"
     read, written = TENSORS[rule]
     for name in ("bfloat16", "float16"):
         ops, n = loops[name]
@@ -226,16 +236,27 @@ def test_no_hot_kernels_innermost_loop_touches_local_memory(major):
     # ceilings), the value goes to local memory once per item or row, never
     # inside the loops over elements: an innermost loop (holding no other)
     # has no STL or LDL.
-    from test_kernel_resources import AMSGRAD_ROWS, HOT
+    from test_kernel_resources import AMSGRAD_ROWS, HOT, STATS_AMSGRAD_ROWS, STATS_ROWS
 
-    for name in HOT + AMSGRAD_ROWS:
+    allowed = STATS_LOOP_LOCAL.get(kl.nvrtc_version(major), {})
+    for name in HOT + AMSGRAD_ROWS + STATS_ROWS + STATS_AMSGRAD_ROWS:
         instructions, _ = _sass(major)[name]
         spans = _loop_spans(major, name)
         for first, last in spans:
             if any(first <= a and b <= last and (a, b) != (first, last) for a, b in spans):
                 continue  # holds another loop: per item or row
             local = [ins for ins in instructions[first : last + 1] if ins.startswith(("STL", "LDL"))]
-            assert not local, f"{name} (CUDA {major}): {local} in an innermost loop"
+            assert len(local) <= allowed.get(name, 0), f"{name} (CUDA {major}): {local} in an innermost loop"
+
+
+# The local-memory instructions a gated NVRTC's build of an update-statistics
+# instantiation may have in one innermost loop, where it spills inside them:
+# CUDA 13.5's 16-bit AdamW rows (test_kernel_resources' STATS_SPILL_CEILINGS)
+# reload two values per pass of their 8-element vector loop, and store and
+# reload the lane's two sums per element of their element loop (AMSGrad's:
+# two more loads). No other gated NVRTC's stats loops touch local memory.
+STATS_LOOP_LOCAL = {(13, 5): {**{RULES["adamw"].rows_kernel(c, stats=True): 4 for c in ("f16", "bf16")},
+                              **{RULES["adamw"].rows_kernel(c, "amsgrad", stats=True): 6 for c in ("f16", "bf16")}}}
 
 
 def _first_block_loads(major: int, name: str) -> int:

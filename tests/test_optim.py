@@ -808,3 +808,124 @@ def test_master_and_kahan_rows_track_float64_where_plain_16_bit_stalls(rule, dty
     assert np.max(np.abs(tensors[1]["extra"] - want) / unit) <= 1e-2
     compensated = tensors[2]["p"].astype(np.float64) + tensors[2]["extra"].astype(np.float64)
     assert np.max(np.abs(compensated - want) / unit) <= 0.25
+
+
+# ---------------------------------------------------------------- update statistics
+# With ``stats``, step_rows also writes each row's (sum of d**2, sum of w**2)
+# over its elements, w the value the rule produced in the compute type before
+# rounding into storage and d = w - held (held: the parameter, its master
+# copy, or parameter + compensation): the NumPy backend's reference, the host
+# library's own loops and the kernels' per-item partials with their
+# finisher. The parameters and states get the bits a step without them gets.
+
+
+def _stats_call(backend, table, rows, stats, factor=None, skip=0.0):
+    be = get_backend(backend)
+    total, max_norm, unscale = (None, 0.0, 1.0) if factor is None else factor
+    be.step_rows(table.rule.name, TAGS[table.dtype], rows, table.hyper(), np.zeros(2 * len(table.groups), np.int64),
+                 None if total is None else np.asarray(total, np.float64), max_norm, CLIP_EPS,
+                 np.array([unscale, skip]), stats)
+
+
+def _restore(table, snapshot):
+    for t, b in zip(table.tensors, snapshot):
+        for name, v in b.items():
+            if isinstance(v, np.ndarray):
+                t[name][...] = v
+
+
+def _float64_stats(held, after):
+    d = after.astype(np.float64) - held.astype(np.float64)
+    return [float(np.sum(d * d)), float(np.sum(after.astype(np.float64) ** 2))]
+
+
+STATS_GROUPS = {"adamw": ADAMW_ROWS[:2], "adamw-amsgrad": ADAMW_ROWS[1:3], "sgd": SGD_ROWS,
+                "lion": LION_ROWS[:2]}
+STATS_KEEPS = {"adamw": _adamw_keeps, "adamw-amsgrad": _adamw_keeps, "sgd": _sgd_keeps,
+               "lion": lambda table: lambda t: {"s0", "step"}}
+
+
+@pytest.mark.parametrize("dtype", REAL, ids=str)
+@pytest.mark.parametrize("case", list(STATS_GROUPS))
+def test_row_stats_leave_the_bits_and_sum_each_rows_update(case, dtype):
+    # The tuned kernels (their 16-byte vectors at offset 0, one element at a
+    # time at offset 1 for 16-bit tensors), AMSGrad's, and the generic one
+    # (Lion), on every backend: a step with stats gives the bits of one
+    # without; the stats are the NumPy reference's, which for float32 and
+    # float64 (storage holds w) is the float64 sum over the values before
+    # and after; the same call again gives the same bits; a skipped step
+    # writes zeros, and so does an empty row.
+    rule = case.split("-")[0]
+    found = {}
+    for offset in (0, 1):
+        for be in BACKENDS:
+            plain, timed = (Rows(rule, dtype, [dict(g) for g in STATS_GROUPS[case]], seed=21, offset=offset)
+                            for _ in range(2))
+            keeps = STATS_KEEPS[case](plain)
+            stats = np.full((len(timed.tensors), 2), np.nan)
+            for table in (plain, timed):
+                table.gradients(np.random.default_rng(22), 1.0)
+            before = timed.snapshot()
+            _stats_call(be, plain, plain.rows(keeps), None, (40.0, 1.0, 0.5))
+            _stats_call(be, timed, timed.rows(keeps), stats, (40.0, 1.0, 0.5))
+            for t, u in zip(plain.tensors, timed.tensors):
+                for name in ("p", "s0", "s1", "s2", "step"):
+                    assert_bits_equal(t[name], u[name])
+            if np.dtype(dtype).itemsize >= 4:
+                want = [_float64_stats(b["p"], t["p"]) for b, t in zip(before, timed.tensors)]
+                np.testing.assert_allclose(stats, want, rtol=1e-5, atol=0, err_msg=be)
+            assert [list(s) for s, t in zip(stats, timed.tensors) if t["p"].size == 0] == [[0.0, 0.0]] * len(timed.groups)
+            found[offset, be] = stats
+            again = np.full_like(stats, np.nan)
+            _restore(timed, before)
+            _stats_call(be, timed, timed.rows(keeps), again, (40.0, 1.0, 0.5))
+            assert_bits_equal(again, stats)
+            skipped = np.full_like(stats, np.nan)
+            _stats_call(be, timed, timed.rows(keeps), skipped, (40.0, 1.0, 0.5), skip=1.0)
+            assert_bits_equal(skipped, np.zeros_like(stats))
+        for be in ("host", "emulated"):
+            np.testing.assert_allclose(found[offset, be], found[offset, "numpy"], rtol=1e-5, atol=0, err_msg=be)
+        assert (found[offset, "numpy"][[t["p"].size > 0 for t in timed.tensors]] > 0).all()
+
+
+@pytest.mark.parametrize("dtype", REAL, ids=str)
+@pytest.mark.parametrize("rule", list(MIXED_GROUPS))
+def test_mixed_row_stats_sum_the_kept_values_update(rule, dtype):
+    # The mixed kernel's rows, every keep (plain, master, kahan, stochastic)
+    # and state dtype: the same bits as without stats, the NumPy reference's
+    # stats, and for master rows the float64 sums over the master copy
+    # before and after; a skipped step writes zeros.
+    found = {}
+    for be in BACKENDS:
+        plain, timed = MixedRows(rule, dtype, seed=23), MixedRows(rule, dtype, seed=23)
+        stats = np.full((len(timed.tensors), 2), np.nan)
+        for table in (plain, timed):
+            table.gradients(np.random.default_rng(24), 1.0, False)
+        before = [{k: v.copy() for k, v in t.items() if isinstance(v, np.ndarray)} for t in timed.tensors]
+        for table, out in ((plain, None), (timed, stats)):
+            get_backend(be).step_rows(rule, TAGS[table.dtype], table.rows(), table.hyper(),
+                                      np.zeros(2 * len(table.groups), np.int64), None, 0.0, CLIP_EPS,
+                                      np.array([1.0, 0.0]), out)
+        for t, u in zip(plain.tensors, timed.tensors):
+            for name in NAMES:
+                assert_bits_equal(t[name], u[name])
+        for s, t, b in zip(stats, timed.tensors, before):
+            if t["keep"] == "master":
+                np.testing.assert_allclose(s, _float64_stats(b["extra"], t["extra"]), rtol=1e-5, atol=0)
+            if t["p"].size == 0:
+                assert list(s) == [0.0, 0.0]
+        found[be] = stats
+        skipped = np.full_like(stats, np.nan)
+        get_backend(be).step_rows(rule, TAGS[timed.dtype], timed.rows(), timed.hyper(),
+                                  np.zeros(2 * len(timed.groups), np.int64), None, 0.0, CLIP_EPS,
+                                  np.array([1.0, 1.0]), skipped)
+        assert_bits_equal(skipped, np.zeros_like(stats))
+    for be in ("host", "emulated"):
+        np.testing.assert_allclose(found[be], found["numpy"], rtol=1e-5, atol=0, err_msg=be)
+
+
+def test_row_stats_are_checked():
+    table = Rows("sgd", np.float32, [dict(SGD_OPTIONS)], seed=0, sizes=(3, 4))
+    for be in BACKENDS:
+        with pytest.raises(ValueError, match=r"stats: expected a C-contiguous float64 array of shape \(2, 2\)"):
+            _stats_call(be, table, table.rows(_sgd_keeps(table)), np.zeros((2, 3)))

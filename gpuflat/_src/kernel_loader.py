@@ -106,7 +106,7 @@ def name_expressions() -> list[str]:
     provides it (ml_dtypes, for bfloat16) is installed.
 
     >>> rules = sum(len(rule.kernel_names()) for rule in RULES.values())
-    >>> len(name_expressions()) == 2 * len(C_NAMES) + 2 * len(NORM_KINDS) + 2 + rules + 1
+    >>> len(name_expressions()) == 2 * len(C_NAMES) + 2 * len(NORM_KINDS) + 2 + rules + 2
     True
     >>> "gpuflat_gather<bf16>" in name_expressions()
     True
@@ -118,12 +118,14 @@ def name_expressions() -> list[str]:
         names += [norm_partial_name(kind), norm_finish_name(kind)]
     names += [SCALE_NAME, SCALE_AT_NAME]
     names += [name for rule in RULES.values() for name in rule.kernel_names()]
-    names.append(COUNT_STEPS_NAME)
+    names += [COUNT_STEPS_NAME, ROW_STATS_NAME]
     return names
 
 
 # The step counts of a tensor-list step, moved after its update.
 COUNT_STEPS_NAME = "gpuflat_count_steps"
+# Each row's update statistics from its items' partial sums (a step with stats).
+ROW_STATS_NAME = "gpuflat_row_stats"
 
 
 def kernel_dir() -> Path:

@@ -322,28 +322,35 @@ class Rule:
     follows: tuple = ()
     header: str = "gpuflat_optim.cuh"
 
-    def rows_kernel(self, c_name: str, flag: str | None = None) -> str:
+    def rows_kernel(self, c_name: str, flag: str | None = None, stats: bool = False) -> str:
         """Name expression of the update over a table of PyTorch's parameters
         (one ParamRow each) of C++ type ``c_name``; with ``flag`` (one of the
         ``flag_states``), the instantiation for a step in which some group
-        sets it, which reads that flag's state.
+        sets it, which reads that flag's state; with ``stats``, the
+        instantiation that also writes each work item's update statistics
+        (its sums of d**2 and w**2, kernels/optim.cu's gf_lane_stats) to one
+        more argument, two float64 per item.
 
         >>> RULES["sgd"].rows_kernel("bf16"), RULES["adamw"].rows_kernel("f16", "amsgrad")
         ('gpuflat_sgd_rows<bf16>', 'gpuflat_adamw_amsgrad_rows<f16>')
+        >>> RULES["adamw"].rows_kernel("f16", "amsgrad", stats=True), RULES["lion"].rows_kernel("float", stats=True)
+        ('gpuflat_adamw_amsgrad_rows_stats<f16>', 'gpuflat_rule_rows_stats<gf_lion, float>')
         """
+        suffix = "_stats" if stats else ""
         if not self.tuned:
-            return f"gpuflat_rule_rows<{self.kernel}, {c_name}>"
-        return f"gpuflat_{self.name}{'_' + flag if flag else ''}_rows<{c_name}>"
+            return f"gpuflat_rule_rows{suffix}<{self.kernel}, {c_name}>"
+        return f"gpuflat_{self.name}{'_' + flag if flag else ''}_rows{suffix}<{c_name}>"
 
-    def mixed_rows_kernel(self, c_name: str) -> str:
+    def mixed_rows_kernel(self, c_name: str, stats: bool = False) -> str:
         """Name expression of the update over a table of rows of parameters
         of C++ type ``c_name`` whose precision words are not all 0: each
-        state of its own dtype, the parameter kept as ``KEEPS`` says.
+        state of its own dtype, the parameter kept as ``KEEPS`` says;
+        ``stats`` as for :meth:`rows_kernel`.
 
-        >>> RULES["adamw"].mixed_rows_kernel("bf16")
-        'gpuflat_rule_mixed_rows<gf_adamw, bf16>'
+        >>> RULES["adamw"].mixed_rows_kernel("bf16"), RULES["sgd"].mixed_rows_kernel("f16", stats=True)
+        ('gpuflat_rule_mixed_rows<gf_adamw, bf16>', 'gpuflat_rule_mixed_rows_stats<gf_sgd, f16>')
         """
-        return f"gpuflat_rule_mixed_rows<{self.kernel}, {c_name}>"
+        return f"gpuflat_rule_mixed_rows{'_stats' if stats else ''}<{self.kernel}, {c_name}>"
 
     def dtype_option(self, name: str) -> str | None:
         """The parameter group's option choosing the dtype of state ``name``
@@ -367,15 +374,17 @@ class Rule:
         return f"gpuflat_{self.name}<{c_name}>"
 
     def kernel_names(self) -> list[str]:
-        """Every instantiation of this rule's updates the backends may launch.
+        """Every instantiation of this rule's updates the backends may launch:
+        the row updates with and without the update statistics.
 
-        >>> len(RULES["adamw"].kernel_names()) == 4 * len(OPTIM_DTYPES)
+        >>> len(RULES["adamw"].kernel_names()) == 7 * len(OPTIM_DTYPES)
         True
         """
         flags = (None,) if not self.tuned else (None, *(f for f, _ in self.flag_states))
         return ([self.flat_kernel(d) for d in OPTIM_DTYPES]
-                + [self.rows_kernel(d, flag) for flag in flags for d in OPTIM_DTYPES]
-                + [self.mixed_rows_kernel(d) for d in OPTIM_DTYPES])
+                + [self.rows_kernel(d, flag, stats) for stats in (False, True) for flag in flags
+                   for d in OPTIM_DTYPES]
+                + [self.mixed_rows_kernel(d, stats) for stats in (False, True) for d in OPTIM_DTYPES])
 
     @property
     def flat_states(self) -> int:

@@ -196,7 +196,7 @@ def optim_library() -> tuple[ctypes.CDLL, None] | tuple[None, str]:
     vp, i64, f64, c_int = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_double, ctypes.c_int
     lib.gf_host_optim_step.argtypes = [c_int, c_int, vp, i64, vp, vp, vp, vp, vp, vp, vp, vp, vp, f64, f64, vp, c_int]
     lib.gf_host_optim_step.restype = c_int
-    lib.gf_host_optim_rows.argtypes = [c_int, c_int, vp, i64, vp, vp, i64, vp, f64, f64, vp, c_int]
+    lib.gf_host_optim_rows.argtypes = [c_int, c_int, vp, i64, vp, vp, i64, vp, f64, f64, vp, c_int, vp]
     lib.gf_host_optim_rows.restype = c_int
     return lib, None
 

@@ -95,8 +95,8 @@ void sgd(const Step& s, void* p, void* g, void* buf, int threads) {
     });
 }
 
-// body(row, first element, count) over every row's items, shared among
-// threads (share).
+// body(row, first element, count, item) over every row's items (item: its
+// index in row order), shared among threads (share).
 template <class Body>
 void for_row_items(const ParamRow* rows, long long n_rows, int threads, Body body) {
     std::vector<Item> items;
@@ -105,54 +105,129 @@ void for_row_items(const ParamRow* rows, long long n_rows, int threads, Body bod
         gf_append_items(items, r, rows[r].numel, 0);
         total += rows[r].numel;
     }
-    share(items, total, threads, [&](const Item& it) { body(rows[it.slot], it.start, it.len); });
+    const Item* const first = items.data();
+    share(items, total, threads, [&](const Item& it) { body(rows[it.slot], it.start, it.len, &it - first); });
+}
+
+// The update statistics of an item (the kernels' gf_lane_stats: sums of
+// d^2 and w^2 over its elements, d = w - held, as gf_unseen tells them),
+// written to out[0] and out[1]; without `out`, run(first, n, gf_unseen{})
+// alone. run(first, n, seen) updates elements [first, first + n) and calls
+// seen(i, held, w) for each. The update runs over chunks of CHUNK elements,
+// and each element's d * d and w * w (rounded once in the compute type C)
+// are kept in two arrays; LANES double sums then take every LANES-th term
+// in order, added in a fixed order at the end: the bits depend on the item
+// alone, never on the threads.
+//
+// Where the parameter p is stored in its compute type (float32 and float64
+// rows kept plain: pass p, else null), w is what the update stores, so the
+// chunk's held values are copied first and the update runs as it does
+// without statistics (gf_unseen: the loop the compiler vectorises; one with
+// a callback storing two more arrays was not, and took three times as long),
+// then d and w come from the copy and the chunk, in cache.
+template <class C, class S, class Run>
+void item_stats(double* out, S* p, long long first, long long n, Run run) {
+    if (out == nullptr) return run(first, n, gf_unseen{});
+    constexpr int CHUNK = 1024, LANES = 8;
+    alignas(64) C d2[CHUNK], w2[CHUNK];
+    double sd[LANES] = {}, sw[LANES] = {};
+    for (long long c = first; c < first + n; c += CHUNK) {
+        const int m = (int)std::min<long long>(CHUNK, first + n - c);
+        if constexpr (gf_same<S, C>::value) {
+            if (p != nullptr) {
+                // d2 holds the held values until the update has run.
+                for (int j = 0; j < m; ++j) d2[j] = p[c + j];
+                run(c, m, gf_unseen{});
+                for (int j = 0; j < m; ++j) {
+                    const C w = p[c + j], d = w - d2[j];
+                    d2[j] = d * d;
+                    w2[j] = w * w;
+                }
+            }
+        }
+        if (!gf_same<S, C>::value || p == nullptr) {
+            run(c, m, [&](long long i, C held, C w) {
+                const C d = w - held;
+                d2[i - c] = d * d;
+                w2[i - c] = w * w;
+            });
+        }
+        const int whole = (m + LANES - 1) / LANES * LANES;
+        for (int j = m; j < whole; ++j) d2[j] = w2[j] = (C)0;  // adds nothing
+        for (int j = 0; j < whole; j += LANES) {
+            for (int l = 0; l < LANES; ++l) {
+                sd[l] += (double)d2[j + l];
+                sw[l] += (double)w2[j + l];
+            }
+        }
+    }
+    double a = 0.0, b = 0.0;
+    for (int l = 0; l < LANES; ++l) {
+        a += sd[l];
+        b += sw[l];
+    }
+    out[0] = a;
+    out[1] = b;
+}
+
+// Where item `item`'s statistics go in `partial` (2 doubles per item), or
+// null for a step without them.
+inline double* item_partial(double* partial, long long item) {
+    return partial == nullptr ? nullptr : partial + 2 * item;
 }
 
 // A generic rule R (gpuflat_optim.cuh) over every row's items, as the
-// kernels' gpuflat_rule_rows.
+// kernels' gpuflat_rule_rows; partial as rows_update's.
 template <class R, class S>
 void rule_rows(const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at, double factor,
-               int threads) {
+               int threads, double* partial) {
     using C = typename gf_compute<S>::type;
-    for_row_items(rows, n_rows, threads, [&](const ParamRow& r, long long first, long long n) {
+    for_row_items(rows, n_rows, threads, [&](const ParamRow& r, long long first, long long n, long long item) {
         const double* h = hyper + r.group * GF_HYPER;
         S* st[R::STATES];
         for (int t = 0; t < R::STATES; ++t) st[t] = (S*)gf_row_state(r, t);
-        gf_rule_range<R, 1>((S*)r.param, (const S*)r.grad, st, first, n,
-                            R::template setup<C>(h, gf_rule_row_step(r), factor, gf_group_lr(h, lr_at, r.group)));
+        const auto k = R::template setup<C>(h, gf_rule_row_step(r), factor, gf_group_lr(h, lr_at, r.group));
+        item_stats<C>(item_partial(partial, item), (S*)r.param, first, n, [&](long long f, long long m, auto seen) {
+            gf_rule_range<R, 1>((S*)r.param, (const S*)r.grad, st, f, m, k, seen);
+        });
     });
 }
 
 // A rule R (gpuflat_optim.cuh: every rule has a struct) over every row's
 // items, each state of its own dtype and the parameter kept as its row's
-// precision word says, as the kernels' gpuflat_rule_mixed_rows.
+// precision word says, as the kernels' gpuflat_rule_mixed_rows; partial as
+// rows_update's.
 template <class R, class S>
 void mixed_rows(const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at, double factor,
-                int threads) {
+                int threads, double* partial) {
     using C = typename gf_compute<S>::type;
-    for_row_items(rows, n_rows, threads, [&](const ParamRow& r, long long first, long long n) {
+    for_row_items(rows, n_rows, threads, [&](const ParamRow& r, long long first, long long n, long long item) {
         const double* h = hyper + r.group * GF_HYPER;
         const double step = gf_rule_row_step(r);
         const auto k = R::template setup<C>(h, step, factor, gf_group_lr(h, lr_at, r.group));
-        for (long long i = first; i < first + n; ++i) gf_rule_mixed_one<R, S>(r, i, k, (unsigned)step);
+        item_stats<C>(item_partial(partial, item), (S*)nullptr, first, n, [&](long long f, long long m, auto seen) {
+            for (long long i = f; i < f + m; ++i) gf_rule_mixed_one<R, S>(r, i, k, (unsigned)step, seen);
+        });
     });
 }
 
 // The update of the rows of the kernels' gpuflat_adamw_rows
 // (gpuflat_adamw_amsgrad_rows), gpuflat_sgd_rows and gpuflat_rule_rows
 // (optim.cu), or, where a row's precision word is not 0,
-// gpuflat_rule_mixed_rows for them all, as the backends launch them. False
+// gpuflat_rule_mixed_rows for them all, as the backends launch them; with
+// `partial`, each item's update statistics there (item_stats, 2 doubles per
+// item in row order), as their *_stats instantiations write them. False
 // for a rule number it does not know.
 template <class S>
 bool rows_update(int rule, const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at,
-                 double factor, int threads) {
+                 double factor, int threads, double* partial) {
     using C = typename gf_compute<S>::type;
     bool mixed = false;
     for (long long i = 0; i < n_rows && !mixed; ++i) mixed = rows[i].precision != 0;
     if (mixed) {
         switch (rule) {
 #define GF_RULE_CASE(number, R) \
-            case number: mixed_rows<R, S>(rows, n_rows, hyper, lr_at, factor, threads); return true;
+            case number: mixed_rows<R, S>(rows, n_rows, hyper, lr_at, factor, threads, partial); return true;
             GF_RULES(GF_RULE_CASE)
 #undef GF_RULE_CASE
             default: return false;
@@ -161,20 +236,27 @@ bool rows_update(int rule, const ParamRow* rows, long long n_rows, const double*
     switch (rule) {
         case GF_RULE_ADAMW:
         case GF_RULE_SGD:
-            for_row_items(rows, n_rows, threads, [&](const ParamRow& r, long long first, long long n) {
+            for_row_items(rows, n_rows, threads, [&](const ParamRow& r, long long first, long long n, long long item) {
                 const double* h = hyper + r.group * GF_HYPER;
                 const double lr = gf_group_lr(h, lr_at, r.group);
                 if (rule == GF_RULE_ADAMW) {
-                    gf_adamw_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, (S*)r.state1, (S*)r.state2,
-                                      first, n, gf_adamw_setup<C>(h, gf_adamw_row_step(r), factor, lr));
+                    const auto k = gf_adamw_setup<C>(h, gf_adamw_row_step(r), factor, lr);
+                    item_stats<C>(item_partial(partial, item), (S*)r.param, first, n,
+                                  [&](long long f, long long m, auto seen) {
+                        gf_adamw_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, (S*)r.state1, (S*)r.state2,
+                                          f, m, k, seen);
+                    });
                 } else {
-                    gf_sgd_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, first, n,
-                                    gf_sgd_setup<C>(h, gf_sgd_row_step(r, h), factor, lr));
+                    const auto k = gf_sgd_setup<C>(h, gf_sgd_row_step(r, h), factor, lr);
+                    item_stats<C>(item_partial(partial, item), (S*)r.param, first, n,
+                                  [&](long long f, long long m, auto seen) {
+                        gf_sgd_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, f, m, k, seen);
+                    });
                 }
             });
             break;
 #define GF_RULE_CASE(number, R) \
-        case number: rule_rows<R, S>(rows, n_rows, hyper, lr_at, factor, threads); break;
+        case number: rule_rows<R, S>(rows, n_rows, hyper, lr_at, factor, threads, partial); break;
         GF_GENERIC_RULES(GF_RULE_CASE)
 #undef GF_RULE_CASE
         default: return false;
@@ -183,11 +265,29 @@ bool rows_update(int rule, const ParamRow* rows, long long n_rows, const double*
 }
 
 // rows_update, then the kernels' gpuflat_count_steps: every update reads
-// its count before any is moved. False for a rule number it does not know.
+// its count before any is moved. With `stats`, each row's update statistics
+// there (the kernels' gpuflat_row_stats: its items' sums, added in item
+// order; zeros for a row without elements). False for a rule number it does
+// not know.
 template <class S>
 bool rows_step(int rule, const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at,
-               double factor, long long counted_field, int threads) {
-    if (!rows_update<S>(rule, rows, n_rows, hyper, lr_at, factor, threads)) return false;
+               double factor, long long counted_field, int threads, double* stats) {
+    // The items in for_row_items' order (each row's consecutive), and their sums.
+    std::vector<Item> items;
+    std::vector<double> partial;
+    if (stats != nullptr) {
+        for (long long r = 0; r < n_rows; ++r) gf_append_items(items, r, rows[r].numel, 0);
+        partial.assign(2 * items.size(), 0.0);
+    }
+    if (!rows_update<S>(rule, rows, n_rows, hyper, lr_at, factor, threads, stats ? partial.data() : nullptr))
+        return false;
+    if (stats != nullptr) {
+        std::fill(stats, stats + 2 * n_rows, 0.0);
+        for (size_t k = 0; k < items.size(); ++k) {
+            stats[2 * items[k].slot] += partial[2 * k];
+            stats[2 * items[k].slot + 1] += partial[2 * k + 1];
+        }
+    }
     for (long long i = 0; i < n_rows; ++i)
         if (gf_counts(rows[i], hyper, counted_field)) *(float*)rows[i].step += 1.0f;
     return true;
@@ -243,16 +343,20 @@ GF_EXPORT int gf_host_optim_step(int rule, int tag, const long long* offsets, lo
 // gf_host_optim_step; lr_at and counted_field as the kernels read them.
 // Where any row's precision word is not 0 (a state of another dtype, or the
 // parameter kept beside itself), every row goes through the mixed update,
-// as the backends launch gpuflat_rule_mixed_rows then.
+// as the backends launch gpuflat_rule_mixed_rows then. stats: null, or
+// n_rows * 2 doubles that take each row's update statistics (its sums of
+// d^2 and w^2, rows_step), zeros where amp skips the step.
 GF_EXPORT int gf_host_optim_rows(int rule, int tag, const long long* rows, long long n_rows, const double* hyper,
                                  const long long* lr_at, long long counted_field, const double* total,
-                                 double max_norm, double eps, const double* amp, int threads) {
+                                 double max_norm, double eps, const double* amp, int threads, double* stats) {
     const double factor = gf_grad_factor(total, max_norm, eps, total != nullptr, amp);
     bool known = true;
     const bool ok = dispatch(tag, [&](auto z) {
         if (amp[1] == 0.0)
             known = rows_step<decltype(z)>(rule, reinterpret_cast<const ParamRow*>(rows), n_rows, hyper, lr_at,
-                                           factor, counted_field, threads);
+                                           factor, counted_field, threads, stats);
+        else if (stats != nullptr)
+            std::fill(stats, stats + 2 * n_rows, 0.0);
     });
     return ok && known ? 0 : -1;
 }

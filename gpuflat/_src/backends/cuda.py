@@ -56,6 +56,7 @@ from gpuflat._src.layout import (BLOCK_THREADS, C_NAMES, FINISH_THREADS, ITEM, I
 from gpuflat._src.memory_order import dense_start
 from gpuflat._src.native import array_facts
 
+from .numpy_backend import _check_stats
 from .protocol import LeafRows, NormResult, OneSourcePerSlot
 
 if TYPE_CHECKING:
@@ -236,7 +237,7 @@ class CudaBackend:
 
 
     def step_rows(self, rule: str, tag: int, rows: np.ndarray, hyper: np.ndarray, lr_at: np.ndarray, total: Any,
-                  max_norm: float, eps: float, amp: Any) -> None:
+                  max_norm: float, eps: float, amp: Any, stats: Any = None) -> None:
         """One optimizer update of parameters where they are (2 launches, no
         synchronisation): the update over the rows' work items, then the
         step counts. The rows, the groups' hyperparameters and the items
@@ -246,21 +247,42 @@ class CudaBackend:
         is not 0 (a state of another dtype than its parameter, or the
         parameter kept through a master copy or a compensation), the
         update is the rule's mixed kernel (``Rule.mixed_rows_kernel``,
-        element by element) for every row of the table."""
+        element by element) for every row of the table.
+
+        With ``stats`` (a (rows, 2) float64 device array), the update is
+        its kernel's ``stats`` instantiation, which writes each work
+        item's update statistics into a scratch kept with the step's
+        tables (uploaded once with them: a repeated step, and a graph's
+        replay, reuse it), and a third launch (``gpuflat_row_stats``) adds
+        each row's items into ``stats``: 3 launches, no synchronisation,
+        no allocation once the tables are kept. The scratch belongs to the
+        tables, so two steps over the same tables must not run at once on
+        different streams with ``stats``."""
         rt, rule_of = self.runtime, RULES[rule]
         rows = np.ascontiguousarray(rows, np.int64)
         items = _row_items(rows[:, ROW_NUMEL].tobytes())
+        if stats is not None:
+            _check_stats(stats, len(rows))
         tables, (flag, mixed) = self._step_tables.get(
             lambda: (rule_of.checked_flag(rows, hyper), bool(rows[:, ROW_PRECISION].any())),
-            rows, items, hyper, lr_at)
+            rows, items, hyper, lr_at, scratch=None if stats is None else (lambda: _stats_scratch(rows)))
         on_device = [t.array for t in tables]
         clip = total is not None
         n_items = len(items) // ITEM_WORDS
         args = [on_device[1], np.int64(n_items), on_device[0], on_device[2], on_device[3],
                 total if clip else on_device[2], np.float64(max_norm), np.float64(eps), np.int64(clip), amp]
         block = min(rt.block, BLOCK_THREADS)
-        name = rule_of.mixed_rows_kernel(C_NAMES[tag]) if mixed else rule_of.rows_kernel(C_NAMES[tag], flag)
+        wants = stats is not None
+        name = rule_of.mixed_rows_kernel(C_NAMES[tag], wants) if mixed else \
+            rule_of.rows_kernel(C_NAMES[tag], flag, wants)
+        if wants:
+            # The scratch table: each row's first item (len(rows) + 1 words), then two float64 per item.
+            row_items, partial = on_device[4][: len(rows) + 1], on_device[4][len(rows) + 1 :].view(np.float64)
+            args.append(partial)
         rt.launch(name, self.grid or rt.grid_for(n_items), block, args, tables)
+        if wants:
+            rt.launch(kl.ROW_STATS_NAME, self.grid or rt.grid_for(len(rows)), block,
+                      [row_items, np.int64(len(rows)), partial, amp, stats], [tables[4]])
         rt.launch(kl.COUNT_STEPS_NAME, self.grid or rt.grid_for(-(-len(rows) // WARP)), block,
                   [on_device[0], np.int64(len(rows)), on_device[2], np.int64(rule_of.counted_field), amp],
                   [tables[0], tables[2]])
@@ -282,25 +304,51 @@ class _StepTables:
         self.kept = caches.Recent("optimizer step tables", TABLES_KEPT, on_evict=self._release)
         self.lock = threading.Lock()
 
-    def get(self, check: Callable[[], Any], *arrays: np.ndarray) -> tuple[list[DeviceTable], Any]:
+    def get(self, check: Callable[[], Any], *arrays: np.ndarray,
+            scratch: Callable[[], np.ndarray] | None = None) -> tuple[list[DeviceTable], Any]:
         """(the device tables of the ``arrays`` (host), what ``check()``
         returned for them): where they are new, ``check()`` (which raises
         for bad ones) runs before the upload, and its answer is kept with
-        the tables."""
+        the tables. With ``scratch``, one more table after them: the
+        upload of ``scratch()``, made the first time these tables are
+        asked for one and kept with them from then on (not compared: it
+        follows from the arrays), which the kernels may write."""
         host = [np.ascontiguousarray(a) for a in arrays]
         with self.lock:
             entry = self.kept.find(lambda kept: all(a.shape == b.shape and np.array_equal(a, b)
                                                     for a, b in zip(host, kept[0])))
             if entry is None:
                 checked = check()
-                entry = (host, [self.runtime.upload_table(a, "the optimizer step (new parameter or gradient memory)")
-                                for a in host], checked)
+                entry = [host, [self.runtime.upload_table(a, "the optimizer step (new parameter or gradient memory)")
+                                for a in host], checked, None]
                 self.kept.add(entry)
-        return entry[1], entry[2]
+            if scratch is None:
+                return entry[1], entry[2]
+            if entry[3] is None:
+                entry[3] = self.runtime.upload_table(scratch(), "the optimizer step's update statistics (their "
+                                                                "scratch, new with new parameter or gradient memory)")
+            return [*entry[1], entry[3]], entry[2]
 
-    def _release(self, entry: tuple[list[np.ndarray], list[DeviceTable], Any]) -> None:
-        for table in entry[1]:
+    def _release(self, entry: list[Any]) -> None:
+        for table in entry[1] + ([entry[3]] if entry[3] is not None else []):
             self.runtime.release(table)
+
+
+def _stats_scratch(rows: np.ndarray) -> np.ndarray:
+    """The host words of a step's update-statistics scratch (int64): each
+    row's first work item, with one more for the end (``len(rows) + 1``
+    words: a row's items are consecutive), then two zero words per item,
+    which the row kernels' ``stats`` instantiations overwrite with its
+    float64 sums.
+
+    >>> from gpuflat._src.layout import PARAM_ROW_WORDS
+    >>> rows = np.zeros((3, PARAM_ROW_WORDS), np.int64)
+    >>> rows[:, ROW_NUMEL] = [ITEM + 1, 0, 3]
+    >>> _stats_scratch(rows).tolist()
+    [0, 2, 2, 3, 0, 0, 0, 0, 0, 0]
+    """
+    counts = -(-rows[:, ROW_NUMEL] // ITEM)
+    return np.concatenate([[0], np.cumsum(counts), np.zeros(2 * int(counts.sum()), np.int64)]).astype(np.int64)
 
 
 @caches.function(maxsize=16)

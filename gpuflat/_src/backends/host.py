@@ -46,7 +46,7 @@ from gpuflat._src.dtypes import TAGS
 from gpuflat._src.identity import Recorded
 from gpuflat._src.layout import DTYPES, NORM_KINDS, RULES, norm_kind
 
-from .numpy_backend import HostMemory, NumpyBackend
+from .numpy_backend import HostMemory, NumpyBackend, _check_stats
 from .protocol import LeafRows, NormResult, OneSourcePerSlot
 
 if TYPE_CHECKING:
@@ -199,9 +199,10 @@ class HostBackend(HostMemory):
 
 
     def step_rows(self, rule: str, tag: int, rows: np.ndarray, hyper: np.ndarray, lr_at: np.ndarray, total: Any,
-                  max_norm: float, eps: float, amp: np.ndarray) -> None:
+                  max_norm: float, eps: float, amp: np.ndarray, stats: np.ndarray | None = None) -> None:
         """One optimizer update of parameters where they are, in native code (see the protocol): the
-        library runs the mixed update where any row's precision word is not 0.
+        library runs the mixed update where any row's precision word is not 0, and with ``stats``
+        sums each row's update statistics from its own loops (item by item, in a fixed order).
 
         >>> import numpy as np
         >>> p, g, buf = np.ones(2, np.float32), np.full(2, 4.0, np.float32), np.zeros(2, np.float32)
@@ -212,17 +213,24 @@ class HostBackend(HostMemory):
         ...                         np.array([0.25, 0.0]))
         >>> p, buf, count
         (array([0.5, 0.5], dtype=float32), array([1., 1.], dtype=float32), array([1.], dtype=float32))
+        >>> stats = np.full((1, 2), np.nan)
+        >>> HostBackend().step_rows("sgd", 2, rows, hyper, np.zeros(2, np.int64), None, 0.0, 0.0,
+        ...                         np.array([0.25, 0.0]), stats)
+        >>> p, stats.round(6)   # each moved by -0.5 * (0.9 * 1 + 1) to -0.45: (2 * 0.95**2, 2 * 0.45**2)
+        (array([-0.45, -0.45], dtype=float32), array([[1.805, 0.405]]))
         """
         lib = native.optim_library()[0]
         if lib is None:
-            return NumpyBackend().step_rows(rule, tag, rows, hyper, lr_at, total, max_norm, eps, amp)
+            return NumpyBackend().step_rows(rule, tag, rows, hyper, lr_at, total, max_norm, eps, amp, stats)
         rows = np.ascontiguousarray(rows, np.int64)
         rule_of = RULES[rule]
+        if stats is not None:
+            _check_stats(stats, len(rows))
         # The addresses taken here, not through _address: a step's host work is a few calls, kept few.
-        at = [None if a is None else np.asarray(a).ctypes.data for a in (rows, hyper, lr_at, total, amp)]
+        at = [None if a is None else np.asarray(a).ctypes.data for a in (rows, hyper, lr_at, total, amp, stats)]
         rule_of.check_rows(rows, hyper)
         code = lib.gf_host_optim_rows(rule_of.number, tag, at[0], len(rows), at[1], at[2], rule_of.counted_field,
-                                      at[3], float(max_norm), float(eps), at[4], self.threads)
+                                      at[3], float(max_norm), float(eps), at[4], self.threads, at[5])
         if code != 0:
             raise TypeError(f"the host backend's optimizer step: expected parameters of a real floating dtype "
                             f"({_OPTIM_NAMES}), found dtype tag {tag}")

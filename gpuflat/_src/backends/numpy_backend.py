@@ -205,9 +205,15 @@ class NumpyBackend(HostMemory):
                        float(steps[slot]), factor, compute)
 
     def step_rows(self, rule: str, tag: int, rows: np.ndarray, hyper: np.ndarray, lr_at: np.ndarray, total: Any,
-                  max_norm: float, eps: float, amp: np.ndarray) -> None:
+                  max_norm: float, eps: float, amp: np.ndarray, stats: np.ndarray | None = None) -> None:
         """One optimizer update of parameters where they are (host memory),
         row by row: the kernels' operations in the same order and precision.
+        With ``stats`` (float64, one row of two per parameter row), the
+        reference of the update statistics: each row's update runs on a
+        compute-type copy of the value it starts from (the same bits for the
+        parameter and its state), and row j of ``stats`` takes the sums of
+        d**2 and w**2 in float64 (w the value produced, d = w - held in the
+        compute type); zeros for a skipped step.
 
         >>> p, g, buf = np.ones(2, np.float32), np.full(2, 4.0, np.float32), np.zeros(2, np.float32)
         >>> count = np.zeros(1, np.float32)   # the buffer's updates: 0, so it is new
@@ -216,12 +222,34 @@ class NumpyBackend(HostMemory):
         ...                          np.zeros(2, np.int64), None, 0.0, 0.0, np.array([0.25, 0.0]))
         >>> p, buf, count
         (array([0.5, 0.5], dtype=float32), array([1., 1.], dtype=float32), array([1.], dtype=float32))
+        >>> stats = np.full((1, 2), np.nan)
+        >>> NumpyBackend().step_rows("sgd", 2, rows, np.array([0.5, 0.0, 0.9, 0.0, 0.0, 0.0, 0.0]),
+        ...                          np.zeros(2, np.int64), None, 0.0, 0.0, np.array([0.25, 0.0]), stats)
+        >>> stats.round(6)   # p moved by -0.5 * (0.9 * 1 + 1) to -0.45: (2 * 0.95**2, 2 * 0.45**2)
+        array([[1.805, 0.405]])
         """
         RULES[rule].check_rows(rows, hyper)
+        if stats is not None:
+            _check_stats(stats, len(rows))
         if amp[1] != 0.0:  # a loss scaler found NaN or inf: skip, steps uncounted
+            if stats is not None:
+                stats[...] = 0.0
             return
         factor = (1.0 if total is None else _clip_factor(total, max_norm, eps)) * float(amp[0])
-        _rows_step(rule, dtype_of_tag(tag), np.asarray(rows, np.int64), hyper, lr_at, factor)
+        _rows_step(rule, dtype_of_tag(tag), np.asarray(rows, np.int64), hyper, lr_at, factor, stats)
+
+
+def _check_stats(stats: Any, n_rows: int) -> None:
+    """Refuse ``stats`` unless it is a C-contiguous float64 array of shape (``n_rows``, 2).
+
+    >>> _check_stats(np.zeros((3, 2), np.float32), 3)
+    Traceback (most recent call last):
+    ...
+    ValueError: stats: expected a C-contiguous float64 array of shape (3, 2), got float32 of shape (3, 2)
+    """
+    if stats.shape != (n_rows, 2) or stats.dtype != np.float64 or not stats.flags.c_contiguous:
+        raise ValueError(f"stats: expected a C-contiguous float64 array of shape ({n_rows}, 2), got {stats.dtype} "
+                         f"of shape {tuple(stats.shape)}" + ("" if stats.flags.c_contiguous else ", not contiguous"))
 
 
 def _at(address: int, dtype: Any, n: int) -> np.ndarray:
@@ -231,16 +259,18 @@ def _at(address: int, dtype: Any, n: int) -> np.ndarray:
         np.empty(0, dtype)
 
 
-def _rows_step(rule: str, dtype: np.dtype, rows: np.ndarray, hyper: np.ndarray, lr_at: np.ndarray, factor: float) -> None:
+def _rows_step(rule: str, dtype: np.dtype, rows: np.ndarray, hyper: np.ndarray, lr_at: np.ndarray, factor: float,
+               stats: np.ndarray | None = None) -> None:
     """The reference of the kernels' update over a parameter table (gpuflat_adamw_rows /
-    gpuflat_sgd_rows / gpuflat_rule_mixed_rows, then gpuflat_count_steps), one row at a time."""
+    gpuflat_sgd_rows / gpuflat_rule_mixed_rows, then gpuflat_count_steps), one row at a time;
+    with ``stats``, row j's update statistics in stats[j] (_kept_update)."""
     rule_of = RULES[rule]
     update = rule_of.numpy
     assert update is not None, f"every rule has a NumPy reference; {rule!r} has none"
     compute = np.float64 if dtype == np.float64 else np.float32
     counted = []
     with np.errstate(all="ignore"):  # NaN and inf follow IEEE rules, as in the kernels
-        for param, grad, s0, s1, s2, extra, step_at, numel, group, precision in rows.tolist():
+        for j, (param, grad, s0, s1, s2, extra, step_at, numel, group, precision) in enumerate(rows.tolist()):
             h = [float(x) for x in hyper[group * HYPER : (group + 1) * HYPER]]
             if lr_at[2 * group]:
                 h[0] = float(_at(int(lr_at[2 * group]), dtype_of_tag(int(lr_at[2 * group + 1])), 1)[0])
@@ -255,7 +285,8 @@ def _rows_step(rule: str, dtype: np.dtype, rows: np.ndarray, hyper: np.ndarray, 
                       for s, name in zip((s0, s1, s2), state_dtypes)]
             _kept_update(update, keep, key, _at(param, dtype, numel),
                          _at(extra, np.float32 if keep == "master" else dtype, numel) if extra else None,
-                         _at(grad, dtype, numel), states, h, step, factor, compute)
+                         _at(grad, dtype, numel), states, h, step, factor, compute,
+                         None if stats is None else stats[j])
             if counts:
                 counted.append(step_at)
     for step_at in counted:
@@ -263,28 +294,69 @@ def _rows_step(rule: str, dtype: np.dtype, rows: np.ndarray, hyper: np.ndarray, 
 
 
 def _kept_update(update: Any, keep: str, key: int, p: np.ndarray, extra: np.ndarray | None, g: np.ndarray,
-                 states: list[Any], h: list[float], step: float, factor: float, compute: Any) -> None:
+                 states: list[Any], h: list[float], step: float, factor: float, compute: Any,
+                 stats: np.ndarray | None = None) -> None:
     """A rule's ``update`` of one row, its parameter kept as ``keep`` says
     (gpuflat._src.layout.KEEPS): updated in place, through its float32
     master copy ``extra``, through parameter + compensation ``extra``, or
-    rounded stochastically with draws keyed by ``key`` and ``step``."""
+    rounded stochastically with draws keyed by ``key`` and ``step``. With
+    ``stats`` (two float64), the update runs on a compute-type copy of the
+    value it starts from (the rule rounds into storage once either way, so
+    the bits are the same), and ``stats`` takes the sums of d**2 and w**2
+    (``_update_stats``)."""
     if keep == "plain":
-        update(p, g, states, h, step, factor, compute)
+        if stats is None:
+            update(p, g, states, h, step, factor, compute)
+            return
+        value = p.astype(compute)
+        update(value, g, states, h, step, factor, compute)
+        _update_stats(stats, p.astype(compute), value)
+        store(p, value)
         return
     if keep == "stochastic":
         value = p.astype(compute)
         update(value, g, states, h, step, factor, compute)
+        if stats is not None:
+            _update_stats(stats, p.astype(compute), value)
         _store_stochastically(p, value, key, step)
         return
     assert extra is not None, "Rule.check_rows refuses a row kept beside its parameter without the address"
     if keep == "master":
-        update(extra, g, states, h, step, factor, compute)
+        if stats is None:
+            update(extra, g, states, h, step, factor, compute)
+        else:
+            value = extra.astype(compute)
+            update(value, g, states, h, step, factor, compute)
+            _update_stats(stats, extra.astype(compute), value)
+            store(extra, value)
         store(p, extra)
         return
     value = p.astype(compute) + extra.astype(compute)
+    held = value.copy() if stats is not None else None
     update(value, g, states, h, step, factor, compute)
+    if held is not None and stats is not None:
+        _update_stats(stats, held, value)
     store(p, value)
     store(extra, value - p.astype(compute))
+
+
+def _update_stats(out: np.ndarray, held: np.ndarray, w: np.ndarray) -> None:
+    """``out`` = (sum of d**2, sum of w**2) in float64, d = w - held in
+    their compute type: the update statistics of one row.
+
+    >>> out = np.zeros(2)
+    >>> _update_stats(out, np.array([1.0, 2.0], np.float32), np.array([1.5, 1.0], np.float32))
+    >>> out
+    array([1.25, 3.25])
+    """
+    out[0] = _sum_of_squares((w - held).astype(np.float64))
+    out[1] = _sum_of_squares(w.astype(np.float64))
+
+
+def _sum_of_squares(x: np.ndarray) -> float:
+    """sum x**2 of a float64 array: dots of DOT elements (one thread each,
+    see DOT), added exactly."""
+    return math.fsum(np.dot(x[i : i + DOT], x[i : i + DOT]) for i in range(0, x.size, DOT))
 
 
 def _store_stochastically(target: np.ndarray, x: np.ndarray, key: int, step: float) -> None:

@@ -186,7 +186,7 @@ class Backend(Protocol):
         scaler's 1 / scale), and a nonzero ``amp[1]`` skips the update."""
 
     def step_rows(self, rule: str, tag: int, rows: np.ndarray, hyper: np.ndarray, lr_at: np.ndarray, total: Any,
-                  max_norm: float, eps: float, amp: Any) -> None:
+                  max_norm: float, eps: float, amp: Any, stats: Any = None) -> None:
         """One optimizer update of parameters where they are (PyTorch's, one
         table row each), in place: ``rows`` is a host int64 array of
         gpuflat._src.layout.PARAM_ROW_FIELDS per parameter, the parameter and
@@ -207,4 +207,19 @@ class Backend(Protocol):
         its group's steps count (``Rule.counted_when``: SGD's only with
         momentum, a count of 0 marking a new buffer). A row lacking a word
         its group needs, or a kept row its ``extra`` address, is refused
-        (``Rule.check_rows``) before any write."""
+        (``Rule.check_rows``) before any write.
+
+        ``stats``: None, or a C-contiguous float64 array of shape
+        (len(rows), 2) in this backend's memory (a device array for the
+        CUDA backend, host memory for the others), whose row j the step
+        overwrites with the update statistics of row j: (sum of d**2, sum
+        of w**2) over its elements, where w is the value the rule produced
+        in the compute type (float for 16- and 32-bit parameters, double for
+        float64), before it is rounded into storage, and d = w - held, held
+        the value its arithmetic started from (the parameter; its float32
+        master copy for a "master" row; parameter + compensation for a
+        "kahan" row). They come from the update pass itself (no other read,
+        no host wait); a skipped step (``amp[1]``) and an empty row write
+        zeros. Each backend adds them in a fixed order of its own (the same
+        bits on every call; the backends agree to about 1e-6 relative), and
+        the parameters and states get the bits of a step without them."""
