@@ -433,10 +433,10 @@ def read_stats(optimizer: _FlatOptimizer) -> dict[str, float]:
 
     >>> import torch, gpuflat.torch as gft
     >>> w = torch.nn.Parameter(torch.ones(4))
-    >>> opt = gft.SGD([w], lr=0.5, stats=True)
+    >>> opt = gft.SGD([w], lr=0.25, stats=True)
     >>> w.grad = torch.full((4,), 2.0)
     >>> opt.step()
     >>> gft.read_stats(opt)
-    {'grad_norm': 4.0, '0/grad_norm': 4.0, '0/update_norm': 2.0, '0/update_ratio': 1.0}
+    {'grad_norm': 4.0, '0/grad_norm': 4.0, '0/update_norm': 1.0, '0/update_ratio': 1.0}
     """
     return _step_stats.to_host(optimizer)

@@ -15,11 +15,11 @@ PyTorch operations: no host read, no allocation in a repeated step.
 
 >>> import torch, gpuflat.torch as gft
 >>> w = torch.nn.Parameter(torch.ones(4))
->>> opt = gft.SGD([w], lr=0.5, stats=True)
+>>> opt = gft.SGD([w], lr=0.25, stats=True)
 >>> w.grad = torch.full((4,), 2.0)
 >>> opt.step()
 >>> {k: round(v, 4) for k, v in to_host(opt).items()}
-{'grad_norm': 4.0, '0/grad_norm': 4.0, '0/update_norm': 2.0, '0/update_ratio': 1.0}
+{'grad_norm': 4.0, '0/grad_norm': 4.0, '0/update_norm': 1.0, '0/update_ratio': 1.0}
 """
 from __future__ import annotations
 

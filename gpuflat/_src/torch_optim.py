@@ -179,7 +179,14 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     def _update(self) -> None:
         if torch.compiler.is_compiling():
-            return self._traced_update()
+            if self._step_stats is None:
+                return self._traced_update()
+            # The figures come from the eager step's buffers: a compiled
+            # step with stats runs it between two graphs.
+            return _updated_eagerly(self)
+        self._eager_update()
+
+    def _eager_update(self) -> None:
         hyper = self._check_options(compiling=False)
         scale, found = self._amp()
         self.last_grad_norm = None
@@ -248,10 +255,6 @@ class FlatOptimizer(torch.optim.Optimizer):
         stages) is a collective, run between two graphs, outside any
         operator, where every rank reaches it in the same order."""
         self._check_options(compiling=True)
-        if self._step_stats is not None:
-            raise NotImplementedError(f"gpuflat.torch.{type(self).__name__}(stats=True): the figures come from "
-                                      f"eager steps; expected opt.step() outside torch.compile, or an optimizer "
-                                      f"made without stats=True")
         scale, found = self._amp()
         self.last_grad_norm = None
         params: list[torch.Tensor] = []
@@ -594,6 +597,12 @@ def _host_values(tensors: dict) -> dict:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard, any other tensor itself."""
     return dtensor.local(t) if dtensor.is_dtensor(t) else t
+
+
+@torch.compiler.disable
+def _updated_eagerly(optimizer: FlatOptimizer) -> None:
+    """``optimizer``'s eager update, run between two graphs of a compiled step."""
+    optimizer._eager_update()
 
 
 @torch.compiler.disable
