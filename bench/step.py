@@ -81,6 +81,8 @@ def cases(torch):
     rows = [(plain, "torch foreach", 10, torch_step(False, foreach=True)),
             (plain, "torch fused", 10, torch_step(False, fused=True)),
             (plain, "gpuflat", 8, flat_step()),
+            # The same passes: the figures are sums the update makes of what it holds.
+            (plain, "gpuflat + stats", 8, flat_step(stats=True)),
             # unscale 2, clip 3, AdamW 7
             (scaled, "torch foreach + GradScaler", 12, torch_step(True, foreach=True)),
             (scaled, "torch fused + GradScaler", 12, torch_step(True, fused=True)),
