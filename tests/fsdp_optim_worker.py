@@ -17,6 +17,7 @@ ranks an empty shard).
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 from datetime import timedelta
@@ -303,7 +304,7 @@ def precision_resumed(ctx, name, **options):
     train(ctx, ours, opt_ours, range(2), clip=False)
     path = save(ctx, ours, opt_ours, f"{name}-precision")
     net, opt = load(ctx, flat_cls, options, path, dtype=torch.bfloat16)
-    kept = "master_param" if options.get("master_weights") else "kahan_comp"
+    kept = "master_param" if options.get("master_weights") else "kahan_comp" if options.get("kahan_sum") else "step"
     for (label, p), q in zip(net.named_parameters(), ours.parameters()):
         if p not in opt.state:
             continue
@@ -333,6 +334,37 @@ def adamw_master_weights_resume_from_dcp_in_float32(ctx):
 @case
 def lion_kahan_sums_resume_from_dcp(ctx):
     precision_resumed(ctx, "lion", kahan_sum=True)
+
+
+@case
+def sgd_stochastic_rounding_resumes_from_dcp(ctx):
+    # The draws are keyed by each parameter's count, which the checkpoint keeps.
+    precision_resumed(ctx, "sgd", bf16_stochastic_round=True, rounding_seed=3)
+
+
+@case
+def stats_are_the_local_shards(ctx):
+    # Per parameter, from this rank's share of the passes: its shard's
+    # gradient norm (unscaled, before the clip) and its update's.
+    _, flat_cls, kw = OPTIMIZERS["adamw"]
+    net = model(ctx)
+    opt = flat_cls(net.named_parameters(), max_norm=MAX_NORM, stats=True, **kw)
+    for k in range(2):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1000 * ctx.rank + k)).double()
+        (net(x, k).square().sum() * 4).backward()
+        before = {name: p.to_local().detach().clone() for name, p in net.named_parameters()}
+        opt.step()
+        for name, p in net.named_parameters():
+            if p.grad is None:
+                continue
+            figures = {key: float(value) for key, value in opt.stats[name].items()}
+            grad = float(torch.linalg.vector_norm(p.grad.to_local()))
+            update = float(torch.linalg.vector_norm(p.to_local().detach() - before[name]))
+            if not (math.isclose(figures["grad_norm"], grad, rel_tol=1e-12, abs_tol=1e-300)
+                    and math.isclose(figures["update_norm"], update, rel_tol=1e-9, abs_tol=1e-300)):
+                raise AssertionError(f"{name}: figures {figures}, the local shard's gradient norm {grad} and "
+                                     f"update norm {update}")
+        opt.zero_grad()
 
 
 # ---------------------------------------------------------------- running

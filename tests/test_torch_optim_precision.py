@@ -295,3 +295,22 @@ def test_stochastic_rounding_leaves_other_dtypes_rounded_to_nearest():
     # Half of float16's ulp below 1.0 (0.00049) is more than each step's 1e-4: lost, rounded to nearest.
     assert torch.equal(params[0].detach(), torch.ones(64, dtype=torch.float16))
     assert len(set(params[1].detach().tolist())) > 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stochastic_rounding_has_the_mean_and_variance_of_its_distances(backend):
+    # 65,536 weights at 1.0, each moved by 3/8 of the ulp above 1.0 (2**-7):
+    # each rounds up with probability 3/8, so the fraction rounded up lies
+    # within 4 standard deviations (4 * sqrt(3/8 * 5/8 / n) = 0.0076) of 3/8,
+    # and the values' variance is ulp**2 * 3/8 * 5/8 (to 5%, for n draws).
+    n, ulp, p = 1 << 16, 2.0 ** -7, 3 / 8
+    w = torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
+    opt = gft.SGD([w], lr=1.0, bf16_stochastic_round=True)
+    w.grad = torch.full((n,), -p * ulp, dtype=torch.bfloat16)  # exact in bfloat16: -3 * 2**-10
+    with tensor_table.serve_with(get_backend(backend)):
+        opt.step()
+    values = w.detach().double()
+    assert set(values.unique().tolist()) == {1.0, 1.0 + ulp}
+    assert abs(float((values > 1).double().mean()) - p) < 4 * (p * (1 - p) / n) ** 0.5
+    assert float(values.var()) == pytest.approx(ulp ** 2 * p * (1 - p), rel=0.05)
+    assert float(values.mean()) == pytest.approx(1 + p * ulp, abs=4 * ulp * (p * (1 - p) / n) ** 0.5)

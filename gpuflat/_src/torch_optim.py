@@ -358,8 +358,9 @@ class FlatOptimizer(torch.optim.Optimizer):
               per_leaf: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(the gradients' norm as a float64 tensor, still scaled; with
         ``detect``, a 0-d tensor that is 1 where some gradient holds NaN or
-        inf; with ``per_leaf``, each gradient's norm from the same pass,
-        where one pass on one device made the total, else None). ``step`` is
+        inf; with ``per_leaf``, each gradient's norm from the same pass
+        (of this rank's shard, over the ranks), else None, where the pass
+        spans several devices). ``step`` is
         None on a pipeline stage without gradients, which adds nothing to
         the norm."""
         p = self._order()
@@ -367,10 +368,11 @@ class FlatOptimizer(torch.optim.Optimizer):
         # step is None only on a pipeline stage (pp_mesh set) without gradients.
         if self.pp_mesh is not None or step is None or not step.plain:  # DTensors or pipeline stages: over the ranks
             tied = None if self.tied is None else [(q.grad, stage) for q, stage in self.tied]
-            total = ranks.global_norm(grads, p, pp_mesh=self.pp_mesh, tied=tied)
+            found = ranks.global_norm(grads, p, pp_mesh=self.pp_mesh, tied=tied, per_leaf=per_leaf)
+            # Per leaf: this rank's shards', from its share of the pass.
+            total, leaves = found if per_leaf else (found, None)
             total = torch.as_tensor(total.to_local() if dtensor.is_dtensor(total) else total).double()
             nonfinite = (~torch.isfinite(total)).double() if detect else None
-            leaves = None
         else:
             # The table of the rows' gradients, else (several devices, a
             # backend reading arrays) one read from the gradients themselves.
