@@ -542,6 +542,11 @@ class _StandIn:
                     self._host[key] = value._host if isinstance(value, ndarray) else value
                 standin.run("elementwise", "__setitem__", arrays, work, writes=True)
 
+            def view(self, dtype):
+                # CuPy 14's: the same memory as another dtype of its size
+                # (bfloat16 included, as ml_dtypes' NumPy dtype).
+                return self._view(self._host.view(dtype))
+
             def reshape(self, *shape):
                 view = self._host.reshape(*shape)
                 if not np.shares_memory(view, self._host) and view.size:

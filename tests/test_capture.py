@@ -277,6 +277,46 @@ def test_a_flat_optimizer_step_captures_after_a_warm_up_and_replays_like_eager_s
     assert cp.freed_in_flight == []
 
 
+@pytest.mark.parametrize("name", ["adamw-master", "sgd-stochastic", "lion-kahan"])
+def test_a_16_bit_step_captures_after_a_warm_up_and_replays_like_eager_steps(cp, tc, name):
+    # What a bfloat16 parameter keeps beside it is made by the warm-up;
+    # stochastic rounding's draws are keyed by the counts, which each replay
+    # moves on the device: the replays draw what eager steps draw.
+    make = {"adamw-master": lambda ps: gft.AdamW(ps, lr=1e-2, master_weights=True, exp_avg_dtype=torch.float32,
+                                                 max_norm=0.5),
+            "sgd-stochastic": lambda ps: gft.SGD(ps, lr=1e-2, bf16_stochastic_round=True, max_norm=0.5),
+            "lion-kahan": lambda ps: gft.Lion(ps, lr=1e-3, kahan_sum=True, max_norm=0.5)}[name]
+
+    def bf16_net(seed):
+        rng = np.random.default_rng(seed)
+        return [tcs.parameter(torch.from_numpy(rng.standard_normal(n)).to(torch.bfloat16)) for n in (40, 7)]
+
+    params, twins = bf16_net(3), bf16_net(3)
+    opt, twin_opt = make(params), make(twins)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for warm in range(2):
+            for ps, o in ((params, opt), (twins, twin_opt)):
+                set_grads(ps, warm)
+                o.step()
+        graph, _ = tc.capture(opt.step)
+    for step in range(2, 5):
+        set_grads(params, step)
+        set_grads(twins, step)
+        graph.replay()
+        twin_opt.step()
+        for p, q in zip(params, twins):
+            assert raw(p) == raw(q)
+            for key in opt.state[p]:
+                assert raw(opt.state[p][key]) == raw(twin_opt.state[q][key]), key
+    assert float(opt.state[params[0]]["step"]) == 5 and cp.freed_in_flight == []
+
+
+def raw(t):
+    """A tensor's bytes, whatever its dtype."""
+    with torch._C.DisableTorchFunction():
+        return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
 def make_whole_step(params, inputs, opt, scaler):
     """One training step as PyTorch's whole-step capture records it: the
     gradients are made anew (a backward after ``zero_grad()``, which sets
