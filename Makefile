@@ -30,7 +30,8 @@ FLOOR_VENV := .venv-floor
 # per CPU: make test runs them with the kernels for this machine's CPU, this
 # target with those for AVX2 and for none (ATEN_CPU_CAPABILITY), leaving out
 # the tests marked slow (Inductor's g++ builds, ranks) to fit CI's time.
-CPU_ISA_TESTS := tests/test_torch_optim.py tests/test_torch_optim_compile.py tests/test_torch.py tests/test_torch_ops.py
+CPU_ISA_TESTS := tests/test_torch_optim.py tests/test_torch_optim_compile.py tests/test_torch_optim_precision.py \
+	tests/test_precision_training.py tests/test_torch.py tests/test_torch_ops.py
 CPU_ISAS := default avx2
 # Core, NumPy, host-backend and emulated-kernel tests: what runs without
 # PyTorch or JAX (about 1,650 tests).
