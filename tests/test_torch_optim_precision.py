@@ -204,10 +204,11 @@ def test_a_group_switched_to_master_weights_or_kahan_sums_mid_training():
     assert torch.equal(opt.state[weight]["master_param"], master)  # kept, no longer read
 
 
-def test_a_skipped_step_leaves_the_master_copy():
+@pytest.mark.parametrize("scaler_cls", [gft.GradScaler, torch.amp.GradScaler], ids=["gpuflat", "stock"])
+def test_a_skipped_step_leaves_the_master_copy(scaler_cls):
     net = model()
     opt = gft.AdamW(net.parameters(), lr=1e-2, master_weights=True, max_norm=1.0)
-    scaler = gft.GradScaler("cpu", init_scale=2.0 ** 8)
+    scaler = scaler_cls("cpu", init_scale=2.0 ** 8)
     train(net, opt, steps=1)
     master = {p: opt.state[p]["master_param"].clone() for p in net.parameters()}
     gradients(net, 5, scaler)
@@ -217,6 +218,12 @@ def test_a_skipped_step_leaves_the_master_copy():
     for p in net.parameters():
         assert torch.equal(opt.state[p]["master_param"], master[p])
         assert torch.equal(p.detach(), master[p].to(torch.bfloat16))
+    assert scaler.get_scale() == 2.0 ** 7
+    # The next, finite, step unscales inside the update, through the master copy.
+    gradients(net, 6, scaler)
+    scaler.step(opt)
+    scaler.update()
+    assert all(not torch.equal(opt.state[p]["master_param"], master[p]) for p in net.parameters())
 
 
 def test_precision_options_are_checked_before_anything_is_made():
