@@ -137,3 +137,16 @@ def test_a_compiled_step_with_stats_runs_its_update_between_graphs():
 def test_figures_need_stats():
     with pytest.raises(ValueError, match="expected an optimizer made with stats=True"):
         gft.read_stats(gft.AdamW(model().parameters()))
+
+
+def test_a_parameter_whose_dtype_changes_takes_its_figures_along():
+    # model.double() regroups the step's tables: the figures follow each parameter.
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(5, dtype=torch.float64))
+    opt = gft.SGD([a, b], lr=1.0, stats=True)
+    for step in range(2):
+        for p, g in ((a, 1.0), (b, 2.0)):
+            p.grad = torch.full_like(p, g)
+        opt.step()
+        figures = gft.read_stats(opt)
+        assert figures["0/grad_norm"] == pytest.approx(3 ** 0.5) and figures["1/grad_norm"] == pytest.approx(2 * 5 ** 0.5)
+        a.data = a.data.double()

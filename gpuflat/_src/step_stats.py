@@ -48,12 +48,15 @@ class StepStats:
         self.picked: list[torch.Tensor | None] = []  # per table, where the gradient norms picked land
         self.by_key: dict[Any, dict[str, torch.Tensor]] = {}
         self.keys: list[list[Any]] = []  # per table, its rows' parameters' keys in row order
+        self.layout: list[tuple[int, torch.device]] = []  # per table, its rows and device
 
     def sums_for(self, tables: Sequence[Any], params: list, keys: Callable[[], Sequence[Any]]) -> list[torch.Tensor]:
         """The sums' buffers for a step over ``tables`` (made anew only
         where the step's parameters changed); ``keys()`` names each of ``params``."""
-        if not _same(params, self.params) or len(self.sums) != len(tables):
+        layout = [(len(table.rows), table.like.device) for table in tables]
+        if not _same(params, self.params) or layout != self.layout:  # new parameters, or their tables regrouped
             self._make(tables, params, keys())
+            self.layout = layout
         return self.sums
 
     def _make(self, tables: Sequence[Any], params: list, keys: Sequence[Any]) -> None:
