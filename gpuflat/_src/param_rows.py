@@ -352,25 +352,23 @@ class _Found:
 
 def _derive(found: _Found, ks: np.ndarray | None = None) -> None:
     """``found.lacking``, ``found.masked`` and ``found.row_precision`` for
-    the parameters at ``ks`` (all for None)."""
+    the parameters at ``ks`` (all for None, and whenever one is missing:
+    the three are derived together)."""
+    lacking, masked, row_precision = found.lacking, found.masked, found.row_precision
     at: np.ndarray | slice = slice(None) if ks is None else ks
-    if ks is None or found.lacking is None or found.masked is None or found.row_precision is None:
-        at = slice(None)  # all: the three are derived together
-        found.lacking, found.masked = np.zeros(len(found.everything), bool), np.zeros_like(found.words)
-        found.row_precision = np.zeros_like(found.precision)
-    _derive_at(found, at)
-
-
-def _derive_at(found: _Found, ks: np.ndarray | slice) -> None:
-    assert found.lacking is not None and found.masked is not None and found.row_precision is not None
-    need = found.needs[found.group_of[ks]]
-    need[:, _EXTRA] &= found.narrow[ks]
-    found.lacking[ks] = (need & ~found.present[ks]).any(axis=1)
-    found.masked[ks] = masked = found.words[ks] * need
+    if ks is None or lacking is None or masked is None or row_precision is None:
+        at = slice(None)
+        lacking, masked = np.zeros(len(found.everything), bool), np.zeros_like(found.words)
+        row_precision = np.zeros_like(found.precision)
+        found.lacking, found.masked, found.row_precision = lacking, masked, row_precision
+    need = found.needs[found.group_of[at]]
+    need[:, _EXTRA] &= found.narrow[at]
+    lacking[at] = (need & ~found.present[at]).any(axis=1)
+    masked[at] = words = found.words[at] * need
     # A keep with a buffer beside the parameter holds where the step reads the buffer.
-    keeps = keep_numbers(found.precision[ks])
-    unread = np.isin(keeps, _BESIDE) & (masked[:, _EXTRA] == 0)
-    found.row_precision[ks] = found.precision[ks] - (keeps << KEEP_SHIFT) * unread
+    keeps = keep_numbers(found.precision[at])
+    unread = np.isin(keeps, _BESIDE) & (words[:, _EXTRA] == 0)
+    row_precision[at] = found.precision[at] - (keeps << KEEP_SHIFT) * unread
 
 
 def read(optimizer: torch.optim.Optimizer, rule: Rule,
