@@ -321,3 +321,31 @@ def test_stochastic_rounding_has_the_mean_and_variance_of_its_distances(backend)
     assert abs(float((values > 1).double().mean()) - p) < 4 * (p * (1 - p) / n) ** 0.5
     assert float(values.var()) == pytest.approx(ulp ** 2 * p * (1 - p), rel=0.05)
     assert float(values.mean()) == pytest.approx(1 + p * ulp, abs=4 * ulp * (p * (1 - p) / n) ** 0.5)
+
+
+def test_a_seed_changed_between_steps_is_followed():
+    # The keys of the draws come from the group's rounding_seed, read again when it changes.
+    def run(seeds):
+        w = torch.nn.Parameter(torch.ones(512, dtype=torch.bfloat16))
+        opt = gft.SGD([w], lr=1e-3, bf16_stochastic_round=True, rounding_seed=seeds[0])
+        for seed in seeds:
+            opt.param_groups[0]["rounding_seed"] = seed
+            w.grad = torch.full_like(w, -1.0)
+            opt.step()
+        return w.detach().clone()
+
+    assert torch.equal(run([1, 2]), run([1, 2]))
+    assert not torch.equal(run([1, 1]), run([1, 2]))
+
+
+def test_a_state_dict_with_master_copies_resumes_in_torch_optim():
+    # torch.optim keeps the state it does not know (master_param) and trains on.
+    net = model()
+    opt = gft.AdamW(net.parameters(), lr=1e-3, master_weights=True, exp_avg_dtype=torch.float32)
+    train(net, opt, steps=2)
+    ref_opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    ref_opt.load_state_dict(opt.state_dict())
+    before = [p.detach().clone() for p in net.parameters()]
+    train(net, ref_opt, steps=1)
+    assert all(not torch.equal(p, b) for p, b in zip(net.parameters(), before))
+    assert all(float(ref_opt.state[p]["step"]) == 3 for p in net.parameters())
