@@ -179,8 +179,17 @@ __device__ __forceinline__ unsigned short gf_float_to_bf16(float x) {
     unsigned short h;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
     return h;
-#else
+#elif defined(__CUDA_ARCH__)
     return gf_double_to_small<8, 7>((double)x);
+#else
+    // On the CPU (the host library, the emulator), the same rounding on the
+    // float's own bits, since bfloat16 is a float's top half: nearest even,
+    // subnormals and the overflow to inf included, and a quiet NaN as
+    // gf_double_to_small gives it (the two agree on all 2**32 floats). No
+    // branch but NaN's, which a select takes: the update loops vectorise.
+    const unsigned u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)(((u >> 16) & 0x8000u) | 0x7fc0u);
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 #endif
 }
 
