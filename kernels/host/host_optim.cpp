@@ -109,65 +109,88 @@ void for_row_items(const ParamRow* rows, long long n_rows, int threads, Body bod
     share(items, total, threads, [&](const Item& it) { body(rows[it.slot], it.start, it.len, &it - first); });
 }
 
+// Adds term(j, d2, w2)'s two values for j = 0 .. m - 1 to sd[j % LANES] and
+// sw[j % LANES], in increasing j: whole runs of LANES as one unrolled inner
+// loop (which the compiler vectorises across the lanes), then the tail.
+template <int LANES, class Term>
+inline void add_lanes(double* sd, double* sw, int m, Term term) {
+    int j = 0;
+    for (; j + LANES <= m; j += LANES) {
+        for (int l = 0; l < LANES; ++l) {
+            double d2, w2;
+            term(j + l, d2, w2);
+            sd[l] += d2;
+            sw[l] += w2;
+        }
+    }
+    for (int l = 0; j + l < m; ++l) {
+        double d2, w2;
+        term(j + l, d2, w2);
+        sd[l] += d2;
+        sw[l] += w2;
+    }
+}
+
 // The update statistics of an item (the kernels' gf_lane_stats: sums of
 // d^2 and w^2 over its elements, d = w - held, as gf_unseen tells them),
 // written to out[0] and out[1]; without `out`, run(first, n, gf_unseen{})
 // alone. run(first, n, seen) updates elements [first, first + n) and calls
-// seen(i, held, w) for each. The update runs over chunks of CHUNK elements,
-// and each element's d * d and w * w (rounded once in the compute type C)
-// are kept in two arrays; LANES double sums then take every LANES-th term
-// in order, added in a fixed order at the end: the bits depend on the item
-// alone, never on the threads.
+// seen(i, held, w) for each. The update runs over chunks of CHUNK elements;
+// each element's d * d and w * w, rounded once in the compute type C, go to
+// one of LANES double sums (element i of the item to lane i % LANES), added
+// in a fixed order at the end: the bits depend on the item alone, never on
+// the threads. LANES is wide so that the sums are many independent chains
+// (four vectors of eight doubles each): with 8 lanes, the latency of their
+// additions made the statistics cost five times as much.
 //
 // Where the parameter p is stored in its compute type (float32 and float64
 // rows kept plain: pass p, else null), w is what the update stores, so the
-// chunk's held values are copied first and the update runs as it does
+// chunk's held values are kept first and the update runs as it does
 // without statistics (gf_unseen: the loop the compiler vectorises; one with
 // a callback storing two more arrays was not, and took three times as long),
-// then d and w come from the copy and the chunk, in cache.
+// then d and w come from the chunk and what was kept, in cache, straight
+// into the sums. The held values are kept negated, d = w + (-held) being
+// the same bits as w - held: a plain copy the compiler turns into a call of
+// memmove, whose string copy of each 4 KiB chunk took more than half the
+// update's own time on an AMD EPYC.
 template <class C, class S, class Run>
 void item_stats(double* out, S* p, long long first, long long n, Run run) {
     if (out == nullptr) return run(first, n, gf_unseen{});
-    constexpr int CHUNK = 1024, LANES = 8;
-    alignas(64) C d2[CHUNK], w2[CHUNK];
+    constexpr int CHUNK = 1024, LANES = 32;
+    static_assert(CHUNK % LANES == 0, "a chunk starts at lane 0");
+    alignas(64) C a[CHUNK], b[CHUNK];  // the held values negated, or each element's d^2 and w^2
     double sd[LANES] = {}, sw[LANES] = {};
     for (long long c = first; c < first + n; c += CHUNK) {
         const int m = (int)std::min<long long>(CHUNK, first + n - c);
         if constexpr (gf_same<S, C>::value) {
             if (p != nullptr) {
-                // d2 holds the held values until the update has run.
-                for (int j = 0; j < m; ++j) d2[j] = p[c + j];
+                for (int j = 0; j < m; ++j) a[j] = -p[c + j];
                 run(c, m, gf_unseen{});
-                for (int j = 0; j < m; ++j) {
-                    const C w = p[c + j], d = w - d2[j];
-                    d2[j] = d * d;
-                    w2[j] = w * w;
-                }
+                add_lanes<LANES>(sd, sw, m, [&](int j, double& d2, double& w2) {
+                    const C w = p[c + j], d = w + a[j];
+                    d2 = (double)(d * d);
+                    w2 = (double)(w * w);
+                });
+                continue;
             }
         }
-        if (!gf_same<S, C>::value || p == nullptr) {
-            run(c, m, [&](long long i, C held, C w) {
-                const C d = w - held;
-                d2[i - c] = d * d;
-                w2[i - c] = w * w;
-            });
-        }
-        const int whole = (m + LANES - 1) / LANES * LANES;
-        for (int j = m; j < whole; ++j) d2[j] = w2[j] = (C)0;  // adds nothing
-        for (int j = 0; j < whole; j += LANES) {
-            for (int l = 0; l < LANES; ++l) {
-                sd[l] += (double)d2[j + l];
-                sw[l] += (double)w2[j + l];
-            }
-        }
+        run(c, m, [&](long long i, C held, C w) {
+            const C d = w - held;
+            a[i - c] = d * d;
+            b[i - c] = w * w;
+        });
+        add_lanes<LANES>(sd, sw, m, [&](int j, double& d2, double& w2) {
+            d2 = (double)a[j];
+            w2 = (double)b[j];
+        });
     }
-    double a = 0.0, b = 0.0;
+    double x = 0.0, y = 0.0;
     for (int l = 0; l < LANES; ++l) {
-        a += sd[l];
-        b += sw[l];
+        x += sd[l];
+        y += sw[l];
     }
-    out[0] = a;
-    out[1] = b;
+    out[0] = x;
+    out[1] = y;
 }
 
 // Where item `item`'s statistics go in `partial` (2 doubles per item), or
