@@ -25,6 +25,7 @@ def facts_reader(request, monkeypatch):
     library, and (as where it is not built) in Python."""
     if request.param == "facts read in Python":
         monkeypatch.setattr(_seen, "array_facts", lambda arrays, words: None)
+        monkeypatch.setattr(_seen, "same_shapes", lambda arrays, ids, alive, shapes: None)
     _seen.trees.clear()
     yield request.param
     _seen.trees.clear()
@@ -395,6 +396,23 @@ def test_a_repeated_cupy_tree_is_read_without_a_walk_a_signature_or_a_device_rea
         assert cp.asnumpy(result).tolist() == np.concatenate([x.ravel() for x in leaves]).tolist()
     else:
         assert float(result) == pytest.approx(_norm(leaves), rel=1e-12)
+
+
+def test_a_cupy_records_identities_and_shapes_are_compared_natively_where_the_library_is_built(
+        cp, facts_reader, monkeypatch):
+    tree = _recorded(_cupy_tree(cp))
+    answers, compare = [], _seen.same_shapes
+    monkeypatch.setattr(_seen, "same_shapes", lambda *args: answers.append(compare(*args)) or answers[-1])
+    assert float(gf.global_norm(tree)) == pytest.approx(_norm(_host(cp, [tree["a"], tree["b"][0], tree["c"][0]])))
+    assert answers == [True if facts_reader == "native facts" and native.available() else None]
+
+
+def test_a_recorded_trees_arrays_are_told_cupy_or_numpy_by_their_first(cp):
+    from gpuflat._src.backends import selection
+
+    for tree, kinds in ((_cupy_tree(cp), (None, 0)), (_tree(), (0, None))):
+        walked, record = _seen.trees.walk(_recorded(tree))
+        assert record is not None and selection._first_of_each_kind(walked.arrays) == kinds
 
 
 def test_a_cupy_leaf_replaced_is_walked_again_and_read_anew(cp, monkeypatch):

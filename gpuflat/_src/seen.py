@@ -7,11 +7,12 @@ dtypes; what the checks found (fit for an in-place write, apart from a flat
 buffer) as long as, besides, the arrays' layout (``identity.Layout``: flags
 and the strides that matter) is the one they were found in. All of that is
 read again at C speed instead of walking the tree in Python: NumPy arrays'
-facts in one native pass (``native.array_facts``), CuPy arrays' shapes in
-one ``map`` over all the leaves (all a live CuPy array can change of
-itself: ``identity.device_array_facts``). Nothing of the caller's is kept alive: arrays
-are weakly referenced, and only small immutable statics (numbers, strings,
-None) are held.
+facts in one native pass (``native.array_facts``), CuPy arrays' identities
+and shapes (all a live CuPy array can change of itself:
+``identity.device_array_facts``) in one native call (``native.same_shapes``),
+or one ``map`` each where the host library is not built. Nothing of the
+caller's is kept alive: arrays are weakly referenced, and only small
+immutable statics (numbers, strings, None) are held.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from . import caches, flatplan
 from . import tree as _tree
 from .dtypes import TAGS
 from .identity import Layout, Recorded, device_array_facts, equal_facts
-from .native import array_facts
+from .native import array_facts, same_shapes
 
 _shape, _dtype = attrgetter("shape"), attrgetter("dtype")
 
@@ -165,7 +166,11 @@ class SeenTree:
         if self.kind is not np.ndarray:
             # The ids, then the liveness, before any CuPy attribute is read:
             # only the recorded arrays themselves have them (a tree of NumPy
-            # arrays can take a dead CuPy tree's identity).
+            # arrays can take a dead CuPy tree's identity). In native code
+            # where the host library is built: no list of ids or of shapes made.
+            same = same_shapes(arrays, self.ids, self.alive, self.facts)
+            if same is not None:
+                return same
             if list(map(id, arrays)) != self.ids or not self.alive[0]:
                 return False
             with _tree.collector_paused():  # the shapes' tuples: thousands, none in a cycle
