@@ -2,20 +2,23 @@
 
 Two small C++ libraries do gpuflat's work on the host in native code:
 ``kernels/host/host_backend.cpp`` (the host backend's gather, scatter, norms
-and clips, and :func:`array_facts`) and ``kernels/host/host_optim.cpp`` (the
+and clips, :func:`array_facts` and :func:`same_shapes`) and ``kernels/host/host_optim.cpp`` (the
 optimizer update). Both compile the CUDA kernels' own arithmetic headers for
 the host, with g++ on first use (``gpuflat._src.host_compiler``: cached on disk,
 one build per machine), and are loaded once per process.
 
 The host backend (``gpuflat._src.backends.host``) calls them; recorded trees
 (``gpuflat._src.seen``) and the CUDA backend's table cache read
-:func:`array_facts`. This module sits beneath the backends, so none of those
+:func:`array_facts`, and recorded trees of CuPy arrays compare them with
+:func:`same_shapes` (so a tree of CuPy arrays read again builds the host
+library too). This module sits beneath the backends, so none of those
 imports a backend for it.
 
 Where a library cannot be built or loaded (no compiler, no Python headers, a
 compiler error) its loader gives the reason instead, and warns once per
 process with the compiler's first error line: NumPy arrays then take the
-NumPy backend by default, array facts are read in Python, and the host
+NumPy backend by default, array facts and CuPy arrays' shapes are read in
+Python, and the host
 backend's optimizer steps are the NumPy backend's. ``GPUFLAT_NATIVE=0`` turns
 every native part off (without a warning). :func:`native_info` says which
 parts are in use, and why any is not.
@@ -102,7 +105,8 @@ def unavailable_reason() -> str | None:
 
 
 # The slower paths taken where a library is not used, as its warning says.
-HOST_INSTEAD = 'NumPy arrays take backend="numpy" (the same operations in NumPy, slower)'
+HOST_INSTEAD = ('NumPy arrays take backend="numpy" (the same operations in NumPy, slower), and trees read '
+                'again are compared in Python')
 OPTIM_INSTEAD = 'the host backend\'s optimizer steps are backend="numpy"\'s (the same bits, slower)'
 
 
