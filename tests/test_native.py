@@ -252,3 +252,51 @@ def test_a_native_order_leaf_with_a_descriptor_of_its_own_is_read():
     b = np.array([12.0], np.dtype(np.float64, metadata={"unit": "m"}))
     assert a.dtype is not np.dtype(np.float32) and b.dtype is not np.dtype(np.float64)
     assert float(gf.global_norm({"a": a, "b": b}, backend="host")) == 13.0
+
+
+# ---------------------------------------------------------------- a CuPy record's compare
+
+
+class _Shaped:
+    """An array's stand-in whose every ``shape`` read is counted (CuPy's is a property)."""
+
+    reads = 0
+
+    def __init__(self, shape):
+        self._shape = shape
+
+    @property
+    def shape(self):
+        _Shaped.reads += 1
+        return self._shape
+
+
+@pytest.fixture
+def shaped():
+    if not native.available():
+        pytest.skip("the host library is not built here")
+    _Shaped.reads = 0
+    return _Shaped
+
+
+def test_same_shapes_reads_the_shapes_of_the_very_arrays_recorded_only(shaped):
+    a, b = shaped((2,)), shaped((1, 3))
+    ids, shapes = [id(a), id(b)], [(2,), (1, 3)]
+    assert native.same_shapes([a, b], ids, [True], shapes) is True and shaped.reads == 2
+    shaped.reads = 0
+    # Another object, or the same ones while one of the recorded died: no shape is read.
+    assert native.same_shapes([a, shaped((1, 3))], ids, [True], shapes) is False
+    assert native.same_shapes([b, a], ids, [True], shapes) is False
+    assert native.same_shapes([a, b], ids, [False], shapes) is False
+    assert native.same_shapes([a], ids, [True], shapes) is False
+    assert shaped.reads == 0
+
+
+def test_same_shapes_sees_a_shape_set_in_place_and_raises_what_a_read_raises(shaped):
+    a, b = shaped((2,)), shaped((1, 3))
+    ids, shapes = [id(a), id(b)], [(2,), (1, 3)]
+    b._shape = (3, 1)
+    assert native.same_shapes([a, b], ids, [True], shapes) is False
+    del b._shape
+    with pytest.raises(AttributeError, match="_shape"):
+        native.same_shapes([a, b], ids, [True], shapes)

@@ -25,6 +25,7 @@ def facts_reader(request, monkeypatch):
     library, and (as where it is not built) in Python."""
     if request.param == "facts read in Python":
         monkeypatch.setattr(_seen, "array_facts", lambda arrays, words: None)
+        monkeypatch.setattr(_seen, "same_shapes", lambda arrays, ids, alive, shapes: None)
     _seen.trees.clear()
     yield request.param
     _seen.trees.clear()
@@ -397,6 +398,23 @@ def test_a_repeated_cupy_tree_is_read_without_a_walk_a_signature_or_a_device_rea
         assert float(result) == pytest.approx(_norm(leaves), rel=1e-12)
 
 
+def test_a_cupy_records_identities_and_shapes_are_compared_natively_where_the_library_is_built(
+        cp, facts_reader, monkeypatch):
+    tree = _recorded(_cupy_tree(cp))
+    answers, compare = [], _seen.same_shapes
+    monkeypatch.setattr(_seen, "same_shapes", lambda *args: answers.append(compare(*args)) or answers[-1])
+    assert float(gf.global_norm(tree)) == pytest.approx(_norm(_host(cp, [tree["a"], tree["b"][0], tree["c"][0]])))
+    assert answers == [True if facts_reader == "native facts" and native.available() else None]
+
+
+def test_a_recorded_trees_arrays_are_told_cupy_or_numpy_by_their_first(cp):
+    from gpuflat._src.backends import selection
+
+    for tree, kinds in ((_cupy_tree(cp), (None, 0)), (_tree(), (0, None))):
+        walked, record = _seen.trees.walk(_recorded(tree))
+        assert record is not None and selection._first_of_each_kind(walked.arrays) == kinds
+
+
 def test_a_cupy_leaf_replaced_is_walked_again_and_read_anew(cp, monkeypatch):
     tree = _recorded(_cupy_tree(cp))
     counted = _Counted(monkeypatch)
@@ -417,8 +435,7 @@ def test_a_dead_cupy_array_at_the_same_identity_is_not_taken_for_it(cp):
     tree = _recorded({"w": cp.asarray(np.ones(4)), "b": cp.asarray(np.ones(1))})
     seen = _seen.trees._entries.find(id(tree))
     tree["w"] = cp.asarray(np.full(4, 2.0))  # the first array dies here
-    seen.facts[0][0] = id(tree["w"])  # as if the new one had been given its identity
-    seen.facts[1][0] = tree["w"].data.ptr  # and its memory
+    seen.ids[0] = id(tree["w"])  # as if the new one, of the same shape, had been given its identity
     assert seen.walk_again(tree) is None
 
 
@@ -439,6 +456,36 @@ def test_a_cupy_leaf_reshaped_in_place_is_read_again(cp):
     assert gf.plan(tree).leaves[0].shape == (2, 2)
     with pytest.raises(TreeMismatchError, match=r"leaf \"\['a'\]\": expected shape \(4,\), got \(2, 2\)"):
         gf.flatten(plan, tree)
+
+
+def test_a_strided_cupy_leaf_reshaped_in_place_to_as_many_dims_is_read_again(cp):
+    # (3, 4) to (4, 3) of every other element: the same ndim, other dims and
+    # strides, which follow from the new shape alone.
+    base = cp.asarray(np.arange(24.0))
+    tree = _recorded({"x": base[::2]})
+    tree["x"]._host.shape = (3, 4)
+    _recorded(tree)
+    tree["x"]._host.shape = (4, 3)
+    assert tree["x"].strides == (48, 16)
+    plan = gf.plan(tree)
+    assert plan.leaves[0].shape == (4, 3)
+    assert cp.asnumpy(gf.flatten(plan, tree)).tolist() == np.arange(24.0)[::2].tolist()
+    assert float(gf.global_norm(tree)) == pytest.approx(_norm([np.arange(24.0)[::2]]))
+
+
+def test_a_cupy_leaf_reshaped_in_place_and_back_is_still_read_through_its_record(cp, monkeypatch):
+    # The shape is all a record compares: the same shape again puts every
+    # element at its address again (the reshape never copies, nor reorders).
+    base = cp.asarray(np.arange(24.0, dtype=np.float32))
+    tree = _recorded({"x": base[::2], "y": base[1:4].reshape(3, 1)})
+    strides = [a.strides for a in tree.values()]
+    counted = _Counted(monkeypatch)
+    tree["x"]._host.shape, tree["y"]._host.shape = (2, 2, 3), (1, 3)
+    tree["x"]._host.shape, tree["y"]._host.shape = (12,), (3, 1)
+    assert [a.strides for a in tree.values()] == strides
+    expected = _norm([np.arange(24.0)[::2], np.arange(24.0)[1:4]])
+    assert float(gf.global_norm(tree)) == pytest.approx(expected)
+    assert counted.calls["walk"] == 0
 
 
 def test_a_cupy_leaf_replaced_by_one_of_other_strides_is_read_with_them(cp):

@@ -85,10 +85,13 @@ class SameArrays:
 
 class Recorded(list):
     """Arrays that a recorded tree (``gpuflat._src.seen``) found unchanged in this
-    call. ``token`` names exactly these arrays, at the addresses and with the
-    dtypes, shapes, strides and flags they had when first read, for the life
-    of the process (a token is never given twice); a backend may keep what it
-    read from them under it and skip reading them again.
+    call, all of one kind (NumPy's or CuPy's ndarray, never a subclass).
+    ``token`` names exactly these arrays, at the addresses and with the
+    dtypes, shapes, flags and strides they had when first read (the strides
+    of dims longer than 1 at least, the only ones that address memory: see
+    :func:`device_array_facts`), for the life of the process (a token is
+    never given twice); a backend may keep what it read from them under it
+    and skip reading them again.
 
     It lives here, beneath both the recorded trees that make it and the
     backends that read it: a token is an identity of arrays, recognised again.
@@ -147,31 +150,37 @@ class Layout:
         return same_flags and all(arrays[i].strides == strides for i, strides in self._strided)
 
 
-_shape, _strides = attrgetter("shape"), attrgetter("strides")
+_shape = attrgetter("shape")
 
 
-def device_array_facts(arrays: Sequence[Any]) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-    """What a live CuPy array can change of itself: its shape and strides
-    (``a.shape = ...`` reshapes it in place), as two lists, each read in
-    one ``map``: a C loop over the arrays' own attributes, with no Python of
-    gpuflat's per array. The rest is fixed for the array's life: ``data``
+def device_array_facts(arrays: Sequence[Any]) -> list[tuple[int, ...]]:
+    """What a live CuPy array can change of itself: its shape, read in one
+    ``map`` (a C loop over the arrays' own attribute, with no Python of
+    gpuflat's per array). The rest is fixed for the array's life: ``data``
     (so its address and device) and ``dtype`` are read-only attributes of
     ``cupy.ndarray``
-    (https://github.com/cupy/cupy/blob/main/cupy/_core/core.pxd), so the
-    same living arrays with equal results are the same arrays, unchanged.
-    CuPy arrays have no flags of their own to read: writable always, their
-    contiguity follows from shape and strides.
+    (https://github.com/cupy/cupy/blob/main/cupy/_core/core.pxd), and its
+    strides have no setter: only ``a.shape = ...`` changes them, as a
+    reshape without a copy (``_ndarray_shape_setter`` in
+    cupy/_core/_routines_manipulation.pyx), which keeps every element at
+    its address, in C order. So the same shape again means every element at
+    the same address: the same strides in every dim longer than 1. The
+    others address nothing, and what gpuflat reads of strides skips them
+    (``layout.leaf_row``, ``checks.may_overlap_itself``, the overlap
+    ranges), as CuPy's contiguity flags do. The same living arrays with
+    equal shapes are the same arrays, unchanged. CuPy arrays have no flags
+    a caller can set: writable always.
 
     >>> from types import SimpleNamespace
-    >>> a = SimpleNamespace(shape=(2,), strides=(4,))
+    >>> a = SimpleNamespace(shape=(2,))
     >>> facts = device_array_facts([a])
     >>> facts
-    ([(2,)], [(4,)])
-    >>> a.shape, a.strides = (1, 2), (8, 4)
+    [(2,)]
+    >>> a.shape = (1, 2)
     >>> facts == device_array_facts([a])
     False
     """
-    return list(map(_shape, arrays)), list(map(_strides, arrays))
+    return list(map(_shape, arrays))
 
 
 _flags_num = attrgetter("flags.num")

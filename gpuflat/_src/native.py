@@ -2,20 +2,23 @@
 
 Two small C++ libraries do gpuflat's work on the host in native code:
 ``kernels/host/host_backend.cpp`` (the host backend's gather, scatter, norms
-and clips, and :func:`array_facts`) and ``kernels/host/host_optim.cpp`` (the
+and clips, :func:`array_facts` and :func:`same_shapes`) and ``kernels/host/host_optim.cpp`` (the
 optimizer update). Both compile the CUDA kernels' own arithmetic headers for
 the host, with g++ on first use (``gpuflat._src.host_compiler``: cached on disk,
 one build per machine), and are loaded once per process.
 
 The host backend (``gpuflat._src.backends.host``) calls them; recorded trees
 (``gpuflat._src.seen``) and the CUDA backend's table cache read
-:func:`array_facts`. This module sits beneath the backends, so none of those
+:func:`array_facts`, and recorded trees of CuPy arrays compare them with
+:func:`same_shapes` (so a tree of CuPy arrays read again builds the host
+library too). This module sits beneath the backends, so none of those
 imports a backend for it.
 
 Where a library cannot be built or loaded (no compiler, no Python headers, a
 compiler error) its loader gives the reason instead, and warns once per
 process with the compiler's first error line: NumPy arrays then take the
-NumPy backend by default, array facts are read in Python, and the host
+NumPy backend by default, array facts and CuPy arrays' shapes are read in
+Python, and the host
 backend's optimizer steps are the NumPy backend's. ``GPUFLAT_NATIVE=0`` turns
 every native part off (without a warning). :func:`native_info` says which
 parts are in use, and why any is not.
@@ -51,7 +54,7 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
 __all__ = ["NUMPY_API", "NativePart", "array_facts", "available", "host_library", "native_info", "optim_library",
-           "unavailable_reason"]
+           "same_shapes", "unavailable_reason"]
 
 # The names of NumPy's C API that the native sources (kernels/host) may use,
 # and the one descriptor field (``PyArray_DESCR->field``). Each is an inline
@@ -102,7 +105,8 @@ def unavailable_reason() -> str | None:
 
 
 # The slower paths taken where a library is not used, as its warning says.
-HOST_INSTEAD = 'NumPy arrays take backend="numpy" (the same operations in NumPy, slower)'
+HOST_INSTEAD = ('NumPy arrays take backend="numpy" (the same operations in NumPy, slower), and trees read '
+                'again are compared in Python')
 OPTIM_INSTEAD = 'the host backend\'s optimizer steps are backend="numpy"\'s (the same bits, slower)'
 
 
@@ -135,13 +139,15 @@ def host_library() -> tuple[ctypes.PyDLL, None] | tuple[None, str]:
     lib.gf_host_clip_rows.argtypes = [obj, obj, f64, f64, f64, c_int]
     lib.gf_host_clip_flat.argtypes = [obj, f64, f64, f64, c_int]
     lib.gf_host_facts.argtypes = [obj, obj]
+    lib.gf_host_same_shapes.argtypes = [obj, obj, obj, obj]
     # The last argument of these four is a Recorded list's token (0: none).
     lib.gf_host_norms.argtypes = [*lib.gf_host_norms_rows.argtypes, i64]
     lib.gf_host_clip.argtypes = [*lib.gf_host_clip_rows.argtypes, i64]
     lib.gf_host_gather.argtypes = [obj, obj, obj, c_int, i64]
     lib.gf_host_scatter.argtypes = [obj, obj, obj, c_int, i64]
     for fn in (lib.gf_host_norms, lib.gf_host_gather, lib.gf_host_scatter, lib.gf_host_clip,
-               lib.gf_host_clip_flat, lib.gf_host_norms_rows, lib.gf_host_clip_rows, lib.gf_host_facts):
+               lib.gf_host_clip_flat, lib.gf_host_norms_rows, lib.gf_host_clip_rows, lib.gf_host_facts,
+               lib.gf_host_same_shapes):
         fn.restype = i64
     # A dtype from a package (ml_dtypes' bfloat16) is known by its number once it is imported.
     lib.gf_host_init(np.ndarray, _type_numbers())
@@ -223,6 +229,30 @@ def array_facts(arrays: Sequence[Any], words: int) -> npt.NDArray[np.int64] | No
     out = np.empty(words, np.int64)
     n = lib.gf_host_facts(arrays, out)
     return out[:n] if n >= 0 else None
+
+
+def same_shapes(arrays: Sequence[Any], ids: list[int], alive: list[bool],
+                shapes: list[tuple[int, ...]]) -> bool | None:
+    """Whether ``arrays`` are the objects of identities ``ids`` and, while
+    ``alive[0]`` holds (no array of those identities died meanwhile, so
+    they are the same arrays), of shapes ``shapes``, read in native code:
+    the identities first, and the shapes (through each array's ``shape``
+    attribute: CuPy's, a Cython property) only then. None where the library
+    is not built.
+
+    >>> a, b = np.ones(2), np.ones((1, 3))
+    >>> same = same_shapes([a, b], [id(a), id(b)], [True], [(2,), (1, 3)])
+    >>> same is None or same
+    True
+    >>> same_shapes([a, b], [id(a), id(b)], [True], [(2,), (3,)]) in (None, False)
+    True
+    >>> same_shapes([b, a], [id(a), id(b)], [True], [(2,), (1, 3)]) in (None, False)
+    True
+    """
+    lib = host_library()[0]
+    if lib is None:
+        return None
+    return bool(lib.gf_host_same_shapes(arrays, ids, alive, shapes) == 1)
 
 
 def _cpu_identity() -> str:

@@ -7,11 +7,12 @@ dtypes; what the checks found (fit for an in-place write, apart from a flat
 buffer) as long as, besides, the arrays' layout (``identity.Layout``: flags
 and the strides that matter) is the one they were found in. All of that is
 read again at C speed instead of walking the tree in Python: NumPy arrays'
-facts in one native pass (``native.array_facts``), CuPy arrays' shapes and
-strides in one ``map`` each over all the leaves
-(``identity.device_array_facts``). Nothing of the caller's is kept alive: arrays
-are weakly referenced, and only small immutable statics (numbers, strings,
-None) are held.
+facts in one native pass (``native.array_facts``), CuPy arrays' identities
+and shapes (all a live CuPy array can change of itself:
+``identity.device_array_facts``) in one native call (``native.same_shapes``),
+or one ``map`` each where the host library is not built. Nothing of the
+caller's is kept alive: arrays are weakly referenced, and only small
+immutable statics (numbers, strings, None) are held.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from . import caches, flatplan
 from . import tree as _tree
 from .dtypes import TAGS
 from .identity import Layout, Recorded, device_array_facts, equal_facts
-from .native import array_facts
+from .native import array_facts, same_shapes
 
 _shape, _dtype = attrgetter("shape"), attrgetter("dtype")
 
@@ -125,12 +126,12 @@ class SeenTree:
         # Identities, addresses, shapes, dtypes, flags and strides: of NumPy
         # arrays in one native read, where the host library is built (None:
         # identities, shapes and dtypes compared in Python, the layout by the
-        # verdicts); of CuPy arrays the shapes and strides, one map each
-        # (the identities are compared first, and the rest of a live CuPy
-        # array never changes: identity.device_array_facts).
+        # verdicts); of CuPy arrays the shapes alone (the identities are
+        # compared first, and the rest of a live CuPy array follows from its
+        # shape or never changes: identity.device_array_facts).
         self.kind = kind
         self.facts = (array_facts(arrays, 4 * len(arrays) + 2 * sum(map(len, self.shapes))) if kind is np.ndarray
-                      else device_array_facts(arrays))
+                      else self.shapes)
         # Where those facts are compared, arrays read again are the very arrays
         # recorded, unchanged: a native backend may keep what it read from them.
         self.token = next(_TOKENS) if self.facts is not None else 0
@@ -165,10 +166,14 @@ class SeenTree:
         if self.kind is not np.ndarray:
             # The ids, then the liveness, before any CuPy attribute is read:
             # only the recorded arrays themselves have them (a tree of NumPy
-            # arrays can take a dead CuPy tree's identity).
+            # arrays can take a dead CuPy tree's identity). In native code
+            # where the host library is built: no list of ids or of shapes made.
+            same = same_shapes(arrays, self.ids, self.alive, self.facts)
+            if same is not None:
+                return same
             if list(map(id, arrays)) != self.ids or not self.alive[0]:
                 return False
-            with _tree.collector_paused():  # the shapes' and strides' tuples: thousands, none in a cycle
+            with _tree.collector_paused():  # the shapes' tuples: thousands, none in a cycle
                 return device_array_facts(arrays) == self.facts
         now = array_facts(arrays, len(self.facts))
         return now is not None and equal_facts(now, self.facts)
@@ -215,8 +220,9 @@ class SeenTree:
         """What was found about the tree's unique arrays (``unique``: this
         tree's, read again), while their layout is the one it was found on;
         a new, empty Verdicts when it has changed. Where the record reads its
-        arrays' facts (natively, or a CuPy tree's every stride), a tree read
-        again has the layout it was recorded with, so the verdicts always stand."""
+        arrays' facts (natively, or a CuPy tree's shapes, which pin its
+        strides where they matter), a tree read again has the layout it was
+        recorded with, so the verdicts always stand."""
         verdicts = self._verdicts
         if verdicts is None or (self.facts is None and verdicts.layout is not None
                                 and not verdicts.layout.holds(unique)):

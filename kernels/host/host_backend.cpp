@@ -1095,6 +1095,39 @@ GF_EXPORT long long gf_host_facts(PyObject* arrays, PyObject* out) {
     return k;
 }
 
+// What a tree record (gpuflat/_src/seen.py) compares from call to call about
+// its CuPy arrays, in one loop each: that `arrays` are the very objects
+// recorded (`ids`: a list of their identities); then, if `alive` (the
+// record's list of one flag, cleared by the weak reference callback of any
+// recorded array that dies) holds True, so that those identities are still
+// the recorded arrays' own, that each has the shape in `shapes` (a list of
+// tuples), read through its `shape` attribute (CuPy's is a Cython property:
+// its fields are not ours to read). Returns 1 if all hold, 0 if one does
+// not, or -1 with the Python error a read raised. A read may run Python,
+// which cannot reach `arrays`: a list the record made for this call.
+GF_EXPORT long long gf_host_same_shapes(PyObject* arrays, PyObject* ids, PyObject* alive, PyObject* shapes) {
+    static PyObject* const shape = PyUnicode_InternFromString("shape");
+    if (!shape) return -1;
+    PyObject* fast = fast_sequence(arrays, "expected a sequence of arrays");
+    if (!fast) return -1;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject** items = PySequence_Fast_ITEMS(fast);
+    long long same = n == PyList_GET_SIZE(ids) && n == PyList_GET_SIZE(shapes);
+    for (Py_ssize_t i = 0; i < n && same == 1; ++i) {
+        void* recorded = PyLong_AsVoidPtr(PyList_GET_ITEM(ids, i));
+        if (!recorded && PyErr_Occurred()) same = -1;
+        else same = recorded == (void*)items[i];
+    }
+    if (same == 1) same = PyList_GET_ITEM(alive, 0) == Py_True;
+    for (Py_ssize_t i = 0; i < n && same == 1; ++i) {
+        PyObject* now = PyObject_GetAttr(items[i], shape);
+        same = now ? PyObject_RichCompareBool(now, PyList_GET_ITEM(shapes, i), Py_EQ) : -1;
+        Py_XDECREF(now);
+    }
+    Py_DECREF(fast);
+    return same;
+}
+
 // sources: one sequence of arrays per slot, added in order; with a token
 // (see prepare; 0: none), one array per slot.
 GF_EXPORT long long gf_host_gather(PyObject* sources, PyObject* offsets, PyObject* out, int threads,

@@ -102,7 +102,9 @@ def _first_of_each_kind(arrays: Sequence[Any]) -> tuple[int | None, int | None]:
     """(the position of the first NumPy array, of the first CuPy array), None for a kind absent.
 
     Read from the set of the arrays' types: one C-level pass, and none at all
-    where CuPy is not imported (no CuPy array can exist then).
+    where CuPy is not imported (no CuPy array can exist then), or where they
+    are a recorded tree's, found unchanged (``identity.Recorded``: one kind
+    of array), whose first array tells.
 
     >>> import numpy as np
     >>> _first_of_each_kind([np.ones(2), np.ones(3)]), _first_of_each_kind([])
@@ -111,7 +113,8 @@ def _first_of_each_kind(arrays: Sequence[Any]) -> tuple[int | None, int | None]:
     cupy = sys.modules.get("cupy")
     if not arrays or cupy is None:
         return (0 if arrays else None), None
-    kinds = {issubclass(k, cupy.ndarray) for k in set(map(type, arrays))}
+    kinds = {issubclass(k, cupy.ndarray) for k in ((type(arrays[0]),) if getattr(arrays, "token", 0)
+                                                   else set(map(type, arrays)))}
     if kinds == {False}:
         return 0, None
     if kinds == {True}:
