@@ -333,7 +333,27 @@ gpuflat_norm_finish(const Item* __restrict__ items, long long n_items, const dou
     if (per_slot) gf_slot_norms<K>(red, n_items, partial, slot_items, n_slots, big_slots, n_big, p, per_leaf);
     // The first bad item, as a double (see GF_NO_ITEM).
     double v = 0.0, first = GF_NO_ITEM;
-    for (long long k = t; k < n_items; k += T) {
+    // A thread's partials are loaded GF_FINISH_SLOTS at a time and combined
+    // in order after: one load latency per batch, not one per partial, which
+    // made the total of many small leaves' items (forty partials a thread
+    // for 10,000) a chain of forty latencies. The order, and so the bits,
+    // are the one-at-a-time loop's.
+    long long k = t;
+    for (; k + (GF_FINISH_SLOTS - 1) * T < n_items; k += GF_FINISH_SLOTS * T) {
+        double x[GF_FINISH_SLOTS], f[GF_FINISH_SLOTS];
+#pragma unroll
+        for (int u = 0; u < GF_FINISH_SLOTS; ++u) {
+            x[u] = partial[k + u * T];
+            f[u] = partial[n_items + k + u * T];
+        }
+#pragma unroll
+        for (int u = 0; u < GF_FINISH_SLOTS; ++u) {
+            v = gf_combine<K>(v, x[u]);
+            first = gf_min_double(first, f[u]);
+        }
+    }
+#pragma unroll 1
+    for (; k < n_items; k += T) {
         v = gf_combine<K>(v, partial[k]);
         first = gf_min_double(first, partial[n_items + k]);
     }

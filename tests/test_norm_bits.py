@@ -257,6 +257,35 @@ def test_the_total_does_not_depend_on_how_the_chunks_fall_into_leaves():
             assert bits(tree_norm([whole], p, backend)) == bits(tree_norm(pieces, p, backend)), (backend, p)
 
 
+def test_the_finisher_sums_many_items_partials_in_the_order():
+    # The finisher takes each thread's partials several at a time. Thread 0
+    # of its 256 sums items 0, 256, 512, ... from 0.0 in that order: 1.0,
+    # then 2**-53 nine times, each of which rounds away (to even) against
+    # 1.0, so the 1-norm is exactly 1.0; any order adding two of the small
+    # ones first gives more. Every other item is 0.
+    tiny = [np.array([1.0 if k == 0 else 2.0**-53 if k % 256 == 0 else 0.0]) for k in range(2_500)]
+    for backend in ("host", "emulated"):
+        assert float(tree_norm(tiny, 1.0, backend)) == 1.0, backend
+    # A tree of thousands of mixed leaves: the host library's bits (one
+    # partial at a time), per-leaf norms and the first non-finite leaf too.
+    rng = np.random.default_rng(21)
+    dtypes = [np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64), np.dtype(np.complex64)]
+    leaves = [cast(rng.standard_normal(int(rng.choice([0, 1, 7, 100, 300, ITEM + 5]))), dtypes[i % len(dtypes)])
+              for i in range(6_000)]
+    leaves.append(cast(rng.standard_normal(()), np.float32))  # 0-d
+    leaves.append(cast(rng.standard_normal((40, 30)), np.float32).T)  # transposed
+    for p in ORDS:
+        assert bits(tree_norm(leaves, p, "host")) == bits(tree_norm(leaves, p, "emulated")), p
+    tree = {f"g{i:05d}": a for i, a in enumerate(leaves)}
+    plan, trainables = gf.plan(tree), gf.trainables(tree)
+    results = {name: get_backend(name).norms(plan, trainables, 2.0, True) for name in ("host", "emulated")}
+    assert bits(results["host"].per_leaf) == bits(results["emulated"].per_leaf)
+    bad = [i for i, a in enumerate(leaves) if a.size][-3]
+    leaves[bad].reshape(-1)[0] = np.nan
+    tree = {f"g{i:05d}": a for i, a in enumerate(leaves)}
+    for name in ("host", "emulated"):
+        assert int(get_backend(name).norms(gf.plan(tree), gf.trainables(tree), 2.0, False).first_nonfinite) == bad
+
 def test_a_compiled_clip_returns_the_trees_bits():
     leaves, _ = gradient_case(1)
     params = [torch.nn.Parameter(torch.zeros(a.shape, dtype=_torch_tensor(a).dtype)) for a in leaves]
