@@ -89,8 +89,9 @@ class FlatOptimizer(torch.optim.Optimizer):
     _last_grad_norm: list[torch.Tensor | None]  # made by the last_grad_norm setter
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], max_norm: float | torch.Tensor | None, norm_type: float | str,
-                 pp_mesh: Any, tied: Any, stats: bool = False) -> None:
+                 pp_mesh: Any, tied: Any, stats: bool | str = False) -> None:
         name = type(self).__name__
+        stats = step_stats.check_option(stats)
         if isinstance(params, Resident):
             raise TypeError(f"gpuflat.torch.{name}: expected parameters or param groups, as torch.optim.{name} "
                             f"takes them, got a Resident; pass model.parameters(): the optimizer follows the "
@@ -103,7 +104,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         self.max_norm, self.norm_type = max_norm, torch_norm_type(norm_type)
         self.pp_mesh, self.tied = pp_mesh, tied
         self.last_grad_norm = None
-        self._step_stats = step_stats.StepStats() if stats else None
+        self._step_stats = step_stats.StepStats(over_ranks=stats == "global") if stats else None
 
     @property
     def stats(self) -> dict[Any, dict[str, torch.Tensor]] | None:
@@ -211,7 +212,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             update(self._rule, step.tables, self.param_groups, total, self.max_norm, scale, found_now,
                    lambda: self._read_by_address(step.params), hyper, sums)
             if kept is not None:
-                kept.finish(leaves[0], None if scale is None else unscale_factor(scale))
+                kept.finish(leaves[0], None if scale is None else unscale_factor(scale), self._order())
 
         clipping.step_(norm, update_tables, reads_norm=self.max_norm is not None or detect or kept is not None,
                        unscale=None if scale is None else _unscaler(scale))
