@@ -13,6 +13,14 @@ parameters and tables hold, written by the kernels and a few in-place
 PyTorch operations: no host read, no allocation in a repeated step.
 :func:`to_host` reads them all with one copy per device.
 
+A DTensor's figures (FSDP2) come from this rank's share of the passes: of
+its local shard. With ``stats="global"`` they are its whole tensor's, the
+same on every rank: per device, the step's rows of unrooted partials
+(Σ|g|^p of the gradient, the inf-norm's max, Σ update², Σ new value²)
+combined over the ranks in one all-reduce per mesh dimension that shards
+some parameter, on the device (``ranks.LeafPartials``, with the norm's
+groups and ownership: a replicated DTensor counted once), then rooted.
+
 >>> import torch, gpuflat.torch as gft
 >>> w = torch.nn.Parameter(torch.ones(4))
 >>> opt = gft.SGD([w], lr=0.25, stats=True)
