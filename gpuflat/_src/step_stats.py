@@ -132,7 +132,7 @@ class StepStats:
             for r, key in enumerate(self.keys[-1]):
                 self.by_key[key] = {name: figures[r, c] for c, name in enumerate(COLUMNS)}
 
-    def finish(self, grad_norms: torch.Tensor | None, unscale: torch.Tensor | None, order: float = 2.0) -> None:
+    def finish(self, grad_norms: torch.Tensor | None, unscale: torch.Tensor | None, order: float) -> None:
         """The figures from the sums the update wrote and ``grad_norms``
         (the norm pass's per gradient, in the step's order, of ``order``;
         None where the pass gave none: NaN then), unscaled by ``unscale``
@@ -171,7 +171,7 @@ def _power_(column: torch.Tensor, kind: str, exponent: float) -> None:
     needs it to go between its root and its partial (nothing for the
     1-norm's and the inf-norm's, whose partial is the norm)."""
     if kind == "l2":
-        # The exact square and IEEE's square root, as the norm pass's.
+        # A product and IEEE's square root, not pow: the norm pass roots its 2-norms so.
         if exponent == 2.0:
             column.square_()
         else:
