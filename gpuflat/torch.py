@@ -393,8 +393,9 @@ class Lion(_FlatOptimizer):
     (https://github.com/lucidrains/lion-pytorch). Everything else is
     :class:`AdamW`'s: ``max_norm``, both GradScalers, ``pp_mesh``/``tied``,
     DTensors, ``torch.compile(opt.step)``, CUDA-graph capture, state dicts,
-    and the precision options (``master_weights``, ``kahan_sum``,
-    ``bf16_stochastic_round``, ``exp_avg_dtype``).
+    the precision options (``master_weights``, ``kahan_sum``,
+    ``bf16_stochastic_round``, ``exp_avg_dtype``) and the figures
+    (``stats=True``, or ``"global"`` for a DTensor's whole tensor).
 
     >>> import torch, gpuflat.torch as gft
     >>> w = torch.nn.Parameter(torch.tensor([1.0, -1.0, 0.5]))
@@ -412,7 +413,7 @@ class Lion(_FlatOptimizer):
                  differentiable: bool = False, max_norm: float | None = None, norm_type: float | str = 2.0,
                  pp_mesh: Any = None, tied: Iterable | None = None, master_weights: bool = False,
                  kahan_sum: bool = False, bf16_stochastic_round: bool = False, rounding_seed: int = 0,
-                 exp_avg_dtype: torch.dtype | None = None, stats: bool = False):
+                 exp_avg_dtype: torch.dtype | None = None, stats: bool | str = False):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, foreach=foreach,
                         differentiable=differentiable,
                         **_precision_defaults("lion", master_weights, kahan_sum, bf16_stochastic_round, rounding_seed,
@@ -422,7 +423,8 @@ class Lion(_FlatOptimizer):
 
 
 def read_stats(optimizer: _FlatOptimizer) -> dict[str, float]:
-    """The last step's figures of an optimizer made with ``stats=True``, as
+    """The last step's figures of an optimizer made with ``stats=True`` (or
+    ``"global"``: a DTensor's of its whole tensor, not this rank's shard), as
     one host dict for a logger, read in one copy per device (the one
     synchronisation): ``grad_norm``, the global norm (unscaled, before the
     clip), then per parameter ``<key>/grad_norm``, ``<key>/update_norm`` and

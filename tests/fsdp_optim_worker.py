@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 import gpuflat.torch as gft
 from ranks import run_cases
@@ -365,6 +365,43 @@ def stats_are_the_local_shards(ctx):
                 raise AssertionError(f"{name}: figures {figures}, the local shard's gradient norm {grad} and "
                                      f"update norm {update}")
         opt.zero_grad()
+
+
+@case
+def global_stats_are_the_whole_tensors(ctx):
+    # With stats="global", every rank's figures of a parameter are those of
+    # its whole tensor, gathered here in float64: one per norm kind (the
+    # 2-norm's, the inf-norm's max, a p-norm's), clipped. A replicated
+    # DTensor beside the shards is counted once, not once per rank.
+    for name, norm_type in (("adamw", 2.0), ("sgd", math.inf), ("lion", 3.0)):
+        _, flat_cls, kw = OPTIMIZERS[name]
+        net = model(ctx)
+        extra = torch.nn.Parameter(distribute_tensor(torch.randn(5, generator=torch.Generator().manual_seed(7))
+                                                     .double(), ctx.mesh, [Replicate()]))
+        params = [*net.named_parameters(), ("extra", extra)]
+        opt = flat_cls(params, max_norm=MAX_NORM, norm_type=norm_type, stats="global", **kw)
+        for k in range(3):  # the side layer's gradient comes and goes: the buffers are made again
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1000 * ctx.rank + k)).double()
+            (net(x, k).square().sum() * 4).backward()
+            extra.grad = distribute_tensor(torch.randn(5, generator=torch.Generator().manual_seed(k)).double(),
+                                           ctx.mesh, [Replicate()])
+            stepped = [(label, p) for label, p in params if p.grad is not None]
+            grads = {label: p.grad.full_tensor().clone() for label, p in stepped}
+            before = {label: p.detach().full_tensor().clone() for label, p in stepped}  # a replicated one is no copy
+            opt.step()
+            for label, p in stepped:
+                figures = {key: float(value) for key, value in opt.stats[label].items()}
+                after = p.detach().full_tensor()
+                grad = float(torch.linalg.vector_norm(grads[label], norm_type))
+                update = float(torch.linalg.vector_norm(after - before[label]))
+                ratio = update / float(torch.linalg.vector_norm(after))
+                if not (math.isclose(figures["grad_norm"], grad, rel_tol=1e-12, abs_tol=1e-300)
+                        and math.isclose(figures["update_norm"], update, rel_tol=1e-9, abs_tol=1e-300)
+                        and math.isclose(figures["update_ratio"], ratio, rel_tol=1e-9, abs_tol=1e-300)):
+                    raise AssertionError(f"{name}, step {k}, {label}: figures {figures}, the whole tensor's "
+                                         f"gradient norm {grad}, update norm {update} and ratio {ratio}")
+            opt.zero_grad()
+            extra.grad = None
 
 
 # ---------------------------------------------------------------- running

@@ -2,6 +2,8 @@
 each parameter's gradient norm, update norm and update/weight ratio, from
 the step's own passes, against the same figures computed in float64 from
 the gradients and the parameters before and after the step."""
+import re
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -150,3 +152,26 @@ def test_a_parameter_whose_dtype_changes_takes_its_figures_along():
         figures = gft.read_stats(opt)
         assert figures["0/grad_norm"] == pytest.approx(3 ** 0.5) and figures["1/grad_norm"] == pytest.approx(2 * 5 ** 0.5)
         a.data = a.data.double()
+
+
+@pytest.mark.parametrize("stats", ["globl", "local", 1, None, "Global"])
+def test_a_bad_stats_option_is_refused_before_anything_changes(stats):
+    net = model()
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(ValueError, match=re.escape(f"stats: expected False, True or 'global', got {stats!r}")):
+        gft.AdamW(net.parameters(), stats=stats)
+    assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
+
+
+@pytest.mark.parametrize("cls", [gft.AdamW, gft.SGD, gft.Lion])
+def test_global_figures_of_plain_tensors_are_their_own(cls):
+    # A plain tensor is whole on every rank: "global" asks for no collective
+    # and gives stats=True's figures.
+    net, twin = model(), model()
+    opt, twin_opt = cls(net.named_parameters(), stats="global"), cls(twin.named_parameters(), stats=True)
+    for seed in range(2):
+        backward(net, seed)
+        backward(twin, seed)
+        opt.step()
+        twin_opt.step()
+    assert gft.read_stats(opt) == gft.read_stats(twin_opt)

@@ -454,6 +454,71 @@ class _RankBound(clipping.Bound):
         return text
 
 
+class LeafPartials:
+    """Per-leaf partials combined over the ranks holding the leaves' shards.
+
+    ``values`` is a (leaves, columns) float64 tensor, a row per DTensor of
+    ``owners`` (named ``paths``) in order, that the caller rewrites with
+    this rank's partials before each :meth:`reduce_`. The groups and who
+    counts each shard are :func:`gpuflat._src.dtensor.sharding`'s, the
+    norm's own: a rank zeroes the rows of the leaves it does not count (a
+    replicated leaf's whole partial is on every rank of its group), then
+    one SUM all-reduce per group fills in every rank's, as the norm
+    combines its partial. A column ``maxed`` (an inf-norm's) is combined by
+    a max instead: each rank then writes its own row of a zeroed (ranks,
+    leaves, columns) packet, which the same one collective fills
+    everywhere, and the rows are folded in rank order, as
+    :func:`_reduce_norm` does for its max. The buffers are made here and
+    at the first max: a reduction reads nothing to the host and allocates
+    nothing. The rows of ``values`` must be the same leaves on every rank
+    of a group (FSDP2 gives every rank a gradient for the same parameters).
+
+    >>> import torch, torch.distributed as dist
+    >>> from torch.distributed.device_mesh import init_device_mesh
+    >>> from torch.distributed.tensor import Shard, distribute_tensor
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> w = distribute_tensor(torch.ones(4), init_device_mesh("cpu", (1,)), [Shard(0)])
+    >>> values = torch.tensor([[2.0, 4.0]], dtype=torch.float64)
+    >>> over = LeafPartials(values, [w], ["w"])
+    >>> over.reduce_(maxed=0); values  # one rank's partials are already the whole's
+    tensor([[2., 4.]], dtype=torch.float64)
+    >>> dist.destroy_process_group()
+    """
+
+    def __init__(self, values: torch.Tensor, owners: Sequence[Any], paths: Sequence[str]) -> None:
+        import torch
+
+        found = dtensor.sharding(owners, paths)
+        assert found is not None and values.is_contiguous()  # the caller's DTensors, in its own buffer
+        self.values = values
+        self.comms = [_Comm(group) for group in found.groups]
+        unowned = np.flatnonzero(~found.owned)
+        self.unowned = torch.as_tensor(unowned, device=values.device) if unowned.size else None
+        self.packets: list[torch.Tensor] = []
+
+    def reduce_(self, maxed: int | None = None) -> None:
+        """``values`` made the partials of the whole leaves, the same on every
+        rank: column ``maxed`` by a max, the others by a sum."""
+        import torch
+
+        values = self.values
+        if self.unowned is not None:
+            values.index_fill_(0, self.unowned, 0.0)
+        if maxed is not None and not self.packets:
+            self.packets = [values.new_zeros((comm.size, *values.shape)) for comm in self.comms]
+        for k, comm in enumerate(self.comms):
+            if maxed is None:
+                comm.all_reduce(values.view(-1), "global figures")
+                continue
+            packet = self.packets[k]
+            packet.zero_()
+            packet[comm.rank].copy_(values)
+            comm.all_reduce(packet.view(-1), "global figures")
+            for c in range(values.shape[1]):
+                fold = torch.amax if c == maxed else torch.sum
+                fold(packet[:, :, c], 0, out=values[:, c])
+
+
 # ---------------------------------------------------------------- all-reduce
 
 def _check_reduce_arguments(op: str, bucket_bytes: int | None) -> None:

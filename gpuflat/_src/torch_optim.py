@@ -89,8 +89,9 @@ class FlatOptimizer(torch.optim.Optimizer):
     _last_grad_norm: list[torch.Tensor | None]  # made by the last_grad_norm setter
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], max_norm: float | torch.Tensor | None, norm_type: float | str,
-                 pp_mesh: Any, tied: Any, stats: bool = False) -> None:
+                 pp_mesh: Any, tied: Any, stats: bool | str = False) -> None:
         name = type(self).__name__
+        stats = step_stats.check_option(stats)
         if isinstance(params, Resident):
             raise TypeError(f"gpuflat.torch.{name}: expected parameters or param groups, as torch.optim.{name} "
                             f"takes them, got a Resident; pass model.parameters(): the optimizer follows the "
@@ -103,16 +104,18 @@ class FlatOptimizer(torch.optim.Optimizer):
         self.max_norm, self.norm_type = max_norm, torch_norm_type(norm_type)
         self.pp_mesh, self.tied = pp_mesh, tied
         self.last_grad_norm = None
-        self._step_stats = step_stats.StepStats() if stats else None
+        self._step_stats = step_stats.StepStats(over_ranks=stats == "global") if stats else None
 
     @property
     def stats(self) -> dict[Any, dict[str, torch.Tensor]] | None:
-        """With ``stats=True``, per parameter of the last step (by name where
-        the optimizer was given ``named_parameters()``, else by index across
-        ``param_groups``), 0-d float64 tensors on its device that each step
-        rewrites: ``grad_norm`` (unscaled, before the clip), ``update_norm``
-        and ``update_ratio`` (see ``gpuflat._src.step_stats``); else None.
-        ``gpuflat.torch.read_stats(opt)`` reads them all in one copy."""
+        """With ``stats=True`` or ``"global"``, per parameter of the last step
+        (by name where the optimizer was given ``named_parameters()``, else
+        by index across ``param_groups``), 0-d float64 tensors on its device
+        that each step rewrites: ``grad_norm`` (unscaled, before the clip),
+        ``update_norm`` and ``update_ratio`` (see ``gpuflat._src.step_stats``),
+        of a DTensor's local shard with True, of its whole tensor with
+        ``"global"``; else None. ``gpuflat.torch.read_stats(opt)`` reads them
+        all in one copy."""
         return None if self._step_stats is None else self._step_stats.by_key
 
     def add_param_group(self, param_group: dict) -> None:
@@ -211,7 +214,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             update(self._rule, step.tables, self.param_groups, total, self.max_norm, scale, found_now,
                    lambda: self._read_by_address(step.params), hyper, sums)
             if kept is not None:
-                kept.finish(leaves[0], None if scale is None else unscale_factor(scale))
+                kept.finish(leaves[0], None if scale is None else unscale_factor(scale), self._order())
 
         clipping.step_(norm, update_tables, reads_norm=self.max_norm is not None or detect or kept is not None,
                        unscale=None if scale is None else _unscaler(scale))
@@ -661,6 +664,22 @@ class AdamW(FlatOptimizer):
     >>> opt.step()
     >>> w.detach(), opt.state[w]["master_param"], opt.state[w]["exp_avg"].dtype
     (tensor([1., 1.], dtype=torch.bfloat16), tensor([0.9999, 0.9999]), torch.float32)
+
+    ``stats=True`` keeps each step's per-parameter figures on the device
+    (``opt.stats``; ``gpuflat.torch.read_stats`` reads them to the host):
+    a DTensor's (FSDP2) are of this rank's shard. ``stats="global"`` makes
+    them its whole tensor's, the same on every rank, for one more
+    collective per step: an all-reduce over each DTensor's mesh dimensions
+    that shard it, of three float64 numbers per parameter, made on the
+    device, with no host read and no allocation after the first step. A
+    plain tensor's, or a replicated DTensor's, figures are whole already:
+
+    >>> net = torch.nn.Linear(3, 2)
+    >>> opt = gft.AdamW(net.named_parameters(), stats="global")
+    >>> net(torch.ones(4, 3)).sum().backward()
+    >>> opt.step()
+    >>> round(float(opt.stats["bias"]["grad_norm"]), 4)  # the bias's gradient is 4 in each of 2 elements
+    5.6569
     """
 
     _rule = "adamw"
@@ -672,7 +691,7 @@ class AdamW(FlatOptimizer):
                  pp_mesh: Any = None, tied: Iterable | None = None, master_weights: bool = False,
                  kahan_sum: bool = False, bf16_stochastic_round: bool = False, rounding_seed: int = 0,
                  exp_avg_dtype: torch.dtype | None = None, exp_avg_sq_dtype: torch.dtype | None = None,
-                 stats: bool = False):
+                 stats: bool | str = False):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused, decoupled_weight_decay=True,
@@ -694,7 +713,8 @@ class SGD(FlatOptimizer):
     (tensor([0.5000, 0.5000]), tensor([1., 1.]))
 
     ``master_weights``, ``kahan_sum`` and ``momentum_buffer_dtype`` are
-    :class:`AdamW`'s precision options.
+    :class:`AdamW`'s precision options, and ``stats`` (True, or
+    ``"global"`` for a DTensor's whole tensor) its figures.
     """
 
     _rule = "sgd"
@@ -705,7 +725,7 @@ class SGD(FlatOptimizer):
                  max_norm: float | None = None, norm_type: float | str = 2.0, pp_mesh: Any = None,
                  tied: Iterable | None = None, master_weights: bool = False, kahan_sum: bool = False,
                  bf16_stochastic_round: bool = False, rounding_seed: int = 0,
-                 momentum_buffer_dtype: torch.dtype | None = None, stats: bool = False):
+                 momentum_buffer_dtype: torch.dtype | None = None, stats: bool | str = False):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
                         fused=fused, **precision_defaults("sgd", master_weights, kahan_sum, bf16_stochastic_round,
