@@ -178,7 +178,8 @@ void item_stats(double* out, C* p, long long first, long long n, Run run) {
 
 // ---------------------------------------------------------------- staged updates
 // The update of a row whose parameter is not stored in its compute type (a
-// 16-bit one), or whose precision word is not 0, one chunk of STAGE
+// 16-bit one), whose precision word is not 0, or of a generic rule (every
+// row of the generic kernel gpuflat_rule_rows), one chunk of STAGE
 // elements at a time: each tensor's chunk widened into an array of the
 // compute type, R::math over those arrays, and the results narrowed back.
 // Each loop does one thing to contiguous arrays of one dtype, which the
@@ -317,21 +318,18 @@ void staged(const ParamRow& r, long long first, long long n,
     if (out != nullptr) lanes_total<STATS_LANES>(sd, sw, out);
 }
 
-// A generic rule R (gpuflat_optim.cuh) over a flat buffer. A buffer not
-// stored in its compute type (16-bit) is staged: the update of one plain
-// row over the whole buffer, each item its elements; AdamW and SGD take
-// this too (their structs), with their own kernels' bits.
+// A rule R (gpuflat_optim.cuh) over a flat buffer, staged: the update of
+// one plain row over the whole buffer, each item its elements. AdamW and
+// SGD take this for 16-bit buffers (their structs), with their own
+// kernels' bits.
 template <class R, class S>
 void rule_flat(const Step& s, void* p, void* g, void* const (&states)[GF_GENERIC_STATES], int threads) {
     using C = typename gf_compute<S>::type;
-    S* const* st = reinterpret_cast<S* const*>(states);
     const ParamRow whole{(long long)p, (long long)g, (long long)states[0], (long long)states[1],
                          (long long)states[2], 0, 0, 0, 0, 0};
     for_items(s, threads, [&](const Item& it) {
         const double* h = s.hyper + s.slot_group[it.slot] * GF_HYPER;
-        const auto k = R::template setup<C>(h, s.steps[it.slot], s.factor, h[0]);
-        if constexpr (gf_same<S, C>::value) gf_rule_range<R, 1>((S*)p, (const S*)g, st, it.flat, it.len, k);
-        else staged<R, S>(whole, it.flat, it.len, k, 0, nullptr);
+        staged<R, S>(whole, it.flat, it.len, R::template setup<C>(h, s.steps[it.slot], s.factor, h[0]), 0, nullptr);
     });
 }
 
@@ -339,24 +337,6 @@ void rule_flat(const Step& s, void* p, void* g, void* const (&states)[GF_GENERIC
 // null for a step without them.
 inline double* item_partial(double* partial, long long item) {
     return partial == nullptr ? nullptr : partial + 2 * item;
-}
-
-// A generic rule R (gpuflat_optim.cuh) over every row's items, as the
-// kernels' gpuflat_rule_rows, for parameters stored in their compute type
-// (the others take mixed_rows); partial as rows_update's.
-template <class R, class S>
-void rule_rows(const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at, double factor,
-               int threads, double* partial) {
-    using C = typename gf_compute<S>::type;
-    for_row_items(rows, n_rows, threads, [&](const ParamRow& r, long long first, long long n, long long item) {
-        const double* h = hyper + r.group * GF_HYPER;
-        S* st[R::STATES];
-        for (int t = 0; t < R::STATES; ++t) st[t] = (S*)gf_row_state(r, t);
-        const auto k = R::template setup<C>(h, gf_rule_row_step(r), factor, gf_group_lr(h, lr_at, r.group));
-        item_stats(item_partial(partial, item), (S*)r.param, first, n, [&](long long f, long long m) {
-            gf_rule_range<R, 1>((S*)r.param, (const S*)r.grad, st, f, m, k);
-        });
-    });
 }
 
 // A rule R (gpuflat_optim.cuh: every rule has a struct) over every row's
@@ -378,8 +358,10 @@ void mixed_rows(const ParamRow* rows, long long n_rows, const double* hyper, con
 // The update of plain rows (precision words 0) of parameters stored in
 // their compute type, as the kernels' gpuflat_adamw_rows
 // (gpuflat_adamw_amsgrad_rows), gpuflat_sgd_rows and gpuflat_rule_rows
-// (optim.cu); partial as rows_update's. False for a rule number it does
-// not know.
+// (optim.cu); partial as rows_update's. A generic rule's rows are staged
+// (mixed_rows): its loop over the rows' own tensors, each state through an
+// array of pointers, was not vectorised (Lion on float32 rows took 13
+// times as long as AdamW). False for a rule number it does not know.
 template <class S>
 bool plain_rows(int rule, const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at,
                 double factor, int threads, double* partial) {
@@ -405,7 +387,7 @@ bool plain_rows(int rule, const ParamRow* rows, long long n_rows, const double* 
             });
             break;
 #define GF_RULE_CASE(number, R) \
-        case number: rule_rows<R, S>(rows, n_rows, hyper, lr_at, factor, threads, partial); break;
+        case number: mixed_rows<R, S>(rows, n_rows, hyper, lr_at, factor, threads, partial); break;
         GF_GENERIC_RULES(GF_RULE_CASE)
 #undef GF_RULE_CASE
         default: return false;
