@@ -159,7 +159,19 @@ __device__ __forceinline__ float gf_f16_to_float(unsigned short h) {
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
 #else
-    return (float)gf_small_to_double<5, 10>(h);
+    // On the CPU, gf_small_to_double's value (a NaN made quiet, as the
+    // conversion of a double NaN to float makes it) computed in float's own
+    // bits: every case computed and one selected, no branch, so that the
+    // update loops vectorise (the two agree on all 2**16 inputs). A
+    // subnormal or zero, m * 2^-24, is 2^-14 + m * 2^-24 (m in the low
+    // mantissa bits) less 2^-14, exactly. (With m * 2^-24 as a product of
+    // the int's conversion, GCC kept a branch and did not vectorise.)
+    const unsigned sign = (unsigned)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    const unsigned normal = ((e + 112u) << 23) | (m << 13);
+    const unsigned special = 0x7f800000u | (m << 13) | (m != 0 ? 0x400000u : 0u);
+    const float tiny = __uint_as_float(113u << 23);  // 2^-14
+    const unsigned small = __float_as_uint(__uint_as_float((113u << 23) | (m << 13)) - tiny);
+    return __uint_as_float(sign | (e == 31 ? special : e == 0 ? small : normal));
 #endif
 }
 // bfloat16 is the top half of a float32: a shift, on every target.
@@ -171,7 +183,18 @@ __device__ __forceinline__ unsigned short gf_float_to_f16(float x) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
     return h;
 #else
-    return gf_double_to_small<5, 10>((double)x);
+    // On the CPU, gf_double_to_small's rounding of the float's own bits,
+    // every case computed and one selected, so that the update loops
+    // vectorise (the two agree on all 2**32 floats). A normal result drops
+    // 13 bits to nearest even (a carry out of the mantissa reaches inf);
+    // below float16's normal range, adding 0.5 rounds |x| to a multiple of
+    // 2^-24, float16's smallest subnormal, in the sum's low bits (F. Giesen's
+    // float_to_half_fast3_rtne).
+    const unsigned u = __float_as_uint(x), a = u & 0x7fffffffu;
+    const unsigned normal = (a - 0x38000000u + 0xfffu + ((a >> 13) & 1u)) >> 13;
+    const unsigned small = __float_as_uint(__uint_as_float(a) + 0.5f) - 0x3f000000u;
+    const unsigned big = a > 0x7f800000u ? 0x7e00u : 0x7c00u;  // NaN (quiet) or inf
+    return (unsigned short)(((u >> 16) & 0x8000u) | (a >= 0x47800000u ? big : a < 0x38800000u ? small : normal));
 #endif
 }
 __device__ __forceinline__ unsigned short gf_float_to_bf16(float x) {

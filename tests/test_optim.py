@@ -739,6 +739,62 @@ def test_plain_rows_through_the_mixed_kernel_give_the_tuned_kernels_bits(rule, d
         assert not np.array_equal(tables["host", 0].tensors[-1]["p"], tables["host", 0].tensors[-1]["g"])
 
 
+def _same_bits_or_both_nan(found, want):
+    """The same bits, except that a NaN may be any NaN (which operand's NaN
+    an operation passes on is the compiler's choice)."""
+    nan = np.isnan(want.astype(np.float32))
+    assert_bits_equal(np.isnan(found.astype(np.float32)), nan)
+    assert_bits_equal(found[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("dtype", [d for d in REAL if d.itemsize == 2], ids=str)
+@pytest.mark.parametrize("rule", list(MIXED_GROUPS))
+def test_every_16_bit_pattern_through_each_keep_gives_the_numpy_references_bits(rule, dtype):
+    # The host library widens a 16-bit row's tensors, updates them and
+    # narrows them back a chunk at a time in vector loops: every bit pattern
+    # (zeros, subnormals, the largest values, whose updates overflow to inf,
+    # infinities and NaNs of every payload) as a parameter, a gradient, a
+    # state, a compensation and a master copy, in rows kept plain (word 0),
+    # through a master copy, with a compensation and stochastically rounded,
+    # for every group, against the NumPy reference and the emulated kernels.
+    patterns = np.arange(1 << 16, dtype=np.uint16)
+    n_states = len(RULES[rule].state_names) + len(RULES[rule].flag_states)
+    groups = [dict(g, lr=2.0) for g in MIXED_GROUPS[rule]]  # steps that take the largest values past inf
+    hyper = np.array([RULES[rule].hyper_row(g) for g in groups], np.float64).reshape(-1)
+    found = {}
+    for be in BACKENDS:
+        rng = np.random.default_rng(31)
+        for keep in _keeps_for(dtype):
+            word = 0 if keep == "plain" else precision_word([None] * n_states, keep, 7 if keep == "stochastic" else 0)
+            tensors = []
+            for group in range(len(groups)):
+                t = {name: rng.permutation(patterns).view(dtype) for name in ("p", "g", "s0", "s1", "s2")}
+                t["extra"] = rng.permutation(patterns).view(dtype)
+                if keep == "master":
+                    t["extra"] = t["extra"].astype(np.float32)
+                t["step"] = np.full(1, float(group), np.float32)
+                tensors.append(t)
+            rows = np.array([param_row(param=t["p"].ctypes.data, grad=t["g"].ctypes.data, numel=t["p"].size,
+                                       group=group, extra=t["extra"].ctypes.data, precision=word,
+                                       **{f: t[k].ctypes.data for f, k in STATE_WORDS.items()})
+                             for group, t in enumerate(tensors)], np.int64)
+            get_backend(be).step_rows(rule, TAGS[np.dtype(dtype)], rows, hyper,
+                                      np.zeros(2 * len(groups), np.int64), None, 0.0, CLIP_EPS,
+                                      np.array([0.5, 0.0]))
+            found[be, keep] = tensors
+    for (be, keep), tensors in found.items():
+        for t, u in zip(tensors, found["numpy", keep]):
+            for name in NAMES:
+                _same_bits_or_both_nan(t[name], u[name])
+    # The patterns reached every kind of result: subnormal, NaN and, but for
+    # Lion (whose steps are +-lr and whose moment is a convex combination),
+    # overflowed: more infinities than the two each tensor started with.
+    tiny = np.float32(2.0**-14 if np.dtype(dtype) == np.float16 else 2.0**-126)
+    out = np.concatenate([t[name] for t in found["numpy", "plain"] for name in ("p", "s0", "s1")]).astype(np.float32)
+    assert ((np.abs(out) < tiny) & (out != 0)).any() and np.isnan(out).any()
+    assert rule == "lion" or np.isinf(out).sum() > 2 * 3 * len(groups)
+
+
 # (rule, its options without lr): updates of about lr per step for
 # gradients of about 1 with a fixed sign per element.
 TRACKED = {"adamw": dict(ADAMW, betas=(0.9, 0.99), weight_decay=0.0),

@@ -1,7 +1,8 @@
 // The flat optimizers' update on the host (gpuflat/_src/backends/host.py): the
 // CUDA kernels' element arithmetic (gpuflat_optim.cuh, compiled for the host
 // through host_prelude.h) over the same work items, each item's elements in
-// one contiguous loop that the compiler vectorises. Every element is
+// contiguous loops that the compiler vectorises (one per item, or, for
+// 16-bit parameters and mixed rows, a few per chunk: staged). Every element is
 // computed by the same definition as on the GPU, independently of the
 // others, so the bits do not depend on the order or the threads.
 //
@@ -73,18 +74,6 @@ void adamw(const Step& s, void* p, void* g, void* m, void* v, void* vmax, int th
     });
 }
 
-// A generic rule R (gpuflat_optim.cuh) over a flat buffer.
-template <class R, class S>
-void rule_flat(const Step& s, void* p, void* g, void* const (&states)[GF_GENERIC_STATES], int threads) {
-    using C = typename gf_compute<S>::type;
-    S* const* st = reinterpret_cast<S* const*>(states);
-    for_items(s, threads, [&](const Item& it) {
-        const double* h = s.hyper + s.slot_group[it.slot] * GF_HYPER;
-        gf_rule_range<R, 1>((S*)p, (const S*)g, st, it.flat, it.len,
-                            R::template setup<C>(h, s.steps[it.slot], s.factor, h[0]));
-    });
-}
-
 template <class S>
 void sgd(const Step& s, void* p, void* g, void* buf, int threads) {
     using C = typename gf_compute<S>::type;
@@ -131,59 +120,9 @@ inline void add_lanes(double* sd, double* sw, int m, Term term) {
     }
 }
 
-// The update statistics of an item (the kernels' gf_lane_stats: sums of
-// d^2 and w^2 over its elements, d = w - held, as gf_unseen tells them),
-// written to out[0] and out[1]; without `out`, run(first, n, gf_unseen{})
-// alone. run(first, n, seen) updates elements [first, first + n) and calls
-// seen(i, held, w) for each. The update runs over chunks of CHUNK elements;
-// each element's d * d and w * w, rounded once in the compute type C, go to
-// one of LANES double sums (element i of the item to lane i % LANES), added
-// in a fixed order at the end: the bits depend on the item alone, never on
-// the threads. LANES is wide so that the sums are many independent chains
-// (four vectors of eight doubles each): with 8 lanes, the latency of their
-// additions made the statistics cost five times as much.
-//
-// Where the parameter p is stored in its compute type (float32 and float64
-// rows kept plain: pass p, else null), w is what the update stores, so the
-// chunk's held values are kept first and the update runs as it does
-// without statistics (gf_unseen: the loop the compiler vectorises; one with
-// a callback storing two more arrays was not, and took three times as long),
-// then d and w come from the chunk and what was kept, in cache, straight
-// into the sums. The held values are kept negated, d = w + (-held) being
-// the same bits as w - held: a plain copy the compiler turns into a call of
-// memmove, whose string copy of each 4 KiB chunk took more than half the
-// update's own time on an AMD EPYC.
-template <class C, class S, class Run>
-void item_stats(double* out, S* p, long long first, long long n, Run run) {
-    if (out == nullptr) return run(first, n, gf_unseen{});
-    constexpr int CHUNK = 1024, LANES = 32;
-    static_assert(CHUNK % LANES == 0, "a chunk starts at lane 0");
-    alignas(64) C a[CHUNK], b[CHUNK];  // the held values negated, or each element's d^2 and w^2
-    double sd[LANES] = {}, sw[LANES] = {};
-    for (long long c = first; c < first + n; c += CHUNK) {
-        const int m = (int)std::min<long long>(CHUNK, first + n - c);
-        if constexpr (gf_same<S, C>::value) {
-            if (p != nullptr) {
-                for (int j = 0; j < m; ++j) a[j] = -p[c + j];
-                run(c, m, gf_unseen{});
-                add_lanes<LANES>(sd, sw, m, [&](int j, double& d2, double& w2) {
-                    const C w = p[c + j], d = w + a[j];
-                    d2 = (double)(d * d);
-                    w2 = (double)(w * w);
-                });
-                continue;
-            }
-        }
-        run(c, m, [&](long long i, C held, C w) {
-            const C d = w - held;
-            a[i - c] = d * d;
-            b[i - c] = w * w;
-        });
-        add_lanes<LANES>(sd, sw, m, [&](int j, double& d2, double& w2) {
-            d2 = (double)a[j];
-            w2 = (double)b[j];
-        });
-    }
+// The lanes' sums added in lane order into out[0] and out[1].
+template <int LANES>
+inline void lanes_total(const double* sd, const double* sw, double* out) {
     double x = 0.0, y = 0.0;
     for (int l = 0; l < LANES; ++l) {
         x += sd[l];
@@ -193,33 +132,220 @@ void item_stats(double* out, S* p, long long first, long long n, Run run) {
     out[1] = y;
 }
 
+// The statistics' lanes (item_stats).
+constexpr int STATS_LANES = 32;
+
+// The update statistics of an item of a row whose parameter p is stored in
+// its compute type C (float32 and float64 rows kept plain; the others are
+// staged): the kernels' gf_lane_stats, sums of d^2 and w^2 over its
+// elements, d = w - held, as gf_unseen tells them, written to out[0] and
+// out[1]; without `out`, run(first, n) alone. run(f, m) updates elements
+// [f, f + m). The update runs over chunks of CHUNK elements; each
+// element's d * d and w * w, rounded once in C, go to one of LANES double
+// sums (element i of the item to lane i % LANES), added in a fixed order
+// at the end: the bits depend on the item alone, never on the threads.
+// LANES is wide so that the sums are many independent chains (four vectors
+// of eight doubles each): with 8 lanes, the latency of their additions
+// made the statistics cost five times as much.
+//
+// w is what the update stores, so the chunk's held values are kept first
+// and the update runs as it does without statistics (gf_unseen: the loop
+// the compiler vectorises; one with a callback storing two more arrays was
+// not, and took three times as long), then d and w come from the chunk and
+// what was kept, in cache, straight into the sums. The held values are
+// kept negated, d = w + (-held) being the same bits as w - held: a plain
+// copy the compiler turns into a call of memmove, whose string copy of each
+// 4 KiB chunk took more than half the update's own time on an AMD EPYC.
+template <class C, class Run>
+void item_stats(double* out, C* p, long long first, long long n, Run run) {
+    if (out == nullptr) return run(first, n);
+    constexpr int CHUNK = 1024, LANES = STATS_LANES;
+    static_assert(CHUNK % LANES == 0, "a chunk starts at lane 0");
+    alignas(64) C a[CHUNK];  // the held values negated
+    double sd[LANES] = {}, sw[LANES] = {};
+    for (long long c = first; c < first + n; c += CHUNK) {
+        const int m = (int)std::min<long long>(CHUNK, first + n - c);
+        for (int j = 0; j < m; ++j) a[j] = -p[c + j];
+        run(c, m);
+        add_lanes<LANES>(sd, sw, m, [&](int j, double& d2, double& w2) {
+            const C w = p[c + j], d = w + a[j];
+            d2 = (double)(d * d);
+            w2 = (double)(w * w);
+        });
+    }
+    lanes_total<LANES>(sd, sw, out);
+}
+
+// ---------------------------------------------------------------- staged updates
+// The update of a row whose parameter is not stored in its compute type (a
+// 16-bit one), whose precision word is not 0, or of a generic rule (every
+// row of the generic kernel gpuflat_rule_rows), one chunk of STAGE
+// elements at a time: each tensor's chunk widened into an array of the
+// compute type, R::math over those arrays, and the results narrowed back.
+// Each loop does one thing to contiguous arrays of one dtype, which the
+// compiler vectorises (the 16-bit conversions are branch-free on the CPU:
+// gpuflat_common.cuh); the element by element update did not: GCC does not
+// vectorise AdamW's loop-invariant select (lerp_from_grad) in a loop whose
+// vectorization factor the 16-bit loads set, and the mixed update switched
+// over each state's dtype per element. Every element still gets the
+// kernels' own definitions (gf_load, R::math, gf_store, gf_store_stochastic)
+// in the order gf_rule_mixed_one applies them, so the bits are the same.
+// 512: a chunk's float arrays (parameter, held values, gradient, three
+// states: 12 KiB) and its tensors' lines stay in a 32 KiB L1 cache; with
+// 1024, bfloat16 AdamW took a fifth longer, with master weights a third.
+constexpr int STAGE = 512;
+static_assert(STAGE % STATS_LANES == 0, "a chunk starts at lane 0");
+
+// f(T{}) with T the dtype of a precision word's state field, as
+// gf_load_field reads it: field 0 (or one that names no optimizer dtype)
+// is the parameter's type P.
+template <class P, class F>
+inline void field_type(int field, F f) {
+    switch (field) {
+#define GF_FIELD_CASE(tag, T) \
+        case tag + 1: return f(T{});
+        GF_OPTIM_DTYPES(GF_FIELD_CASE)
+#undef GF_FIELD_CASE
+        default: return f(P{});
+    }
+}
+
+// x[j] = src[j] in the compute type, and back, rounded once (gf_load, gf_store).
+template <class C, class T>
+inline void widen(C* __restrict x, const T* __restrict src, int m) {
+    for (int j = 0; j < m; ++j) x[j] = gf_load<C>(src[j]);
+}
+template <class T, class C>
+inline void narrow(T* __restrict dst, const C* __restrict x, int m) {
+    for (int j = 0; j < m; ++j) gf_store(dst[j], x[j]);
+}
+
+// A row's flag that R::math branches on per element: the loop is
+// written once for each value, so that the compiler knows it in each. With
+// AdamW's amsgrad inside the loop, GCC if-converted both ways and then
+// did not vectorise the loop (its lerp's select on a condition combined
+// with amsgrad).
+template <class K>
+inline bool unswitched(const K&) { return false; }
+template <class C>
+inline bool unswitched(const gf_adamw_coefs<C>& k) { return k.amsgrad; }
+
+// Elements [first, first + n) of row r (parameters of type P) updated by
+// rule R with coefficients k, as gf_rule_mixed_one updates each: its
+// states read from their own dtypes (an absent or unused one, gf_rule_uses,
+// reads as 0 and is never written), the parameter kept as the word's keep
+// says, stochastic rounding drawn at `step`. With `out`, the item's update
+// statistics there, summed as item_stats sums them.
+template <class R, class P>
+void staged(const ParamRow& r, long long first, long long n,
+            const typename R::template coefs<typename gf_compute<P>::type> k, unsigned step, double* out) {
+    using C = typename gf_compute<P>::type;
+    const int keep = gf_row_keep(r.precision);
+    P* const param = (P*)r.param;
+    const P* const grad = (const P*)r.grad;
+    bool used[R::STATES];
+    for (int t = 0; t < R::STATES; ++t) used[t] = gf_row_state(r, t) != 0 && gf_rule_uses(k, t);
+    alignas(64) C p[STAGE], held[STAGE], g[STAGE], s[R::STATES][STAGE];
+    double sd[STATS_LANES] = {}, sw[STATS_LANES] = {};
+    for (long long c = first; c < first + n; c += STAGE) {
+        const int m = (int)std::min<long long>(STAGE, first + n - c);
+        if (keep == GF_KEEP_MASTER) {
+            widen(p, (const float*)r.extra + c, m);
+        } else if (keep == GF_KEEP_KAHAN) {
+            const P* const comp = (const P*)r.extra + c;
+            for (int j = 0; j < m; ++j) p[j] = gf_load<C>(param[c + j]) + gf_load<C>(comp[j]);
+        } else {
+            widen(p, param + c, m);
+        }
+        widen(g, grad + c, m);
+        for (int t = 0; t < R::STATES; ++t) {
+            if (!used[t]) {
+                std::fill(s[t], s[t] + m, (C)0);
+                continue;
+            }
+            field_type<P>(gf_state_field(r.precision, t), [&](auto z) {
+                widen(s[t], (const decltype(z)*)gf_row_state(r, t) + c, m);
+            });
+        }
+        // The held values negated (a plain copy is a call of memmove: item_stats).
+        if (out != nullptr)
+            for (int j = 0; j < m; ++j) held[j] = -p[j];
+        const auto math = [&] {
+            for (int j = 0; j < m; ++j) {
+                C sc[R::STATES];
+                for (int t = 0; t < R::STATES; ++t) sc[t] = s[t][j];
+                R::math(p[j], g[j], sc, k);
+                for (int t = 0; t < R::STATES; ++t) s[t][j] = sc[t];
+            }
+        };
+        if (unswitched(k)) math();
+        else math();
+        if (out != nullptr) {
+            add_lanes<STATS_LANES>(sd, sw, m, [&](int j, double& d2, double& w2) {
+                const C w = p[j], d = w + held[j];
+                d2 = (double)(d * d);
+                w2 = (double)(w * w);
+            });
+        }
+        for (int t = 0; t < R::STATES; ++t) {
+            if (!used[t]) continue;
+            field_type<P>(gf_state_field(r.precision, t), [&](auto z) {
+                narrow((decltype(z)*)gf_row_state(r, t) + c, s[t], m);
+            });
+        }
+        P* __restrict const dst = param + c;
+        if (keep == GF_KEEP_MASTER) {
+            float* __restrict const master = (float*)r.extra + c;
+            for (int j = 0; j < m; ++j) {
+                float w;
+                gf_store(w, p[j]);
+                master[j] = w;
+                gf_store(dst[j], gf_load<C>(w));
+            }
+        } else if (keep == GF_KEEP_KAHAN) {
+            P* __restrict const comp = (P*)r.extra + c;
+            for (int j = 0; j < m; ++j) {
+                P q;
+                gf_store(q, p[j]);
+                dst[j] = q;
+                gf_store(comp[j], p[j] - gf_load<C>(q));
+            }
+        } else if (keep == GF_KEEP_STOCHASTIC) {
+            const unsigned key = gf_row_key(r.precision);
+            for (int j = 0; j < m; ++j)
+                gf_store_stochastic(dst[j], p[j], gf_stochastic_bits(key, step, (unsigned long long)(c + j)));
+        } else {
+            narrow(dst, p, m);
+        }
+    }
+    if (out != nullptr) lanes_total<STATS_LANES>(sd, sw, out);
+}
+
+// A rule R (gpuflat_optim.cuh) over a flat buffer, staged: the update of
+// one plain row over the whole buffer, each item its elements. AdamW and
+// SGD take this for 16-bit buffers (their structs), with their own
+// kernels' bits.
+template <class R, class S>
+void rule_flat(const Step& s, void* p, void* g, void* const (&states)[GF_GENERIC_STATES], int threads) {
+    using C = typename gf_compute<S>::type;
+    const ParamRow whole{(long long)p, (long long)g, (long long)states[0], (long long)states[1],
+                         (long long)states[2], 0, 0, 0, 0, 0};
+    for_items(s, threads, [&](const Item& it) {
+        const double* h = s.hyper + s.slot_group[it.slot] * GF_HYPER;
+        staged<R, S>(whole, it.flat, it.len, R::template setup<C>(h, s.steps[it.slot], s.factor, h[0]), 0, nullptr);
+    });
+}
+
 // Where item `item`'s statistics go in `partial` (2 doubles per item), or
 // null for a step without them.
 inline double* item_partial(double* partial, long long item) {
     return partial == nullptr ? nullptr : partial + 2 * item;
 }
 
-// A generic rule R (gpuflat_optim.cuh) over every row's items, as the
-// kernels' gpuflat_rule_rows; partial as rows_update's.
-template <class R, class S>
-void rule_rows(const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at, double factor,
-               int threads, double* partial) {
-    using C = typename gf_compute<S>::type;
-    for_row_items(rows, n_rows, threads, [&](const ParamRow& r, long long first, long long n, long long item) {
-        const double* h = hyper + r.group * GF_HYPER;
-        S* st[R::STATES];
-        for (int t = 0; t < R::STATES; ++t) st[t] = (S*)gf_row_state(r, t);
-        const auto k = R::template setup<C>(h, gf_rule_row_step(r), factor, gf_group_lr(h, lr_at, r.group));
-        item_stats<C>(item_partial(partial, item), (S*)r.param, first, n, [&](long long f, long long m, auto seen) {
-            gf_rule_range<R, 1>((S*)r.param, (const S*)r.grad, st, f, m, k, seen);
-        });
-    });
-}
-
 // A rule R (gpuflat_optim.cuh: every rule has a struct) over every row's
 // items, each state of its own dtype and the parameter kept as its row's
-// precision word says, as the kernels' gpuflat_rule_mixed_rows; partial as
-// rows_update's.
+// precision word says, as the kernels' gpuflat_rule_mixed_rows (staged);
+// partial as rows_update's.
 template <class R, class S>
 void mixed_rows(const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at, double factor,
                 int threads, double* partial) {
@@ -228,34 +354,21 @@ void mixed_rows(const ParamRow* rows, long long n_rows, const double* hyper, con
         const double* h = hyper + r.group * GF_HYPER;
         const double step = gf_rule_row_step(r);
         const auto k = R::template setup<C>(h, step, factor, gf_group_lr(h, lr_at, r.group));
-        item_stats<C>(item_partial(partial, item), (S*)nullptr, first, n, [&](long long f, long long m, auto seen) {
-            for (long long i = f; i < f + m; ++i) gf_rule_mixed_one<R, S>(r, i, k, (unsigned)step, seen);
-        });
+        staged<R, S>(r, first, n, k, (unsigned)step, item_partial(partial, item));
     });
 }
 
-// The update of the rows of the kernels' gpuflat_adamw_rows
+// The update of plain rows (precision words 0) of parameters stored in
+// their compute type, as the kernels' gpuflat_adamw_rows
 // (gpuflat_adamw_amsgrad_rows), gpuflat_sgd_rows and gpuflat_rule_rows
-// (optim.cu), or, where a row's precision word is not 0,
-// gpuflat_rule_mixed_rows for them all, as the backends launch them; with
-// `partial`, each item's update statistics there (item_stats, 2 doubles per
-// item in row order), as their *_stats instantiations write them. False
-// for a rule number it does not know.
+// (optim.cu); partial as rows_update's. A generic rule's rows are staged
+// (mixed_rows): its loop over the rows' own tensors, each state through an
+// array of pointers, was not vectorised (Lion on float32 rows took 13
+// times as long as AdamW). False for a rule number it does not know.
 template <class S>
-bool rows_update(int rule, const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at,
-                 double factor, int threads, double* partial) {
+bool plain_rows(int rule, const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at,
+                double factor, int threads, double* partial) {
     using C = typename gf_compute<S>::type;
-    bool mixed = false;
-    for (long long i = 0; i < n_rows && !mixed; ++i) mixed = rows[i].precision != 0;
-    if (mixed) {
-        switch (rule) {
-#define GF_RULE_CASE(number, R) \
-            case number: mixed_rows<R, S>(rows, n_rows, hyper, lr_at, factor, threads, partial); return true;
-            GF_RULES(GF_RULE_CASE)
-#undef GF_RULE_CASE
-            default: return false;
-        }
-    }
     switch (rule) {
         case GF_RULE_ADAMW:
         case GF_RULE_SGD:
@@ -264,27 +377,50 @@ bool rows_update(int rule, const ParamRow* rows, long long n_rows, const double*
                 const double lr = gf_group_lr(h, lr_at, r.group);
                 if (rule == GF_RULE_ADAMW) {
                     const auto k = gf_adamw_setup<C>(h, gf_adamw_row_step(r), factor, lr);
-                    item_stats<C>(item_partial(partial, item), (S*)r.param, first, n,
-                                  [&](long long f, long long m, auto seen) {
+                    item_stats(item_partial(partial, item), (S*)r.param, first, n, [&](long long f, long long m) {
                         gf_adamw_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, (S*)r.state1, (S*)r.state2,
-                                          f, m, k, seen);
+                                          f, m, k);
                     });
                 } else {
                     const auto k = gf_sgd_setup<C>(h, gf_sgd_row_step(r, h), factor, lr);
-                    item_stats<C>(item_partial(partial, item), (S*)r.param, first, n,
-                                  [&](long long f, long long m, auto seen) {
-                        gf_sgd_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, f, m, k, seen);
+                    item_stats(item_partial(partial, item), (S*)r.param, first, n, [&](long long f, long long m) {
+                        gf_sgd_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, f, m, k);
                     });
                 }
             });
             break;
 #define GF_RULE_CASE(number, R) \
-        case number: rule_rows<R, S>(rows, n_rows, hyper, lr_at, factor, threads, partial); break;
+        case number: mixed_rows<R, S>(rows, n_rows, hyper, lr_at, factor, threads, partial); break;
         GF_GENERIC_RULES(GF_RULE_CASE)
 #undef GF_RULE_CASE
         default: return false;
     }
     return true;
+}
+
+// The update of the rows as the backends launch the kernels: plain_rows,
+// or, where a row's precision word is not 0, gpuflat_rule_mixed_rows for
+// them all (mixed_rows); 16-bit parameters' plain rows take mixed_rows too
+// (staged, vectorised), with the plain kernels' bits, as a word naming each
+// state's dtype explicitly gives them. With `partial`, each item's update
+// statistics there (2 doubles per item in row order), as the kernels'
+// *_stats instantiations write them. False for a rule number it does not
+// know.
+template <class S>
+bool rows_update(int rule, const ParamRow* rows, long long n_rows, const double* hyper, const long long* lr_at,
+                 double factor, int threads, double* partial) {
+    if constexpr (gf_same<S, typename gf_compute<S>::type>::value) {
+        bool mixed = false;
+        for (long long i = 0; i < n_rows && !mixed; ++i) mixed = rows[i].precision != 0;
+        if (!mixed) return plain_rows<S>(rule, rows, n_rows, hyper, lr_at, factor, threads, partial);
+    }
+    switch (rule) {
+#define GF_RULE_CASE(number, R) \
+        case number: mixed_rows<R, S>(rows, n_rows, hyper, lr_at, factor, threads, partial); return true;
+        GF_RULES(GF_RULE_CASE)
+#undef GF_RULE_CASE
+        default: return false;
+    }
 }
 
 // rows_update, then the kernels' gpuflat_count_steps: every update reads
@@ -348,8 +484,14 @@ GF_EXPORT int gf_host_optim_step(int rule, int tag, const long long* offsets, lo
         void* const states[GF_GENERIC_STATES] = {s0, s1, s2};
         if (amp[1] != 0.0) return;
         switch (rule) {
-            case GF_RULE_ADAMW: adamw<S>(s, p, g, s0, s1, s2, threads); break;
-            case GF_RULE_SGD: sgd<S>(s, p, g, s0, threads); break;
+            case GF_RULE_ADAMW:
+                if constexpr (gf_same<S, typename gf_compute<S>::type>::value) adamw<S>(s, p, g, s0, s1, s2, threads);
+                else rule_flat<gf_adamw, S>(s, p, g, states, threads);
+                break;
+            case GF_RULE_SGD:
+                if constexpr (gf_same<S, typename gf_compute<S>::type>::value) sgd<S>(s, p, g, s0, threads);
+                else rule_flat<gf_sgd, S>(s, p, g, states, threads);
+                break;
 #define GF_RULE_CASE(number, R) \
             case number: rule_flat<R, S>(s, p, g, states, threads); break;
             GF_GENERIC_RULES(GF_RULE_CASE)
