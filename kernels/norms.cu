@@ -1,5 +1,6 @@
-// Fused norms (total, per leaf, first non-finite leaf) in two launches, and
-// the clipping scale in one, with no host synchronisation.
+// Fused norms (total, per leaf, first non-finite leaf) in two launches (one
+// where no leaf's own norm is asked for: gpuflat_norm_one), and the clipping
+// scale in one, with no host synchronisation.
 //
 // The summation order: every norm of every front end and backend but NumPy's
 // (gpuflat._src.clipping describes NumPy's) is these bits.
@@ -28,7 +29,8 @@
 //     order over its chunks alone; then its root.
 //  6. The first non-finite leaf: the least slot one of whose chunks holds a
 //     NaN or inf element.
-// Neither the grid of kernel 1 nor the run changes a bit. No atomics anywhere.
+// Neither the grid of kernel 1 nor the run changes a bit. The one atomic
+// (gpuflat_norm_one's ticket) decides only which block finishes, never an order.
 #include "gpuflat_math.cuh"
 
 // Vectors in flight per lane (gf_item_loop's U): the kind's choice
@@ -81,15 +83,14 @@ __device__ __forceinline__ gf_lane_sum gf_item_terms(const Leaf& L, const Item& 
 // is the first bad slot (items are sorted by slot).
 #define GF_NO_ITEM 9007199254740992.0
 
-// Kernel 1: one warp per work item (grid-stride). partial[it] is the item's
-// sum (or max) of terms and partial[n_items + it] its index `it` if the item
-// holds a NaN or inf, else GF_NO_ITEM (the index, not the slot, which would
-// hold one more register through the item's loop): every item writes both,
-// so the scratch needs no clearing (no memset launch) and no atomics.
+// Kernel 1's work: one warp per work item (grid-stride). partial[it] is the
+// item's sum (or max) of terms and partial[n_items + it] its index `it` if
+// the item holds a NaN or inf, else GF_NO_ITEM (the index, not the slot,
+// which would hold one more register through the item's loop): every item
+// writes both, so the scratch needs no clearing (no memset launch).
 template <int K>
-__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
-gpuflat_norm_partial(const Item* __restrict__ items, long long n_items, const LeafRef* __restrict__ leaves,
-                     double p, double* __restrict__ partial) {
+__device__ __forceinline__ void gf_norm_partials(const Item* __restrict__ items, long long n_items,
+                                                 const LeafRef* __restrict__ leaves, double p, double* partial) {
     gf_for_items(items, n_items, [&](long long it, const Item& item, int lane) {
         gf_lane_sum sum = {0.0, 0};
         // The leaf's fields are loaded early where the kind allows it
@@ -108,6 +109,14 @@ gpuflat_norm_partial(const Item* __restrict__ items, long long n_items, const Le
             partial[n_items + it] = bad ? (double)it : GF_NO_ITEM;
         }
     });
+}
+
+// Kernel 1 (see gf_norm_partials).
+template <int K>
+__global__ void __launch_bounds__(GF_BLOCK_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_norm_partial(const Item* __restrict__ items, long long n_items, const LeafRef* __restrict__ leaves,
+                     double p, double* __restrict__ partial) {
+    gf_norm_partials<K>(items, n_items, leaves, p, partial);
 }
 
 __device__ __forceinline__ double gf_min_double(double a, double b) { return a < b ? a : b; }
@@ -306,31 +315,19 @@ __device__ __forceinline__ void gf_slot_norms(double* red, long long n_items, co
     }
 }
 
-// Kernel 2: one block of exactly GF_FINISH_THREADS threads.
-//
-// items are kernel 1's (sorted by slot); slot_items[s] .. slot_items[s + 1]
-// are slot s's; big_slots lists, ascending, the slots with more than
-// GF_SMALL_SLOT_ITEMS items. Writes total[0] (the norm), total[1] (the
-// unrooted total it is the root of: sum |x|**p, or the max for inf, so a sum
-// of squares needs no squaring of a rounded root), first_bad[0] (the first
-// slot holding a NaN or inf, or -1) and, where per_slot is nonzero,
-// per_leaf[s] (each leaf's norm). The total (step 4 of the order) is one
-// strided pass over every item's partial, whatever the slots, the pass a
-// single slot of all the items would take.
-//
-// Its launch bounds ask for one block per SM, so the block may have the whole
-// register file (CUDA 13's ptxas otherwise holds the inf-norm's threads to
-// 128 registers for sm_100, and spills two batches of slots in flight).
+// Step 4 of the order and the first non-finite leaf, by one block of
+// exactly GF_FINISH_THREADS threads (thread t plays finishing thread t):
+// writes total[0] (the norm), total[1] (the unrooted total it is the root
+// of: sum |x|**p, or the max for inf, so a sum of squares needs no squaring
+// of a rounded root) and first_bad[0] (the first slot holding a NaN or inf,
+// or -1). `partial` is read with plain loads: in the one-launch kernel other
+// blocks wrote it during this launch, where the read-only cache may not be used.
 template <int K>
-__global__ void __launch_bounds__(GF_FINISH_THREADS, 1)
-gpuflat_norm_finish(const Item* __restrict__ items, long long n_items, const double* __restrict__ partial,
-                    const long long* __restrict__ slot_items, long long n_slots,
-                    const long long* __restrict__ big_slots, long long n_big, double p, long long per_slot,
-                    double* __restrict__ per_leaf, double* __restrict__ total, long long* __restrict__ first_bad) {
-    __shared__ double red[2 * GF_FINISH_THREADS];
+__device__ __forceinline__ void gf_norm_total(double* red, const Item* __restrict__ items, long long n_items,
+                                              const double* partial, double p, double* __restrict__ total,
+                                              long long* __restrict__ first_bad) {
     const int t = (int)threadIdx.x;
     const long long T = GF_FINISH_THREADS;
-    if (per_slot) gf_slot_norms<K>(red, n_items, partial, slot_items, n_slots, big_slots, n_big, p, per_leaf);
     // The first bad item, as a double (see GF_NO_ITEM).
     double v = 0.0, first = GF_NO_ITEM;
     // A thread's partials are loaded GF_FINISH_SLOTS at a time and combined
@@ -363,6 +360,64 @@ gpuflat_norm_finish(const Item* __restrict__ items, long long n_items, const dou
         total[1] = v;
         first_bad[0] = first < (double)n_items ? items[(long long)first].slot : -1;
     }
+}
+
+// Kernel 2: one block of exactly GF_FINISH_THREADS threads, where the
+// leaves' own norms are asked for (else gpuflat_norm_one does it all).
+//
+// items are kernel 1's (sorted by slot); slot_items[s] .. slot_items[s + 1]
+// are slot s's; big_slots lists, ascending, the slots with more than
+// GF_SMALL_SLOT_ITEMS items. Writes per_leaf[s] (each leaf's norm), then the
+// total and the first bad slot (see gf_norm_total). The total (step 4 of
+// the order) is one strided pass over every item's partial, whatever the
+// slots, the pass a single slot of all the items would take.
+//
+// Its launch bounds ask for one block per SM, so the block may have the whole
+// register file (CUDA 13's ptxas otherwise holds the inf-norm's threads to
+// 128 registers for sm_100, and spills two batches of slots in flight).
+template <int K>
+__global__ void __launch_bounds__(GF_FINISH_THREADS, 1)
+gpuflat_norm_finish(const Item* __restrict__ items, long long n_items, const double* __restrict__ partial,
+                    const long long* __restrict__ slot_items, long long n_slots,
+                    const long long* __restrict__ big_slots, long long n_big, double p,
+                    double* __restrict__ per_leaf, double* __restrict__ total, long long* __restrict__ first_bad) {
+    __shared__ double red[2 * GF_FINISH_THREADS];
+    gf_slot_norms<K>(red, n_items, partial, slot_items, n_slots, big_slots, n_big, p, per_leaf);
+    gf_norm_total<K>(red, items, n_items, partial, p, total, first_bad);
+}
+
+// The norm in one launch, where no leaf's own norm is asked for: kernel 1's
+// work, then the block that finishes last runs kernel 2's total pass
+// (gf_norm_total) over every partial, so the bits are the two launches'
+// whichever block it is. Blocks of exactly GF_FINISH_THREADS threads.
+//
+// "Last" is a ticket: each block, once its partials are written and fenced,
+// draws one with an atomic add on *ticket, which the caller zeroed before
+// the launch; the block drawing gridDim.x - 1 knows every other block's
+// partials are visible (the writers' fences before the draws, its own
+// after). The word is the launch's own, zeroed with it (the backend's
+// norms), so two launches in flight never share one and nothing is reset.
+//
+// A kernel of its own, not kernel 1's, so the big trees' kernel keeps its
+// register budget; its launch bounds are kernel 1's, so the partials of a
+// tree of small leaves run at kernel 1's occupancy.
+template <int K>
+__global__ void __launch_bounds__(GF_FINISH_THREADS, GF_MIN_BLOCKS_PER_SM)
+gpuflat_norm_one(const Item* __restrict__ items, long long n_items, const LeafRef* __restrict__ leaves,
+                 double p, double* partial, unsigned long long* ticket, double* __restrict__ total,
+                 long long* __restrict__ first_bad) {
+    __shared__ double red[2 * GF_FINISH_THREADS];
+    __shared__ int last;
+    gf_norm_partials<K>(items, n_items, leaves, p, partial);
+    __threadfence();  // this thread's partials before the block's ticket
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(ticket, 1ull) == gridDim.x - 1ull;
+        __threadfence();  // the other blocks' partials after their tickets
+    }
+    __syncthreads();
+    if (!last) return;
+    gf_norm_total<K>(red, items, n_items, partial, p, total, first_bad);
 }
 
 // Clipping: every leaf *= min(1, max_norm / (total + eps)), with total read

@@ -41,7 +41,8 @@ OPTIM_ROWS = [rule.rows_kernel(c) for rule in RULES.values() for c in ("float", 
 # lane at a time: the gated NVRTCs give it 40 to 64 registers, no spills.
 MIXED_ROWS = [rule.mixed_rows_kernel(c) for rule in RULES.values() for c in ("float", "f16", "bf16")]
 HOT = ([kl.gather_name(d) for d in CUDA_NAMES] + [kl.scatter_name(d) for d in CUDA_NAMES]
-       + [kl.norm_partial_name(k) for k in kl.NORM_KINDS] + [kl.SCALE_NAME, kl.SCALE_AT_NAME] + OPTIM_ROWS
+       + [kl.norm_partial_name(k) for k in kl.NORM_KINDS] + [kl.norm_one_name(k) for k in kl.NORM_KINDS]
+       + [kl.SCALE_NAME, kl.SCALE_AT_NAME] + OPTIM_ROWS
        + MIXED_ROWS)
 MAX_REGISTERS = 64
 # AMSGrad's row update (a fifth tensor, max_exp_avg_sq) runs at three blocks
@@ -56,7 +57,10 @@ AMSGRAD_MAX_REGISTERS = 65536 // (BLOCK_THREADS * AMSGRAD_MIN_BLOCKS_PER_SM)
 # the 64 registers that __launch_bounds__ asks for by spilling values of the
 # item loop (its index, the warp count) around the element loops, whose pow
 # is a subroutine holding most registers: stored and loaded once per item,
-# none inside the element loops. They are ceilings, so more spilling fails;
+# none inside the element loops; the one-launch p-norm (kernel 1's loop and
+# the finishing block's pass over the partials, gpuflat_norm_one) spills
+# nothing under 13.0 and, under 13.5, what kernel 1 stores, loaded again in
+# more places. They are ceilings, so more spilling fails;
 # a new NVRTC is measured and added here (and to GATED_NVRTC and the
 # constraints files) before it is gated. CUDA 13.5's ptxas keeps the 16-bit
 # AdamW update within its 64 registers by storing one value once per row
@@ -68,7 +72,7 @@ SPILL_CEILINGS = {
     ((13, 0), "sm_90"): {},
     ((13, 5), "sm_90"): {"gpuflat_adamw_rows<f16>": (8, 8, 8), "gpuflat_adamw_rows<bf16>": (8, 8, 8)},
     ((13, 0), "sm_100"): {"gpuflat_norm_partial<3>": (8, 8, 8)},
-    ((13, 5), "sm_100"): {"gpuflat_norm_partial<3>": (24, 28, 28)},
+    ((13, 5), "sm_100"): {"gpuflat_norm_partial<3>": (24, 28, 28), "gpuflat_norm_one<3>": (24, 28, 72)},
 }
 # The instantiations with the update statistics (Rule.rows_kernel and
 # Rule.mixed_rows_kernel with stats=True: kernels/optim.cu's gf_lane_stats)

@@ -114,12 +114,13 @@ def _count(ops: Counter, pattern: re.Pattern) -> int:
     return sum(n for op, n in ops.items() if op and pattern.match(op))
 
 
-def _norm_loops(major: int, values_per_vector: int, half: bool) -> list[float]:
-    """Instructions per element of the norm_partial l2 hot loops whose 16-byte
-    vectors hold ``values_per_vector`` reals (one DMUL squares each), float16
-    ones (HADD2.F32 widens them) told apart from bfloat16 by ``half``."""
+def _norm_loops(major: int, values_per_vector: int, half: bool, name: str) -> list[float]:
+    """Instructions per element of the l2 norm kernel ``name``'s hot loops
+    whose 16-byte vectors hold ``values_per_vector`` reals (one DMUL squares
+    each), float16 ones (HADD2.F32 widens them) told apart from bfloat16 by
+    ``half``."""
     per = []
-    for ops in _loops(major, kl.norm_partial_name("l2")):
+    for ops in _loops(major, name):
         loads = _count(ops, VECTOR_LOAD)
         if loads >= 4 and ops["DMUL"] == values_per_vector * loads and bool(ops["HADD2.F32"]) == half:
             per.append(ops[""] / ops["DMUL"])
@@ -139,11 +140,18 @@ def _copy_loops(major: int, dtype, itemsize: int) -> list[float]:
 
 @pytest.mark.parametrize("major", MAJORS)
 @pytest.mark.parametrize("what, per, limit", [
-    ("l2 norm of float32 (and complex64) leaves", lambda m: _norm_loops(m, 4, False), MAX_NORM_FLOAT32),
-    ("l2 norm of bfloat16 leaves", lambda m: _norm_loops(m, 8, False), MAX_NORM_BFLOAT16),
+    ("l2 norm of float32 (and complex64) leaves", lambda m: _norm_loops(m, 4, False, kl.norm_partial_name("l2")),
+     MAX_NORM_FLOAT32),
+    ("l2 norm of bfloat16 leaves", lambda m: _norm_loops(m, 8, False, kl.norm_partial_name("l2")),
+     MAX_NORM_BFLOAT16),
+    # The one-launch norm runs kernel 1's loops.
+    ("one-launch l2 norm of float32 (and complex64) leaves",
+     lambda m: _norm_loops(m, 4, False, kl.norm_one_name("l2")), MAX_NORM_FLOAT32),
+    ("one-launch l2 norm of bfloat16 leaves", lambda m: _norm_loops(m, 8, False, kl.norm_one_name("l2")),
+     MAX_NORM_BFLOAT16),
     ("float32 gather of float32 leaves", lambda m: _copy_loops(m, np.float32, 4), MAX_COPY_FLOAT32),
     ("bfloat16 gather of bfloat16 leaves", lambda m: _copy_loops(m, bfloat16(), 2), MAX_COPY_BFLOAT16),
-], ids=["norm-float32", "norm-bfloat16", "copy-float32", "copy-bfloat16"])
+], ids=["norm-float32", "norm-bfloat16", "one-float32", "one-bfloat16", "copy-float32", "copy-bfloat16"])
 def test_hot_loop_instructions_per_element(what, per, limit, major):
     found = per(major)
     assert found, f"{what}: no hot loop found in the CUDA {major} SASS"
@@ -274,14 +282,15 @@ def _first_block_loads(major: int, name: str) -> int:
 
 
 @pytest.mark.parametrize("major", MAJORS)
+@pytest.mark.parametrize("name", [kl.norm_partial_name, kl.norm_one_name], ids=["partial", "one"])
 @pytest.mark.parametrize("kind", ["l1", "l2", "p"])
-def test_norm_partial_loads_the_leaf_with_the_item(kind, major):
+def test_norm_partial_loads_the_leaf_with_the_item(kind, name, major):
     # The item's slot, start and len, then its leaf's data pointer, dtype tag
     # and ndim, all before the first branch: one load latency between the
     # item and its data, where reading each leaf field inside the branch the
     # one before chose made three.
-    loads = _first_block_loads(major, kl.norm_partial_name(kind))
-    assert loads >= 6, f"norm_partial {kind} (CUDA {major}): {loads} loads before the first branch, expected at least 6"
+    loads = _first_block_loads(major, name(kind))
+    assert loads >= 6, f"{name(kind)} (CUDA {major}): {loads} loads before the first branch, expected at least 6"
 
 
 # Block barriers of the norm finisher: three for each of its two block trees
@@ -298,3 +307,19 @@ def test_norm_finisher_barriers(kind, major):
     barriers = sum(ins.startswith("BAR") for ins in instructions)
     assert barriers <= MAX_FINISH_BARRIERS, \
         f"norm_finish {kind} (CUDA {major}): {barriers} block barriers, expected at most {MAX_FINISH_BARRIERS}"
+
+
+@pytest.mark.parametrize("major", MAJORS)
+@pytest.mark.parametrize("kind", list(kl.NORM_KINDS))
+def test_the_one_launch_norm_reads_the_partials_coherently(kind, major):
+    # The block finishing gpuflat_norm_one reads partials other blocks wrote
+    # in the same launch: after its ticket (the one atomic) they are plain
+    # loads (LDG.E.64, two batches of GF_FINISH_SLOTS: the partials and the
+    # flags), never through the read-only cache (.CONSTANT), which holds no
+    # promise for memory written during the launch. The one read-only load
+    # left is the first bad item's slot, from the items table.
+    instructions, _ = _sass(major)[kl.norm_one_name(kind)]
+    ticket = next(i for i, ins in enumerate(instructions) if ins.startswith("ATOMG.E.ADD.64"))
+    loads = [ins.split()[0] for ins in instructions[ticket:] if ins.startswith("LDG")]
+    assert loads.count("LDG.E.64") >= 16 and loads.count("LDG.E.64.CONSTANT") <= 1, \
+        f"{kl.norm_one_name(kind)} (CUDA {major}): loads after the ticket {loads}"

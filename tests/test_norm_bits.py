@@ -286,6 +286,43 @@ def test_the_finisher_sums_many_items_partials_in_the_order():
     for name in ("host", "emulated"):
         assert int(get_backend(name).norms(gf.plan(tree), gf.trainables(tree), 2.0, False).first_nonfinite) == bad
 
+
+@pytest.mark.parametrize("seed", range(0, CASES, 2))
+def test_the_one_launch_norm_gives_the_two_launches_bits(seed):
+    # Without per-leaf norms the emulated kernels take one launch
+    # (gpuflat_norm_one: the block drawing the last ticket adds every
+    # partial); with them, two (the partials, then the finisher). The total,
+    # the unrooted total and the first non-finite leaf are the same bits
+    # either way, and the host library's, whichever block finishes (grids
+    # of 1 to 3 blocks), for the random mixed trees (empty, 0-d, strided,
+    # non-finite leaves, every dtype) and for thousands of small leaves
+    # (several partials per finishing thread, which it loads in batches).
+    from gpuflat._src.backends.cuda import CudaBackend
+    from gpuflat._src.backends.cuda_runtime import EmulatedRuntime
+
+    leaves, bad = gradient_case(seed)
+    if seed % 4 == 0:
+        rng = np.random.default_rng(seed)
+        leaves = leaves + [cast(rng.standard_normal(int(n)), DTYPES[i % len(DTYPES)])
+                           for i, n in enumerate(rng.choice([0, 1, 3, 100], 2_200))]
+    tree = {f"g{i:05d}": a for i, a in enumerate(leaves)}
+    plan, trainables = gf.plan(tree), gf.trainables(tree)
+    host = get_backend("host")
+    for p in ORDS:
+        want = host.norms(plan, trainables, p, True)
+        for grid in (1, 2, 3):
+            be = CudaBackend(EmulatedRuntime(), grid=grid)
+            one = be.norms(plan, trainables, p, False)
+            assert be.stats.launches == 1
+            two = be.norms(plan, trainables, p, True)
+            assert be.stats.launches == 3
+            for r in (one, two):
+                assert bits(r.total) == bits(want.total), (p, grid)
+                assert bits(r.power_sum) == bits(want.power_sum), (p, grid)
+                assert int(r.first_nonfinite) == int(want.first_nonfinite) == (-1 if bad is None else bad)
+            assert bits(two.per_leaf) == bits(want.per_leaf), (p, grid)
+
+
 def test_a_compiled_clip_returns_the_trees_bits():
     leaves, _ = gradient_case(1)
     params = [torch.nn.Parameter(torch.zeros(a.shape, dtype=_torch_tensor(a).dtype)) for a in leaves]

@@ -96,17 +96,26 @@ def norm_finish_name(kind: str) -> str:
     return f"gpuflat_norm_finish<{NORM_KINDS[kind]}>"
 
 
+def norm_one_name(kind: str) -> str:
+    """Name expression of the one-launch norm (no per-leaf norms).
+
+    >>> norm_one_name("l2")
+    'gpuflat_norm_one<1>'
+    """
+    return f"gpuflat_norm_one<{NORM_KINDS[kind]}>"
+
+
 def name_expressions() -> list[str]:
     """Every kernel instantiation the backends may launch.
 
     Gather and scatter are templated on the flat dtype (the leaf dtype is a
-    runtime tag, so a mixed-dtype tree is one launch); the norm kernels on the
-    norm kind; the clip takes max_norm by value or from device memory. Every
+    runtime tag, so a mixed-dtype tree is one launch); the norm kernels (two
+    launches, or one) on the norm kind; the clip takes max_norm by value or from device memory. Every
     dtype of gpuflat._src.dtypes is instantiated, whether or not the package that
     provides it (ml_dtypes, for bfloat16) is installed.
 
     >>> rules = sum(len(rule.kernel_names()) for rule in RULES.values())
-    >>> len(name_expressions()) == 2 * len(C_NAMES) + 2 * len(NORM_KINDS) + 2 + rules + 2
+    >>> len(name_expressions()) == 2 * len(C_NAMES) + 3 * len(NORM_KINDS) + 2 + rules + 2
     True
     >>> "gpuflat_gather<bf16>" in name_expressions()
     True
@@ -115,7 +124,7 @@ def name_expressions() -> list[str]:
     for c in C_NAMES:
         names += [GATHER.format(c), SCATTER.format(c)]
     for kind in NORM_KINDS:
-        names += [norm_partial_name(kind), norm_finish_name(kind)]
+        names += [norm_partial_name(kind), norm_finish_name(kind), norm_one_name(kind)]
     names += [SCALE_NAME, SCALE_AT_NAME]
     names += [name for rule in RULES.values() for name in rule.kernel_names()]
     names += [COUNT_STEPS_NAME, ROW_STATS_NAME]

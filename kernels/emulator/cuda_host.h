@@ -702,6 +702,15 @@ inline void __syncthreads() {
 }
 [[noreturn]] inline void __trap() { ::gpuflat_emu::fail("__trap()"); }
 
+// Device-wide atomics and fences. Blocks run one after another, but a
+// block's threads run at once on host threads, so the add is a real atomic
+// read-modify-write (returning the old value, as CUDA's) and the fence a
+// sequentially consistent one: exact for any number of callers.
+inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long val) {
+    return std::atomic_ref<unsigned long long>(*address).fetch_add(val);
+}
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
 // Device-side assert: fails the launch (as on the GPU) instead of aborting
 // the host process.
 #undef assert

@@ -1,6 +1,7 @@
 """The CUDA backend: whole-tree operations as a fixed number of kernel launches.
 
-gather 1 launch, scatter 1, norms 2, clip_ 1, whatever the number of leaves.
+gather 1 launch, scatter 1, norms 1 (2 with per-leaf norms), clip_ 1, whatever the
+number of leaves.
 
 Host side, this module only builds tables; the kernels (kernels/*.cu) do the
 work. The tables:
@@ -34,6 +35,8 @@ The same code drives the GPU (``CupyRuntime``) and the host emulator
 (14.0, array([6., 8.]), -1)
 >>> be.stats.launches, be.stats.syncs
 (2, 0)
+>>> _ = be.norms(plan, leaves, 2, per_leaf=False); be.stats.launches
+3
 """
 from __future__ import annotations
 
@@ -152,7 +155,8 @@ class CudaBackend:
 
     def norms(self, plan: FlatPlan, leaves: Sequence[Any] | LeafRows, ord: float, per_leaf: bool) -> NormResult:
         """The total norm, the first non-finite slot and, with ``per_leaf``,
-        each leaf's norm (2 launches), in kernels/norms.cu's order.
+        each leaf's norm (1 launch, and a 16-byte memset; 2 launches with
+        ``per_leaf``), in kernels/norms.cu's order.
 
         A leaf filling one dense block of memory in another order than C's
         (transposed, channels_last, reversed) is summed in memory order, any
@@ -162,25 +166,43 @@ class CudaBackend:
         rt = self.runtime
         st = _static_tables(plan, rt)
         table = self._leaf_table(st, plan, leaves)
-        n_slots = len(plan.leaves)
-        per = rt.empty(n_slots if per_leaf else 0, np.float64)
         # totals[0] the norm (the clip kernel reads it), totals[1] the unrooted
         # total it is the root of; one allocation, exposed as two 0-d views.
         totals = rt.empty(2, np.float64)
-        first = rt.empty((), np.int64)
         # Scratch per call, not per plan: two threads norming same-shaped
         # trees share the plan, and their launches may interleave. Each item's
         # partial, then each item's non-finite flag; every word is written.
         partial = rt.empty(2 * st.n_items, np.float64)
+        if not per_leaf:
+            # One launch (gpuflat_norm_one): the block that finishes last adds
+            # every partial. Its ticket word is zeroed here, in one memset with
+            # the first-bad word the kernel overwrites anyway: a word per call
+            # is never shared by two launches in flight (two streams norming
+            # one plan, a graph's replay beside a direct call), and a memset is
+            # captured into a CUDA graph with the launch, so every replay
+            # starts from 0, where a word kept per plan or per stream would
+            # need its own care for each of those.
+            words = rt.zeros(2, np.int64)
+            first, ticket = words[:1].reshape(()), words[1:]
+            block = FINISH_THREADS
+            grid = self.grid or int(max(1, min(rt.max_grid, -(-st.n_items // (block // WARP)))))
+            rt.launch(kl.norm_one_name(kind), grid, block,
+                      [st.items, np.int64(st.n_items), table.array, np.float64(p), partial, ticket, totals,
+                       first], (st.uploaded, table))
+            return NormResult(totals[:1].reshape(()), None, first, totals[1:].reshape(()))
+        n_slots = len(plan.leaves)
+        per = rt.empty(n_slots, np.float64)
+        first = rt.empty((), np.int64)
         self._launch(kl.norm_partial_name(kind), st,
                      [st.items, np.int64(st.n_items), table.array, np.float64(p), partial], table)
-        # The total never reads the per-leaf norms (kernels/norms.cu's order):
-        # they are finished only when asked for.
+        # The leaves' own norms need the finisher's registers (about 150 a
+        # thread, kernels/norms.cu): a launch of its own, apart from the
+        # partials' kernel and its 64.
         rt.launch(kl.norm_finish_name(kind), 1, FINISH_THREADS,
                   [st.items, np.int64(st.n_items), partial, st.slot_items,
-                   np.int64(n_slots), st.big_slots, np.int64(st.n_big), np.float64(p), np.int64(per_leaf),
-                   per, totals, first], (st.uploaded,))
-        return NormResult(totals[:1].reshape(()), per if per_leaf else None, first, totals[1:].reshape(()))
+                   np.int64(n_slots), st.big_slots, np.int64(st.n_big), np.float64(p), per,
+                   totals, first], (st.uploaded,))
+        return NormResult(totals[:1].reshape(()), per, first, totals[1:].reshape(()))
 
     def clip_(self, plan: FlatPlan, leaves: Sequence[Any] | LeafRows, total: Any, max_norm: Any, eps: float,
               flat: Any = None) -> None:
