@@ -21,6 +21,9 @@
 #include "host_items.h"
 
 #define GF_EXPORT extern "C" __attribute__((visibility("default")))
+// For the statistics' lambdas and helpers: the update's loop around them is
+// vectorised only when they are inlined into it (fused_stats).
+#define GF_ALWAYS_INLINE __attribute__((always_inline))
 
 namespace {
 
@@ -135,45 +138,177 @@ inline void lanes_total(const double* sd, const double* sw, double* out) {
 // The statistics' lanes (item_stats).
 constexpr int STATS_LANES = 32;
 
-// The update statistics of an item of a row whose parameter p is stored in
-// its compute type C (float32 and float64 rows kept plain; the others are
-// staged): the kernels' gf_lane_stats, sums of d^2 and w^2 over its
-// elements, d = w - held, as gf_unseen tells them, written to out[0] and
-// out[1]; without `out`, run(first, n) alone. run(f, m) updates elements
-// [f, f + m). The update runs over chunks of CHUNK elements; each
-// element's d * d and w * w, rounded once in C, go to one of LANES double
-// sums (element i of the item to lane i % LANES), added in a fixed order
-// at the end: the bits depend on the item alone, never on the threads.
-// LANES is wide so that the sums are many independent chains (four vectors
-// of eight doubles each): with 8 lanes, the latency of their additions
-// made the statistics cost five times as much.
-//
-// w is what the update stores, so the chunk's held values are kept first
-// and the update runs as it does without statistics (gf_unseen: the loop
-// the compiler vectorises; one with a callback storing two more arrays was
-// not, and took three times as long), then d and w come from the chunk and
-// what was kept, in cache, straight into the sums. The held values are
-// kept negated, d = w + (-held) being the same bits as w - held: a plain
-// copy the compiler turns into a call of memmove, whose string copy of each
-// 4 KiB chunk took more than half the update's own time on an AMD EPYC.
-template <class C, class Run>
-void item_stats(double* out, C* p, long long first, long long n, Run run) {
-    if (out == nullptr) return run(first, n);
-    constexpr int CHUNK = 1024, LANES = STATS_LANES;
-    static_assert(CHUNK % LANES == 0, "a chunk starts at lane 0");
-    alignas(64) C a[CHUNK];  // the held values negated
-    double sd[LANES] = {}, sw[LANES] = {};
-    for (long long c = first; c < first + n; c += CHUNK) {
-        const int m = (int)std::min<long long>(CHUNK, first + n - c);
-        for (int j = 0; j < m; ++j) a[j] = -p[c + j];
-        run(c, m);
-        add_lanes<LANES>(sd, sw, m, [&](int j, double& d2, double& w2) {
-            const C w = p[c + j], d = w + a[j];
-            d2 = (double)(d * d);
-            w2 = (double)(w * w);
-        });
+// A 64-byte vector of C (float or double).
+template <class C>
+struct Vec64;
+template <>
+struct Vec64<float> {
+    typedef float type __attribute__((vector_size(64)));
+};
+template <>
+struct Vec64<double> {
+    typedef double type __attribute__((vector_size(64)));
+};
+
+// The update statistics' sums (fused_stats): STATS_LANES sums of d^2 and of
+// w^2 in C over a chunk (element j of an item to lane j % STATS_LANES, in
+// increasing j), added to STATS_LANES double sums at the end of each chunk
+// (flush), which are added in lane order at the end (total). All are
+// vectors, which the compiler keeps in registers (as arrays of doubles,
+// its vectorised loops kept them in memory, each addition a store and a
+// load).
+template <class C>
+struct StatsLanes {
+    typedef double V __attribute__((vector_size(64)));
+    using P = typename Vec64<C>::type;
+    static constexpr int E = 64 / sizeof(C), NP = STATS_LANES / E, N = STATS_LANES / 8;
+    P pd[NP] = {}, pw[NP] = {};
+    V d[N] = {}, w[N] = {};
+
+    // dd[l] and ww[l] to lane l.
+    inline void add(const C* dd, const C* ww) {
+        for (int q = 0; q < NP; ++q) {
+            P x, y;
+            for (int e = 0; e < E; ++e) {
+                x[e] = dd[E * q + e];
+                y[e] = ww[E * q + e];
+            }
+            pd[q] += x;
+            pw[q] += y;
+        }
     }
-    lanes_total<LANES>(sd, sw, out);
+
+    // The chunk's sums to the double sums, and the chunk's sums zeroed.
+    // Converted element by element: GCC 12 split __builtin_convertvector
+    // from eight floats into halves, with shuffles, where this loop is one
+    // conversion.
+    inline void flush() {
+        for (int q = 0; q < N; ++q) {
+            V x, y;
+            for (int e = 0; e < 8; ++e) {
+                x[e] = (double)pd[(8 * q + e) / E][(8 * q + e) % E];
+                y[e] = (double)pw[(8 * q + e) / E][(8 * q + e) % E];
+            }
+            d[q] += x;
+            w[q] += y;
+        }
+        for (int q = 0; q < NP; ++q) pd[q] = pw[q] = P{};
+    }
+
+    void total(double* out) const {
+        double x = 0.0, y = 0.0;
+        for (int l = 0; l < STATS_LANES; ++l) {
+            x += d[l / 8][l % 8];
+            y += w[l / 8][l % 8];
+        }
+        out[0] = x;
+        out[1] = y;
+    }
+};
+
+// m <= STATS_LANES elements: one(l, held, w) updates element l and gives
+// its held and new values; their d * d and w * w to lanes 0 .. m - 1.
+// The rest of the lanes get zeros, which change no sum (every sum starts
+// at +0 and adds squares).
+template <class C, class One>
+GF_ALWAYS_INLINE inline void stats_block(StatsLanes<C>& s, int m, One one) {
+    alignas(64) C dd[STATS_LANES], ww[STATS_LANES];
+    for (int l = 0; l < m; ++l) {
+        C held, w;
+        one(l, held, w);
+        const C d = w - held;
+        dd[l] = d * d;
+        ww[l] = w * w;
+    }
+    for (int l = m; l < STATS_LANES; ++l) dd[l] = ww[l] = (C)0;
+    s.add(dd, ww);
+}
+
+// The update statistics of an item of n elements of a row whose parameter
+// is stored in its compute type C (float32 and float64 rows kept plain;
+// the others are staged): the kernels' gf_lane_stats, sums of d^2 and w^2
+// over its elements, d = w - held, as the rule's seen callback gives them,
+// written to out[0] and out[1]. one(j, held, w) updates the item's element
+// j. Each element's d * d and w * w, rounded once in C, go to one of
+// STATS_LANES sums (element j to lane j % STATS_LANES), in C over chunks
+// of STATS_CHUNK elements, then in double; the double sums are added in a
+// fixed order at the end: the bits depend on the item alone, never on the
+// threads. The lanes are many independent chains (four vectors each):
+// with 8 lanes, the latency of their additions made the statistics cost
+// five times as much.
+//
+// The update and the sums run in one pass, a block of STATS_LANES elements
+// at a time (the update's loop vectorised over the block, the held values
+// never leaving registers): the update is bound by its memory traffic, so
+// the squares and sums beside it cost little. A pass over each chunk after
+// the update, from a copy of its held values, cost three times as much.
+//
+// Float rows sum 32 terms per lane in float before double (a chunk of
+// 1024), all positive: within 32 roundings of float, 1.9e-6 relative at
+// worst (the kernels' own float sums: 2.4e-6), and no conversion per
+// element. Double rows add each square to the double sums directly.
+template <class C, class One>
+GF_ALWAYS_INLINE inline void fused_stats(double* out, long long n, One one) {
+    constexpr int CHUNK = gf_same<C, float>::value ? 32 * STATS_LANES : STATS_LANES;
+    StatsLanes<C> s;
+    for (long long c = 0; c < n; c += CHUNK) {
+        const long long end = std::min<long long>(n, c + CHUNK);
+        long long j = c;
+        for (; j + STATS_LANES <= end; j += STATS_LANES)
+            stats_block<C>(s, STATS_LANES, [&](int l, C& held, C& w) GF_ALWAYS_INLINE { one(j + l, held, w); });
+        if (j < end) stats_block<C>(s, (int)(end - j), [&](int l, C& held, C& w) GF_ALWAYS_INLINE { one(j + l, held, w); });
+        s.flush();
+    }
+    s.total(out);
+}
+
+// seen (gf_unseen) keeping the held and new values.
+template <class C>
+struct Keep {
+    C& held;
+    C& w;
+    GF_ALWAYS_INLINE void operator()(long long, C h, C x) const {
+        held = h;
+        w = x;
+    }
+};
+
+// gf_adamw_range<1> over elements [first, first + n) with the update
+// statistics to out (fused_stats); without out, gf_adamw_range<1> itself.
+// Not inlined, so that the compiler keeps its pointers' __restrict (in
+// the caller, it versioned the loop for aliasing among them and the
+// statistics' arrays, and ran the scalar version). The loop is written
+// once for each lerp_from_grad, which the compiler otherwise tests per
+// block: the two ways then met in every block, and its statistics went
+// through the stack.
+template <class S>
+__attribute__((noinline)) void adamw_stats(double* out, S* __restrict p, const S* __restrict g, S* __restrict m,
+                                           S* __restrict v, S* __restrict vmax, long long first, long long n,
+                                           const gf_adamw_coefs<S> k) {
+    if (out == nullptr) return gf_adamw_range<1>(p, g, m, v, vmax, first, n, k);
+    p += first, g += first, m += first, v += first, vmax += first;
+    if (k.amsgrad) {
+        const auto one = [&](long long i, S& held, S& w) GF_ALWAYS_INLINE {
+            gf_amsgrad_one(p[i], g[i], m[i], v[i], vmax[i], k, i, Keep<S>{held, w});
+        };
+        if (k.lerp_from_grad) fused_stats<S>(out, n, one);
+        else fused_stats<S>(out, n, one);
+    } else {
+        const auto one = [&](long long i, S& held, S& w) GF_ALWAYS_INLINE {
+            gf_adamw_one(p[i], g[i], m[i], v[i], k, i, Keep<S>{held, w});
+        };
+        if (k.lerp_from_grad) fused_stats<S>(out, n, one);
+        else fused_stats<S>(out, n, one);
+    }
+}
+
+// gf_sgd_range<1> likewise.
+template <class S>
+__attribute__((noinline)) void sgd_stats(double* out, S* __restrict p, const S* __restrict g, S* __restrict buf, long long first, long long n,
+               const gf_sgd_coefs<S> k) {
+    if (out == nullptr) return gf_sgd_range<1>(p, g, buf, first, n, k);
+    p += first, g += first, buf += first;
+    fused_stats<S>(out, n, [&](long long i, S& held, S& w) GF_ALWAYS_INLINE { gf_sgd_one(p[i], g[i], buf[i], k, i, Keep<S>{held, w}); });
 }
 
 // ---------------------------------------------------------------- staged updates
@@ -375,18 +510,13 @@ bool plain_rows(int rule, const ParamRow* rows, long long n_rows, const double* 
             for_row_items(rows, n_rows, threads, [&](const ParamRow& r, long long first, long long n, long long item) {
                 const double* h = hyper + r.group * GF_HYPER;
                 const double lr = gf_group_lr(h, lr_at, r.group);
-                if (rule == GF_RULE_ADAMW) {
-                    const auto k = gf_adamw_setup<C>(h, gf_adamw_row_step(r), factor, lr);
-                    item_stats(item_partial(partial, item), (S*)r.param, first, n, [&](long long f, long long m) {
-                        gf_adamw_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, (S*)r.state1, (S*)r.state2,
-                                          f, m, k);
-                    });
-                } else {
-                    const auto k = gf_sgd_setup<C>(h, gf_sgd_row_step(r, h), factor, lr);
-                    item_stats(item_partial(partial, item), (S*)r.param, first, n, [&](long long f, long long m) {
-                        gf_sgd_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, f, m, k);
-                    });
-                }
+                if (rule == GF_RULE_ADAMW)
+                    adamw_stats<S>(item_partial(partial, item), (S*)r.param, (const S*)r.grad, (S*)r.state0,
+                                   (S*)r.state1, (S*)r.state2, first, n,
+                                   gf_adamw_setup<C>(h, gf_adamw_row_step(r), factor, lr));
+                else
+                    sgd_stats<S>(item_partial(partial, item), (S*)r.param, (const S*)r.grad, (S*)r.state0, first, n,
+                                 gf_sgd_setup<C>(h, gf_sgd_row_step(r, h), factor, lr));
             });
             break;
 #define GF_RULE_CASE(number, R) \
