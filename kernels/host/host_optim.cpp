@@ -150,49 +150,70 @@ struct Vec64<double> {
     typedef double type __attribute__((vector_size(64)));
 };
 
+// acc + x * x, rounded once (a fused multiply-add) where the machine has
+// one; without, std::fma would be a library call per element, and the
+// square is rounded before the sum.
+template <class C>
+GF_ALWAYS_INLINE inline C add_square(C acc, C x) {
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+    return std::fma(x, x, acc);
+#else
+    return acc + x * x;
+#endif
+}
+
+// The elements of an item whose statistics' sums in C go to the double
+// sums at once (fused_stats).
+constexpr int STATS_CHUNK = 32 * STATS_LANES;
+
 // The update statistics' sums (fused_stats): STATS_LANES sums of d^2 and of
-// w^2 in C over a chunk (element j of an item to lane j % STATS_LANES, in
-// increasing j), added to STATS_LANES double sums at the end of each chunk
-// (flush), which are added in lane order at the end (total). All are
-// vectors, which the compiler keeps in registers (as arrays of doubles,
-// its vectorised loops kept them in memory, each addition a store and a
-// load).
+// w^2 (element j of an item to lane j % STATS_LANES, in increasing j), in
+// double (total adds them in lane order at the end). A float row's squares
+// go to float sums over each chunk of STATS_CHUNK elements first, which
+// flush adds to the double sums. All are vectors, which the compiler keeps
+// in registers (as arrays, its vectorised loops kept them in memory, each
+// addition a store and a load).
 template <class C>
 struct StatsLanes {
     typedef double V __attribute__((vector_size(64)));
     using P = typename Vec64<C>::type;
+    static constexpr bool DIRECT = gf_same<C, double>::value;
     static constexpr int E = 64 / sizeof(C), NP = STATS_LANES / E, N = STATS_LANES / 8;
-    P pd[NP] = {}, pw[NP] = {};
+    P pd[NP] = {}, pw[NP] = {};  // a float row's chunk sums
     V d[N] = {}, w[N] = {};
 
-    // dd[l] and ww[l] to lane l.
-    inline void add(const C* dd, const C* ww) {
+    // dd[l]^2 and ww[l]^2 to lane l.
+    GF_ALWAYS_INLINE void add(const C* dd, const C* ww) {
+        P* const sd = sums(pd, d);
+        P* const sw = sums(pw, w);
         for (int q = 0; q < NP; ++q) {
             P x, y;
             for (int e = 0; e < E; ++e) {
-                x[e] = dd[E * q + e];
-                y[e] = ww[E * q + e];
+                x[e] = add_square(sd[q][e], dd[E * q + e]);
+                y[e] = add_square(sw[q][e], ww[E * q + e]);
             }
-            pd[q] += x;
-            pw[q] += y;
+            sd[q] = x;
+            sw[q] = y;
         }
     }
 
-    // The chunk's sums to the double sums, and the chunk's sums zeroed.
+    // A float row's chunk sums added to the double sums, and zeroed.
     // Converted element by element: GCC 12 split __builtin_convertvector
     // from eight floats into halves, with shuffles, where this loop is one
     // conversion.
-    inline void flush() {
-        for (int q = 0; q < N; ++q) {
-            V x, y;
-            for (int e = 0; e < 8; ++e) {
-                x[e] = (double)pd[(8 * q + e) / E][(8 * q + e) % E];
-                y[e] = (double)pw[(8 * q + e) / E][(8 * q + e) % E];
+    GF_ALWAYS_INLINE void flush() {
+        if constexpr (!DIRECT) {
+            for (int q = 0; q < N; ++q) {
+                V x, y;
+                for (int e = 0; e < 8; ++e) {
+                    x[e] = (double)pd[(8 * q + e) / E][(8 * q + e) % E];
+                    y[e] = (double)pw[(8 * q + e) / E][(8 * q + e) % E];
+                }
+                d[q] += x;
+                w[q] += y;
             }
-            d[q] += x;
-            w[q] += y;
+            for (int q = 0; q < NP; ++q) pd[q] = pw[q] = P{};
         }
-        for (int q = 0; q < NP; ++q) pd[q] = pw[q] = P{};
     }
 
     void total(double* out) const {
@@ -204,21 +225,27 @@ struct StatsLanes {
         out[0] = x;
         out[1] = y;
     }
+
+  private:
+    // Where the squares go: the double sums themselves for a double row.
+    static P* sums(P* chunk, V* whole) {
+        if constexpr (DIRECT) return whole;
+        else return chunk;
+    }
 };
 
 // m <= STATS_LANES elements: one(l, held, w) updates element l and gives
-// its held and new values; their d * d and w * w to lanes 0 .. m - 1.
-// The rest of the lanes get zeros, which change no sum (every sum starts
-// at +0 and adds squares).
+// its held and new values; (w - held)^2 and w^2 to lanes 0 .. m - 1. The
+// rest of the lanes get zeros' squares, which change no sum (every sum
+// starts at +0 and adds squares).
 template <class C, class One>
 GF_ALWAYS_INLINE inline void stats_block(StatsLanes<C>& s, int m, One one) {
     alignas(64) C dd[STATS_LANES], ww[STATS_LANES];
     for (int l = 0; l < m; ++l) {
         C held, w;
         one(l, held, w);
-        const C d = w - held;
-        dd[l] = d * d;
-        ww[l] = w * w;
+        dd[l] = w - held;
+        ww[l] = w;
     }
     for (int l = m; l < STATS_LANES; ++l) dd[l] = ww[l] = (C)0;
     s.add(dd, ww);
@@ -229,34 +256,34 @@ GF_ALWAYS_INLINE inline void stats_block(StatsLanes<C>& s, int m, One one) {
 // the others are staged): the kernels' gf_lane_stats, sums of d^2 and w^2
 // over its elements, d = w - held, as the rule's seen callback gives them,
 // written to out[0] and out[1]. one(j, held, w) updates the item's element
-// j. Each element's d * d and w * w, rounded once in C, go to one of
-// STATS_LANES sums (element j to lane j % STATS_LANES), in C over chunks
-// of STATS_CHUNK elements, then in double; the double sums are added in a
-// fixed order at the end: the bits depend on the item alone, never on the
-// threads. The lanes are many independent chains (four vectors each):
-// with 8 lanes, the latency of their additions made the statistics cost
-// five times as much.
+// j. Each element's d and w go to one of STATS_LANES sums (StatsLanes),
+// whose order of additions is fixed: the bits depend on the item alone,
+// never on the threads. The lanes are many independent chains (four
+// vectors each): with 8 lanes, the latency of their additions made the
+// statistics cost five times as much.
 //
 // The update and the sums run in one pass, a block of STATS_LANES elements
 // at a time (the update's loop vectorised over the block, the held values
 // never leaving registers): the update is bound by its memory traffic, so
 // the squares and sums beside it cost little. A pass over each chunk after
-// the update, from a copy of its held values, cost three times as much.
+// the update, from a copy of its held values, cost three times as much;
+// converting every square to double, a third more than float sums.
 //
-// Float rows sum 32 terms per lane in float before double (a chunk of
-// 1024), all positive: within 32 roundings of float, 1.9e-6 relative at
-// worst (the kernels' own float sums: 2.4e-6), and no conversion per
-// element. Double rows add each square to the double sums directly.
+// Precision: a float lane's sum over a chunk is 32 terms, all positive,
+// each square added with one rounding (two without a fused multiply-add):
+// within 32 (64) roundings of float, 1.9e-6 (3.8e-6) relative at worst;
+// the kernels' own float sums are within about 40 (2.4e-6). The double
+// sums add little more.
 template <class C, class One>
 GF_ALWAYS_INLINE inline void fused_stats(double* out, long long n, One one) {
-    constexpr int CHUNK = gf_same<C, float>::value ? 32 * STATS_LANES : STATS_LANES;
     StatsLanes<C> s;
-    for (long long c = 0; c < n; c += CHUNK) {
-        const long long end = std::min<long long>(n, c + CHUNK);
+    for (long long c = 0; c < n; c += STATS_CHUNK) {
+        const long long end = std::min<long long>(n, c + STATS_CHUNK);
         long long j = c;
         for (; j + STATS_LANES <= end; j += STATS_LANES)
             stats_block<C>(s, STATS_LANES, [&](int l, C& held, C& w) GF_ALWAYS_INLINE { one(j + l, held, w); });
-        if (j < end) stats_block<C>(s, (int)(end - j), [&](int l, C& held, C& w) GF_ALWAYS_INLINE { one(j + l, held, w); });
+        if (j < end)
+            stats_block<C>(s, (int)(end - j), [&](int l, C& held, C& w) GF_ALWAYS_INLINE { one(j + l, held, w); });
         s.flush();
     }
     s.total(out);
