@@ -101,41 +101,7 @@ void for_row_items(const ParamRow* rows, long long n_rows, int threads, Body bod
     share(items, total, threads, [&](const Item& it) { body(rows[it.slot], it.start, it.len, &it - first); });
 }
 
-// Adds term(j, d2, w2)'s two values for j = 0 .. m - 1 to sd[j % LANES] and
-// sw[j % LANES], in increasing j: whole runs of LANES as one unrolled inner
-// loop (which the compiler vectorises across the lanes), then the tail.
-template <int LANES, class Term>
-inline void add_lanes(double* sd, double* sw, int m, Term term) {
-    int j = 0;
-    for (; j + LANES <= m; j += LANES) {
-        for (int l = 0; l < LANES; ++l) {
-            double d2, w2;
-            term(j + l, d2, w2);
-            sd[l] += d2;
-            sw[l] += w2;
-        }
-    }
-    for (int l = 0; j + l < m; ++l) {
-        double d2, w2;
-        term(j + l, d2, w2);
-        sd[l] += d2;
-        sw[l] += w2;
-    }
-}
-
-// The lanes' sums added in lane order into out[0] and out[1].
-template <int LANES>
-inline void lanes_total(const double* sd, const double* sw, double* out) {
-    double x = 0.0, y = 0.0;
-    for (int l = 0; l < LANES; ++l) {
-        x += sd[l];
-        y += sw[l];
-    }
-    out[0] = x;
-    out[1] = y;
-}
-
-// The statistics' lanes (item_stats).
+// The statistics' lanes (fused_stats).
 constexpr int STATS_LANES = 32;
 
 // A 64-byte vector of C (float or double).
@@ -397,7 +363,8 @@ inline bool unswitched(const gf_adamw_coefs<C>& k) { return k.amsgrad; }
 // states read from their own dtypes (an absent or unused one, gf_rule_uses,
 // reads as 0 and is never written), the parameter kept as the word's keep
 // says, stochastic rounding drawn at `step`. With `out`, the item's update
-// statistics there, summed as item_stats sums them.
+// statistics there, summed as fused_stats sums them (a chunk's float sums
+// to the double ones after each STAGE elements).
 template <class R, class P>
 void staged(const ParamRow& r, long long first, long long n,
             const typename R::template coefs<typename gf_compute<P>::type> k, unsigned step, double* out) {
@@ -408,7 +375,7 @@ void staged(const ParamRow& r, long long first, long long n,
     bool used[R::STATES];
     for (int t = 0; t < R::STATES; ++t) used[t] = gf_row_state(r, t) != 0 && gf_rule_uses(k, t);
     alignas(64) C p[STAGE], held[STAGE], g[STAGE], s[R::STATES][STAGE];
-    double sd[STATS_LANES] = {}, sw[STATS_LANES] = {};
+    StatsLanes<C> sums;
     for (long long c = first; c < first + n; c += STAGE) {
         const int m = (int)std::min<long long>(STAGE, first + n - c);
         if (keep == GF_KEEP_MASTER) {
@@ -429,7 +396,9 @@ void staged(const ParamRow& r, long long first, long long n,
                 widen(s[t], (const decltype(z)*)gf_row_state(r, t) + c, m);
             });
         }
-        // The held values negated (a plain copy is a call of memmove: item_stats).
+        // The held values, negated: a plain copy the compiler turns into a call
+        // of memmove, whose string copy took more than half the update's own
+        // time on an AMD EPYC.
         if (out != nullptr)
             for (int j = 0; j < m; ++j) held[j] = -p[j];
         const auto math = [&] {
@@ -442,12 +411,17 @@ void staged(const ParamRow& r, long long first, long long n,
         };
         if (unswitched(k)) math();
         else math();
+        // The chunk's statistics from the arrays, as fused_stats sums them.
         if (out != nullptr) {
-            add_lanes<STATS_LANES>(sd, sw, m, [&](int j, double& d2, double& w2) {
-                const C w = p[j], d = w + held[j];
-                d2 = (double)(d * d);
-                w2 = (double)(w * w);
-            });
+            const auto kept = [&](int j, C& h, C& w) GF_ALWAYS_INLINE {
+                h = -held[j];
+                w = p[j];
+            };
+            int j = 0;
+            for (; j + STATS_LANES <= m; j += STATS_LANES)
+                stats_block<C>(sums, STATS_LANES, [&](int l, C& h, C& w) GF_ALWAYS_INLINE { kept(j + l, h, w); });
+            if (j < m) stats_block<C>(sums, m - j, [&](int l, C& h, C& w) GF_ALWAYS_INLINE { kept(j + l, h, w); });
+            sums.flush();
         }
         for (int t = 0; t < R::STATES; ++t) {
             if (!used[t]) continue;
@@ -480,7 +454,7 @@ void staged(const ParamRow& r, long long first, long long n,
             narrow(dst, p, m);
         }
     }
-    if (out != nullptr) lanes_total<STATS_LANES>(sd, sw, out);
+    if (out != nullptr) sums.total(out);
 }
 
 // A rule R (gpuflat_optim.cuh) over a flat buffer, staged: the update of
