@@ -374,7 +374,7 @@ void staged(const ParamRow& r, long long first, long long n,
     const P* const grad = (const P*)r.grad;
     bool used[R::STATES];
     for (int t = 0; t < R::STATES; ++t) used[t] = gf_row_state(r, t) != 0 && gf_rule_uses(k, t);
-    alignas(64) C p[STAGE], held[STAGE], g[STAGE], s[R::STATES][STAGE];
+    alignas(64) C p[STAGE], g[STAGE], s[R::STATES][STAGE];
     StatsLanes<C> sums;
     for (long long c = first; c < first + n; c += STAGE) {
         const int m = (int)std::min<long long>(STAGE, first + n - c);
@@ -396,11 +396,6 @@ void staged(const ParamRow& r, long long first, long long n,
                 widen(s[t], (const decltype(z)*)gf_row_state(r, t) + c, m);
             });
         }
-        // The held values, negated: a plain copy the compiler turns into a call
-        // of memmove, whose string copy took more than half the update's own
-        // time on an AMD EPYC.
-        if (out != nullptr)
-            for (int j = 0; j < m; ++j) held[j] = -p[j];
         const auto math = [&] {
             for (int j = 0; j < m; ++j) {
                 C sc[R::STATES];
@@ -409,19 +404,30 @@ void staged(const ParamRow& r, long long first, long long n,
                 for (int t = 0; t < R::STATES; ++t) s[t][j] = sc[t];
             }
         };
-        if (unswitched(k)) math();
-        else math();
-        // The chunk's statistics from the arrays, as fused_stats sums them.
-        if (out != nullptr) {
-            const auto kept = [&](int j, C& h, C& w) GF_ALWAYS_INLINE {
-                h = -held[j];
+        // With statistics, the math and the sums in one loop, a block at a
+        // time, as fused_stats runs them (a copy of the held values and a
+        // pass over the chunk after the math cost twice as much).
+        const auto math_stats = [&]() GF_ALWAYS_INLINE {
+            const auto seen = [&](int j, C& h, C& w) GF_ALWAYS_INLINE {
+                C sc[R::STATES];
+                for (int t = 0; t < R::STATES; ++t) sc[t] = s[t][j];
+                h = p[j];
+                R::math(p[j], g[j], sc, k);
                 w = p[j];
+                for (int t = 0; t < R::STATES; ++t) s[t][j] = sc[t];
             };
             int j = 0;
             for (; j + STATS_LANES <= m; j += STATS_LANES)
-                stats_block<C>(sums, STATS_LANES, [&](int l, C& h, C& w) GF_ALWAYS_INLINE { kept(j + l, h, w); });
-            if (j < m) stats_block<C>(sums, m - j, [&](int l, C& h, C& w) GF_ALWAYS_INLINE { kept(j + l, h, w); });
+                stats_block<C>(sums, STATS_LANES, [&](int l, C& h, C& w) GF_ALWAYS_INLINE { seen(j + l, h, w); });
+            if (j < m) stats_block<C>(sums, m - j, [&](int l, C& h, C& w) GF_ALWAYS_INLINE { seen(j + l, h, w); });
             sums.flush();
+        };
+        if (out == nullptr) {
+            if (unswitched(k)) math();
+            else math();
+        } else {
+            if (unswitched(k)) math_stats();
+            else math_stats();
         }
         for (int t = 0; t < R::STATES; ++t) {
             if (!used[t]) continue;
