@@ -146,7 +146,7 @@ struct StatsLanes {
     using P = typename Vec64<C>::type;
     static constexpr bool DIRECT = gf_same<C, double>::value;
     static constexpr int E = 64 / sizeof(C), NP = STATS_LANES / E, N = STATS_LANES / 8;
-    P pd[NP] = {}, pw[NP] = {};  // the sums in C
+    P pd[NP] = {}, pw[NP] = {};  // the sums in C (a float row's over a chunk)
     V d[N] = {}, w[N] = {};      // a float row's double sums
 
     // dd[l]^2 and ww[l]^2 to lane l.
@@ -227,10 +227,10 @@ GF_ALWAYS_INLINE inline void stats_block(StatsLanes<C>& s, int m, One one) {
 //
 // The update and the sums run in one pass, a block of STATS_LANES elements
 // at a time (the update's loop vectorised over the block, the held values
-// never leaving registers): the update is bound by its memory traffic, so
-// the squares and sums beside it cost little. A pass over each chunk after
-// the update, from a copy of its held values, cost three times as much;
-// converting every square to double, a third more than float sums.
+// never leaving registers): beyond the caches the update is bound by its
+// memory traffic, so the squares and sums beside it cost little. A pass
+// over each chunk after the update, from a copy of its held values, cost
+// two (4M elements) to five (in cache) times as much.
 //
 // Precision: a float lane's sum over a chunk is 32 terms, all positive,
 // each square added with one rounding (two without a fused multiply-add):
