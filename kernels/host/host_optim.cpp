@@ -21,6 +21,9 @@
 #include "host_items.h"
 
 #define GF_EXPORT extern "C" __attribute__((visibility("default")))
+// For the statistics' lambdas and helpers: the update's loop around them is
+// vectorised only when they are inlined into it (fused_stats).
+#define GF_ALWAYS_INLINE __attribute__((always_inline))
 
 namespace {
 
@@ -98,82 +101,209 @@ void for_row_items(const ParamRow* rows, long long n_rows, int threads, Body bod
     share(items, total, threads, [&](const Item& it) { body(rows[it.slot], it.start, it.len, &it - first); });
 }
 
-// Adds term(j, d2, w2)'s two values for j = 0 .. m - 1 to sd[j % LANES] and
-// sw[j % LANES], in increasing j: whole runs of LANES as one unrolled inner
-// loop (which the compiler vectorises across the lanes), then the tail.
-template <int LANES, class Term>
-inline void add_lanes(double* sd, double* sw, int m, Term term) {
-    int j = 0;
-    for (; j + LANES <= m; j += LANES) {
-        for (int l = 0; l < LANES; ++l) {
-            double d2, w2;
-            term(j + l, d2, w2);
-            sd[l] += d2;
-            sw[l] += w2;
-        }
-    }
-    for (int l = 0; j + l < m; ++l) {
-        double d2, w2;
-        term(j + l, d2, w2);
-        sd[l] += d2;
-        sw[l] += w2;
-    }
-}
-
-// The lanes' sums added in lane order into out[0] and out[1].
-template <int LANES>
-inline void lanes_total(const double* sd, const double* sw, double* out) {
-    double x = 0.0, y = 0.0;
-    for (int l = 0; l < LANES; ++l) {
-        x += sd[l];
-        y += sw[l];
-    }
-    out[0] = x;
-    out[1] = y;
-}
-
-// The statistics' lanes (item_stats).
+// The statistics' lanes (fused_stats).
 constexpr int STATS_LANES = 32;
 
-// The update statistics of an item of a row whose parameter p is stored in
-// its compute type C (float32 and float64 rows kept plain; the others are
-// staged): the kernels' gf_lane_stats, sums of d^2 and w^2 over its
-// elements, d = w - held, as gf_unseen tells them, written to out[0] and
-// out[1]; without `out`, run(first, n) alone. run(f, m) updates elements
-// [f, f + m). The update runs over chunks of CHUNK elements; each
-// element's d * d and w * w, rounded once in C, go to one of LANES double
-// sums (element i of the item to lane i % LANES), added in a fixed order
-// at the end: the bits depend on the item alone, never on the threads.
-// LANES is wide so that the sums are many independent chains (four vectors
-// of eight doubles each): with 8 lanes, the latency of their additions
-// made the statistics cost five times as much.
-//
-// w is what the update stores, so the chunk's held values are kept first
-// and the update runs as it does without statistics (gf_unseen: the loop
-// the compiler vectorises; one with a callback storing two more arrays was
-// not, and took three times as long), then d and w come from the chunk and
-// what was kept, in cache, straight into the sums. The held values are
-// kept negated, d = w + (-held) being the same bits as w - held: a plain
-// copy the compiler turns into a call of memmove, whose string copy of each
-// 4 KiB chunk took more than half the update's own time on an AMD EPYC.
-template <class C, class Run>
-void item_stats(double* out, C* p, long long first, long long n, Run run) {
-    if (out == nullptr) return run(first, n);
-    constexpr int CHUNK = 1024, LANES = STATS_LANES;
-    static_assert(CHUNK % LANES == 0, "a chunk starts at lane 0");
-    alignas(64) C a[CHUNK];  // the held values negated
-    double sd[LANES] = {}, sw[LANES] = {};
-    for (long long c = first; c < first + n; c += CHUNK) {
-        const int m = (int)std::min<long long>(CHUNK, first + n - c);
-        for (int j = 0; j < m; ++j) a[j] = -p[c + j];
-        run(c, m);
-        add_lanes<LANES>(sd, sw, m, [&](int j, double& d2, double& w2) {
-            const C w = p[c + j], d = w + a[j];
-            d2 = (double)(d * d);
-            w2 = (double)(w * w);
-        });
+// A 64-byte vector of C (float or double).
+template <class C>
+struct Vec64;
+template <>
+struct Vec64<float> {
+    typedef float type __attribute__((vector_size(64)));
+};
+template <>
+struct Vec64<double> {
+    typedef double type __attribute__((vector_size(64)));
+};
+
+// acc + x * x, rounded once (a fused multiply-add) where the machine has
+// one; without, std::fma would be a library call per element, and the
+// square is rounded before the sum.
+template <class C>
+GF_ALWAYS_INLINE inline C add_square(C acc, C x) {
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+    return std::fma(x, x, acc);
+#else
+    return acc + x * x;
+#endif
+}
+
+// The elements of an item whose statistics' sums in C go to the double
+// sums at once (fused_stats).
+constexpr int STATS_CHUNK = 32 * STATS_LANES;
+
+// The update statistics' sums (fused_stats): STATS_LANES sums of d^2 and of
+// w^2 (element j of an item to lane j % STATS_LANES, in increasing j), in
+// double (total adds them in lane order at the end). A float row's squares
+// go to float sums over each chunk of STATS_CHUNK elements first, which
+// flush adds to the double sums; a double row's sums in C are the double
+// sums. All are vectors, which the compiler keeps in registers (as arrays,
+// its vectorised loops kept them in memory, each addition a store and a
+// load).
+template <class C>
+struct StatsLanes {
+    typedef double V __attribute__((vector_size(64)));
+    using P = typename Vec64<C>::type;
+    static constexpr bool DIRECT = gf_same<C, double>::value;
+    static constexpr int E = 64 / sizeof(C), NP = STATS_LANES / E, N = STATS_LANES / 8;
+    P pd[NP] = {}, pw[NP] = {};  // the sums in C (a float row's over a chunk)
+    V d[N] = {}, w[N] = {};      // a float row's double sums
+
+    // dd[l]^2 and ww[l]^2 to lane l.
+    GF_ALWAYS_INLINE void add(const C* dd, const C* ww) {
+        for (int q = 0; q < NP; ++q) {
+            P x, y;
+            for (int e = 0; e < E; ++e) {
+                x[e] = add_square(pd[q][e], dd[E * q + e]);
+                y[e] = add_square(pw[q][e], ww[E * q + e]);
+            }
+            pd[q] = x;
+            pw[q] = y;
+        }
     }
-    lanes_total<LANES>(sd, sw, out);
+
+    // A float row's chunk sums added to the double sums, and zeroed.
+    // Converted element by element: GCC 12 split __builtin_convertvector
+    // from eight floats into halves, with shuffles, where this loop is one
+    // conversion.
+    GF_ALWAYS_INLINE void flush() {
+        if constexpr (!DIRECT) {
+            for (int q = 0; q < N; ++q) {
+                V x, y;
+                for (int e = 0; e < 8; ++e) {
+                    x[e] = (double)pd[(8 * q + e) / E][(8 * q + e) % E];
+                    y[e] = (double)pw[(8 * q + e) / E][(8 * q + e) % E];
+                }
+                d[q] += x;
+                w[q] += y;
+            }
+            for (int q = 0; q < NP; ++q) pd[q] = pw[q] = P{};
+        }
+    }
+
+    void total(double* out) const {
+        double x = 0.0, y = 0.0;
+        for (int l = 0; l < STATS_LANES; ++l) {
+            if constexpr (DIRECT) {
+                x += pd[l / 8][l % 8];
+                y += pw[l / 8][l % 8];
+            } else {
+                x += d[l / 8][l % 8];
+                y += w[l / 8][l % 8];
+            }
+        }
+        out[0] = x;
+        out[1] = y;
+    }
+};
+
+// m <= STATS_LANES elements: one(l, held, w) updates element l and gives
+// its held and new values; (w - held)^2 and w^2 to lanes 0 .. m - 1. The
+// rest of the lanes get zeros' squares, which change no sum (every sum
+// starts at +0 and adds squares).
+template <class C, class One>
+GF_ALWAYS_INLINE inline void stats_block(StatsLanes<C>& s, int m, One one) {
+    alignas(64) C dd[STATS_LANES], ww[STATS_LANES];
+    for (int l = 0; l < m; ++l) {
+        C held, w;
+        one(l, held, w);
+        dd[l] = w - held;
+        ww[l] = w;
+    }
+    for (int l = m; l < STATS_LANES; ++l) dd[l] = ww[l] = (C)0;
+    s.add(dd, ww);
+}
+
+// The update statistics of an item of n elements of a row whose parameter
+// is stored in its compute type C (float32 and float64 rows kept plain;
+// the others are staged): the kernels' gf_lane_stats, sums of d^2 and w^2
+// over its elements, d = w - held, as the rule's seen callback gives them,
+// written to out[0] and out[1]. one(j, held, w) updates the item's element
+// j. Each element's d and w go to one of STATS_LANES sums (StatsLanes),
+// whose order of additions is fixed: the bits depend on the item alone,
+// never on the threads. The lanes are many independent chains (four
+// vectors each): with 8 lanes, the latency of their additions made the
+// statistics cost five times as much.
+//
+// The update and the sums run in one pass, a block of STATS_LANES elements
+// at a time (the update's loop vectorised over the block, the held values
+// never leaving registers): beyond the caches the update is bound by its
+// memory traffic, so the squares and sums beside it cost little. A pass
+// over each chunk after the update, from a copy of its held values, cost
+// two (4M elements) to five (in cache) times as much.
+//
+// Precision: a float lane's sum over a chunk is 32 terms, all positive,
+// each square added with one rounding (two without a fused multiply-add):
+// within 32 (64) roundings of float, 1.9e-6 (3.8e-6) relative at worst;
+// the kernels' own float sums are within about 40 (2.4e-6). The double
+// sums add little more.
+template <class C, class One>
+GF_ALWAYS_INLINE inline void fused_stats(double* out, long long n, One one) {
+    StatsLanes<C> s;
+    for (long long c = 0; c < n; c += STATS_CHUNK) {
+        const long long end = std::min<long long>(n, c + STATS_CHUNK);
+        long long j = c;
+        for (; j + STATS_LANES <= end; j += STATS_LANES)
+            stats_block<C>(s, STATS_LANES, [&](int l, C& held, C& w) GF_ALWAYS_INLINE { one(j + l, held, w); });
+        if (j < end)
+            stats_block<C>(s, (int)(end - j), [&](int l, C& held, C& w) GF_ALWAYS_INLINE { one(j + l, held, w); });
+        s.flush();
+    }
+    s.total(out);
+}
+
+// seen (gf_unseen) keeping the held and new values.
+template <class C>
+struct Keep {
+    C& held;
+    C& w;
+    GF_ALWAYS_INLINE void operator()(long long, C h, C x) const {
+        held = h;
+        w = x;
+    }
+};
+
+// gf_adamw_range<1> over elements [first, first + n) with the update
+// statistics to out (fused_stats); without out, gf_adamw_range<1> itself.
+// Not inlined, so that the compiler keeps its pointers' __restrict (in
+// the caller, it versioned the loop for aliasing among them and the
+// statistics' arrays, and ran the scalar version). The loop is written
+// once for each lerp_from_grad, which the compiler otherwise tests per
+// block: the two ways then met in every block, and its statistics went
+// through the stack.
+template <class S>
+__attribute__((noinline)) void adamw_stats(double* out, S* __restrict p, const S* __restrict g, S* __restrict m,
+                                           S* __restrict v, S* __restrict vmax, long long first, long long n,
+                                           const gf_adamw_coefs<S> k) {
+    if (out == nullptr) return gf_adamw_range<1>(p, g, m, v, vmax, first, n, k);
+    p += first, g += first, m += first, v += first, vmax += first;
+    if (k.amsgrad) {
+        const auto one = [&](long long i, S& held, S& w) GF_ALWAYS_INLINE {
+            gf_amsgrad_one(p[i], g[i], m[i], v[i], vmax[i], k, i, Keep<S>{held, w});
+        };
+        if (k.lerp_from_grad) fused_stats<S>(out, n, one);
+        else fused_stats<S>(out, n, one);
+    } else {
+        const auto one = [&](long long i, S& held, S& w) GF_ALWAYS_INLINE {
+            gf_adamw_one(p[i], g[i], m[i], v[i], k, i, Keep<S>{held, w});
+        };
+        if (k.lerp_from_grad) fused_stats<S>(out, n, one);
+        else fused_stats<S>(out, n, one);
+    }
+}
+
+// gf_sgd_range<1> likewise, written once for whether the momentum buffer
+// is read (as one loop, a float64 row's was not vectorised).
+template <class S>
+__attribute__((noinline)) void sgd_stats(double* out, S* __restrict p, const S* __restrict g, S* __restrict buf,
+                                         long long first, long long n, const gf_sgd_coefs<S> k) {
+    if (out == nullptr) return gf_sgd_range<1>(p, g, buf, first, n, k);
+    p += first, g += first, buf += first;
+    const auto one = [&](long long i, S& held, S& w) GF_ALWAYS_INLINE {
+        gf_sgd_one(p[i], g[i], buf[i], k, i, Keep<S>{held, w});
+    };
+    if (k.has_momentum && !k.first) fused_stats<S>(out, n, one);
+    else fused_stats<S>(out, n, one);
 }
 
 // ---------------------------------------------------------------- staged updates
@@ -235,7 +365,8 @@ inline bool unswitched(const gf_adamw_coefs<C>& k) { return k.amsgrad; }
 // states read from their own dtypes (an absent or unused one, gf_rule_uses,
 // reads as 0 and is never written), the parameter kept as the word's keep
 // says, stochastic rounding drawn at `step`. With `out`, the item's update
-// statistics there, summed as item_stats sums them.
+// statistics there, summed as fused_stats sums them (a chunk's float sums
+// to the double ones after each STAGE elements).
 template <class R, class P>
 void staged(const ParamRow& r, long long first, long long n,
             const typename R::template coefs<typename gf_compute<P>::type> k, unsigned step, double* out) {
@@ -245,8 +376,8 @@ void staged(const ParamRow& r, long long first, long long n,
     const P* const grad = (const P*)r.grad;
     bool used[R::STATES];
     for (int t = 0; t < R::STATES; ++t) used[t] = gf_row_state(r, t) != 0 && gf_rule_uses(k, t);
-    alignas(64) C p[STAGE], held[STAGE], g[STAGE], s[R::STATES][STAGE];
-    double sd[STATS_LANES] = {}, sw[STATS_LANES] = {};
+    alignas(64) C p[STAGE], g[STAGE], s[R::STATES][STAGE];
+    StatsLanes<C> sums;
     for (long long c = first; c < first + n; c += STAGE) {
         const int m = (int)std::min<long long>(STAGE, first + n - c);
         if (keep == GF_KEEP_MASTER) {
@@ -267,9 +398,6 @@ void staged(const ParamRow& r, long long first, long long n,
                 widen(s[t], (const decltype(z)*)gf_row_state(r, t) + c, m);
             });
         }
-        // The held values negated (a plain copy is a call of memmove: item_stats).
-        if (out != nullptr)
-            for (int j = 0; j < m; ++j) held[j] = -p[j];
         const auto math = [&] {
             for (int j = 0; j < m; ++j) {
                 C sc[R::STATES];
@@ -278,14 +406,31 @@ void staged(const ParamRow& r, long long first, long long n,
                 for (int t = 0; t < R::STATES; ++t) s[t][j] = sc[t];
             }
         };
-        if (unswitched(k)) math();
-        else math();
-        if (out != nullptr) {
-            add_lanes<STATS_LANES>(sd, sw, m, [&](int j, double& d2, double& w2) {
-                const C w = p[j], d = w + held[j];
-                d2 = (double)(d * d);
-                w2 = (double)(w * w);
-            });
+        // With statistics, the math and the sums in one loop, a block at a
+        // time, as fused_stats runs them: a copy of the held values and a
+        // pass over the chunk after the math cost 1.6 times as much (bfloat16
+        // AdamW). Inlined: as a call, its loop was not vectorised.
+        const auto math_stats = [&]() GF_ALWAYS_INLINE {
+            const auto seen = [&](int j, C& h, C& w) GF_ALWAYS_INLINE {
+                C sc[R::STATES];
+                for (int t = 0; t < R::STATES; ++t) sc[t] = s[t][j];
+                h = p[j];
+                R::math(p[j], g[j], sc, k);
+                w = p[j];
+                for (int t = 0; t < R::STATES; ++t) s[t][j] = sc[t];
+            };
+            int j = 0;
+            for (; j + STATS_LANES <= m; j += STATS_LANES)
+                stats_block<C>(sums, STATS_LANES, [&](int l, C& h, C& w) GF_ALWAYS_INLINE { seen(j + l, h, w); });
+            if (j < m) stats_block<C>(sums, m - j, [&](int l, C& h, C& w) GF_ALWAYS_INLINE { seen(j + l, h, w); });
+            sums.flush();
+        };
+        if (out == nullptr) {
+            if (unswitched(k)) math();
+            else math();
+        } else {
+            if (unswitched(k)) math_stats();
+            else math_stats();
         }
         for (int t = 0; t < R::STATES; ++t) {
             if (!used[t]) continue;
@@ -318,7 +463,7 @@ void staged(const ParamRow& r, long long first, long long n,
             narrow(dst, p, m);
         }
     }
-    if (out != nullptr) lanes_total<STATS_LANES>(sd, sw, out);
+    if (out != nullptr) sums.total(out);
 }
 
 // A rule R (gpuflat_optim.cuh) over a flat buffer, staged: the update of
@@ -375,18 +520,13 @@ bool plain_rows(int rule, const ParamRow* rows, long long n_rows, const double* 
             for_row_items(rows, n_rows, threads, [&](const ParamRow& r, long long first, long long n, long long item) {
                 const double* h = hyper + r.group * GF_HYPER;
                 const double lr = gf_group_lr(h, lr_at, r.group);
-                if (rule == GF_RULE_ADAMW) {
-                    const auto k = gf_adamw_setup<C>(h, gf_adamw_row_step(r), factor, lr);
-                    item_stats(item_partial(partial, item), (S*)r.param, first, n, [&](long long f, long long m) {
-                        gf_adamw_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, (S*)r.state1, (S*)r.state2,
-                                          f, m, k);
-                    });
-                } else {
-                    const auto k = gf_sgd_setup<C>(h, gf_sgd_row_step(r, h), factor, lr);
-                    item_stats(item_partial(partial, item), (S*)r.param, first, n, [&](long long f, long long m) {
-                        gf_sgd_range<1>((S*)r.param, (const S*)r.grad, (S*)r.state0, f, m, k);
-                    });
-                }
+                if (rule == GF_RULE_ADAMW)
+                    adamw_stats<S>(item_partial(partial, item), (S*)r.param, (const S*)r.grad, (S*)r.state0,
+                                   (S*)r.state1, (S*)r.state2, first, n,
+                                   gf_adamw_setup<C>(h, gf_adamw_row_step(r), factor, lr));
+                else
+                    sgd_stats<S>(item_partial(partial, item), (S*)r.param, (const S*)r.grad, (S*)r.state0, first, n,
+                                 gf_sgd_setup<C>(h, gf_sgd_row_step(r, h), factor, lr));
             });
             break;
 #define GF_RULE_CASE(number, R) \
