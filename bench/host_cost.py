@@ -62,7 +62,7 @@ def emulated_backend_on(runtime):
     >>> with emulated_backend_on(rt):
     ...     _ = gf.global_norm([np.zeros(3)], backend="emulated")
     >>> rt.stats.launches, get_backend("emulated").runtime is rt
-    (2, False)
+    (1, False)
     """
     backend = get_backend("emulated")
     saved, backend.runtime = backend.runtime, runtime
