@@ -94,14 +94,16 @@ def cases(torch):
     # PyTorch's clip reads and writes it again (6 in all); a plain update
     # reads p, g, m, v and writes p, m, v (14); a master copy is read instead
     # of the parameter and written beside it (+6, float32 moments +8 more);
-    # a compensation is read and written (+4).
+    # a compensation is read and written (+4); stochastic rounding moves what
+    # the plain update moves (its draw is arithmetic on the element's index).
     return [(op, impl, "float32", 4 * arrays, make) for op, impl, arrays, make in rows] + [
         (bf16, "torch fused", "bfloat16", 6 + 14, torch_step(False, fused=True)),
         (bf16, "gpuflat", "bfloat16", 2 + 14, flat_step()),
         (bf16, "gpuflat master_weights", "bfloat16", 2 + 20, flat_step(master_weights=True)),
         (bf16, "gpuflat master_weights, float32 moments", "bfloat16", 2 + 28,
          flat_step(master_weights=True, exp_avg_dtype=f32, exp_avg_sq_dtype=f32)),
-        (bf16, "gpuflat kahan_sum", "bfloat16", 2 + 18, flat_step(kahan_sum=True))]
+        (bf16, "gpuflat kahan_sum", "bfloat16", 2 + 18, flat_step(kahan_sum=True)),
+        (bf16, "gpuflat bf16_stochastic_round", "bfloat16", 2 + 14, flat_step(bf16_stochastic_round=True))]
 
 
 def _params(torch, leaves, device, dtype):

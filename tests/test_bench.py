@@ -498,11 +498,11 @@ def test_step_rows_time_every_step_and_the_host_work_of_gpuflats(monkeypatch):
     bf16 = [r for r in results["rows"] if r["dtype"] == "bfloat16"]
     assert {r["impl"] for r in bf16 if r["status"] == "ok"} == {
         "torch fused", "gpuflat", "gpuflat master_weights", "gpuflat master_weights, float32 moments",
-        "gpuflat kahan_sum"}, bf16
+        "gpuflat kahan_sum", "gpuflat bf16_stochastic_round"}, bf16
     n = 10_000 * 100  # parameters of tiny-10k
     assert {r["impl"]: r["bytes"] // n for r in bf16} == {
         "torch fused": 20, "gpuflat": 16, "gpuflat master_weights": 22, "gpuflat master_weights, float32 moments": 30,
-        "gpuflat kahan_sum": 20}
+        "gpuflat kahan_sum": 20, "gpuflat bf16_stochastic_round": 16}
     plain, new = results["host_cost"]
     for r in (plain, new):
         assert r["status"] == "ok" and r["leaves"] == 10_000 and r["us_per_call"] > 0, r
