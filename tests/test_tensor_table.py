@@ -213,7 +213,7 @@ def test_cuda_gradients_are_clipped_with_no_import(cuda):
         total = gft.clip_grad_norm_(params, max_norm=want / 2)
         events = [e.kind for e in cp.events[start:]]
         assert events.count("from_dlpack") == 0  # no gradient, and the clip reads the norm where it lies
-    assert events.count("upload") == 0 and events.count("launch") == 3
+    assert events.count("upload") == 0 and events.count("launch") == 2  # the norm in one launch, the scale
     assert float(total) == pytest.approx(want / 2, rel=1e-6)  # the second call saw the clipped gradients
     assert float(gft.get_total_norm([p.grad for p in params])) == pytest.approx(want / 2, rel=1e-6)
 
