@@ -272,9 +272,9 @@ def addresses_updated(monkeypatch) -> list:
     """The parameter addresses of each update's rows, as the operator hands them over."""
     seen, update = [], torch_optim_ops.update
 
-    def recorded(rule, tables, *args):
-        seen.append(sorted(a for t in tables for a in t.rows[:, 0].tolist()))
-        update(rule, tables, *args)
+    def recorded(rule, table, *args):
+        seen.append(sorted(a for rows in table.updates for a in rows.rows[:, 0].tolist()))
+        update(rule, table, *args)
 
     monkeypatch.setattr(torch_optim_ops, "update", recorded)
     return seen

@@ -1,7 +1,8 @@
 """What a flat optimizer's step updates: PyTorch's parameters that have a
-gradient, with their gradients, state and step counts, as tables of
-addresses (one row of ``gpuflat._src.layout.PARAM_ROW_FIELDS`` per parameter),
-one table per device and dtype.
+gradient, with their gradients, state and step counts, as rows of
+addresses (one row of ``gpuflat._src.layout.PARAM_ROW_FIELDS`` per parameter)
+in the step's ``gpuflat._src.tensor_table.Table``: its update rows, one set
+per device and dtype, beside the norm rows of the gradients.
 
 A training loop may change anything between two steps: the parameters in
 ``param_groups`` (``group['params'][i] = new``, ``add_param_group``), each
@@ -35,7 +36,7 @@ naming ``param_groups[g]['params'][i]``.
 >>> w = torch.nn.Parameter(torch.ones(3)); w.grad = torch.ones(3)
 >>> opt = torch.optim.SGD([w, torch.nn.Parameter(torch.ones(2))], lr=0.1)
 >>> step = read(opt, RULES["sgd"], lambda state, p, group: None)
->>> [t.rows[:, ROW_NUMEL].tolist() for t in step.tables], step.grads[0] is w.grad
+>>> [t.rows[:, ROW_NUMEL].tolist() for t in step.table.updates], step.grads[0] is w.grad
 ([[3]], True)
 """
 from __future__ import annotations
@@ -50,7 +51,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from . import caches, dtensor, tensor_facts
+from . import caches, dtensor, tensor_facts, tensor_table
 from .dtypes import torch_dtype
 from .layout import (KEEP_SHIFT, KEEPS, KEPT_BESIDE, KEY_SHIFT, OPTIM_DTYPES, PARAM_ROW_FIELDS, PARAM_ROW_WORDS,
                      PRECISION_TAG_BITS, ROW_GROUP, ROW_NUMEL, ROW_PRECISION, RULES, TAG_OF_NAME, Rule, keep_numbers,
@@ -61,8 +62,8 @@ if TYPE_CHECKING:
     from numpy.typing import ArrayLike
     from typing_extensions import Self
 
-__all__ = ["KEEP_OPTIONS", "KEPT_STATE", "DeviceRows", "Step", "WatchedState", "WatchedStates", "expected_dtype", "forget", "keep_of",
-           "needed", "needs_of", "plain", "read", "state_names", "stochastic_keys", "tables_of", "takes_keep", "watch"]
+__all__ = ["KEEP_OPTIONS", "KEPT_STATE", "Step", "WatchedState", "WatchedStates", "expected_dtype", "forget", "keep_of",
+           "needed", "needs_of", "plain", "read", "state_names", "stochastic_keys", "table_of", "takes_keep", "watch"]
 
 # The dtypes the update kernels take, by their tensor_facts codes.
 STEPPED = tuple(map(torch_dtype, OPTIM_DTYPES))
@@ -298,27 +299,14 @@ def _watched(state: object) -> bool:
 # ---------------------------------------------------------------- tables
 
 @dataclass(frozen=True)
-class DeviceRows:
-    """One device's and dtype's rows, a tensor placing their work (its
-    device, its stream), and the rows' positions in the step's parameters
-    (None: all of them, in order)."""
-
-    rows: np.ndarray
-    like: torch.Tensor
-    positions: np.ndarray | None = None
-
-
-@dataclass(frozen=True)
 class Step:
-    """A step's tables, and the gradients of the parameters it updates (for
-    the norm), with a function naming the i-th of them."""
+    """A step's table (``tensor_table.Table``: its update rows, and where
+    the step reads its gradients' norm over one rank, their norm rows),
+    the parameters it updates and their gradients (for a norm over ranks)."""
 
-    tables: list
+    table: tensor_table.Table
     params: list
     grads: list
-    grad_facts: np.ndarray | None  # the gradients' tensor_facts, read once for the rows and the norm
-    grad_starts: np.ndarray | None  # the lowest address of each gradient's dense block: the norm's rows
-    name_of_gradient: Callable[[int], str]
     plain: bool  # no DTensor or other tensor subclass among the parameters and gradients
 
 
@@ -372,10 +360,13 @@ def _derive(found: _Found, ks: np.ndarray | None = None) -> None:
 
 
 def read(optimizer: torch.optim.Optimizer, rule: Rule,
-         lazy_state: Callable[[dict[str, Any], torch.Tensor, dict[str, Any]], object]) -> Step | None:
+         lazy_state: Callable[[dict[str, Any], torch.Tensor, dict[str, Any]], object],
+         with_norm: bool = False) -> Step | None:
     """The step of ``optimizer`` (a ``torch.optim.Optimizer``) over its
     parameters that have a gradient, their state made first where it lacks
-    what their group needs (``lazy_state(state, p, group)``); None when no
+    what their group needs (``lazy_state(state, p, group)``), its table
+    with the gradients' norm rows too where ``with_norm`` (and they are
+    plain: a norm over ranks reads the gradients themselves); None when no
     parameter has a gradient."""
     groups = optimizer.param_groups
     found, (grads, grad_facts, all_facts) = _found(optimizer, rule, [g["params"] for g in groups])
@@ -422,8 +413,10 @@ def read(optimizer: torch.optim.Optimizer, rule: Rule,
     rows[:, _STATE_WORDS] = found.masked if whole else found.masked[have]
     assert found.row_precision is not None  # derived with found.masked
     rows[:, ROW_PRECISION] = found.row_precision if whole else found.row_precision[have]
-    return Step(_split(rows, buckets, params), params, grads, grad_facts, rows[:, _ROW_GRAD],
-                lambda i: f"{names.parameter(i)}.grad", all_plain)
+    # Plain gradients' facts are read natively (all_plain says they were).
+    gradients = (grads, cast(np.ndarray, grad_facts), rows[:, _ROW_GRAD], names.gradient) \
+        if with_norm and all_plain else None
+    return Step(tensor_table.of_step(rows, buckets, params, gradients), params, grads, all_plain)
 
 
 @dataclass(frozen=True, eq=False)
@@ -649,10 +642,11 @@ caches.register("optimizers' parameters found", lambda: sum("_gpuflat_found" in 
                 _forget_all)
 
 
-def tables_of(rule: Rule, params: list[torch.Tensor], grads: list[torch.Tensor], columns: Sequence[list[torch.Tensor | None]],
+def table_of(rule: Rule, params: list[torch.Tensor], grads: list[torch.Tensor], columns: Sequence[list[torch.Tensor | None]],
               groups: ArrayLike, needs: Sequence[Sequence[bool]], name_of: Callable[[int], str],
-              keeps: Sequence[str] = (), keys: np.ndarray | None = None) -> list[DeviceRows]:
-    """The tables of a step given as lists of plain tensors, checked as
+              keeps: Sequence[str] = (), keys: np.ndarray | None = None) -> tensor_table.Table:
+    """The table of a step given as lists of plain tensors (its update
+    rows: the norm is another operator's), checked as
     :func:`read` checks an optimizer's: a compiled step's operator, which
     holds no optimizer to keep what it found on. ``columns``: per name of
     :func:`state_names`, each parameter's tensor or None; ``groups``: each
@@ -664,9 +658,9 @@ def tables_of(rule: Rule, params: list[torch.Tensor], grads: list[torch.Tensor],
 
     >>> w, g, buf, count = torch.ones(3), torch.ones(3), torch.zeros(3), torch.zeros(())
     >>> sgd = RULES["sgd"]
-    >>> tables = tables_of(sgd, [w], [g], [[buf], [None], [None], [None], [count]], [0],
-    ...                    [needed(sgd, {"momentum": 0.9})], str)
-    >>> [t.rows[:, ROW_NUMEL].tolist() for t in tables]
+    >>> table = table_of(sgd, [w], [g], [[buf], [None], [None], [None], [count]], [0],
+    ...                   [needed(sgd, {"momentum": 0.9})], str)
+    >>> [t.rows[:, ROW_NUMEL].tolist() for t in table.updates]
     [[3]]
     """
     param_facts, grad_facts = _facts(params), _facts(grads)
@@ -696,7 +690,7 @@ def tables_of(rule: Rule, params: list[torch.Tensor], grads: list[torch.Tensor],
     stochastic = kept == KEEPS.index("stochastic")
     rows[:, ROW_PRECISION] = _precision_words(param_codes, codes[:, :_EXTRA], kept,
                                               (np.zeros(len(params), np.int64) if keys is None else keys) * stochastic)
-    return _split(rows, _buckets(param_facts), params)
+    return tensor_table.of_step(rows, _buckets(param_facts), params)
 
 
 def _param_rows(params: Sequence[torch.Tensor], param_facts: np.ndarray, grads: Sequence[torch.Tensor], grad_facts: np.ndarray, groups: np.ndarray,
@@ -719,12 +713,6 @@ def _nonzero(starts: np.ndarray, tensors: Sequence[torch.Tensor]) -> np.ndarray:
     for j in empty.tolist():
         starts[j] = id(tensors[j])
     return starts
-
-
-def _split(rows: np.ndarray, buckets: list[np.ndarray], params: Sequence[torch.Tensor]) -> list[DeviceRows]:
-    if len(buckets) == 1:
-        return [DeviceRows(rows, params[0])]
-    return [DeviceRows(rows[members], params[int(members[0])], members) for members in buckets]
 
 
 def _check_dense(rule: Rule, params: Sequence[torch.Tensor], param_facts: np.ndarray | None, grads: Sequence[torch.Tensor],
@@ -820,3 +808,7 @@ class _Names:
     def parameter(self, j: int) -> str:
         """The j-th parameter of the step (those with a gradient)."""
         return self.of_all(self.have[int(j)])
+
+    def gradient(self, j: int) -> str:
+        """The j-th gradient of the step."""
+        return f"{self.parameter(j)}.grad"

@@ -66,7 +66,7 @@ def check_option(stats: Any) -> bool | str:
 
 
 class StepStats:
-    """One optimizer's buffers: per table of the step (``param_rows.DeviceRows``),
+    """One optimizer's buffers: per update rows of the step (``tensor_table.UpdateRows``),
     the sums the update writes (Σ update², Σ new value², per row) and the
     figures [n, 3] made from them, with per parameter key its row's views.
     The figures of the tables on one device are rows of one buffer, which

@@ -26,7 +26,7 @@ import contextlib
 import contextvars
 import functools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
@@ -113,19 +113,37 @@ class _Described(NamedTuple):
     layout: LayoutKey
 
 
+@dataclass(frozen=True)
+class UpdateRows:
+    """One device's and dtype's rows of an optimizer step's update (the
+    parameter rows of ``gpuflat._src.param_rows``), the backend serving
+    them, a tensor placing their work (its device, its stream), and the
+    rows' positions in the step's parameters (None: all of them, in order)."""
+
+    rows: np.ndarray
+    like: torch.Tensor
+    backend: Backend
+    positions: np.ndarray | None = None
+
+
 @dataclass(eq=False)
 class Table:
-    """What one call's tensors were worked out to be: their groups by device,
-    the dtype PyTorch returns their norm in, what they were recognised by
-    (their Reading, and where an address repeats, which of them were the
-    same tensor: :func:`_ties`) and whether they were found fit for an
-    in-place write."""
+    """The tensors of one call as the rows the kernels read, whatever the
+    front end: ``groups``, the rows of a norm (and of its check and scale)
+    by device; ``updates``, the rows of an optimizer step's update by
+    device and dtype (none for a norm or a clip; a step's table has norm
+    rows where it reads its gradients' norm). With them, the dtype PyTorch
+    returns the norm in, what the tensors were recognised by (their
+    Reading, and where an address repeats, which of them were the same
+    tensor: :func:`_ties`) and whether they were found fit for an in-place
+    write."""
 
     groups: list[Group]
-    returned_dtype: torch.dtype
-    reading: Reading | None
-    ties: tuple[int, ...] | None
+    returned_dtype: torch.dtype = torch.float64
+    reading: Reading | None = None
+    ties: tuple[int, ...] | None = None
     fit_in_place: bool = False
+    updates: list[UpdateRows] = field(default_factory=list)
 
     @functools.cached_property
     def bound(self) -> Bound:
@@ -219,6 +237,47 @@ def of_gradients(grads: list[torch.Tensor], starts: np.ndarray, facts: np.ndarra
     reading = Reading(facts, True, _override.get())
     layout = _gradient_layouts.get((facts[:, 1:].tobytes(), reading.override), lambda: _gradient_layout(grads, facts))
     return None if layout is None else layout.table(reading, starts)
+
+
+def of_step(rows: np.ndarray, buckets: list[np.ndarray], params: Sequence[torch.Tensor],
+            gradients: tuple[list[torch.Tensor], np.ndarray, np.ndarray, Callable[[int], str]] | None = None) -> Table:
+    """The table of an optimizer step: its update rows (``rows``, the
+    parameter rows ``gpuflat._src.param_rows`` made, split by device and
+    dtype at ``buckets``, each placed by its first parameter of
+    ``params``) and, where ``gradients`` are given (the step reads their
+    norm), their norm rows: (the gradients, their facts, the lowest
+    address of each one's dense block, a function naming the i-th), as
+    :func:`of_gradients` gives them, or :func:`read` where it gives none.
+
+    >>> from gpuflat._src.layout import PARAM_ROW_WORDS
+    >>> g = [torch.tensor([3.0]), torch.tensor([4.0])]
+    >>> facts = tensor_facts.of_tensors(g)
+    >>> rows = np.zeros((2, PARAM_ROW_WORDS), np.int64)  # as gpuflat._src.param_rows fills them
+    >>> table = of_step(rows, [np.arange(2)], g, (g, facts, facts[:, 0].copy(), str))
+    >>> len(table.updates), float(norm_pass(table, 2.0)[0])
+    (1, 5.0)
+    """
+    norm: Table | None = None
+    if gradients is not None:
+        grads, facts, starts, name_of = gradients
+        norm = of_gradients(grads, starts, facts) or read(grads, name_of, facts=facts)
+        assert norm is not None  # a step's plain gradients: read gives None only for DTensors
+    # The norm's backend where one serves every gradient: the parameters' too.
+    backend = norm.groups[0].backend if norm is not None and len(norm.groups) == 1 else None
+    if len(buckets) == 1:
+        like = params[0]
+        updates = [UpdateRows(rows, like, backend or backend_for(like.device))]
+    else:
+        updates = []
+        for members in buckets:
+            like = params[int(members[0])]
+            updates.append(UpdateRows(rows[members], like, backend or backend_for(like.device), members))
+    if norm is None:
+        return Table([], updates=updates)
+    table = Table(norm.groups, norm.returned_dtype, norm.reading, norm.ties, norm.fit_in_place, updates)
+    # The norm rows' bound, kept with the norm's table: made once while the gradients' memory repeats.
+    table.__dict__["bound"] = norm.bound
+    return table
 
 
 class _GradientLayout:

@@ -66,7 +66,7 @@ from .arrays import launch_stream
 from .checks import clip_arguments, optimizer_options, torch_norm_type
 from .residency import Resident
 from .layout import HYPER, KEEPS, RULES, Rule
-from .torch_optim_ops import CLIP_EPS, name_of, unscale_factor, update
+from .torch_optim_ops import CLIP_EPS, unscale_factor, update
 
 __all__ = ["AdamW", "FlatOptimizer", "GradScaler", "SGD", "precision_defaults"]
 
@@ -194,11 +194,13 @@ class FlatOptimizer(torch.optim.Optimizer):
         scale, found = self._amp()
         self.last_grad_norm = None
         # Everything is read and checked before anything is written.
-        step = param_rows.read(self, RULES[self._rule], self._made_state)
-        if step is None and self.pp_mesh is None:  # a stage without gradients still joins the stages' norm
-            return
         detect = found is _FROM_NORM
         kept = self._step_stats
+        reads_norm = self.max_norm is not None or detect or kept is not None
+        step = param_rows.read(self, RULES[self._rule], self._made_state,
+                               with_norm=reads_norm and self.pp_mesh is None)
+        if step is None and self.pp_mesh is None:  # a stage without gradients still joins the stages' norm
+            return
         leaves: list[torch.Tensor | None] = [None]  # the norm pass's per gradient, for the figures
 
         def norm() -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -210,14 +212,14 @@ class FlatOptimizer(torch.optim.Optimizer):
             self.last_grad_norm = total
             if step is None:
                 return
-            sums = None if kept is None else kept.sums_for(step.tables, step.params, lambda: self._keys(step.params))
-            update(self._rule, step.tables, self.param_groups, total, self.max_norm, scale, found_now,
+            sums = None if kept is None else kept.sums_for(step.table.updates, step.params,
+                                                           lambda: self._keys(step.params))
+            update(self._rule, step.table, self.param_groups, total, self.max_norm, scale, found_now,
                    lambda: self._read_by_address(step.params), hyper, sums)
             if kept is not None:
                 kept.finish(leaves[0], None if scale is None else unscale_factor(scale), self._order())
 
-        clipping.step_(norm, update_tables, reads_norm=self.max_norm is not None or detect or kept is not None,
-                       unscale=None if scale is None else _unscaler(scale))
+        clipping.step_(norm, update_tables, reads_norm=reads_norm, unscale=None if scale is None else _unscaler(scale))
 
     def _keys(self, params: Sequence[torch.Tensor]) -> list[Any]:
         """Each parameter's key in ``stats``: its name where its group has
@@ -278,7 +280,7 @@ class FlatOptimizer(torch.optim.Optimizer):
 
         def norm() -> tuple[torch.Tensor | None, torch.Tensor | None]:
             if sharded or self.pp_mesh is not None:
-                return _norm_between_graphs(self, grads, name_of(groups, indices), sharded, detect)
+                return _norm_between_graphs(self, grads, sharded, detect)
             return torch_optim_ops.norm_and_nonfinite(grads, clip_arguments(1.0, self.norm_type, CLIP_EPS)[1], detect)
 
         def update_lists(total: torch.Tensor | None, nonfinite: torch.Tensor | None) -> None:
@@ -376,14 +378,8 @@ class FlatOptimizer(torch.optim.Optimizer):
             total, leaves = found if per_leaf else (found, None)
             total = torch.as_tensor(total.to_local() if dtensor.is_dtensor(total) else total).double()
             nonfinite = (~torch.isfinite(total)).double() if detect else None
-        else:
-            # The table of the rows' gradients, else (several devices, a
-            # backend reading arrays) one read from the gradients themselves.
-            assert step.grad_starts is not None and step.grad_facts is not None  # a plain step's
-            table = tensor_table.of_gradients(grads, step.grad_starts, step.grad_facts) \
-                or tensor_table.read(grads, step.name_of_gradient, facts=step.grad_facts)
-            assert table is not None  # plain gradients: read gives None only for DTensors
-            total, nonfinite, leaves = tensor_table.leaf_norm_pass(table, p, detect, per_leaf)
+        else:  # the norm rows of the step's table
+            total, nonfinite, leaves = tensor_table.leaf_norm_pass(step.table, p, detect, per_leaf)
         return total, nonfinite, leaves
 
     def _lazy_state(self, state: dict[str, Any], p: torch.Tensor, group: dict[str, Any]) -> None:
@@ -611,14 +607,12 @@ def _updated_eagerly(optimizer: FlatOptimizer) -> None:
 
 
 @torch.compiler.disable
-def _norm_between_graphs(optimizer: FlatOptimizer, grads: list[torch.Tensor], name_of_parameter: Callable[[int], str],
-                         sharded: bool, detect: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _norm_between_graphs(optimizer: FlatOptimizer, grads: list[torch.Tensor], sharded: bool,
+                         detect: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``optimizer._norm`` of ``grads`` (DTensors, or a pipeline stage's), run
     as it is between two graphs of a compiled step: its collective stays out
     of the graph and of any operator."""
-    step = None if not grads else param_rows.Step(tables=[], params=[], grads=grads, grad_facts=None, grad_starts=None,
-                                                  plain=not sharded,
-                                                  name_of_gradient=lambda j: f"{name_of_parameter(j)}.grad")
+    step = None if not grads else param_rows.Step(tensor_table.Table([]), params=[], grads=grads, plain=not sharded)
     total, nonfinite, _ = optimizer._norm(step, detect)
     return total, nonfinite
 

@@ -13,7 +13,7 @@ state, step counts) marked mutated, the gradients read, each parameter
 group's hyperparameter row with each parameter's group and index in it, a
 tensor ``lr`` beside the row, the norm and ``max_norm``, a GradScaler's
 ``grad_scale`` and ``found_inf``. The operators take plain tensors (a DTensor's local shard)
-and read their rows at every call (``gpuflat._src.param_rows.tables_of``), so
+and read their rows at every call (``gpuflat._src.param_rows.table_of``), so
 new gradient tensors in a later step neither recompile nor re-trace
 anything. Inductor hands the update the tensors themselves; ``aot_eager``,
 which does not reinplace mutated arguments, hands it copies of the mutated
@@ -45,38 +45,37 @@ from .layout import CLIP_EPS, HYPER, KEEPS, RULES, TAG_OF_NAME
 __all__ = ["CLIP_EPS", "name_of", "norm_and_nonfinite", "unscale_factor", "update", "update_"]
 
 
-def update(rule: str, tables: Sequence[param_rows.DeviceRows], groups: Sequence[dict[str, Any]],
+def update(rule: str, table: tensor_table.Table, groups: Sequence[dict[str, Any]],
            total: torch.Tensor | None, max_norm: float | torch.Tensor | None, scale: torch.Tensor | None,
            found: torch.Tensor | None, read: Any = (), hyper: np.ndarray | None = None,
            stats: Sequence[torch.Tensor] | None = None) -> None:
     """One update by the rule named ``rule`` (``layout.RULES``) of the parameters of
-    ``tables`` (``gpuflat._src.param_rows``), each group's hyperparameters and
+    ``table``'s update rows (``gpuflat._src.param_rows``), each group's hyperparameters and
     flags read from ``groups`` (dicts as ``param_groups`` holds them), the
     gradients clipped by their norm ``total`` to ``max_norm`` (None: no
     clip), unscaled by a GradScaler's ``scale`` and skipped on the device
-    where its ``found`` is not 0; one launch per table. Under a CUDA-graph
+    where its ``found`` is not 0; one launch per device and dtype. Under a CUDA-graph
     capture, everything the launches read by address (``read``: the
     tensors of the rows, or a function giving them; the (unscale, skip) flags, the norm, a tensor
     ``lr``) is kept as long as the process: the graph may be replayed at any
     time, whatever ``gpuflat.cache_clear()`` drops. ``hyper``: the groups'
     rows (``Rule.hyper_rows``), where the caller holds them already.
-    ``stats``: per table, a float64 [rows, 2] tensor on its device that the
+    ``stats``: per update rows, a float64 [rows, 2] tensor on its device that the
     update fills with each row's sums of squares of its update and of its
     new value (``gpuflat._src.step_stats``).
 
     >>> w, g = torch.ones(2), torch.full((2,), 4.0)
     >>> sgd = param_rows.RULES["sgd"]
-    >>> tables = param_rows.tables_of(sgd, [w], [g], [[None]] * 4, [0], [param_rows.needed(sgd, {"momentum": 0})], str)
-    >>> update("sgd", tables, [dict(lr=0.5, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False)],
+    >>> table = param_rows.table_of(sgd, [w], [g], [[None]] * 4, [0], [param_rows.needed(sgd, {"momentum": 0})], str)
+    >>> update("sgd", table, [dict(lr=0.5, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False)],
     ...        torch.tensor(8.0, dtype=torch.float64), 2.0, None, None)
     >>> w  # 1 - 0.5 * 4 * 2 / 8
     tensor([0.5000, 0.5000])
     """
     if hyper is None:
         hyper = RULES[rule].hyper_rows(groups)
-    for k, table in enumerate(tables):
-        like = table.like
-        backend = tensor_table.backend_for(like.device)
+    for k, rows in enumerate(table.updates):
+        like, backend = rows.like, rows.backend
         row_hyper, lr_at = _learning_rates(groups, like.device, hyper)
         # PyTorch's own work (it runs on PyTorch's current stream), before the launch's scope.
         amp = _amp_tensor(scale, found, like.device)
@@ -86,7 +85,7 @@ def update(rule: str, tables: Sequence[param_rows.DeviceRows], groups: Sequence[
             if backend.name == "cuda" and launch_stream(like).is_capturing():
                 _READ_BY_GRAPHS.append((amp, norm, [g["lr"] for g in groups], read() if callable(read) else read))
             sums = {} if stats is None else {"stats": adopt(stats[k])}
-            backend.step_rows(rule, TAG_OF_NAME[str(like.dtype).removeprefix("torch.")], table.rows, row_hyper,
+            backend.step_rows(rule, TAG_OF_NAME[str(like.dtype).removeprefix("torch.")], rows.rows, row_hyper,
                               lr_at, None if norm is None else adopt(norm),
                               0.0 if max_norm is None else float(max_norm), CLIP_EPS, adopt(amp), **sums)
 
@@ -238,7 +237,7 @@ def _update_lists(rule: str, hyper: Sequence[dict[str, Any]], params: list[torch
     needs = [param_rows.needed(RULES[rule], h) for h in hyper]
     keys = param_rows.stochastic_keys(np.array([h["rounding_seed"] for h in hyper])[groups], np.asarray(groups),
                                       np.asarray(indices)) if groups else None
-    tables = param_rows.tables_of(RULES[rule], params, grads, columns, groups, needs, name_of(groups, indices),
-                                  [param_rows.keep_of(h) for h in hyper], keys)
+    table = param_rows.table_of(RULES[rule], params, grads, columns, groups, needs, name_of(groups, indices),
+                                [param_rows.keep_of(h) for h in hyper], keys)
     read = [*params, *grads, *(t for column in columns for t in column if t is not None)]
-    update(rule, tables, hyper, total, max_norm, scale, found, read)
+    update(rule, table, hyper, total, max_norm, scale, found, read)
