@@ -86,10 +86,55 @@ def test_inductor_compiles_the_clip():
     backward(twin, x)
     want = clip(list(twin.parameters()))
     backward(model, x)
+    versions = [p.grad._version for p in model.parameters()]
     got = torch.compile(lambda: clip(list(model.parameters())), fullgraph=True)()
     assert torch.equal(got, want)
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p.grad, q.grad)
+    assert all(p.grad._version > v for p, v in zip(model.parameters(), versions))
+
+
+def test_every_tensor_an_operator_writes_has_its_version_moved():
+    # Autograd reads a tensor's version to tell whether it was written after
+    # it was saved for backward: a call moves the version of each tensor of
+    # the list it writes, called directly as from a compiled graph.
+    ts = [torch.randn(3), torch.randn(2, 2), torch.randn(1)]
+    total = torch.tensor(100.0, dtype=torch.float64)
+    calls = {"clip_": lambda: torch.ops.gpuflat.clip_(ts, 0.5, None, 2.0, 1e-6),
+             "scale_by_norm_": lambda: torch.ops.gpuflat.scale_by_norm_(ts, 1.0, total, 1e-6),
+             "scale_by_tensor_norm_": lambda: torch.ops.gpuflat.scale_by_tensor_norm_(ts, torch.tensor(1.0), total,
+                                                                                      1e-6)}
+    for name, call in calls.items():
+        versions = [t._version for t in ts]
+        call()
+        assert [t._version > v for t, v in zip(ts, versions)] == [True] * len(ts), name
+    model, _ = model_and_twin(5)
+    for fn in (clip, norm_then_clip):
+        backward(model, torch.randn(2, 8))
+        versions = [p.grad._version for p in model.parameters()]
+        torch.compile(fn, fullgraph=True, backend="aot_eager")(list(model.parameters()))
+        assert all(p.grad._version > v for p, v in zip(model.parameters(), versions)), fn.__name__
+
+
+def test_backward_through_a_saved_tensor_the_clip_wrote_raises():
+    x = torch.randn(4, requires_grad=True)
+    y = x.exp()  # saved for exp's backward
+    with torch.no_grad():
+        torch.ops.gpuflat.clip_([y], 0.5, None, 2.0, 1e-6)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_an_operator_result_has_no_derivative():
+    # Where an input requires grad under grad mode the result does too, and
+    # a backward through it raises rather than give a wrong gradient.
+    ts = [torch.tensor([3.0], requires_grad=True), torch.tensor([4.0], requires_grad=True)]
+    for total in (torch.ops.gpuflat.total_norm(ts, 2.0), torch.ops.gpuflat.clip_(ts, 1.0, None, 2.0, 1e-6)):
+        assert total.requires_grad
+        with pytest.raises(RuntimeError, match="no autograd formula"):
+            total.backward()
+    with torch.no_grad():
+        assert not torch.ops.gpuflat.total_norm(ts, 2.0).requires_grad
 
 
 def test_a_tensor_max_norm_is_read_where_it_lies_with_no_recompile():

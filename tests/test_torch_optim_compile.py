@@ -227,6 +227,29 @@ def test_dtensor_parameters_compile_with_the_eager_bits(name):
         assert torch.equal(opt.last_grad_norm, twin_opt.last_grad_norm)
 
 
+def test_every_tensor_the_update_writes_has_its_version_moved():
+    # Parameters, state and step counts: each tensor of each list the update
+    # writes, called directly as from a compiled step.
+    ws, gs = [torch.ones(3), torch.ones(2, 2)], [torch.full((3,), 0.5), torch.full((2, 2), -0.5)]
+    states = [torch.zeros(3), torch.zeros(2, 2), torch.zeros(3), torch.zeros(2, 2)]  # exp_avg, then exp_avg_sq
+    steps = [torch.zeros(()) for _ in ws]
+    written = [*ws, *states, *steps]
+    versions = [t._version for t in written]
+    torch.ops.gpuflat.update_("adamw", ws, gs, states, steps, groups=[0, 0], indices=[0, 1],
+                              hyper=[0.1, 0.0, 0.9, 0.999, 1e-8, 0.0, 0.0], lr_tensor=[None])
+    assert [t._version > v for t, v in zip(written, versions)] == [True] * len(written)
+    assert [float(s) for s in steps] == [1.0, 1.0]
+    model, _ = model_and_twin(6)
+    opt = make_optimizer("adamw", model, 1.0)
+    opt.step = torch.compile(opt.step, backend="aot_eager")
+    for k in range(2):  # compiled, and then run on the state the first step made
+        train_step(model, opt, None, torch.randn(4, 8), k)
+    written = [t for p in model.parameters() for t in (p, *opt.state[p].values())]
+    versions = [t._version for t in written]
+    train_step(model, opt, None, torch.randn(4, 8), 2)
+    assert [t._version > v for t, v in zip(written, versions)] == [True] * len(written)
+
+
 # ---------------------------------------------------------------- in place, under Inductor
 
 def peak_bytes(call) -> int:

@@ -1,11 +1,11 @@
 """gpuflat's norm and clip as PyTorch operators, for ``torch.compile``.
 
 Inside a compiled function TorchDynamo cannot trace gpuflat's native calls
-and host-side tables; as operators (``torch.library.custom_op``) they stay
-in the graph, opaque, and run as they are when the graph runs, their table
-caches inside them, so new gradient tensors in a later step neither
-recompile nor re-trace anything. Each has a fake implementation that gives
-its result's metadata without running. The operators take plain tensors:
+and host-side tables; as operators (``gpuflat._src.torch_optim_ops.operator``
+registers them) they stay in the graph, opaque, and run as they are when
+the graph runs, their table caches inside them, so new gradient tensors in
+a later step neither recompile nor re-trace anything. Each has a fake
+implementation that gives its result's metadata without running. The operators take plain tensors:
 DTensors are unwrapped, and their collectives run, outside any operator, or
 ranks could reach them in different orders.
 
@@ -31,11 +31,12 @@ from typing import Optional
 import torch
 
 from . import clipping, tensor_table
+from .torch_optim_ops import fake, operator
 
 __all__ = ["clip_", "scale_by_norm_", "scale_by_tensor_norm_", "total_norm"]
 
 
-@torch.library.custom_op("gpuflat::total_norm", mutates_args=())
+@operator("total_norm")
 def total_norm(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """The float64 norm of order ``norm_type`` of all ``tensors`` as one
     vector, a 0-d tensor on the first one's device (one fused pass per device).
@@ -45,12 +46,12 @@ def total_norm(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return tensor_table.norm_pass(table, norm_type)[0].clone()
 
 
-@total_norm.register_fake
+@fake(total_norm)
 def _(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return tensors[0].new_empty((), dtype=torch.float64)
 
 
-@torch.library.custom_op("gpuflat::scale_by_norm_", mutates_args=("tensors",))
+@operator("scale_by_norm_", mutates=("tensors",))
 def scale_by_norm_(tensors: list[torch.Tensor], max_norm: float, total: torch.Tensor, eps: float) -> None:
     """Scale every tensor in place by min(1, max_norm / (total + eps)), the
     factor taken from ``total`` on the device (no host read)."""
@@ -59,12 +60,12 @@ def scale_by_norm_(tensors: list[torch.Tensor], max_norm: float, total: torch.Te
     clipping.scale_by(table.bound, total, max_norm, eps)
 
 
-@scale_by_norm_.register_fake
+@fake(scale_by_norm_)
 def _(tensors: list[torch.Tensor], max_norm: float, total: torch.Tensor, eps: float) -> None:
     return None
 
 
-@torch.library.custom_op("gpuflat::scale_by_tensor_norm_", mutates_args=("tensors",))
+@operator("scale_by_tensor_norm_", mutates=("tensors",))
 def scale_by_tensor_norm_(tensors: list[torch.Tensor], max_norm: torch.Tensor, total: torch.Tensor,
                           eps: float) -> None:
     """:func:`scale_by_norm_` with ``max_norm`` a 0-d tensor, read where it
@@ -75,12 +76,12 @@ def scale_by_tensor_norm_(tensors: list[torch.Tensor], max_norm: torch.Tensor, t
     clipping.scale_by(table.bound, total, max_norm, eps)
 
 
-@scale_by_tensor_norm_.register_fake
+@fake(scale_by_tensor_norm_)
 def _(tensors: list[torch.Tensor], max_norm: torch.Tensor, total: torch.Tensor, eps: float) -> None:
     return None
 
 
-@torch.library.custom_op("gpuflat::clip_", mutates_args=("tensors",))
+@operator("clip_", mutates=("tensors",))
 def clip_(tensors: list[torch.Tensor], max_norm: float, max_norm_tensor: Optional[torch.Tensor], norm_type: float,
           eps: float) -> torch.Tensor:
     """The eager clip in one operator: every tensor scaled in place by
@@ -94,7 +95,7 @@ def clip_(tensors: list[torch.Tensor], max_norm: float, max_norm_tensor: Optiona
     return clipping.clip_(table.bound, limit, norm_type, eps, False).clone()
 
 
-@clip_.register_fake
+@fake(clip_)
 def _(tensors: list[torch.Tensor], max_norm: float, max_norm_tensor: Optional[torch.Tensor], norm_type: float,
       eps: float) -> torch.Tensor:
     return tensors[0].new_empty((), dtype=torch.float64)
