@@ -311,7 +311,8 @@ def test_inductor_updates_in_place_with_the_eager_bits_and_peak_memory(name, mon
     twin = copy.deepcopy(model)
     opt, twin_opt = make_optimizer(name, model, 1.0), make_optimizer(name, twin, 1.0)
     scaler, twin_scaler = make_scaler("gpuflat"), make_scaler("gpuflat")
-    graphs, seen = final_graphs(monkeypatch), addresses_updated(monkeypatch)
+    graphs, seen, built = final_graphs(monkeypatch), addresses_updated(monkeypatch), builds(monkeypatch)
+    gpuflat.cache_clear()
     opt.step = torch.compile(opt.step)
     peaks = {}
     with torch._inductor.config.patch(force_disable_caches=True):  # a cached graph skips the passes
@@ -321,6 +322,7 @@ def test_inductor_updates_in_place_with_the_eager_bits_and_peak_memory(name, mon
             train_step(twin, twin_opt, twin_scaler, x, k)
     assert_same_bits(model, opt, twin, twin_opt)
     assert seen and all(s == sorted(p.data_ptr() for p in model.parameters()) for s in seen)
+    assert len(built) == 1  # the same tensors at every call (new gradients patched in): the table is kept
     (graph,) = graphs
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     update = [n for n in nodes if str(n.target) == update_op(name)]
