@@ -32,6 +32,11 @@ anything:
 A change rebuilds only the rows it touches. What cannot be updated raises
 naming ``param_groups[g]['params'][i]``.
 
+A compiled step's update operator is handed lists of tensors, with no
+optimizer to keep anything on: :func:`of_lists` keeps its last few tables
+(in gpuflat's caches), each found again by everything that decides it, the
+tensors' facts read in one native pass.
+
 >>> import torch
 >>> w = torch.nn.Parameter(torch.ones(3)); w.grad = torch.ones(3)
 >>> opt = torch.optim.SGD([w, torch.nn.Parameter(torch.ones(2))], lr=0.1)
