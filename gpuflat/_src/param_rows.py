@@ -773,11 +773,11 @@ class _ListsKey:
     def read(cls, rule: Rule, tensors: list[torch.Tensor], facts: np.ndarray, counts: tuple[int, int, int, int],
              groups: list[int], indices: list[int],
              hyper: Sequence[dict[str, Any]]) -> tuple[_ListsKey, np.ndarray | None]:
-        """(the key of a call's ``tensors``, whose ``facts`` are read, written
-        in place; the gradients' addresses where the key leaves them out,
-        else None). A contiguous gradient alike its parameter starts at its
-        address wherever it lies; a strided one's start and checks depend on
-        its layout, so its address stays in the key."""
+        """(the key of a call's ``tensors`` from their ``facts``, in which the
+        gradients' addresses are zeroed in place where the key leaves them
+        out; those addresses, else None). A contiguous gradient alike its
+        parameter starts at its address wherever it lies; a strided one's
+        start and checks depend on its layout, so its address stays in."""
         n_params, n_grads = counts[:2]
         grad_facts = facts[n_params:n_params + n_grads]
         starts = None
