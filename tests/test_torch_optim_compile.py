@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 
 import gpuflat  # noqa: E402
 import gpuflat.torch as gft  # noqa: E402
-from gpuflat._src import torch_optim_ops  # noqa: E402
+from gpuflat._src import param_rows, torch_optim_ops  # noqa: E402
 from compiling import fresh_dynamo, model_and_twin, sharded_twins  # noqa: E402,F401  (fresh_dynamo: autouse)
 from conftest import apart_at_most  # noqa: E402
 
@@ -311,7 +311,8 @@ def test_inductor_updates_in_place_with_the_eager_bits_and_peak_memory(name, mon
     twin = copy.deepcopy(model)
     opt, twin_opt = make_optimizer(name, model, 1.0), make_optimizer(name, twin, 1.0)
     scaler, twin_scaler = make_scaler("gpuflat"), make_scaler("gpuflat")
-    graphs, seen = final_graphs(monkeypatch), addresses_updated(monkeypatch)
+    graphs, seen, built = final_graphs(monkeypatch), addresses_updated(monkeypatch), builds(monkeypatch)
+    gpuflat.cache_clear()
     opt.step = torch.compile(opt.step)
     peaks = {}
     with torch._inductor.config.patch(force_disable_caches=True):  # a cached graph skips the passes
@@ -321,6 +322,7 @@ def test_inductor_updates_in_place_with_the_eager_bits_and_peak_memory(name, mon
             train_step(twin, twin_opt, twin_scaler, x, k)
     assert_same_bits(model, opt, twin, twin_opt)
     assert seen and all(s == sorted(p.data_ptr() for p in model.parameters()) for s in seen)
+    assert len(built) == 1  # the same tensors at every call (new gradients patched in): the table is kept
     (graph,) = graphs
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     update = [n for n in nodes if str(n.target) == update_op(name)]
@@ -383,3 +385,307 @@ def test_precision_options_compile_with_the_eager_bits(name):
     # Each holds what its bfloat16 parameter could not.
     lost = [opt.state[p][kept].float() - (0 if kept == "kahan_comp" else p.float()) for p in model.parameters()]
     assert all(bool(d.abs().max() > 0) for d in lost)
+
+
+# ---------------------------------------------------------------- the update's table, kept between calls
+
+def builds(monkeypatch) -> list:
+    """One entry per table the compiled update reads and checks in full
+    (``param_rows.table_of``: an eager step builds its rows otherwise)."""
+    built, table_of = [], param_rows.table_of
+
+    def counted(*args, **kwargs):
+        built.append(1)
+        return table_of(*args, **kwargs)
+
+    monkeypatch.setattr(param_rows, "table_of", counted)
+    return built
+
+
+def compiled_on_its_tensors(opt):
+    """``opt.step`` compiled with TorchDynamo's eager backend: the update
+    operator gets the parameters and state themselves, as under Inductor
+    (aot_eager hands it copies, new memory at each call), without a build."""
+    opt.step = torch.compile(opt.step, backend="eager")
+
+
+def test_repeated_compiled_steps_build_the_table_once(monkeypatch):
+    model, twin = model_and_twin(7)
+    opt, twin_opt = make_optimizer("adamw", model, 1.0), make_optimizer("adamw", twin, 1.0)
+    compiled_on_its_tensors(opt)
+    gpuflat.cache_clear()
+    built = builds(monkeypatch)
+
+    def both(k, set_to_none=True):
+        x = torch.randn(4, 8)
+        for m, o in ((model, opt), (twin, twin_opt)):
+            o.zero_grad(set_to_none=set_to_none)  # None: new gradient tensors at the backward
+            m(x).pow(2).sum().backward()
+            o.step()
+
+    without_recompiling(4, both)
+    assert len(built) == 1
+    for k in range(2):  # the same gradient tensors, written in place
+        both(k, set_to_none=False)
+    assert len(built) == 1 and gpuflat.cache_info()["compiled steps' tables"] >= 1
+    gpuflat.cache_clear()
+    both(0)
+    assert len(built) == 2
+    assert_same_bits(model, opt, twin, twin_opt)
+
+
+def sgd_calls(values, clear, dtypes=None):
+    """The parameters, momentum buffers and counts after ``gpuflat::update_``
+    called as a compiled graph calls it (the same parameters and state,
+    new gradient tensors: ``values[k]`` at call k, alternately views of
+    one memory and new tensors), the caches emptied before each call
+    where ``clear``; ``dtypes[k]``: the parameters' dtype at call k (views
+    of their memory)."""
+    torch.manual_seed(8)
+    w = [torch.randn(3, dtype=torch.float16), torch.randn(2, 2, dtype=torch.float16)]
+    bufs, steps = [torch.zeros_like(t) for t in w], [torch.zeros(()) for _ in w]
+    memory = [torch.empty_like(t) for t in w]
+    kw = dict(groups=[0, 0], indices=[0, 1], hyper=[0.1, 0.0, 0.9, 0.0, 0.0, 0.0, 0.0], lr_tensor=[None])
+    for k, gs in enumerate(values):
+        dtype = torch.float16 if dtypes is None else dtypes[k]
+        if k % 2:
+            for m, g in zip(memory, gs):
+                m.copy_(g)
+            grads = [m.view(dtype) for m in memory]
+        else:
+            grads = [g.clone().view(dtype) for g in gs]
+        if clear:
+            gpuflat.cache_clear()
+        torch.ops.gpuflat.update_("sgd", [t.view(dtype) for t in w], grads, bufs, steps, **kw)
+    return [*w, *bufs, *steps]
+
+
+def gradient_values(n):
+    torch.manual_seed(9)
+    return [[torch.randn(3).half(), torch.randn(2, 2).half()] for _ in range(n)]
+
+
+def test_new_gradient_tensors_in_the_same_memory_or_elsewhere_are_patched_in(monkeypatch):
+    values = gradient_values(5)
+    fresh = sgd_calls(values, clear=True)
+    built = builds(monkeypatch)
+    gpuflat.cache_clear()
+    kept = sgd_calls(values, clear=False)
+    assert len(built) == 1
+    assert all(torch.equal(a, b) for a, b in zip(kept, fresh))
+
+
+def test_parameters_viewed_as_another_dtype_in_the_same_memory_build_again(monkeypatch):
+    # The same addresses and element counts, bfloat16 where they were float16:
+    # its buffers, still float16, are then of another dtype (a precision word).
+    values = gradient_values(4)
+    dtypes = [torch.float16, torch.bfloat16, torch.bfloat16, torch.float16]
+    fresh = sgd_calls(values, clear=True, dtypes=dtypes)
+    built = builds(monkeypatch)
+    gpuflat.cache_clear()
+    kept = sgd_calls(values, clear=False, dtypes=dtypes)
+    assert len(built) == 2  # float16, then bfloat16; float16 again is found among the kept tables
+    assert all(torch.equal(a, b) for a, b in zip(kept, fresh))
+
+
+def changed_between_steps(monkeypatch, opt, model, twin_opt, twin, change, dtype=torch.float32):
+    """Two compiled steps and two eager ones on the twin, then
+    ``change(model, opt)`` and ``change(twin, twin_opt)``, then two more of
+    each: the compiled steps must give the eager bits, and build their
+    table twice (once at the first step, once after the change)."""
+    compiled_on_its_tensors(opt)
+    gpuflat.cache_clear()
+    built = builds(monkeypatch)
+    for k in range(4):
+        if k == 2:
+            change(model, opt)
+            change(twin, twin_opt)
+        x = torch.randn(4, 8, dtype=dtype)
+        train_step(model, opt, None, x, k)
+        train_step(twin, twin_opt, None, x, k)
+    assert len(built) == 2
+    assert_same_bits(model, opt, twin, twin_opt)
+
+
+def test_a_state_tensor_replaced_between_compiled_steps_is_read_again(monkeypatch):
+    model, twin = model_and_twin(10)
+    opt, twin_opt = make_optimizer("adamw", model, 1.0), make_optimizer("adamw", twin, 1.0)
+
+    def replaced(m, o):
+        o.state[m[0].weight]["exp_avg"] = o.state[m[0].weight]["exp_avg"] * 0.5
+
+    changed_between_steps(monkeypatch, opt, model, twin_opt, twin, replaced)
+
+
+@pytest.mark.parametrize("name, option, value", [("sgd", "momentum", 0.9), ("adamw", "amsgrad", True)])
+def test_a_group_switching_on_state_between_compiled_steps_builds_again(monkeypatch, name, option, value):
+    model, twin = model_and_twin(11)
+    cls, kw, _ = OPTIMIZERS[name]
+    kw = dict(kw, **{option: 0.0 if option == "momentum" else False})
+    opt, twin_opt = cls(model.parameters(), max_norm=1.0, **kw), cls(twin.parameters(), max_norm=1.0, **kw)
+
+    def switched_on(m, o):
+        o.param_groups[0][option] = value
+
+    changed_between_steps(monkeypatch, opt, model, twin_opt, twin, switched_on)
+    assert all(("max_exp_avg_sq" if option == "amsgrad" else "momentum_buffer") in opt.state[p]
+               for p in model.parameters())
+
+
+def test_a_rounding_seed_changed_between_compiled_steps_builds_again(monkeypatch):
+    model, twin = (m.to(torch.bfloat16) for m in model_and_twin(12))
+    cls, kw = PRECISION["sgd-stochastic"]
+    opt, twin_opt = cls(model.parameters(), max_norm=1.0, **kw), cls(twin.parameters(), max_norm=1.0, **kw)
+
+    def reseeded(m, o):
+        o.param_groups[0]["rounding_seed"] = 6
+
+    changed_between_steps(monkeypatch, opt, model, twin_opt, twin, reseeded, dtype=torch.bfloat16)
+
+
+def kept_and_fresh(monkeypatch, make, change, inputs):
+    """Compiled steps (the operator given the tensors themselves) of
+    ``make()``'s (model, optimizer), ``change(model, opt)`` before the
+    third: with the kept tables, and again with tables built at every
+    step (the caches emptied before each); the two runs' parameters and
+    state, bit for bit, and the kept run building twice (at the first
+    step and after the change). ``inputs(model)``: a batch for the model
+    as it is."""
+    def run(clear):
+        torch._dynamo.reset()
+        model, opt = make()
+        compiled_on_its_tensors(opt)
+        gpuflat.cache_clear()
+        torch.manual_seed(15)
+        for k in range(4):
+            if k == 2:
+                change(model, opt)
+            if clear:
+                gpuflat.cache_clear()
+            opt.zero_grad()
+            model(inputs(model)).pow(2).sum().backward()
+            opt.step()
+        return [t for p in model.parameters() for t in (p, *opt.state[p].values())]
+
+    fresh = run(clear=True)
+    built = builds(monkeypatch)
+    kept = run(clear=False)
+    assert len(built) == 2
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(kept, fresh))
+
+
+def test_a_parameter_moved_to_another_group_builds_again(monkeypatch):
+    # The same parameters in the same order, the first layer's bias now in
+    # the second group, with its learning rate. (Against fresh tables: the
+    # eager step, which compares the groups' lists as one, misses this move.)
+    def make():
+        model, _ = model_and_twin(16)
+        return model, gft.SGD([{"params": [*model[0].parameters()]},
+                               {"params": [*model[2].parameters()], "lr": 0.01}], lr=0.05, momentum=0.9, max_norm=1.0)
+
+    def moved(m, o):
+        o.param_groups[0]["params"] = [m[0].weight]
+        o.param_groups[1]["params"] = [m[0].bias, *m[2].parameters()]
+
+    kept_and_fresh(monkeypatch, make, moved, lambda m: torch.randn(4, 8))
+
+
+def test_a_parameter_moved_within_its_group_builds_again(monkeypatch):
+    # A parameter without a gradient moved from first to last: the others'
+    # indices, which key their stochastic rounding, each one less. (Against
+    # fresh tables: the eager step keeps each parameter's key as first read.)
+    def make():
+        model = model_and_twin(17)[0].to(torch.bfloat16)
+        cls, kw = PRECISION["sgd-stochastic"]
+        return model, cls([nn.Parameter(torch.zeros(2, dtype=torch.bfloat16)), *model.parameters()], max_norm=1.0,
+                          **kw)
+
+    def moved(m, o):
+        ps = o.param_groups[0]["params"]
+        o.param_groups[0]["params"] = [*ps[1:], ps[0]]
+
+    kept_and_fresh(monkeypatch, make, moved, lambda m: torch.randn(4, 8, dtype=torch.bfloat16))
+
+
+def transposed_model(seed):
+    """model_and_twin's, its first weight laid out transposed (not
+    contiguous: its gradients, and their addresses, are read every step)."""
+    model, twin = model_and_twin(seed)
+    for m in (model, twin):
+        m[0].weight = nn.Parameter(m[0].weight.detach().t().contiguous().t())
+    return model, twin
+
+
+def test_gradients_not_contiguous_give_the_eager_bits_and_errors(monkeypatch):
+    model, twin = transposed_model(13)
+    opt, twin_opt = make_optimizer("sgd", model, 1.0), make_optimizer("sgd", twin, 1.0)
+    compiled_on_its_tensors(opt)
+    gpuflat.cache_clear()
+    built = builds(monkeypatch)
+    # Per model, memory the gradients are copied into and viewed from, the same at every step.
+    memory = {id(m): [torch.empty(16 * 16 if i == 0 else p.numel()) for i, p in enumerate(m.parameters())]
+              for m in (model, twin)}
+
+    def step(m, o, x, weight_view=None):
+        o.zero_grad()
+        m(x).pow(2).sum().backward()
+        if weight_view is not None:  # every gradient a view of its memory: the same addresses at every step
+            for i, (p, mem) in enumerate(zip(m.parameters(), memory[id(m)])):
+                (mem[:128].view(8, 16).t() if i == 0 else mem.view_as(p)).copy_(p.grad)
+                p.grad = weight_view(mem) if i == 0 else mem.view_as(p)
+        o.step()
+
+    aligned = lambda mem: mem[:128].view(8, 16).t()  # noqa: E731  (the weight's layout)
+    for k in range(4):
+        x = torch.randn(4, 8)
+        for m, o in ((model, opt), (twin, twin_opt)):
+            step(m, o, x, aligned if k >= 2 else None)
+        if k == 2:
+            before = len(built)
+    assert_same_bits(model, opt, twin, twin_opt)
+    assert len(built) == before  # the same addresses: found again, their layouts compared
+    # The same addresses and element counts, the weight's gradient in another
+    # layout (rows of 16): refused as the eager step refuses it.
+    across = lambda mem: mem.view(16, 16)[:, :8]  # noqa: E731
+    x = torch.randn(4, 8)
+    errors = []
+    for m, o in ((model, opt), (twin, twin_opt)):
+        with pytest.raises(ValueError, match="expected its gradient of shape") as info:
+            step(m, o, x, across)
+        errors.append(str(info.value))
+        # An error out of a compiled step leaves the step's no_grad on (TorchDynamo's frame never restores it).
+        torch.set_grad_enabled(True)
+    assert errors[0] == errors[1] and "param_groups[0]['params'][0]" in errors[0]
+    for p, q in zip(model.parameters(), twin.parameters()):  # nothing written
+        assert torch.equal(p, q)
+
+
+def test_a_parameter_dtype_changed_between_compiled_steps_builds_again(monkeypatch):
+    # Against fresh tables: a compiled step keeps the state in its dtype (its
+    # rows say so), where an eager step makes it follow the parameter's.
+    def make():
+        model, _ = model_and_twin(14)
+        return model, make_optimizer("adamw", model, 1.0)
+
+    kept_and_fresh(monkeypatch, make, lambda m, o: m.double(), lambda m: torch.randn(4, 8, dtype=m[0].weight.dtype))
+
+
+def test_a_table_kept_under_one_backend_is_not_used_under_another(monkeypatch):
+    from gpuflat._src import tensor_table
+    from gpuflat._src.backends import get_backend
+
+    served = []
+    update = torch_optim_ops.update
+    monkeypatch.setattr(torch_optim_ops, "update",
+                        lambda rule, table, *args: (served.append([r.backend.name for r in table.updates]),
+                                                    update(rule, table, *args))[1])
+    w, g = torch.ones(3), torch.full((3,), 0.5)
+    kw = dict(groups=[0], indices=[0], hyper=[0.1] + [0.0] * 6, lr_tensor=[None])
+    gpuflat.cache_clear()
+    torch.ops.gpuflat.update_("sgd", [w], [g], [], [], **kw)
+    with tensor_table.serve_with(get_backend("emulated")):
+        torch.ops.gpuflat.update_("sgd", [w], [g], [], [], **kw)
+    torch.ops.gpuflat.update_("sgd", [w], [g], [], [], **kw)
+    default = tensor_table.backend_for(w.device).name
+    assert served == [[default], ["emulated"], [default]]
+    torch.testing.assert_close(w, torch.full((3,), 1.0 - 3 * 0.05))  # three updates, whichever backend

@@ -32,6 +32,11 @@ anything:
 A change rebuilds only the rows it touches. What cannot be updated raises
 naming ``param_groups[g]['params'][i]``.
 
+A compiled step's update operator is handed lists of tensors, with no
+optimizer to keep anything on: :func:`of_lists` keeps its last few tables
+(in gpuflat's caches), each found again by everything that decides it, the
+tensors' facts read in one native pass.
+
 >>> import torch
 >>> w = torch.nn.Parameter(torch.ones(3)); w.grad = torch.ones(3)
 >>> opt = torch.optim.SGD([w, torch.nn.Parameter(torch.ones(2))], lr=0.1)
@@ -62,8 +67,11 @@ if TYPE_CHECKING:
     from numpy.typing import ArrayLike
     from typing_extensions import Self
 
+    from .backends.protocol import Backend
+
 __all__ = ["KEEP_OPTIONS", "KEPT_STATE", "Step", "WatchedState", "WatchedStates", "expected_dtype", "forget", "keep_of",
-           "needed", "needs_of", "plain", "read", "state_names", "stochastic_keys", "table_of", "takes_keep", "watch"]
+           "needed", "needs_of", "of_lists", "plain", "read", "state_names", "stochastic_keys", "table_of", "takes_keep",
+           "watch"]
 
 # The dtypes the update kernels take, by their tensor_facts codes.
 STEPPED = tuple(map(torch_dtype, OPTIM_DTYPES))
@@ -691,6 +699,150 @@ def table_of(rule: Rule, params: list[torch.Tensor], grads: list[torch.Tensor], 
     rows[:, ROW_PRECISION] = _precision_words(param_codes, codes[:, :_EXTRA], kept,
                                               (np.zeros(len(params), np.int64) if keys is None else keys) * stochastic)
     return tensor_table.of_step(rows, _buckets(param_facts), params)
+
+
+# ---------------------------------------------------------------- a compiled step's tables
+
+# A compiled step's operator holds no optimizer to keep what it found on
+# (read's _Found and _Kept): its tables are kept here, a few (the steps of a
+# few optimizers, or of one under a few backends), found again by comparing
+# words, as tensor_table's tables are.
+LISTS_KEPT = 4
+_lists_tables = caches.Recent("compiled steps' tables", LISTS_KEPT)
+
+
+def of_lists(rule: Rule, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[torch.Tensor],
+             steps: list[torch.Tensor], groups: list[int], indices: list[int], hyper: Sequence[dict[str, Any]],
+             name_of: Callable[[int], str]) -> tensor_table.Table:
+    """The table of a compiled step's update (``gpuflat::update_``) over
+    lists of plain tensors: ``states`` holds, state after state in the rows'
+    order (:func:`state_names`), the tensors of the parameters whose group
+    needs that state (:func:`needs_of`), ``steps`` their step counts
+    likewise; parameter j is at ``indices[j]`` of group ``groups[j]``,
+    whose options ``hyper[g]`` holds (a dict as ``param_groups`` holds one,
+    its keep options and ``rounding_seed`` included); ``name_of(j)`` names
+    parameter j in errors.
+
+    Found again where everything that decides it is as at a recent call
+    (:class:`_ListsKey`): one native read of the tensors' facts and a
+    comparison, with the gradients' addresses patched in where every
+    gradient is contiguous (new gradient tensors at every step). Anything
+    else is read and checked in full, as :func:`table_of` checks, before
+    the update writes anything.
+
+    >>> w, count = torch.ones(3), torch.zeros(())
+    >>> sgd, group = RULES["sgd"], {"momentum": 0.9, "rounding_seed": 0}
+    >>> tables = [of_lists(sgd, [w], [g], [torch.zeros(3)], [count], [0], [0], [group], str)
+    ...           for g in (torch.ones(3), torch.ones(3))]
+    >>> [t.updates[0].rows[:, ROW_NUMEL].tolist() for t in tables], caches.sizes()["compiled steps' tables"] > 0
+    ([[3], [3]], True)
+    """
+    tensors = [*params, *grads, *states, *steps]
+    facts = tensor_facts.of_tensors(tensors)
+    if facts is None:  # a tensor subclass, or one without strided storage: read and checked in full, never kept
+        return _lists_built(rule, params, grads, states, steps, groups, indices, hyper, name_of)
+    key, starts = _ListsKey.read(rule, tensors, facts, (len(params), len(grads), len(states), len(steps)),
+                                 groups, indices, hyper)
+    kept = _lists_tables.find(lambda entry: entry.key.same(key))
+    if kept is not None:
+        return kept.table(params, starts)
+    table = _lists_built(rule, params, grads, states, steps, groups, indices, hyper, name_of)
+    # Kept only once built: a call that raised keeps nothing, and raises again.
+    _lists_tables.add(_KeptLists(key, [(rows.rows, rows.positions, rows.backend) for rows in table.updates]))
+    return table
+
+
+@dataclass(frozen=True, eq=False)
+class _ListsKey:
+    """Everything that decides the table of :func:`of_lists`' lists: the rule,
+    the backend put in place (``tensor_table.serve_with``: the rows' backends
+    are resolved as the table is built), the lists' lengths, each group's
+    keep, needs (as a parameter that takes the keep and as one that does
+    not) and rounding seed, each parameter's group and index, and the
+    tensors' facts (address, element count; dtype, contiguity and device in
+    one code), with the shape and strides of each tensor that is not
+    contiguous (where the facts alone do not place its elements)."""
+
+    head: tuple
+    groups: list[int]
+    indices: list[int]
+    facts: bytes  # the gradients' addresses 0 where they are patched in
+    layouts: tuple
+
+    @classmethod
+    def read(cls, rule: Rule, tensors: list[torch.Tensor], facts: np.ndarray, counts: tuple[int, int, int, int],
+             groups: list[int], indices: list[int],
+             hyper: Sequence[dict[str, Any]]) -> tuple[_ListsKey, np.ndarray | None]:
+        """(the key of a call's ``tensors`` from their ``facts``, in which the
+        gradients' addresses are zeroed in place where the key leaves them
+        out; those addresses, else None). A contiguous gradient alike its
+        parameter starts at its address wherever it lies; a strided one's
+        start and checks depend on its layout, so its address stays in."""
+        n_params, n_grads = counts[:2]
+        grad_facts = facts[n_params:n_params + n_grads]
+        starts = None
+        if n_grads == n_params and (grad_facts[:, 2] & tensor_facts.CONTIGUOUS).all():
+            starts = grad_facts[:, 0].copy()
+            grad_facts[:, 0] = 0
+        strided = np.flatnonzero((facts[:, 2] & tensor_facts.CONTIGUOUS) == 0).tolist()
+        layouts = tuple((tuple(tensors[j].shape), tensors[j].stride()) for j in strided)
+        needs = tuple((keep_of(h), needed(rule, h), needed(rule, h, "plain"), h.get("rounding_seed", 0))
+                      for h in hyper)
+        head = (rule, tensor_table._override.get(), counts, needs)
+        return cls(head, list(groups), list(indices), facts.tobytes(), layouts), starts
+
+    def same(self, other: _ListsKey) -> bool:
+        # The cheap parts first; bytes compare with memcmp and stop at the first difference.
+        return (self.head == other.head and self.facts == other.facts and self.groups == other.groups
+                and self.indices == other.indices and self.layouts == other.layouts)
+
+
+@dataclass(frozen=True, eq=False)
+class _KeptLists:
+    """A table of :func:`of_lists` as kept: its key and, per update rows (one
+    device and dtype), the rows, their positions among the parameters and
+    their backend. No tensor: a kept table must not hold a step's memory, so
+    each call places the rows by its own parameters."""
+
+    key: _ListsKey
+    updates: list[tuple[np.ndarray, np.ndarray | None, Backend]]
+
+    def table(self, params: list[torch.Tensor], starts: np.ndarray | None) -> tensor_table.Table:
+        """The table of a call over ``params`` whose gradients start at ``starts`` (None: as kept)."""
+        updates = []
+        for rows, positions, backend in self.updates:
+            if starts is not None:
+                # In a copy: rows handed to an update are never written again (a device may still read them).
+                rows = rows.copy()
+                rows[:, _ROW_GRAD] = starts if positions is None else starts[positions]
+            like = params[0 if positions is None else int(positions[0])]
+            updates.append(tensor_table.UpdateRows(rows, like, backend, positions))
+        return tensor_table.Table([], updates=updates)
+
+
+def _lists_built(rule: Rule, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[torch.Tensor],
+                 steps: list[torch.Tensor], groups: list[int], indices: list[int], hyper: Sequence[dict[str, Any]],
+                 name_of: Callable[[int], str]) -> tensor_table.Table:
+    """The table of :func:`of_lists` read in full: each parameter's state
+    from its needs, then :func:`table_of`'s rows and checks."""
+    needs = [needs_of(rule, p, hyper[g])[1] for p, g in zip(params, groups)]
+    kept = iter(states)
+    columns = [[next(kept) if need[c] else None for need in needs] for c in range(len(needs[0]) - 1)] if needs else []
+    columns.append(_spread(steps, [need[-1] for need in needs]))
+    keys = stochastic_keys(np.array([h.get("rounding_seed", 0) for h in hyper])[groups], np.asarray(groups),
+                           np.asarray(indices)) if groups else None
+    return table_of(rule, params, grads, columns, groups, [needed(rule, h) for h in hyper], name_of,
+                    [keep_of(h) for h in hyper], keys)
+
+
+def _spread(tensors: Sequence[torch.Tensor], kept: Sequence[bool]) -> list[torch.Tensor | None]:
+    """``tensors`` placed at the positions where ``kept`` is true, None elsewhere.
+
+    >>> _spread(["a"], [False, True])
+    [None, 'a']
+    """
+    it = iter(tensors)
+    return [next(it) if k else None for k in kept]
 
 
 def _param_rows(params: Sequence[torch.Tensor], param_facts: np.ndarray, grads: Sequence[torch.Tensor], grad_facts: np.ndarray, groups: np.ndarray,

@@ -13,8 +13,10 @@ state, step counts) marked mutated, the gradients read, each parameter
 group's hyperparameter row with each parameter's group and index in it, a
 tensor ``lr`` beside the row, the norm and ``max_norm``, a GradScaler's
 ``grad_scale`` and ``found_inf``. The operators take plain tensors (a DTensor's local shard)
-and read their rows at every call (``gpuflat._src.param_rows.table_of``), so
-new gradient tensors in a later step neither recompile nor re-trace
+and find their rows at every call: the update's again while everything that
+decides them holds (``gpuflat._src.param_rows.of_lists``: one native read
+of the tensors' facts, the new gradients' addresses patched in), so new
+gradient tensors in a later step neither recompile, re-trace nor rebuild
 anything. Inductor hands the update the tensors themselves; ``aot_eager``,
 which does not reinplace mutated arguments, hands it copies of the mutated
 lists and copies them back.
@@ -296,11 +298,9 @@ def update_(rule: str, params: list[torch.Tensor], grads: list[torch.Tensor], st
     named = [{**dict(zip(rule_of.hyper, row.tolist())), "lr": float(row[0]) if t is None else t,
               **_keep_options(KEEPS[keeps[g]] if keeps else "plain"), "rounding_seed": seeds[g] if seeds else 0}
              for g, (row, t) in enumerate(zip(rows, lr_tensor))]
-    needs = [param_rows.needs_of(rule_of, p, named[g])[1] for p, g in zip(params, groups)]
-    kept = iter(states)
-    columns = [[next(kept) if need[c] else None for need in needs] for c in range(len(needs[0]) - 1)] if needs else []
-    columns.append(_spread(state_steps, [need[-1] for need in needs]))
-    _update_lists(rule, named, params, grads, columns, groups, indices, total, max_norm, grad_scale, found_inf)
+    table = param_rows.of_lists(rule_of, params, grads, states, state_steps, groups, indices, named,
+                                name_of(groups, indices))
+    update(rule, table, named, total, max_norm, grad_scale, found_inf, lambda: [*params, *grads, *states, *state_steps])
 
 
 @fake(update_)
@@ -316,22 +316,3 @@ def _keep_options(keep: str) -> dict[str, bool]:
     'kahan'
     """
     return {option: keep == kept for kept, option in param_rows.KEEP_OPTIONS.items()}
-
-
-def _spread(tensors: Sequence[torch.Tensor], kept: Sequence[bool]) -> list[torch.Tensor | None]:
-    """``tensors`` placed at the positions where ``kept`` is true, None elsewhere."""
-    it = iter(tensors)
-    return [next(it) if k else None for k in kept]
-
-
-def _update_lists(rule: str, hyper: Sequence[dict[str, Any]], params: list[torch.Tensor], grads: list[torch.Tensor],
-                  columns: list[list[torch.Tensor | None]], groups: list[int], indices: list[int],
-                  total: torch.Tensor | None, max_norm: float | None, scale: torch.Tensor | None,
-                  found: torch.Tensor | None) -> None:
-    needs = [param_rows.needed(RULES[rule], h) for h in hyper]
-    keys = param_rows.stochastic_keys(np.array([h["rounding_seed"] for h in hyper])[groups], np.asarray(groups),
-                                      np.asarray(indices)) if groups else None
-    table = param_rows.table_of(RULES[rule], params, grads, columns, groups, needs, name_of(groups, indices),
-                                [param_rows.keep_of(h) for h in hyper], keys)
-    read = [*params, *grads, *(t for column in columns for t in column if t is not None)]
-    update(rule, table, hyper, total, max_norm, scale, found, read)
