@@ -181,6 +181,26 @@ def test_2_a_parameter_swapped_in_a_groups_list_is_followed(name):
     steps(params_t, params_f, opt_t, opt_f, 2, 3, "swapped")
 
 
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lion"])
+@pytest.mark.parametrize("toward", ["later group", "earlier group"])
+def test_2_a_parameter_moved_across_a_group_boundary_takes_its_new_groups_options(name, toward):
+    # The parameters' order across the groups stays the same: only where
+    # one group ends moves, and with it the options the parameter steps by.
+    params_t, params_f = twins([(4, 3), (5,), (3,), (2, 2)], 6)
+    kw = {"adamw": {}, "sgd": {"momentum": 0.9}, "lion": OPTIONS["lion"]}[name]
+    lrs = {"adamw": (0.1, 0.01), "sgd": (0.1, 0.01), "lion": (0.01, 0.001)}[name]
+    opt_t, opt_f = ([{"params": ps[:2], "lr": lrs[0]}, {"params": ps[2:], "lr": lrs[1]}] for ps in (params_t, params_f))
+    opt_t, opt_f = TORCH[name](opt_t, **kw), FLAT[name](opt_f, **kw)
+    steps(params_t, params_f, opt_t, opt_f, 0, 2)
+    for opt in (opt_t, opt_f):
+        first, second = opt.param_groups[0]["params"], opt.param_groups[1]["params"]
+        if toward == "later group":
+            second.insert(0, first.pop())
+        else:
+            first.append(second.pop(0))
+    steps(params_t, params_f, opt_t, opt_f, 2, 3, f"moved to the {toward}")
+
+
 def test_2_state_popped_after_a_resize_is_made_anew():
     # resize_token_embeddings: a new, larger parameter where the old one was,
     # and its state popped.
@@ -353,11 +373,20 @@ class Loop:
     def both(self):
         return ((self.opt_t, self.params_t), (self.opt_f, self.params_f))
 
+    def give_max_exp_avg_sq(self, g) -> None:
+        """torch.optim.AdamW takes max_exp_avg_sq from the state it made (a
+        KeyError without it) where a group's amsgrad is on: the state it
+        would have made, at 0, for group g's parameters without it."""
+        for opt, _ in self.both():
+            for p in opt.param_groups[g]["params"]:
+                if opt.state.get(p) and "max_exp_avg_sq" not in opt.state[p]:
+                    opt.state[p]["max_exp_avg_sq"] = torch.zeros_like(p)
+
     def edit(self, k) -> None:
         """A random edit of the loop, made alike on both sides."""
         rng = self.rng
-        kind = ["none", "none", "clear", "del", "replace", "swap", "add", "hyper", "hyper", "checkpoint", "move"][
-            rng.integers(11)]
+        kind = ["none", "none", "clear", "del", "replace", "swap", "add", "hyper", "hyper", "checkpoint", "move",
+                "regroup"][rng.integers(12)]
         at = int(rng.integers(len(self.params_t)))
         if kind == "clear":
             for opt, _ in self.both():
@@ -408,12 +437,7 @@ class Loop:
                 elif group["nesterov"] and key in ("momentum", "dampening"):
                     change["nesterov"] = False
             if change.get("amsgrad") and not group["amsgrad"]:
-                # torch.optim.AdamW takes max_exp_avg_sq from the state it made
-                # (a KeyError without it): the state it would have made, at 0.
-                for opt, _ in self.both():
-                    for p in opt.param_groups[g]["params"]:
-                        if opt.state.get(p) and "max_exp_avg_sq" not in opt.state[p]:
-                            opt.state[p]["max_exp_avg_sq"] = torch.zeros_like(p)
+                self.give_max_exp_avg_sq(g)
             for opt, _ in self.both():
                 opt.param_groups[g].update(change)
             kind = f"group {g} {change}"
@@ -438,6 +462,20 @@ class Loop:
                 self.moved_from.append(ps[at].data)
                 ps[at].data = ps[at].data.clone()
             kind = f"move parameter {at}"
+        elif kind == "regroup":  # a parameter moved across the end of group 0: the order across groups stays
+            first = self.opt_t.param_groups[0]["params"]
+            later = len(first) > 0 and rng.random() < 0.5
+            if not later and len(self.opt_t.param_groups[1]["params"]) == 0:
+                return self.log(k, "none")
+            for opt, _ in self.both():
+                groups = opt.param_groups
+                if later:
+                    groups[1]["params"].insert(0, groups[0]["params"].pop())
+                else:
+                    groups[0]["params"].append(groups[1]["params"].pop(0))
+            if self.opt_t.param_groups[int(later)].get("amsgrad"):
+                self.give_max_exp_avg_sq(int(later))
+            kind = f"regroup: a parameter into group {1 if later else 0}"
         else:
             kind = "none"
         self.log(k, kind)

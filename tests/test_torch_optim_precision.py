@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import gpuflat.torch as gft  # noqa: E402
-from gpuflat._src import tensor_table  # noqa: E402
+from gpuflat._src import param_rows, tensor_table  # noqa: E402
 from gpuflat._src.backends import get_backend  # noqa: E402
 from torch_lion import Lion as TorchLion  # noqa: E402
 
@@ -336,6 +336,34 @@ def test_a_seed_changed_between_steps_is_followed():
 
     assert torch.equal(run([1, 2]), run([1, 2]))
     assert not torch.equal(run([1, 1]), run([1, 2]))
+
+
+@pytest.mark.parametrize("move", ["within its group", "into the next group"])
+def test_the_keys_of_the_draws_follow_a_parameter_moved_in_param_groups(move):
+    # A parameter's key is its group's seed and its place in the group, read
+    # where it is now: a step after the move draws as a step of an optimizer
+    # that finds every parameter anew. The parameter moved has no gradient,
+    # so its own state is never read again at the move.
+    def run(forget):
+        g = torch.Generator().manual_seed(3)
+        ws = [torch.nn.Parameter(torch.ones(256, dtype=torch.bfloat16)) for _ in range(4)]
+        opt = gft.SGD([{"params": ws[:2]}, {"params": ws[2:]}], lr=1e-3, bf16_stochastic_round=True)
+        for k in range(4):
+            if k == 2:
+                first, second = opt.param_groups[0]["params"], opt.param_groups[1]["params"]
+                if move == "within its group":
+                    first.reverse()
+                else:
+                    second.insert(0, first.pop())
+            for j, w in enumerate(ws):
+                w.grad = None if k >= 2 and j == 1 else torch.randn(256, generator=g).to(torch.bfloat16)
+            if forget:
+                param_rows.forget(opt)
+            opt.step()
+        return [w.detach().clone() for w in ws]
+
+    for kept, anew in zip(run(False), run(True)):
+        assert torch.equal(kept, anew)
 
 
 def test_a_state_dict_with_master_copies_resumes_in_torch_optim():

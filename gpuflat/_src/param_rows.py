@@ -323,7 +323,9 @@ class _Found:
     """What was found for an optimizer's parameters, one entry per parameter
     of ``param_groups`` in order, kept while it holds."""
 
-    lists: list  # the groups' params lists, as found
+    # Each group's parameter count as found: a parameter moved across a
+    # group's end leaves the parameters' order alone, not their groups.
+    sizes: tuple
     everything: list
     group_of: np.ndarray
     needs: np.ndarray  # per group, per name of state_names: whether its steps read it
@@ -468,7 +470,8 @@ def _found(optimizer: torch.optim.Optimizer, rule: Rule,
     flags change which state it needs has its parameters' state checked
     again."""
     found = optimizer.__dict__.get("_gpuflat_found")
-    facts = None if found is None or len(found.lists) != len(lists) else tensor_facts.of_step(lists, found.everything)
+    facts = None if found is None or tuple(map(len, lists)) != found.sizes \
+        else tensor_facts.of_step(lists, found.everything)
     if found is None or facts is None:
         found = _relist(optimizer, rule, found, lists)
         facts = tensor_facts.of_step(lists, found.everything)
@@ -493,20 +496,30 @@ def _relist(optimizer: torch.optim.Optimizer, rule: Rule, kept: _Found | None,
     everything = [p for ps in lists for p in ps]
     group_of = np.repeat(np.arange(len(lists)), [len(ps) for ps in lists]).astype(np.int64)
     n, width = len(everything), len(_STATE_FIELDS)
-    found = _Found(list(lists), everything, group_of, np.zeros((0, width), bool), (), None, -1,
+    found = _Found(tuple(map(len, lists)), everything, group_of, np.zeros((0, width), bool), (), None, -1,
                    np.zeros((n, width), np.int64), np.zeros((n, 1 + 2 * len(_tensor_names(rule))), np.int64),
                    plain(everything), np.full((n, 2), -1, np.int64), np.zeros((n, width), bool),
                    np.array([takes_keep(_local(p), "master") for p in everything], bool), np.zeros(n, np.int64))
     if kept is not None:
         before = {id(p): k for k, p in enumerate(kept.everything)}
         at = np.array([before.get(id(p), -1) for p in everything], np.int64)
+        # What was read of a parameter holds where it keeps its place (its
+        # group, its index there): its stochastic rounding key is of that
+        # place. One moved is read again, as a new one.
         old = np.flatnonzero(at >= 0)
+        old = old[(kept.group_of[at[old]] == group_of[old])
+                  & (_places(kept.group_of)[at[old]] == _places(group_of)[old])]
         for name in ("words", "seen", "checked", "present", "precision"):
             getattr(found, name)[old] = getattr(kept, name)[at[old]]
         found.state, found.edits = kept.state, kept.edits
     optimizer.__dict__["_gpuflat_found"] = found  # where _found and forget look for it
     _holders.add(optimizer)
     return found
+
+
+def _places(group_of: np.ndarray) -> np.ndarray:
+    """Each parameter's index in its group, from the groups in order."""
+    return np.arange(len(group_of)) - np.searchsorted(group_of, group_of)
 
 
 def _follow_state(optimizer: torch.optim.Optimizer, rule: Rule, found: _Found, of_all: Callable[[int], str]) -> None:
