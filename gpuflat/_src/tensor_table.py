@@ -263,15 +263,18 @@ def of_step(rows: np.ndarray, buckets: list[np.ndarray], params: Sequence[torch.
         norm = of_gradients(grads, starts, facts) or read(grads, name_of, facts=facts)
         assert norm is not None  # a step's plain gradients: read gives None only for DTensors
     # The norm's backend where one serves every gradient: the parameters' too.
-    backend = norm.groups[0].backend if norm is not None and len(norm.groups) == 1 else None
+    shared = norm.groups[0].backend if norm is not None and len(norm.groups) == 1 else None
+
+    def serving(like: torch.Tensor) -> Backend:
+        return shared if shared is not None else backend_for(like.device)
+
     if len(buckets) == 1:
-        like = params[0]
-        updates = [UpdateRows(rows, like, backend or backend_for(like.device))]
+        updates = [UpdateRows(rows, params[0], serving(params[0]))]
     else:
         updates = []
         for members in buckets:
             like = params[int(members[0])]
-            updates.append(UpdateRows(rows[members], like, backend or backend_for(like.device), members))
+            updates.append(UpdateRows(rows[members], like, serving(like), members))
     if norm is None:
         return Table([], updates=updates)
     table = Table(norm.groups, norm.returned_dtype, norm.reading, norm.ties, norm.fit_in_place, updates)
