@@ -801,7 +801,7 @@ class _ListsKey:
         layouts = tuple((tuple(tensors[j].shape), tensors[j].stride()) for j in strided)
         needs = tuple((keep_of(h), needed(rule, h), needed(rule, h, "plain"), h.get("rounding_seed", 0))
                       for h in hyper)
-        head = (rule, tensor_table._override.get(), counts, needs)
+        head = (rule, tensor_table.served_with(), counts, needs)
         return cls(head, list(groups), list(indices), facts.tobytes(), layouts), starts
 
     def same(self, other: _ListsKey) -> bool:

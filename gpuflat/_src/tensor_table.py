@@ -192,6 +192,17 @@ def serve_with(backend: Backend) -> Iterator[None]:
         _override.reset(token)
 
 
+def served_with() -> Backend | None:
+    """The backend :func:`serve_with` put in place, else None.
+
+    >>> from gpuflat._src.backends import get_backend
+    >>> with serve_with(get_backend("numpy")):
+    ...     served_with().name
+    'numpy'
+    """
+    return _override.get()
+
+
 def read(tensors: list[torch.Tensor], name_of: Callable[[int], str], in_place: bool = False,
          facts: np.ndarray | None = None) -> Table | None:
     """The table of ``tensors`` (each counted once), checked, and with

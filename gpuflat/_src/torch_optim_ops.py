@@ -188,6 +188,9 @@ def operator(name: str, mutates: tuple[str, ...] = ()) -> Callable[[Callable[...
     only redispatched). Nothing checks at each call that no output aliases
     an input, as custom_op's backend kernel did: the kernels return new
     tensors.
+
+    >>> str(torch.ops.gpuflat.scale_by_norm_.default._schema)  # made by operator("scale_by_norm_", mutates=...)
+    'gpuflat::scale_by_norm_(Tensor(a0!)[] tensors, float max_norm, Tensor total, float eps) -> ()'
     """
     def define(fn: Callable[..., Any]) -> OpOverload:
         _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=mutates),
@@ -219,7 +222,13 @@ def operator(name: str, mutates: tuple[str, ...] = ()) -> Callable[[Callable[...
 
 def fake(op: OpOverload) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register the decorated function as ``op``'s fake implementation: its
-    result's metadata from its arguments', without running it (tracing)."""
+    result's metadata from its arguments', without running it (tracing).
+
+    >>> from torch._subclasses.fake_tensor import FakeTensorMode
+    >>> with FakeTensorMode():  # total_norm's fake: a 0-d float64 tensor, nothing run
+    ...     torch.ops.gpuflat.total_norm([torch.ones(2)], 2.0).dtype
+    torch.float64
+    """
     return cast(Callable[[Callable[..., Any]], Callable[..., Any]], torch.library.register_fake(op, lib=_LIBRARY))
 
 
